@@ -1,0 +1,41 @@
+"""The interface every data plane implements; all buffers are contiguous numpy arrays."""
+
+from __future__ import annotations
+
+import abc
+
+import numpy as np
+
+from ..dtypes import ReduceOp
+
+
+class Backend(abc.ABC):
+    """Collectives on contiguous buffers, called only from the engine's thread."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def allreduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> None:
+        """Reduce ``sendbuf`` over ranks into ``recvbuf`` (they may be the same array).
+
+        ``op`` is never Average: the engine sums and divides.
+        """
+
+    @abc.abstractmethod
+    def allgatherv(self, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list) -> None:
+        """Concatenate every rank's ``sendbuf`` (``counts[r]`` elements each) into ``recvbuf``."""
+
+    @abc.abstractmethod
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        """Overwrite ``buf`` on every rank with the root's."""
+
+    @abc.abstractmethod
+    def alltoallv(self, sendbuf: np.ndarray, sendcounts: list, recvbuf: np.ndarray, recvcounts: list) -> None:
+        """Send ``sendcounts[r]`` elements to rank r, receive ``recvcounts[r]`` from it."""
+
+    @abc.abstractmethod
+    def reducescatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list, op: ReduceOp) -> None:
+        """Reduce ``sendbuf`` over ranks; rank r keeps the ``counts[r]`` elements of block r."""
+
+    def close(self) -> None:
+        """Release resources (communicators, process groups)."""

@@ -1,0 +1,101 @@
+"""The mpi4py data plane: MPI's native collectives, or hvps's ring for allreduce."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import dtypes
+from ..dtypes import ReduceOp
+from ..ring import ring_allreduce
+from .base import Backend
+
+#: dtype -> (numpy carrier dtype, MPI datatype). Half types travel as 16-bit words
+#: and are reduced by user-defined ops, since MPI has no float16 or bfloat16.
+_WIRE = {
+    np.dtype(np.float32): (np.float32, MPI.FLOAT),
+    np.dtype(np.float64): (np.float64, MPI.DOUBLE),
+    np.dtype(np.int32): (np.int32, MPI.INT32_T),
+    np.dtype(np.int64): (np.int64, MPI.INT64_T),
+    np.dtype(np.uint8): (np.uint8, MPI.UINT8_T),
+    np.dtype(np.bool_): (np.bool_, MPI.C_BOOL),
+    np.dtype(np.float16): (np.uint16, MPI.UINT16_T),
+    dtypes.bfloat16: (np.uint16, MPI.UINT16_T),
+}
+_NATIVE_OPS = {ReduceOp.Sum: MPI.SUM, ReduceOp.Min: MPI.MIN, ReduceOp.Max: MPI.MAX, ReduceOp.Product: MPI.PROD}
+_BOOL_OPS = {ReduceOp.Sum: MPI.LOR, ReduceOp.Max: MPI.LOR, ReduceOp.Min: MPI.LAND, ReduceOp.Product: MPI.LAND}
+
+
+def wire(array: np.ndarray):
+    """The ``[buffer, datatype]`` spec MPI needs for a contiguous array of a supported dtype."""
+    carrier, datatype = _WIRE[array.dtype]
+    return [array.view(carrier), datatype]
+
+
+@functools.lru_cache(maxsize=None)
+def _half_op(dtype_name: str, op: ReduceOp) -> MPI.Op:
+    dtype = dtypes.BY_NAME[dtype_name]
+    ufunc = dtypes.combine(op, dtype)
+
+    def reduce(inbuf, inoutbuf, datatype):  # MPI calls: inoutbuf = inbuf (op) inoutbuf
+        acc = np.frombuffer(inoutbuf, dtype=dtype)
+        ufunc(np.frombuffer(inbuf, dtype=dtype), acc, out=acc)
+
+    return MPI.Op.Create(reduce, commute=True)
+
+
+def mpi_op(dtype: np.dtype, op: ReduceOp) -> MPI.Op:
+    """The MPI reduction for ``op`` on ``dtype`` (Average must already be a Sum)."""
+    if dtype == np.bool_:
+        return _BOOL_OPS[op]
+    if dtype in (np.float16, dtypes.bfloat16):
+        return _half_op(dtypes.SUPPORTED[dtype], op)
+    return _NATIVE_OPS[op]
+
+
+def _displacements(counts: list) -> list:
+    return [int(x) for x in np.concatenate(([0], np.cumsum(counts)[:-1]))] if counts else []
+
+
+class MPIBackend(Backend):
+    """Collectives through mpi4py's buffer methods on a private duplicate communicator."""
+
+    name = "mpi"
+
+    def __init__(self, comm: MPI.Comm, settings) -> None:
+        self.comm = comm.Dup()
+        self.algorithm = settings.algorithm
+        self.ring_chunk_bytes = settings.ring_chunk_bytes
+
+    def allreduce(self, sendbuf, recvbuf, op):
+        if self.algorithm == "ring":
+            ring_allreduce(self.comm, sendbuf.reshape(-1), recvbuf.reshape(-1), dtypes.combine(op, recvbuf.dtype),
+                           wire, self.ring_chunk_bytes)
+            return
+        send = MPI.IN_PLACE if sendbuf.ctypes.data == recvbuf.ctypes.data else wire(sendbuf)
+        self.comm.Allreduce(send, wire(recvbuf), op=mpi_op(recvbuf.dtype, op))
+
+    def allgatherv(self, sendbuf, recvbuf, counts):
+        carrier, datatype = wire(recvbuf)
+        self.comm.Allgatherv(wire(sendbuf), [carrier, (counts, _displacements(counts)), datatype])
+
+    def broadcast(self, buf, root):
+        self.comm.Bcast(wire(buf), root=root)
+
+    def alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
+        send_carrier, datatype = wire(sendbuf)
+        recv_carrier, _ = wire(recvbuf)
+        self.comm.Alltoallv(
+            [send_carrier, (sendcounts, _displacements(sendcounts)), datatype],
+            [recv_carrier, (recvcounts, _displacements(recvcounts)), datatype],
+        )
+
+    def reducescatter(self, sendbuf, recvbuf, counts, op):
+        carrier, datatype = wire(recvbuf)
+        self.comm.Reduce_scatter(wire(sendbuf), [carrier, datatype], recvcounts=counts,
+                                 op=mpi_op(recvbuf.dtype, op))
+
+    def close(self):
+        self.comm.Free()

@@ -1,0 +1,176 @@
+"""How each agreed response runs on a backend: packing, fusion buffers, scaling.
+
+One executor per kind, looked up in ``EXECUTORS``. Every executor receives the
+local entries of the response (``None`` where this rank has joined and takes
+part with zeros) and returns the per-entry results.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import dtypes
+from .dtypes import ReduceOp
+from .handle import Handle
+from .negotiation import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER, Request
+
+
+@dataclass
+class Entry:
+    """A collective submitted on this rank: its request, buffers and handle."""
+
+    request: Request
+    inputs: list
+    outputs: list = field(default_factory=list)
+    handle: Handle = None
+
+
+class FusionBuffer:
+    """A reusable flat byte buffer, grown on demand, viewed as any dtype."""
+
+    def __init__(self) -> None:
+        self._bytes = np.empty(0, dtype=np.uint8)
+
+    def view(self, dtype: np.dtype, count: int) -> np.ndarray:
+        need = count * dtype.itemsize
+        if self._bytes.size < need:
+            self._bytes = np.empty(need, dtype=np.uint8)
+        return self._bytes[:need].view(dtype)
+
+
+class Context:
+    """What executors need: the backend, this rank, the world size, the fusion buffer."""
+
+    def __init__(self, backend, rank: int, size: int) -> None:
+        self.backend = backend
+        self.rank = rank
+        self.size = size
+        self.fusion = FusionBuffer()
+
+
+def _finish(ctx: Context, array: np.ndarray, op: ReduceOp, postscale: float) -> None:
+    if op is ReduceOp.Average:
+        dtypes.divide(array, ctx.size)
+    dtypes.scale(array, postscale)
+
+
+def _zeros_for(req: Request) -> list:
+    return [np.zeros(shape, dtype=dtypes.BY_NAME[req.dtype]) for shape in req.shapes]
+
+
+def run_allreduce(ctx: Context, response, entries: list) -> list:
+    first = response.requests[0]
+    op = ReduceOp(first.op)
+    wire_op = ReduceOp.Sum if op is ReduceOp.Average else op
+    ins, outs = [], []
+    for entry, req in zip(entries, response.requests):
+        if entry is None:  # joined: contribute zeros, keep nothing
+            zeros = _zeros_for(req)
+            ins.extend(zeros)
+            outs.extend(zeros)
+        else:
+            ins.extend(entry.inputs)
+            outs.extend(entry.outputs)
+    if len(ins) == 1:
+        src, dst = ins[0], outs[0]
+        if first.prescale != 1.0:
+            if dst is not src:
+                dst[...] = src
+            dtypes.scale(dst, first.prescale)
+            src = dst
+        if dst.size:
+            ctx.backend.allreduce(src.reshape(-1), dst.reshape(-1), wire_op)
+        _finish(ctx, dst, op, first.postscale)
+    else:
+        total = sum(a.size for a in ins)
+        flat = ctx.fusion.view(ins[0].dtype, total)
+        offset = 0
+        for array in ins:
+            flat[offset : offset + array.size] = array.reshape(-1)
+            offset += array.size
+        dtypes.scale(flat, first.prescale)
+        if total:
+            ctx.backend.allreduce(flat, flat, wire_op)
+        _finish(ctx, flat, op, first.postscale)
+        offset = 0
+        for array in outs:
+            array.reshape(-1)[...] = flat[offset : offset + array.size]
+            offset += array.size
+    results = []
+    for entry in entries:
+        if entry is not None:
+            results.append(entry.outputs[0] if len(entry.outputs) == 1 else list(entry.outputs))
+        else:
+            results.append(None)
+    return results
+
+
+def run_allgather(ctx: Context, response, entries: list) -> list:
+    (entry,) = entries
+    src = entry.inputs[0]
+    row = math.prod(src.shape[1:])
+    out = np.empty((sum(response.per_rank),) + src.shape[1:], dtype=src.dtype)
+    ctx.backend.allgatherv(src.reshape(-1), out.reshape(-1), [rows * row for rows in response.per_rank])
+    return [out]
+
+
+def run_broadcast(ctx: Context, response, entries: list) -> list:
+    (entry,) = entries
+    src, out = entry.inputs[0], entry.outputs[0]
+    if out is not src and ctx.rank == entry.request.root:
+        out[...] = src
+    if out.size:
+        ctx.backend.broadcast(out.reshape(-1), entry.request.root)
+    return [out]
+
+
+def run_alltoall(ctx: Context, response, entries: list) -> list:
+    (entry,) = entries
+    src = entry.inputs[0]
+    row = math.prod(src.shape[1:])
+    received = [splits[ctx.rank] for splits in response.per_rank]
+    out = np.empty((sum(received),) + src.shape[1:], dtype=src.dtype)
+    ctx.backend.alltoallv(src.reshape(-1), [n * row for n in response.per_rank[ctx.rank]],
+                          out.reshape(-1), [n * row for n in received])
+    return [(out, np.asarray(received, dtype=np.int32))]
+
+
+def reducescatter_rows(rows: int, size: int) -> list:
+    """Rows each rank keeps: the first ``rows % size`` ranks take one extra."""
+    base, extra = divmod(rows, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+def run_reducescatter(ctx: Context, response, entries: list) -> list:
+    (entry,) = entries
+    req = entry.request
+    op = ReduceOp(req.op)
+    src = entry.inputs[0]
+    if req.prescale != 1.0:
+        src = src.copy()
+        dtypes.scale(src, req.prescale)
+    rows = reducescatter_rows(src.shape[0] if src.ndim else 1, ctx.size)
+    row = math.prod(src.shape[1:])
+    out = np.empty((rows[ctx.rank],) + src.shape[1:], dtype=src.dtype)
+    ctx.backend.reducescatter(src.reshape(-1), out.reshape(-1), [n * row for n in rows],
+                              ReduceOp.Sum if op is ReduceOp.Average else op)
+    _finish(ctx, out, op, req.postscale)
+    return [out]
+
+
+def run_barrier(ctx: Context, response, entries: list) -> list:
+    # Negotiation already is the barrier: no rank gets this response before all submitted.
+    return [None for _ in entries]
+
+
+EXECUTORS = {
+    ALLREDUCE: run_allreduce,
+    ALLGATHER: run_allgather,
+    BROADCAST: run_broadcast,
+    ALLTOALL: run_alltoall,
+    REDUCESCATTER: run_reducescatter,
+    BARRIER: run_barrier,
+}

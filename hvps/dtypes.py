@@ -1,0 +1,98 @@
+"""Supported element types and the reduction arithmetic shared by every backend."""
+
+from __future__ import annotations
+
+import enum
+
+import ml_dtypes
+import numpy as np
+
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+
+SUPPORTED = {
+    np.dtype(np.float16): "float16",
+    bfloat16: "bfloat16",
+    np.dtype(np.float32): "float32",
+    np.dtype(np.float64): "float64",
+    np.dtype(np.int32): "int32",
+    np.dtype(np.int64): "int64",
+    np.dtype(np.uint8): "uint8",
+    np.dtype(np.bool_): "bool",
+}
+
+ITEMSIZE = {name: dtype.itemsize for dtype, name in SUPPORTED.items()}
+BY_NAME = {name: dtype for dtype, name in SUPPORTED.items()}
+
+
+class ReduceOp(enum.Enum):
+    """Reduction applied by allreduce and reducescatter (Horovod's names)."""
+
+    Average = "average"
+    Sum = "sum"
+    Min = "min"
+    Max = "max"
+    Product = "product"
+
+
+_UFUNC = {
+    ReduceOp.Sum: np.add,
+    ReduceOp.Average: np.add,
+    ReduceOp.Min: np.minimum,
+    ReduceOp.Max: np.maximum,
+    ReduceOp.Product: np.multiply,
+}
+_BOOL_UFUNC = {
+    ReduceOp.Sum: np.logical_or,
+    ReduceOp.Max: np.logical_or,
+    ReduceOp.Min: np.logical_and,
+    ReduceOp.Product: np.logical_and,
+}
+
+
+def check_dtype(dtype: np.dtype) -> np.dtype:
+    """Return ``dtype`` if hvps can move it, else raise TypeError."""
+    dtype = np.dtype(dtype)
+    if dtype not in SUPPORTED:
+        names = ", ".join(SUPPORTED.values())
+        raise TypeError(f"hvps does not support dtype {dtype}; supported: {names}")
+    return dtype
+
+
+def check_reducible(dtype: np.dtype, op: ReduceOp) -> None:
+    """Raise TypeError where ``op`` makes no sense for ``dtype``."""
+    check_dtype(dtype)
+    if dtype == np.bool_ and op is ReduceOp.Average:
+        raise TypeError("Average is not defined for bool tensors; use Sum (logical or) or Min (logical and)")
+
+
+def combine(op: ReduceOp, dtype: np.dtype):
+    """The elementwise ufunc that folds two contributions of ``dtype`` under ``op``."""
+    if np.dtype(dtype) == np.bool_:
+        return _BOOL_UFUNC[op]
+    return _UFUNC[op]
+
+
+def scale(array: np.ndarray, factor: float) -> None:
+    """Multiply ``array`` by ``factor`` in place; integers go through float64 and truncate."""
+    if factor == 1.0 or array.size == 0:
+        return
+    if array.dtype == np.bool_:
+        raise TypeError("prescale/postscale factors are not defined for bool tensors")
+    if np.issubdtype(array.dtype, np.integer):
+        array[...] = (array * factor).astype(array.dtype)
+    elif array.dtype in (np.float16, bfloat16):
+        array[...] = (array.astype(np.float32) * np.float32(factor)).astype(array.dtype)
+    else:
+        np.multiply(array, array.dtype.type(factor), out=array)
+
+
+def divide(array: np.ndarray, divisor: int) -> None:
+    """Average's final step: floor division for integers (as Horovod), true division otherwise."""
+    if divisor == 1 or array.size == 0:
+        return
+    if np.issubdtype(array.dtype, np.integer):
+        np.floor_divide(array, divisor, out=array)
+    elif array.dtype in (np.float16, bfloat16):
+        array[...] = (array.astype(np.float32) / np.float32(divisor)).astype(array.dtype)
+    else:
+        np.divide(array, array.dtype.type(divisor), out=array)

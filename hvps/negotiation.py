@@ -1,0 +1,201 @@
+"""Coordinator logic: which collectives every rank has submitted, checked and fused.
+
+Pure bookkeeping with no MPI in it: rank 0's engine feeds it the requests that
+arrive from every rank and sends the responses it returns, in order, to all
+ranks, so every rank executes the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .dtypes import ITEMSIZE
+
+#: kinds of request; "join" and "shutdown" are control requests.
+ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, SHUTDOWN = (
+    "allreduce",
+    "allgather",
+    "broadcast",
+    "alltoall",
+    "reducescatter",
+    "barrier",
+    "join",
+    "shutdown",
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one rank announces about one collective it has submitted (small, picklable)."""
+
+    name: str
+    kind: str
+    dtype: str = ""
+    shapes: tuple = ()
+    op: str = ""
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    splits: tuple = ()
+
+    @property
+    def nbytes(self) -> int:
+        return ITEMSIZE.get(self.dtype, 1) * sum(math.prod(s) for s in self.shapes)
+
+    def signature(self) -> tuple:
+        """The fields every rank must agree on; allgather and alltoall may differ in dim 0."""
+        if self.kind in (ALLGATHER, ALLTOALL):
+            return (self.kind, self.dtype, tuple(s[1:] for s in self.shapes), len(self.shapes[0]))
+        return (self.kind, self.dtype, self.shapes, self.op, self.root, self.prescale, self.postscale)
+
+    def describe(self) -> str:
+        shapes = ", ".join(str(tuple(s)) for s in self.shapes)
+        extra = f" root={self.root}" if self.kind == BROADCAST else ""
+        op = f" op={self.op}" if self.op else ""
+        return f"{self.kind} {self.dtype} [{shapes}]{op}{extra}"
+
+
+@dataclass
+class Response:
+    """One collective (or several fused allreduces) that all ranks now execute."""
+
+    kind: str
+    names: list
+    error: str = ""
+    #: per name: the request every rank agreed on (joined ranks read shapes from it)
+    requests: list = field(default_factory=list)
+    #: allgather: dim 0 of every rank; alltoall: the splits every rank sends
+    per_rank: list = field(default_factory=list)
+    #: join: the rank that joined last
+    last_joined: int = -1
+
+
+@dataclass
+class _Pending:
+    first_seen: float
+    by_rank: dict
+
+
+class Coordinator:
+    """Matches submissions across ``size`` ranks, detects mismatches and stalls, plans fusion."""
+
+    def __init__(self, size: int, fusion_threshold: int, stall_seconds: float) -> None:
+        self.size = size
+        self.fusion_threshold = fusion_threshold
+        self.stall_seconds = stall_seconds
+        self._table: dict[str, _Pending] = {}
+        self._joined: list[int] = []
+        self._shutdown: set[int] = set()
+
+    @property
+    def busy(self) -> bool:
+        """Whether anything awaits other ranks (so stall checks must keep running)."""
+        return bool(self._table or self._joined or self._shutdown)
+
+    def submit(self, rank: int, requests: list, now: float) -> None:
+        """Record requests that ``rank`` announced at time ``now``."""
+        for req in requests:
+            if req.kind == JOIN:
+                if rank not in self._joined:
+                    self._joined.append(rank)
+                continue
+            if req.kind == SHUTDOWN:
+                self._shutdown.add(rank)
+                continue
+            pending = self._table.setdefault(req.name, _Pending(now, {}))
+            pending.by_rank[rank] = req
+
+    def poll(self, now: float) -> list:
+        """Responses that are ready now, in the order all ranks must execute them."""
+        ready: list[Response] = []
+        joined = set(self._joined)
+        for name in list(self._table):
+            pending = self._table[name]
+            present = set(pending.by_rank) | joined
+            if len(present) < self.size:
+                if now - pending.first_seen >= self.stall_seconds:
+                    ready.append(self._stalled(name, pending, present))
+                    del self._table[name]
+                continue
+            del self._table[name]
+            ready.append(self._check(name, pending.by_rank, joined))
+        if len(self._joined) == self.size and not self._table:
+            ready.append(Response(JOIN, ["join"], last_joined=self._joined[-1]))
+            self._joined.clear()
+        if len(self._shutdown) == self.size:
+            ready.append(Response(SHUTDOWN, ["shutdown"]))
+            self._shutdown.clear()
+        return self._fuse(ready)
+
+    def _stalled(self, name: str, pending: _Pending, present: set) -> Response:
+        missing = sorted(set(range(self.size)) - present)
+        submitted = sorted(pending.by_rank)
+        kind = next(iter(pending.by_rank.values())).kind
+        return Response(
+            kind,
+            [name],
+            error=(
+                f"hvps stall: {kind} '{name}' was submitted by ranks {submitted} but ranks {missing} "
+                f"did not submit it within {self.stall_seconds:g} s (HVPS_STALL_CHECK_TIME_SECONDS). "
+                "Every rank must submit the same collectives; check for rank-dependent control flow "
+                "or a rank that died or stopped early."
+            ),
+        )
+
+    def _check(self, name: str, by_rank: dict, joined: set) -> Response:
+        reference = next(iter(by_rank.values()))
+        groups: dict[tuple, list[int]] = {}
+        for rank in sorted(by_rank):
+            groups.setdefault(by_rank[rank].signature(), []).append(rank)
+        if len(groups) > 1:
+            detail = "; ".join(
+                f"ranks {ranks}: {by_rank[ranks[0]].describe()}" for ranks in groups.values()
+            )
+            return Response(
+                reference.kind,
+                [name],
+                error=f"hvps mismatch: ranks submitted '{name}' with different arguments: {detail}",
+            )
+        if joined and reference.kind != ALLREDUCE:
+            return Response(
+                reference.kind,
+                [name],
+                error=(
+                    f"hvps: {reference.kind} '{name}' cannot run while ranks {sorted(joined)} have "
+                    "called join(); only allreduce continues after join"
+                ),
+            )
+        per_rank: list = []
+        if reference.kind == ALLGATHER:
+            per_rank = [by_rank[r].shapes[0][0] for r in range(self.size)]
+        elif reference.kind == ALLTOALL:
+            per_rank = [list(by_rank[r].splits) for r in range(self.size)]
+        return Response(reference.kind, [name], requests=[reference], per_rank=per_rank)
+
+    def _fuse(self, responses: list) -> list:
+        """Merge consecutive compatible allreduces up to the fusion threshold."""
+        fused: list[Response] = []
+        size_of_last = 0
+        for resp in responses:
+            last = fused[-1] if fused else None
+            if (
+                last is not None
+                and self.fusion_threshold > 0
+                and resp.kind == ALLREDUCE == last.kind
+                and not resp.error
+                and not last.error
+                and _fusion_key(resp.requests[0]) == _fusion_key(last.requests[0])
+                and size_of_last + resp.requests[0].nbytes <= self.fusion_threshold
+            ):
+                last.names.extend(resp.names)
+                last.requests.extend(resp.requests)
+                size_of_last += resp.requests[0].nbytes
+                continue
+            fused.append(resp)
+            size_of_last = resp.requests[0].nbytes if resp.requests else 0
+        return fused
+
+
+def _fusion_key(req: Request) -> tuple:
+    return (req.dtype, req.op, req.prescale, req.postscale)

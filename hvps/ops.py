@@ -1,0 +1,226 @@
+"""Collectives on numpy buffers, each synchronous and asynchronous (``*_async`` returns a Handle)."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+from collections import defaultdict
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from . import dtypes, runtime
+from .collectives import Entry
+from .dtypes import ReduceOp
+from .errors import HvpsError
+from .handle import Handle
+from .negotiation import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER, Request
+
+Average, Sum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
+
+_counters: dict = defaultdict(itertools.count)
+
+
+def _name(kind: str, name: Optional[str]) -> str:
+    """User names are namespaced by kind; unnamed ops are numbered in submission order."""
+    return f"{kind}.{name}" if name else f"{kind}.noname.{next(_counters[kind])}"
+
+
+def _prepare(array: Any) -> np.ndarray:
+    array = np.asarray(array)
+    dtypes.check_dtype(array.dtype)
+    return np.ascontiguousarray(array)
+
+
+def _check_out(out: np.ndarray, like: np.ndarray) -> np.ndarray:
+    if out.shape != like.shape or out.dtype != like.dtype or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(
+            f"out must be a writable C-contiguous array of shape {like.shape} and dtype {like.dtype}; "
+            f"got shape {out.shape}, dtype {out.dtype}"
+        )
+    return out
+
+
+def _submit(request: Request, inputs: list, outputs: list = ()) -> Handle:
+    return runtime.engine().submit(Entry(request, list(inputs), list(outputs)))
+
+
+def _as_op(op: Any) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    try:
+        return ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"unknown reduce op {op!r}; use one of {[o.name for o in ReduceOp]}") from None
+
+
+# -- allreduce ------------------------------------------------------------------
+def grouped_allreduce_async(
+    arrays: Sequence[Any],
+    op: Any = Average,
+    name: Optional[str] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    outs: Optional[Sequence[np.ndarray]] = None,
+) -> Handle:
+    """Reduce several arrays of one dtype as one fused collective; the handle yields a list."""
+    op = _as_op(op)
+    runtime.engine()
+    inputs = [_prepare(a) for a in arrays]
+    if not inputs:
+        raise ValueError("grouped_allreduce needs at least one array")
+    dtype = inputs[0].dtype
+    if any(a.dtype != dtype for a in inputs):
+        raise TypeError(f"grouped_allreduce needs one dtype; got {sorted({str(a.dtype) for a in inputs})}")
+    dtypes.check_reducible(dtype, op)
+    outputs = [_check_out(o, a) for o, a in zip(outs, inputs)] if outs is not None else [np.empty_like(a) for a in inputs]
+    request = Request(
+        _name(ALLREDUCE, name), ALLREDUCE, dtypes.SUPPORTED[dtype], tuple(a.shape for a in inputs),
+        op.value, prescale=float(prescale_factor), postscale=float(postscale_factor),
+    )
+    return _submit(request, inputs, outputs)
+
+
+def allreduce_async(
+    array: Any,
+    op: Any = Average,
+    name: Optional[str] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    out: Optional[np.ndarray] = None,
+) -> Handle:
+    """Start reducing ``array`` over all ranks; pass ``out=array`` to reduce in place."""
+    outs = None if out is None else [out]
+    return grouped_allreduce_async([array], op, name, prescale_factor, postscale_factor, outs)
+
+
+def allreduce(array: Any, op: Any = Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """Reduce ``array`` over all ranks: ``postscale * op(prescale * array)``."""
+    return allreduce_async(array, op, name, prescale_factor, postscale_factor, out).wait()
+
+
+def grouped_allreduce(arrays: Sequence[Any], op: Any = Average, name: Optional[str] = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      outs: Optional[Sequence[np.ndarray]] = None) -> list:
+    """Reduce several arrays in one fused collective."""
+    return grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs).wait()
+
+
+# -- allgather, broadcast, alltoall, reducescatter ------------------------------
+def allgather_async(array: Any, name: Optional[str] = None) -> Handle:
+    """Start concatenating every rank's ``array`` along dim 0 (dim 0 may differ by rank)."""
+    runtime.engine()
+    src = _prepare(array)
+    if src.ndim == 0:
+        src = src.reshape(1)
+    request = Request(_name(ALLGATHER, name), ALLGATHER, dtypes.SUPPORTED[src.dtype], (src.shape,))
+    return _submit(request, [src])
+
+
+def allgather(array: Any, name: Optional[str] = None) -> np.ndarray:
+    """Concatenate every rank's ``array`` along dim 0."""
+    return allgather_async(array, name).wait()
+
+
+def broadcast_async(array: Any, root_rank: int, name: Optional[str] = None,
+                    out: Optional[np.ndarray] = None) -> Handle:
+    """Start copying the root's ``array`` to every rank; pass ``out=array`` for in place."""
+    runtime.engine()
+    src = _prepare(array)
+    if not 0 <= root_rank < runtime.size():
+        raise ValueError(f"root_rank {root_rank} is out of range for {runtime.size()} ranks")
+    output = _check_out(out, src) if out is not None else np.empty_like(src)
+    request = Request(_name(BROADCAST, name), BROADCAST, dtypes.SUPPORTED[src.dtype], (src.shape,),
+                      root=int(root_rank))
+    return _submit(request, [src], [output])
+
+
+def broadcast(array: Any, root_rank: int, name: Optional[str] = None, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """Copy the root's ``array`` to every rank."""
+    return broadcast_async(array, root_rank, name, out).wait()
+
+
+def alltoall_async(array: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Handle:
+    """Start sending ``splits[r]`` rows of ``array`` to rank r; yields ``(output, received_splits)``."""
+    runtime.engine()
+    src = _prepare(array)
+    if src.ndim == 0:
+        raise ValueError("alltoall needs an array with at least one dimension")
+    world = runtime.size()
+    if splits is None:
+        if src.shape[0] % world:
+            raise ValueError(f"alltoall without splits needs dim 0 ({src.shape[0]}) divisible by size ({world})")
+        splits = [src.shape[0] // world] * world
+    splits = [int(s) for s in np.asarray(splits).reshape(-1)]
+    if len(splits) != world or min(splits) < 0 or sum(splits) != src.shape[0]:
+        raise ValueError(f"splits {splits} must have {world} non-negative entries summing to dim 0 ({src.shape[0]})")
+    request = Request(_name(ALLTOALL, name), ALLTOALL, dtypes.SUPPORTED[src.dtype], (src.shape,),
+                      splits=tuple(splits))
+    return _submit(request, [src])
+
+
+def alltoall(array: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> tuple:
+    """Scatter rows of ``array`` to all ranks and gather theirs: ``(output, received_splits)``."""
+    return alltoall_async(array, splits, name).wait()
+
+
+def reducescatter_async(array: Any, op: Any = Average, name: Optional[str] = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start reducing ``array`` and keeping this rank's block of dim 0 (first ranks get the remainder)."""
+    op = _as_op(op)
+    runtime.engine()
+    src = _prepare(array)
+    if src.ndim == 0:
+        raise ValueError("reducescatter needs an array with at least one dimension")
+    dtypes.check_reducible(src.dtype, op)
+    request = Request(_name(REDUCESCATTER, name), REDUCESCATTER, dtypes.SUPPORTED[src.dtype], (src.shape,),
+                      op.value, prescale=float(prescale_factor), postscale=float(postscale_factor))
+    return _submit(request, [src])
+
+
+def reducescatter(array: Any, op: Any = Average, name: Optional[str] = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+    """Reduce ``array`` over ranks and return this rank's block of dim 0."""
+    return reducescatter_async(array, op, name, prescale_factor, postscale_factor).wait()
+
+
+# -- synchronisation and objects -------------------------------------------------
+def barrier() -> None:
+    """Return once every rank has called barrier()."""
+    _submit(Request(_name(BARRIER, None), BARRIER), []).wait()
+
+
+def join() -> int:
+    """Stop contributing data: allreduces of other ranks proceed with zeros from this rank.
+
+    Returns the rank that joined last, once every rank has joined.
+    """
+    return _submit(Request("join", JOIN), []).wait()
+
+
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = None) -> Any:
+    """Pickle ``obj`` on the root and return a copy of it on every rank."""
+    name = _name("object", name)
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if runtime.rank() == root_rank else None
+    length = broadcast(np.array([0 if payload is None else payload.size], dtype=np.int64), root_rank, f"{name}.len")
+    data = broadcast(payload if payload is not None else np.empty(int(length[0]), np.uint8), root_rank, f"{name}.data")
+    return pickle.loads(data.tobytes()) if runtime.rank() != root_rank else obj
+
+
+def allgather_object(obj: Any, name: Optional[str] = None) -> list:
+    """Pickle ``obj`` on every rank and return the list of all ranks' objects, in rank order."""
+    name = _name("object", name)
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    lengths = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len")
+    data = allgather(payload, f"{name}.data").tobytes()
+    bounds = np.concatenate(([0], np.cumsum(lengths)))
+    return [pickle.loads(data[bounds[i] : bounds[i + 1]]) for i in range(len(lengths))]
+
+
+__all__ = [
+    "Average", "Sum", "Min", "Max", "Product", "HvpsError",
+    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+    "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
+    "reducescatter", "reducescatter_async", "barrier", "join", "broadcast_object", "allgather_object",
+]

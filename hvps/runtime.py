@@ -1,0 +1,143 @@
+"""Process-wide state: ``init``/``shutdown``, topology queries and the running engine."""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import NOT_INITIALIZED, HvpsError
+from .settings import Settings
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits: globally, within its node, and across nodes."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.engine = None
+        self.topology: Optional[Topology] = None
+        self.settings: Optional[Settings] = None
+
+
+_state = _State()
+
+
+def _discover(comm) -> Topology:
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
+    topology = Topology(
+        comm.Get_rank(), comm.Get_size(), local.Get_rank(), local.Get_size(), cross.Get_rank(), cross.Get_size()
+    )
+    local.Free()
+    cross.Free()
+    return topology
+
+
+def init(comm=None) -> None:
+    """Start hvps on ``comm`` (default: MPI.COMM_WORLD). Calling it again is a no-op.
+
+    Reads ``HVPS_*`` settings from the environment and starts the engine thread.
+    """
+    with _state.lock:
+        if _state.engine is not None:
+            return
+        from mpi4py import MPI
+
+        from . import backends
+        from .engine import Engine
+
+        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+            raise HvpsError(
+                "MPI was initialized without thread support; hvps needs MPI_THREAD_SERIALIZED or better "
+                "(do not set mpi4py.rc.thread_level below 'serialized')"
+            )
+        comm = MPI.COMM_WORLD if comm is None else comm
+        settings = Settings.from_env()
+        backend = backends.create("mpi", comm, settings)
+        _state.topology = _discover(comm)
+        _state.settings = settings
+        _state.engine = Engine(comm, backend, settings)
+
+
+def shutdown() -> None:
+    """Stop the engine on every rank (collective). Safe to call when not initialized."""
+    with _state.lock:
+        engine, _state.engine = _state.engine, None
+        if engine is None:
+            return
+        _state.topology = None
+        engine.shutdown()
+        engine.backend.close()
+
+
+atexit.register(shutdown)
+
+
+def is_initialized() -> bool:
+    """Whether ``init`` has run and ``shutdown`` has not."""
+    return _state.engine is not None
+
+
+def engine():
+    """The running engine; raises HvpsError before ``init``."""
+    current = _state.engine
+    if current is None:
+        raise HvpsError(NOT_INITIALIZED)
+    return current
+
+
+def topology() -> Topology:
+    current = _state.topology
+    if current is None:
+        raise HvpsError(NOT_INITIALIZED)
+    return current
+
+
+def settings() -> Settings:
+    """The settings the engine was started with."""
+    engine()
+    return _state.settings
+
+
+def rank() -> int:
+    """This process's rank in the job."""
+    return topology().rank
+
+
+def size() -> int:
+    """The number of processes in the job."""
+    return topology().size
+
+
+def local_rank() -> int:
+    """This process's rank among the processes on its node."""
+    return topology().local_rank
+
+
+def local_size() -> int:
+    """The number of processes on this node."""
+    return topology().local_size
+
+
+def cross_rank() -> int:
+    """The index of this node among nodes (this process's rank among same-local-rank peers)."""
+    return topology().cross_rank
+
+
+def cross_size() -> int:
+    """The number of nodes (processes that share this local rank)."""
+    return topology().cross_size

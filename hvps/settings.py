@@ -1,0 +1,49 @@
+"""Tunables read from ``HVPS_*`` environment variables (Horovod's ``HOROVOD_*`` equivalents)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .errors import HvpsError
+
+ALGORITHMS = ("mpi", "ring")
+
+
+def _env_number(name: str, default: float, kind=float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise HvpsError(f"{name}={raw!r} is not a number; unset it or give e.g. {name}={default}") from None
+    if value < 0:
+        raise HvpsError(f"{name}={raw!r} must be >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Engine settings; ``from_env()`` reads them once at ``init``."""
+
+    fusion_threshold: int = 64 * 1024 * 1024
+    cycle_time_ms: float = 1.0
+    stall_check_seconds: float = 60.0
+    algorithm: str = "mpi"
+    ring_chunk_bytes: int = 4 * 1024 * 1024
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        algorithm = os.environ.get("HVPS_ALLREDUCE_ALGORITHM", cls.algorithm).lower()
+        if algorithm not in ALGORITHMS:
+            raise HvpsError(
+                f"HVPS_ALLREDUCE_ALGORITHM={algorithm!r} is unknown; choose one of {', '.join(ALGORITHMS)}"
+            )
+        return cls(
+            fusion_threshold=int(_env_number("HVPS_FUSION_THRESHOLD", cls.fusion_threshold, int)),
+            cycle_time_ms=_env_number("HVPS_CYCLE_TIME", cls.cycle_time_ms),
+            stall_check_seconds=_env_number("HVPS_STALL_CHECK_TIME_SECONDS", cls.stall_check_seconds),
+            algorithm=algorithm,
+            ring_chunk_bytes=int(_env_number("HVPS_RING_CHUNK_BYTES", cls.ring_chunk_bytes, int)) or cls.ring_chunk_bytes,
+        )
