@@ -1,0 +1,1 @@
+"""Framework adapters with Horovod's API: ``import hvps.adapters.torch as hvd``."""

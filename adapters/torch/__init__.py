@@ -1,0 +1,60 @@
+"""PyTorch adapter with Horovod's API: ``import hvps.adapters.torch as hvd``."""
+
+from hvps import (
+    HvpsError,
+    ReduceOp,
+    cross_rank,
+    cross_size,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
+
+from .compression import Compression
+from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .mpi_ops import (
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    join,
+    poll,
+    reducescatter,
+    reducescatter_async,
+    synchronize,
+)
+from .optimizer import DistributedOptimizer
+
+__all__ = [
+    "HvpsError", "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Compression",
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "synchronize", "poll", "join", "barrier",
+    "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
+    "DistributedOptimizer",
+]

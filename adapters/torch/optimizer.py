@@ -1,0 +1,257 @@
+"""``DistributedOptimizer``: averages gradients over ranks while backward still runs.
+
+A hook on every parameter fires once its gradient has been accumulated and
+starts an asynchronous allreduce, so communication overlaps the rest of the
+backward pass; ``step()`` waits for the outstanding handles and then steps the
+wrapped optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Optional
+
+import torch
+
+import hvps
+from hvps import HvpsError
+
+from .compression import Compression
+from .mpi_ops import Average, allgather_async, allreduce_async_, grouped_allreduce_async_
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Shares ``param_groups`` and ``state`` with the wrapped optimizer, so LR
+    schedulers and checkpoints see one optimizer.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
+                 compression=Compression.none, backward_passes_per_step: int = 1, op=Average,
+                 gradient_predivide_factor: float = 1.0, groups: Any = None, sparse_as_dense: bool = False,
+                 process_set: Any = None) -> None:
+        if process_set is not None:
+            raise NotImplementedError("hvps runs collectives on the global process set only; pass process_set=None")
+        if backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be >= 1")
+        if gradient_predivide_factor != 1.0 and op is not Average:
+            raise ValueError("gradient_predivide_factor is only defined for op=Average")
+        hvps.size()  # raises HvpsError before init
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self._inner = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._compression = compression
+        self._op = op
+        self._predivide = gradient_predivide_factor
+        self._sparse_as_dense = sparse_as_dense
+        self.backward_passes_per_step = backward_passes_per_step
+        self._names = self._parameter_names(named_parameters)
+        self._groups = self._group_map(groups)
+        self._delay: dict = {}
+        self._handles: dict = {}
+        self._group_ready: dict = {}
+        self._hooks: list = []
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._params():
+            self._delay[p] = backward_passes_per_step
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    # -- setup --------------------------------------------------------------------
+    def _params(self) -> list:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _parameter_names(self, named_parameters: Optional[Iterable]) -> dict:
+        params = self._params()
+        if named_parameters is None:
+            return {p: f"param.{i}" for i, p in enumerate(params)}
+        named = list(named_parameters)
+        if named and not isinstance(named[0], tuple):
+            raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, as "
+                             "model.named_parameters() gives")
+        names = {}
+        for name, p in named:
+            if p in names:
+                raise ValueError(f"parameter {name!r} appears twice in named_parameters")
+            names[p] = name
+        missing = [i for i, p in enumerate(params) if p not in names]
+        if missing:
+            raise ValueError(f"named_parameters does not name {len(missing)} optimizer parameters "
+                             f"(indices {missing[:5]}...); pass model.named_parameters() of the optimized model")
+        if len(set(names.values())) != len(names):
+            raise ValueError("parameter names in named_parameters must be unique")
+        return names
+
+    def _group_map(self, groups: Any) -> dict:
+        """Parameter -> its group (a tuple of parameters reduced together), from ``groups``."""
+        if groups is None:
+            return {}
+        params = [p for p in self._params() if p.requires_grad]
+        if isinstance(groups, int):
+            if groups < 1:
+                raise ValueError("groups must be a positive int or a list of lists of parameters")
+            size = -(-len(params) // groups)
+            partition = [tuple(params[i : i + size]) for i in range(0, len(params), size)]
+        else:
+            partition = [tuple(group) for group in groups]
+        mapping = {}
+        for group in partition:
+            for p in group:
+                mapping[p] = group
+        return mapping
+
+    # -- the backward hook --------------------------------------------------------
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if self._handles.get(p) is not None and self._delay[p] <= 0:
+            raise HvpsError(
+                "gradients were computed more than backward_passes_per_step times before step(); "
+                "increase backward_passes_per_step to accumulate gradients locally"
+            )
+        self._delay[p] -= 1
+        if self._delay[p] == 0:
+            self._start(p)
+        else:
+            self._handles.setdefault(p, None)
+
+    def _start(self, p: torch.Tensor) -> None:
+        group = self._groups.get(p)
+        if group is None:
+            self._handles[p] = self._allreduce_grad_async(p)
+            return
+        ready = self._group_ready.setdefault(group, set())
+        ready.add(p)
+        self._handles[p] = None
+        if len(ready) == len(group):
+            handle = self._allreduce_group_async(group)
+            for member in group:
+                self._handles[member] = handle
+            del self._group_ready[group]
+
+    def _scale_factors(self) -> tuple:
+        return (1.0 / self._predivide, self._predivide) if self._op is Average else (1.0, 1.0)
+
+    def _prepare_grad(self, p: torch.Tensor) -> torch.Tensor:
+        if p.grad is None:  # not used this step on this rank; other ranks may have a gradient
+            p.grad = torch.zeros_like(p)
+        if p.grad.is_sparse and self._sparse_as_dense:
+            p.grad = p.grad.to_dense()
+        return p.grad
+
+    def _allreduce_grad_async(self, p: torch.Tensor):
+        grad = self._prepare_grad(p)
+        name = f"grad.{self._names[p]}"
+        if grad.is_sparse:
+            grad = grad.coalesce()
+            return ("sparse", allgather_async(grad._indices().t().contiguous(), f"{name}.indices"),
+                    allgather_async(grad._values(), f"{name}.values"))
+        compressed, ctx = self._compression.compress(grad)
+        pre, post = self._scale_factors()
+        return ("dense", allreduce_async_(compressed, name=name, op=self._op, prescale_factor=pre,
+                                          postscale_factor=post), ctx)
+
+    def _allreduce_group_async(self, group: tuple):
+        grads = [self._prepare_grad(p) for p in group]
+        pairs = [self._compression.compress(g) for g in grads]
+        pre, post = self._scale_factors()
+        name = "grad.group." + "+".join(self._names[p] for p in group[:1]) + f".{len(group)}"
+        handle = grouped_allreduce_async_([c for c, _ in pairs], name=name, op=self._op,
+                                          prescale_factor=pre, postscale_factor=post)
+        return ("group", handle, [ctx for _, ctx in pairs], group)
+
+    # -- synchronisation ---------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every gradient's allreduce (starting any not yet started) and install the averages."""
+        for p in self._params():  # start what backward did not: unused or still-accumulating gradients
+            if p.requires_grad and self._handles.get(p) is None:
+                self._start(p)
+        done_groups = set()
+        try:
+            for p, pending in list(self._handles.items()):
+                if pending[0] == "group":
+                    _, handle, ctxs, group = pending
+                    if id(handle) in done_groups:
+                        continue
+                    done_groups.add(id(handle))
+                    outputs = handle.wait()
+                    for member, out, ctx in zip(group, outputs, ctxs):
+                        self._install(member, out, ctx)
+                elif pending[0] == "sparse":
+                    self._install_sparse(p, pending[1].wait(), pending[2].wait())
+                else:
+                    self._install(p, pending[1].wait(), pending[2])
+        finally:
+            self._handles.clear()
+            self._group_ready.clear()
+            for p in self._delay:
+                self._delay[p] = self.backward_passes_per_step
+        self._synchronized = True
+
+    def _install(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
+        grad = self._compression.decompress(output, ctx)
+        if grad.data_ptr() != p.grad.data_ptr():
+            p.grad.copy_(grad)
+
+    def _install_sparse(self, p: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+        summed = torch.sparse_coo_tensor(indices.t(), values, p.grad.shape).coalesce()
+        if self._op is Average:
+            summed = summed / hvps.size()
+        p.grad = summed
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside, ``step()`` does not synchronize: call ``synchronize()`` yourself first."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """Synchronize gradients (unless already done or skipped), then step the wrapped optimizer."""
+        if self._should_synchronize:
+            if self._synchronized:
+                import warnings
+
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() after optimizer.synchronize(); "
+                    "gradients are reduced once only",
+                    stacklevel=2,
+                )
+            else:
+                self.synchronize()
+        self._synchronized = False
+        return self._inner.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients; refused while allreduces are in flight (their results would be lost)."""
+        if any(h is not None for h in self._handles.values()):
+            raise HvpsError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(); gradients are still being reduced"
+            )
+        self._inner.zero_grad(set_to_none=set_to_none)
+
+    # -- delegate state to the wrapped optimizer -------------------------------------
+    def state_dict(self) -> dict:
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._inner.load_state_dict(state_dict)
+        self.param_groups = self._inner.param_groups
+        self.state = self._inner.state
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not hasattr(self, "_inner"):  # called by Optimizer.__init__ for the shared groups
+            return super().add_param_group(param_group)
+        self._inner.add_param_group(param_group)
+        for p in param_group["params"] if isinstance(param_group["params"], list) else [param_group["params"]]:
+            self._names.setdefault(p, f"param.{len(self._names)}")
+            self._delay[p] = self.backward_passes_per_step
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self._inner!r})"
