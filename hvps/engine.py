@@ -26,6 +26,8 @@ log = logging.getLogger("hvps")
 
 _TAG_REQUESTS, _TAG_RESPONSES = 11, 12
 _IDLE_POLL_SECONDS = 0.02
+#: while waiting on other ranks, each quiet cycle doubles the sleep, up to this many cycles
+_MAX_BACKOFF_CYCLES = 8
 
 
 class Engine:
@@ -49,6 +51,7 @@ class Engine:
         self._sends: list = []
         self._failure: Optional[BaseException] = None
         self._stopped = threading.Event()
+        self._quiet_cycles = 0
         self._thread = threading.Thread(target=self._run, name="hvps-engine", daemon=True)
         self._thread.start()
 
@@ -94,11 +97,10 @@ class Engine:
         try:
             while not self._stopped.is_set():
                 new = self._next_batch()
-                if self.rank == 0:
-                    self._coordinate(new)
-                else:
-                    self._work(new)
-                self._sends = [r for r in self._sends if not r.Test()]
+                active = self._coordinate(new) if self.rank == 0 else self._work(new)
+                self._quiet_cycles = 0 if (active or new) else self._quiet_cycles + 1
+                if self._sends:
+                    self._sends = [r for r in self._sends if not r.Test()]
         except BaseException as exc:  # noqa: BLE001 - surfaced on every handle
             log.exception("hvps engine thread failed")
             with self._cv:
@@ -108,12 +110,18 @@ class Engine:
     def _busy(self) -> bool:
         return bool(self._pending or self._joined or (self.coordinator is not None and self.coordinator.busy))
 
-    def _next_batch(self) -> list:
-        """Sleep until work arrives (a cycle when busy, longer when idle), then take the queue."""
+    def _sleep_seconds(self) -> float:
+        """One cycle after activity, doubling while quiet; an idle rank only checks now and then."""
+        if not self._busy():
+            return _IDLE_POLL_SECONDS
         cycle = self.settings.cycle_time_ms / 1000.0
+        return min(cycle * (1 << min(self._quiet_cycles, 30)), cycle * _MAX_BACKOFF_CYCLES)
+
+    def _next_batch(self) -> list:
+        """Sleep until local work arrives or the cycle passes, then take the queue."""
         with self._cv:
             if not self._queue:
-                self._cv.wait(cycle if self._busy() else _IDLE_POLL_SECONDS)
+                self._cv.wait(self._sleep_seconds())
             new = list(self._queue)
             self._queue.clear()
         for entry in new:
@@ -122,24 +130,32 @@ class Engine:
             self._pending[entry.request.name] = entry
         return new
 
-    def _coordinate(self, new: list) -> None:
+    def _coordinate(self, new: list) -> bool:
+        """Rank 0: collect announcements, answer with what is ready, run it. Returns whether anything moved."""
         now = time.monotonic()
         self.coordinator.submit(0, [e.request for e in new], now)
         status = MPI.Status()
+        received = False
         while self.control.iprobe(source=MPI.ANY_SOURCE, tag=_TAG_REQUESTS, status=status):
             source = status.Get_source()
             self.coordinator.submit(source, self.control.recv(source=source, tag=_TAG_REQUESTS), now)
+            received = True
         responses = self.coordinator.poll(time.monotonic())
         if responses:
             for worker in range(1, self.size):
                 self._sends.append(self.control.isend(responses, dest=worker, tag=_TAG_RESPONSES))
             self._execute(responses)
+        return received or bool(responses)
 
-    def _work(self, new: list) -> None:
+    def _work(self, new: list) -> bool:
+        """Other ranks: announce new collectives, run what rank 0 answered. Returns whether anything moved."""
         if new:
             self._sends.append(self.control.isend([e.request for e in new], dest=0, tag=_TAG_REQUESTS))
+        executed = False
         while self.control.iprobe(source=0, tag=_TAG_RESPONSES):
             self._execute(self.control.recv(source=0, tag=_TAG_RESPONSES))
+            executed = True
+        return executed
 
     def _execute(self, responses: list) -> None:
         for response in responses:
