@@ -1,10 +1,10 @@
 """The background thread that owns every data-plane call.
 
 Each rank queues collectives locally; the thread announces them to rank 0's
-coordinator, which answers with the responses every rank executes in the same
-order (see ``negotiation.py``). Waiting is done by sleeping between
-non-blocking probes, never by spinning in a blocking MPI call, so the thread
-costs the training loop no CPU while it waits for other ranks.
+coordinator (at most once per cycle, so that tensors arriving together fuse),
+which answers with the responses every rank executes in the same order (see
+``negotiation.py``). Between messages the thread blocks in ``select`` on the
+control plane (``control.py``), so it takes no CPU from training while it waits.
 """
 
 from __future__ import annotations
@@ -15,166 +15,166 @@ import time
 from collections import deque
 from typing import Optional
 
-from mpi4py import MPI
-
 from .collectives import EXECUTORS, Context, Entry
+from .control import ControlPlane
 from .errors import HvpsError
 from .handle import Handle
-from .negotiation import JOIN, SHUTDOWN, Coordinator, Request
+from .negotiation import JOIN, SHUTDOWN, Coordinator, Request, Response, to_wire
 
 log = logging.getLogger("hvps")
-
-_TAG_REQUESTS, _TAG_RESPONSES = 11, 12
-_IDLE_POLL_SECONDS = 0.02
-#: while waiting on other ranks, each quiet cycle doubles the sleep, up to this many cycles
-_MAX_BACKOFF_CYCLES = 8
 
 
 class Engine:
     """Queues collectives, negotiates them with the other ranks and runs them on a backend."""
 
-    def __init__(self, comm: MPI.Comm, backend, settings) -> None:
-        self.control = comm.Dup()
-        self.rank, self.size = self.control.Get_rank(), self.control.Get_size()
+    def __init__(self, comm, backend, settings) -> None:
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.settings = settings
         self.backend = backend
         self.context = Context(backend, self.rank, self.size)
+        self.control = ControlPlane(comm)
         self.coordinator = (
             Coordinator(self.size, settings.fusion_threshold, settings.stall_check_seconds)
             if self.rank == 0
             else None
         )
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
         self._queue: deque = deque()
+        self._unannounced: list = []
+        self._last_announce = 0.0
         self._pending: dict[str, Entry] = {}
-        self._joined = False
-        self._sends: list = []
         self._failure: Optional[BaseException] = None
-        self._stopped = threading.Event()
-        self._quiet_cycles = 0
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="hvps-engine", daemon=True)
         self._thread.start()
 
     # -- called from user threads -------------------------------------------------
     def submit(self, entry: Entry) -> Handle:
         """Queue ``entry`` and return its handle."""
-        with self._cv:
+        with self._lock:
             if self._failure is not None:
                 raise HvpsError(f"the hvps engine stopped: {self._failure}") from self._failure
-            if self._stopped.is_set():
-                raise HvpsError("hvps was shut down: call hvps.init() again")
+            if self._stopping:
+                raise HvpsError("hvps is shutting down: call hvps.init() again")
             name = entry.request.name
             if name in self._pending or any(e.request.name == name for e in self._queue):
                 raise HvpsError(
                     f"a collective named '{name}' is already in flight on rank {self.rank}; "
                     "names must be unique among outstanding operations"
                 )
-            entry.handle = entry.handle or Handle(name, (entry.inputs, entry.outputs))
+            entry.handle = Handle(name, (entry.inputs, entry.outputs), self.settings.stall_check_seconds)
             self._queue.append(entry)
-            self._cv.notify()
+        self.control.wake()
         return entry.handle
 
-    def shutdown(self) -> None:
-        """Agree with the other ranks to stop, then stop the thread."""
-        if self._stopped.is_set() or self._failure is not None:
-            return
-        handle = self.submit(Entry(Request("shutdown", SHUTDOWN), []))
-        try:
-            handle.wait(timeout=self.settings.stall_check_seconds + 5)
-        except HvpsError as exc:
-            log.warning("hvps shutdown did not complete on all ranks: %s", exc)
-        self._stopped.set()
-        with self._cv:
-            self._cv.notify()
+    def shutdown(self) -> bool:
+        """Agree with the other ranks to stop, then stop the thread. False if the thread is stuck."""
+        if self._failure is None:
+            handle = self.submit(Entry(Request("shutdown", SHUTDOWN), []))
+            try:
+                handle.wait(timeout=self.settings.stall_check_seconds + 5)
+            except HvpsError as exc:
+                log.warning("hvps shutdown did not complete on all ranks: %s", exc)
+        with self._lock:
+            self._stopping = True
+        self.control.wake()
         self._thread.join(timeout=5)
+        stuck = self._thread.is_alive()
         self._fail_all(HvpsError("hvps was shut down before this collective completed"))
-        for request in self._sends:
-            request.Cancel()
-        self.control.Free()
+        if not stuck:
+            self.control.close()
+        return not stuck
 
     # -- the engine thread ----------------------------------------------------------
     def _run(self) -> None:
         try:
-            while not self._stopped.is_set():
-                new = self._next_batch()
-                active = self._coordinate(new) if self.rank == 0 else self._work(new)
-                self._quiet_cycles = 0 if (active or new) else self._quiet_cycles + 1
-                if self._sends:
-                    self._sends = [r for r in self._sends if not r.Test()]
+            while not self._stopping:
+                messages, closed = self.control.poll(self._timeout())
+                self._take_queue()
+                if self.rank == 0:
+                    self._coordinate(messages, closed)
+                else:
+                    self._work(messages, closed)
         except BaseException as exc:  # noqa: BLE001 - surfaced on every handle
-            log.exception("hvps engine thread failed")
-            with self._cv:
+            log.exception("hvps engine thread failed on rank %d", self.rank)
+            with self._lock:
                 self._failure = exc
-            self._fail_all(HvpsError(f"the hvps engine failed: {exc!r}"))
+            self._fail_all(HvpsError(f"the hvps engine failed on rank {self.rank}: {exc}"))
 
-    def _busy(self) -> bool:
-        return bool(self._pending or self._joined or (self.coordinator is not None and self.coordinator.busy))
+    def _timeout(self) -> Optional[float]:
+        """How long poll may block: until the next announcement or stall deadline, else forever."""
+        now = time.monotonic()
+        deadlines = []
+        if self._unannounced:
+            deadlines.append(self._last_announce + self.settings.cycle_time_ms / 1000.0)
+        if self.coordinator is not None and self.coordinator.next_deadline() is not None:
+            deadlines.append(self.coordinator.next_deadline())
+        return max(0.0, min(deadlines) - now) if deadlines else None
 
-    def _sleep_seconds(self) -> float:
-        """One cycle after activity, doubling while quiet; an idle rank only checks now and then."""
-        if not self._busy():
-            return _IDLE_POLL_SECONDS
-        cycle = self.settings.cycle_time_ms / 1000.0
-        return min(cycle * (1 << min(self._quiet_cycles, 30)), cycle * _MAX_BACKOFF_CYCLES)
-
-    def _next_batch(self) -> list:
-        """Sleep until local work arrives or the cycle passes, then take the queue."""
-        with self._cv:
-            if not self._queue:
-                self._cv.wait(self._sleep_seconds())
+    def _take_queue(self) -> None:
+        with self._lock:
             new = list(self._queue)
             self._queue.clear()
         for entry in new:
-            if entry.request.kind == JOIN:
-                self._joined = True
             self._pending[entry.request.name] = entry
-        return new
+        self._unannounced.extend(e.request for e in new)
 
-    def _coordinate(self, new: list) -> bool:
-        """Rank 0: collect announcements, answer with what is ready, run it. Returns whether anything moved."""
+    def _due_announcements(self) -> list:
+        """Local requests to announce now.
+
+        At once when nothing else is awaiting an answer (lowest latency);
+        otherwise at most once per cycle, so that a burst of tensors fuses.
+        """
         now = time.monotonic()
-        self.coordinator.submit(0, [e.request for e in new], now)
-        status = MPI.Status()
-        received = False
-        while self.control.iprobe(source=MPI.ANY_SOURCE, tag=_TAG_REQUESTS, status=status):
-            source = status.Get_source()
-            self.coordinator.submit(source, self.control.recv(source=source, tag=_TAG_REQUESTS), now)
-            received = True
+        if not self._unannounced:
+            return []
+        in_flight = len(self._pending) > len(self._unannounced)
+        if in_flight and now < self._last_announce + self.settings.cycle_time_ms / 1000.0:
+            return []
+        due, self._unannounced = self._unannounced, []
+        self._last_announce = now
+        return due
+
+    def _coordinate(self, messages: list, closed: list) -> None:
+        now = time.monotonic()
+        self.coordinator.submit(0, self._due_announcements(), now)
+        for source, message in messages:
+            self.coordinator.submit(source, [Request.from_wire(r) for r in message["requests"]], now)
+        for rank in closed:
+            self.coordinator.rank_died(rank, "its control connection closed (the process exited or was killed)")
         responses = self.coordinator.poll(time.monotonic())
         if responses:
+            wire = {"responses": [to_wire(r) for r in responses]}
             for worker in range(1, self.size):
-                self._sends.append(self.control.isend(responses, dest=worker, tag=_TAG_RESPONSES))
+                self.control.send(worker, wire)
             self._execute(responses)
-        return received or bool(responses)
 
-    def _work(self, new: list) -> bool:
-        """Other ranks: announce new collectives, run what rank 0 answered. Returns whether anything moved."""
-        if new:
-            self._sends.append(self.control.isend([e.request for e in new], dest=0, tag=_TAG_REQUESTS))
-        executed = False
-        while self.control.iprobe(source=0, tag=_TAG_RESPONSES):
-            self._execute(self.control.recv(source=0, tag=_TAG_RESPONSES))
-            executed = True
-        return executed
+    def _work(self, messages: list, closed: list) -> None:
+        due = self._due_announcements()
+        if due:
+            self.control.send(0, {"requests": [to_wire(r) for r in due]})
+        for _, message in messages:
+            self._execute([Response.from_wire(r) for r in message["responses"]])
+        if closed and not self._stopping:
+            raise HvpsError("lost the connection to rank 0 (the coordinator): it exited or its host is unreachable")
 
     def _execute(self, responses: list) -> None:
         for response in responses:
             entries = [self._pending.pop(name, None) for name in response.names]
             if response.error:
                 self._report_error(response, entries)
-            elif response.kind == JOIN:
-                self._joined = False
+            elif response.kind in (JOIN, SHUTDOWN):
+                self._stopping = self._stopping or response.kind == SHUTDOWN
                 for entry in entries:
                     if entry is not None:
-                        entry.handle.set_result(response.last_joined)
-            elif response.kind == SHUTDOWN:
-                for entry in entries:
-                    if entry is not None:
-                        entry.handle.set_result(None)
+                        entry.handle.set_result(response.last_joined if response.kind == JOIN else None)
             else:
                 self._run_collective(response, entries)
 
     def _run_collective(self, response, entries: list) -> None:
+        for entry in entries:
+            if entry is not None:
+                entry.handle.mark_started()
         try:
             results = EXECUTORS[response.kind](self.context, response, entries)
         except Exception as exc:  # noqa: BLE001 - one failed collective must not stop the engine
@@ -194,7 +194,7 @@ class Engine:
             entry.handle.set_error(HvpsError(response.error))
 
     def _fail_all(self, error: HvpsError) -> None:
-        with self._cv:
+        with self._lock:
             entries = list(self._pending.values()) + list(self._queue)
             self._pending.clear()
             self._queue.clear()

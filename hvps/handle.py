@@ -3,22 +3,31 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Optional
 
 from .errors import HvpsError
+
+#: a waiting user thread gives up on its own after this multiple of the stall
+#: time (plus a second): the coordinator reports stalls first and more
+#: precisely, but it cannot reach a rank whose link or coordinator is gone.
+_WATCHDOG_FACTOR = 1.5
 
 
 class Handle:
     """An in-flight collective; owns its input and output buffers until it completes."""
 
-    __slots__ = ("name", "_done", "_result", "_error", "_buffers")
+    __slots__ = ("name", "_done", "_result", "_error", "_buffers", "_submitted", "_started", "_limit")
 
-    def __init__(self, name: str, buffers: tuple = ()) -> None:
+    def __init__(self, name: str, buffers: tuple = (), stall_seconds: float = 60.0) -> None:
         self.name = name
         self._done = threading.Event()
         self._result: Any = None
         self._error: Optional[BaseException] = None
         self._buffers = buffers
+        self._submitted = time.monotonic()
+        self._started: Optional[float] = None
+        self._limit = stall_seconds * _WATCHDOG_FACTOR + 1.0
 
     def poll(self) -> bool:
         """Whether the collective has finished (successfully or not); never blocks."""
@@ -28,19 +37,44 @@ class Handle:
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until the collective finishes and return its result; raise HvpsError if it failed."""
-        if not self._done.wait(timeout):
-            raise HvpsError(f"timed out after {timeout} s waiting for '{self.name}'")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done.wait(0.5):
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise HvpsError(f"timed out after {timeout} s waiting for '{self.name}'")
+            self._check_watchdog(now)
         self._buffers = ()
         if self._error is not None:
             raise self._error
         return self._result
 
+    def _check_watchdog(self, now: float) -> None:
+        if self._started is None and now - self._submitted > self._limit:
+            self.set_error(HvpsError(
+                f"'{self.name}' got no answer from the coordinator (rank 0) within {self._limit:g} s; "
+                "rank 0 or the network to it may be down (HVPS_STALL_CHECK_TIME_SECONDS sets the limit)"
+            ))
+        elif self._started is not None and now - self._started > self._limit:
+            self.set_error(HvpsError(
+                f"'{self.name}' started on every rank but did not finish within {self._limit:g} s; "
+                "a rank or a link between ranks may have died (HVPS_STALL_CHECK_TIME_SECONDS sets the limit)"
+            ))
+
+    def mark_started(self) -> None:
+        """Called by the engine when every rank has agreed and the data starts to move."""
+        self._started = time.monotonic()
+
     def set_result(self, result: Any) -> None:
-        self._result = result
-        self._done.set()
+        if not self._done.is_set():
+            self._result = result
+            self._done.set()
 
     def set_error(self, error: BaseException) -> None:
-        self._error = error if isinstance(error, HvpsError) else HvpsError(f"'{self.name}' failed: {error}")
-        if self._error is not error:
+        if self._done.is_set():
+            return
+        if isinstance(error, HvpsError):
+            self._error = error
+        else:
+            self._error = HvpsError(f"'{self.name}' failed: {error}")
             self._error.__cause__ = error
         self._done.set()

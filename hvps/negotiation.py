@@ -7,8 +7,10 @@ ranks, so every rank executes the same collectives in the same order.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .dtypes import ITEMSIZE
 
@@ -49,6 +51,14 @@ class Request:
             return (self.kind, self.dtype, tuple(s[1:] for s in self.shapes), len(self.shapes[0]))
         return (self.kind, self.dtype, self.shapes, self.op, self.root, self.prescale, self.postscale)
 
+    @classmethod
+    def from_wire(cls, data: dict) -> "Request":
+        """Rebuild a request from its JSON form (lists back to tuples)."""
+        data = dict(data)
+        data["shapes"] = tuple(tuple(s) for s in data["shapes"])
+        data["splits"] = tuple(data["splits"])
+        return cls(**data)
+
     def describe(self) -> str:
         shapes = ", ".join(str(tuple(s)) for s in self.shapes)
         extra = f" root={self.root}" if self.kind == BROADCAST else ""
@@ -70,6 +80,18 @@ class Response:
     #: join: the rank that joined last
     last_joined: int = -1
 
+    @classmethod
+    def from_wire(cls, data: dict) -> "Response":
+        """Rebuild a response from its JSON form."""
+        data = dict(data)
+        data["requests"] = [Request.from_wire(r) for r in data["requests"]]
+        return cls(**data)
+
+
+def to_wire(message) -> dict:
+    """The JSON-ready form of a Request or Response."""
+    return dataclasses.asdict(message)
+
 
 @dataclass
 class _Pending:
@@ -87,11 +109,23 @@ class Coordinator:
         self._table: dict[str, _Pending] = {}
         self._joined: list[int] = []
         self._shutdown: set[int] = set()
+        self._dead: dict[int, str] = {}
 
     @property
     def busy(self) -> bool:
         """Whether anything awaits other ranks (so stall checks must keep running)."""
         return bool(self._table or self._joined or self._shutdown)
+
+    def next_deadline(self) -> Optional[float]:
+        """When the oldest pending collective stalls, or None."""
+        if not self._table:
+            return None
+        return min(p.first_seen for p in self._table.values()) + self.stall_seconds
+
+    def rank_died(self, rank: int, reason: str) -> None:
+        """Fail, from now on, every collective that waits for ``rank``."""
+        self._dead[rank] = reason
+        self._shutdown.add(rank)
 
     def submit(self, rank: int, requests: list, now: float) -> None:
         """Record requests that ``rank`` announced at time ``now``."""
@@ -114,7 +148,11 @@ class Coordinator:
             pending = self._table[name]
             present = set(pending.by_rank) | joined
             if len(present) < self.size:
-                if now - pending.first_seen >= self.stall_seconds:
+                dead = sorted(set(self._dead) - present)
+                if dead:
+                    ready.append(self._lost(name, pending, dead))
+                    del self._table[name]
+                elif now - pending.first_seen >= self.stall_seconds:
                     ready.append(self._stalled(name, pending, present))
                     del self._table[name]
                 continue
@@ -140,6 +178,18 @@ class Coordinator:
                 f"did not submit it within {self.stall_seconds:g} s (HVPS_STALL_CHECK_TIME_SECONDS). "
                 "Every rank must submit the same collectives; check for rank-dependent control flow "
                 "or a rank that died or stopped early."
+            ),
+        )
+
+    def _lost(self, name: str, pending: _Pending, dead: list) -> Response:
+        kind = next(iter(pending.by_rank.values())).kind
+        why = "; ".join(f"rank {r}: {self._dead[r]}" for r in dead)
+        return Response(
+            kind,
+            [name],
+            error=(
+                f"hvps: ranks {dead} exited before submitting {kind} '{name}' "
+                f"(submitted by ranks {sorted(pending.by_rank)}): {why}"
             ),
         )
 

@@ -29,7 +29,7 @@ def _name(kind: str, name: Optional[str]) -> str:
 def _prepare(array: Any) -> np.ndarray:
     array = np.asarray(array)
     dtypes.check_dtype(array.dtype)
-    return np.ascontiguousarray(array)
+    return np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes 0-d arrays 1-d
 
 
 def _check_out(out: np.ndarray, like: np.ndarray) -> np.ndarray:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -80,8 +81,15 @@ def shutdown() -> None:
         if engine is None:
             return
         _state.topology = None
-        engine.shutdown()
-        engine.backend.close()
+        if engine.shutdown():
+            engine.backend.close()
+            return
+    # The engine thread is stuck inside MPI (a peer or link died mid-collective):
+    # MPI cannot finalize, so end the job rather than hang at exit.
+    from mpi4py import MPI
+
+    logging.getLogger("hvps").error("hvps: a collective is stuck inside MPI; aborting the job")
+    MPI.COMM_WORLD.Abort(1)
 
 
 atexit.register(shutdown)

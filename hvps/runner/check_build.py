@@ -1,0 +1,96 @@
+"""``hvpsrun --check-build``: what this installation can use, in horovodrun's layout."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import shutil
+from typing import Callable, Optional
+
+from .mpi_command import MpiImpl, detect_mpi_implementation
+
+
+def _version(distributions: tuple) -> Optional[str]:
+    for dist in distributions:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _present(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _mpi4py_library() -> Optional[str]:
+    if not _present("mpi4py"):
+        return None
+    try:
+        from mpi4py import MPI  # initialises nothing until used; Get_library_version is allowed before Init
+
+        return MPI.Get_library_version().strip().splitlines()[0]
+    except Exception as exc:  # noqa: BLE001 - reported, never fatal
+        return f"unusable ({exc})"
+
+
+def _nccl() -> Optional[str]:
+    if not _present("torch"):
+        return None
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+            return ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:  # noqa: BLE001
+        return None
+    return None
+
+
+def collect(mpirun: str = "mpirun", detect: Callable = detect_mpi_implementation) -> dict:
+    """Facts about this installation (a dict, so it can be tested and printed)."""
+    from ..version import __version__
+
+    impl = detect(mpirun)
+    return {
+        "hvps": __version__,
+        "frameworks": {
+            "PyTorch": _version(("torch",)) if _present("torch") else None,
+            "TensorFlow": _version(("tensorflow", "tensorflow-cpu")) if _present("tensorflow") else None,
+        },
+        "controllers": {
+            "MPI": _mpi4py_library(),
+        },
+        "tensor_operations": {
+            "NCCL": _nccl(),
+            "MPI": _mpi4py_library(),
+        },
+        "launchers": {
+            "mpirun": None if impl in (MpiImpl.MISSING, MpiImpl.UNKNOWN) else f"{impl.value} ({shutil.which(mpirun)})",
+            "srun": shutil.which("srun"),
+        },
+    }
+
+
+def render(facts: dict) -> str:
+    lines = [f"hvps v{facts['hvps']}:", ""]
+    titles = {
+        "frameworks": "Available Frameworks",
+        "controllers": "Available Controllers",
+        "tensor_operations": "Available Tensor Operations",
+        "launchers": "Available Launchers",
+    }
+    for key, title in titles.items():
+        lines.append(f"{title}:")
+        for name, detail in facts[key].items():
+            mark = "X" if detail else " "
+            lines.append(f"    [{mark}] {name}" + (f" ({detail})" if detail else ""))
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def check_build(mpirun: str = "mpirun") -> str:
+    return render(collect(mpirun))

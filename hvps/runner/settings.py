@@ -1,0 +1,171 @@
+"""hvpsrun's flags (compatible with horovodrun's) parsed into one frozen dataclass."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from .errors import LaunchError
+
+LAUNCHERS = ("auto", "mpirun", "srun")
+
+_DESCRIPTION = """\
+Launch a training script on several processes with MPI, the way horovodrun does:
+
+    hvpsrun -np 4 -H host1:2,host2:2 python train.py
+    hvpsrun -np 2 python train.py                       # this machine
+    hvpsrun --hostfile hosts.txt python train.py        # lines 'host slots=N'
+    hvpsrun --dry-run -np 2 python train.py             # print the command only
+
+Outside Slurm it runs mpirun (Open MPI, MPICH or Intel MPI, detected from
+'mpirun --version') with '-bind-to none -map-by slot' and forwards HVPS_*,
+NCCL_* and OMP_NUM_THREADS to every rank (OMP_NUM_THREADS defaults to the
+cores per rank). Inside a Slurm allocation (SLURM_JOB_ID is set) it runs
+'srun --mpi=pmix' on the allocation instead.
+"""
+
+_EPILOG = """\
+exit status: the launched job's, or 2 for bad input (unknown host, more ranks
+than slots, no MPI, script not found), with a one-line message saying what to do.
+"""
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """Everything hvpsrun was asked to do."""
+
+    command: tuple = ()
+    num_proc: Optional[int] = None
+    hosts: Optional[str] = None
+    hostfile: Optional[str] = None
+    mpi_args: str = ""
+    network_interfaces: tuple = ()
+    timeline_filename: Optional[str] = None
+    fusion_threshold_mb: Optional[float] = None
+    cycle_time_ms: Optional[float] = None
+    stall_check_time_seconds: Optional[float] = None
+    check_build: bool = False
+    verbose: bool = False
+    dry_run: bool = False
+    max_restarts: int = 0
+    checkpoint_dir: Optional[str] = None
+    launcher: str = "auto"
+    mpirun: str = "mpirun"
+    extra_env: dict = field(default_factory=dict)
+
+    def hvps_env(self) -> dict:
+        """The HVPS_* variables these flags set for every rank (flags win over the caller's env)."""
+        env = {}
+        if self.fusion_threshold_mb is not None:
+            env["HVPS_FUSION_THRESHOLD"] = str(int(self.fusion_threshold_mb * 1024 * 1024))
+        if self.cycle_time_ms is not None:
+            env["HVPS_CYCLE_TIME"] = _number(self.cycle_time_ms)
+        if self.stall_check_time_seconds is not None:
+            env["HVPS_STALL_CHECK_TIME_SECONDS"] = _number(self.stall_check_time_seconds)
+        if self.timeline_filename:
+            env["HVPS_TIMELINE"] = self.timeline_filename
+        if self.checkpoint_dir:
+            env["HVPS_CHECKPOINT_DIR"] = self.checkpoint_dir
+        env.update(self.extra_env)
+        return env
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _non_negative(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hvpsrun",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-np", "--num-proc", dest="num_proc", type=int, metavar="N",
+                   help="number of processes (ranks) to start; default: the total slots of -H/--hostfile, "
+                        "or SLURM_NTASKS inside a Slurm allocation")
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
+                       help="hosts and their slots, e.g. host1:2,host2:2 (a host without ':SLOTS' has 1 slot); "
+                            "default: this machine")
+    hosts.add_argument("--hostfile", metavar="PATH",
+                       help="file of lines 'host slots=N' ('#' starts a comment; 'host' alone means 1 slot)")
+    p.add_argument("--mpi-args", default="", metavar="ARGS",
+                   help="extra arguments for mpirun (or srun), as one quoted string, e.g. "
+                        "--mpi-args='--mca btl tcp,self'")
+    p.add_argument("--network-interface", "--network-interfaces", dest="network_interface", metavar="NIC[,NIC]",
+                   help="network interfaces for MPI and NCCL traffic, e.g. eth0 (Open MPI btl/oob_tcp_if_include, "
+                        "NCCL_SOCKET_IFNAME)")
+    p.add_argument("--timeline-filename", metavar="PATH",
+                   help="write an hvps timeline to PATH (sets HVPS_TIMELINE)")
+    p.add_argument("--fusion-threshold-mb", type=_non_negative(float), metavar="MB",
+                   help="tensor fusion buffer in MiB, 0 disables fusion (sets HVPS_FUSION_THRESHOLD in bytes; "
+                        "default 64)")
+    p.add_argument("--cycle-time-ms", type=_non_negative(float), metavar="MS",
+                   help="engine cycle time in milliseconds (sets HVPS_CYCLE_TIME; default 1)")
+    p.add_argument("--stall-check-time-seconds", type=_non_negative(float), metavar="S",
+                   help="seconds before ranks that did not submit a collective are reported as stalled and the "
+                        "collective fails (sets HVPS_STALL_CHECK_TIME_SECONDS; default 60)")
+    p.add_argument("--check-build", action="store_true",
+                   help="list the frameworks, controllers and tensor operations available here, then exit")
+    p.add_argument("--verbose", action="store_true", help="print the command line and restarts to stderr")
+    p.add_argument("--dry-run", action="store_true", help="print the launch command line and exit without running it")
+    p.add_argument("--max-restarts", type=_non_negative(int), default=0, metavar="N",
+                   help="when any rank exits abnormally, end the others and relaunch the job, at most N times "
+                        "(the script resumes from its latest checkpoint; HVPS_RESTART_COUNT tells it which try "
+                        "it is); default 0")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="checkpoint directory handed to the script as HVPS_CHECKPOINT_DIR (for resuming after "
+                        "a restart); created when missing")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="auto",
+                   help="auto (default): srun inside a Slurm allocation, mpirun otherwise")
+    p.add_argument("--mpirun", default="mpirun", metavar="PATH",
+                   help="the mpirun executable (default: mpirun on PATH)")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="the program and its arguments, e.g. python train.py --epochs 3")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchSettings:
+    """Parse hvpsrun's command line. argparse exits 2 on malformed flags."""
+    args = build_parser().parse_args(argv)
+    command = tuple(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if args.num_proc is not None and args.num_proc < 1:
+        raise LaunchError(f"-np {args.num_proc}: give at least 1 process")
+    nics = tuple(n for n in (args.network_interface or "").split(",") if n)
+    return LaunchSettings(
+        command=command,
+        num_proc=args.num_proc,
+        hosts=args.hosts,
+        hostfile=args.hostfile,
+        mpi_args=args.mpi_args or "",
+        network_interfaces=nics,
+        timeline_filename=args.timeline_filename,
+        fusion_threshold_mb=args.fusion_threshold_mb,
+        cycle_time_ms=args.cycle_time_ms,
+        stall_check_time_seconds=args.stall_check_time_seconds,
+        check_build=args.check_build,
+        verbose=args.verbose,
+        dry_run=args.dry_run,
+        max_restarts=args.max_restarts,
+        checkpoint_dir=args.checkpoint_dir,
+        launcher=args.launcher,
+        mpirun=args.mpirun,
+    )

@@ -1,0 +1,115 @@
+"""The coordinator's bookkeeping, without MPI: matching, mismatches, stalls, fusion, join."""
+
+from hvps.negotiation import ALLGATHER, ALLREDUCE, BROADCAST, JOIN, SHUTDOWN, Coordinator, Request
+
+MIB = 1024 * 1024
+
+
+def allreduce(name, shape=(4,), dtype="float32", op="sum"):
+    return Request(name, ALLREDUCE, dtype, (shape,), op)
+
+
+def test_waits_for_every_rank_then_answers_in_submission_order():
+    c = Coordinator(size=3, fusion_threshold=0, stall_seconds=10)
+    c.submit(0, [allreduce("a"), allreduce("b")], now=0)
+    c.submit(2, [allreduce("b"), allreduce("a")], now=0)
+    assert c.poll(now=1) == []
+    c.submit(1, [allreduce("b"), allreduce("a")], now=1)
+    responses = c.poll(now=1)
+    assert [r.names for r in responses] == [["a"], ["b"]]
+    assert not any(r.error for r in responses)
+    assert not c.busy
+
+
+def test_mismatched_shapes_name_the_tensor_and_ranks():
+    c = Coordinator(size=3, fusion_threshold=0, stall_seconds=10)
+    c.submit(0, [allreduce("w", (4, 3))], 0)
+    c.submit(1, [allreduce("w", (4, 3))], 0)
+    c.submit(2, [allreduce("w", (5, 3))], 0)
+    (response,) = c.poll(0)
+    assert "'w'" in response.error
+    assert "ranks [0, 1]" in response.error and "ranks [2]" in response.error
+    assert "(5, 3)" in response.error
+
+
+def test_mismatched_dtype_and_op_are_errors():
+    c = Coordinator(size=2, fusion_threshold=0, stall_seconds=10)
+    c.submit(0, [allreduce("d", dtype="float32"), allreduce("o", op="sum")], 0)
+    c.submit(1, [allreduce("d", dtype="float64"), allreduce("o", op="max")], 0)
+    errors = [r.error for r in c.poll(0)]
+    assert "float64" in errors[0] and "float32" in errors[0]
+    assert "op=max" in errors[1]
+
+
+def test_allgather_may_differ_in_first_dimension_only():
+    c = Coordinator(size=2, fusion_threshold=0, stall_seconds=10)
+    c.submit(0, [Request("g", ALLGATHER, "int32", ((2, 3),))], 0)
+    c.submit(1, [Request("g", ALLGATHER, "int32", ((0, 3),))], 0)
+    (ok,) = c.poll(0)
+    assert not ok.error and ok.per_rank == [2, 0]
+    c.submit(0, [Request("h", ALLGATHER, "int32", ((2, 3),))], 0)
+    c.submit(1, [Request("h", ALLGATHER, "int32", ((2, 4),))], 0)
+    (bad,) = c.poll(0)
+    assert "'h'" in bad.error
+
+
+def test_stall_names_missing_ranks_after_the_stall_time():
+    c = Coordinator(size=3, fusion_threshold=0, stall_seconds=5)
+    c.submit(0, [allreduce("late")], now=100)
+    c.submit(1, [allreduce("late")], now=101)
+    assert c.poll(now=104.9) == []
+    (response,) = c.poll(now=105)
+    assert "'late'" in response.error
+    assert "ranks [0, 1]" in response.error and "ranks [2]" in response.error
+    assert not c.busy
+
+
+def test_fusion_merges_compatible_allreduces_up_to_the_threshold():
+    c = Coordinator(size=2, fusion_threshold=3 * MIB, stall_seconds=10)
+    reqs = [
+        allreduce("a", (MIB // 4,)),  # 1 MiB
+        allreduce("b", (MIB // 4,)),  # 1 MiB
+        allreduce("c", (MIB // 8,), dtype="float64"),  # other dtype: new buffer
+        allreduce("d", (MIB // 8,), dtype="float64"),
+        allreduce("e", (MIB,), dtype="float64"),  # 8 MiB: over the threshold, alone
+        Request("f", BROADCAST, "float32", ((4,),), root=1),
+    ]
+    for rank in range(2):
+        c.submit(rank, reqs, 0)
+    assert [r.names for r in c.poll(0)] == [["a", "b"], ["c", "d"], ["e"], ["f"]]
+
+
+def test_fusion_threshold_zero_disables_fusion():
+    c = Coordinator(size=2, fusion_threshold=0, stall_seconds=10)
+    for rank in range(2):
+        c.submit(rank, [allreduce("a"), allreduce("b")], 0)
+    assert [r.names for r in c.poll(0)] == [["a"], ["b"]]
+
+
+def test_joined_ranks_count_as_submitted_for_allreduce_and_join_reports_the_last():
+    c = Coordinator(size=3, fusion_threshold=0, stall_seconds=10)
+    c.submit(2, [Request("join", JOIN)], 0)
+    c.submit(0, [allreduce("x")], 0)
+    c.submit(1, [allreduce("x")], 0)
+    (response,) = c.poll(0)
+    assert response.names == ["x"] and not response.error
+    c.submit(0, [Request("join", JOIN)], 1)
+    c.submit(1, [Request("join", JOIN)], 2)
+    (joined,) = c.poll(2)
+    assert joined.kind == JOIN and joined.last_joined == 1
+
+
+def test_non_allreduce_after_join_is_an_error():
+    c = Coordinator(size=2, fusion_threshold=0, stall_seconds=10)
+    c.submit(1, [Request("join", JOIN)], 0)
+    c.submit(0, [Request("b", BROADCAST, "float32", ((2,),), root=0)], 0)
+    (response,) = c.poll(0)
+    assert "join" in response.error and "'b'" in response.error
+
+
+def test_shutdown_needs_every_rank():
+    c = Coordinator(size=2, fusion_threshold=0, stall_seconds=10)
+    c.submit(0, [Request("shutdown", SHUTDOWN)], 0)
+    assert c.poll(0) == []
+    c.submit(1, [Request("shutdown", SHUTDOWN)], 0)
+    assert [r.kind for r in c.poll(0)] == [SHUTDOWN]
