@@ -1,0 +1,1 @@
+"""TensorFlow 2 adapter with Horovod's API (in progress)."""

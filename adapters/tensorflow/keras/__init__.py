@@ -1,0 +1,1 @@
+"""Keras 3 adapter with Horovod's API (in progress)."""
