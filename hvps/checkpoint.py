@@ -50,6 +50,7 @@ from .checkpoint_format import (
     CheckpointError,
     Entry,
     Header,
+    IncompatibleCheckpointError,
     Reader,
     _flatten,
     _layout,
@@ -394,7 +395,8 @@ class CheckpointManager:
             msg = None
             if group.is_root:
                 if isinstance(status, CheckpointError):
-                    msg = ("skip" if latest else "error", str(status))
+                    fatal = not latest or isinstance(status, IncompatibleCheckpointError)
+                    msg = ("error" if fatal else "skip", str(status))
                 elif status == "none":
                     msg = ("none", None)
                 else:
@@ -410,7 +412,8 @@ class CheckpointManager:
                 if group.is_root and kind == "skip":
                     warnings.warn(f"skipping checkpoint: {payload}", RuntimeWarning, stacklevel=2)
                 if kind == "error":
-                    raise status if group.is_root else CheckpointError(payload)
+                    raise status if group.is_root else IncompatibleCheckpointError(payload) \
+                        if "saved per rank" in payload or "format version" in payload else CheckpointError(payload)
                 continue
             ok, checkpoint = self._transfer(group, payload, reader, attempt, drop_compression_state)
             if ok is True:
@@ -426,7 +429,7 @@ class CheckpointManager:
         saved = int(header.attrs.get("world_size", 1))
         has_comp = any(e.path.startswith("/compression/") for e in header.entries)
         if has_comp and saved != size and not drop:
-            raise CheckpointError(
+            raise IncompatibleCheckpointError(
                 f"compression state was saved per rank by {saved} ranks but this job has {size}; "
                 "error-feedback residuals cannot be redistributed: pass drop_compression_state=True "
                 "to start them from zero", header.path)
@@ -582,4 +585,4 @@ def header_of(path: Union[str, os.PathLike]) -> Header:
     return read_header(path)
 
 
-__all__ = ["CheckpointManager", "Checkpoint", "CheckpointError", "Version", "file_name", "header_of"]
+__all__ = ["CheckpointManager", "Checkpoint", "CheckpointError", "IncompatibleCheckpointError", "Version", "file_name", "header_of"]

@@ -73,6 +73,12 @@ class CheckpointError(HvpsError):
         super().__init__(text)
 
 
+class IncompatibleCheckpointError(CheckpointError):
+    """The checkpoint is intact but cannot be used here (a newer format version, per-rank
+    state from another world size).  ``load("latest")`` raises it instead of silently
+    falling back to an older version."""
+
+
 # ----------------------------------------------------------------------------- names and JSON
 def escape(name: str) -> str:
     """An HDF5 link name for ``name`` ('/' separates groups; '.' alone is reserved)."""
@@ -432,7 +438,7 @@ def _read_header(path: Path, f) -> Header:
         raise CheckpointError(f"not an hvps checkpoint (hvps_format={root.get('hvps_format')!r})", path)
     version = root.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
-        raise CheckpointError(
+        raise IncompatibleCheckpointError(
             f"checkpoint format version {version} is not supported by hvps {__version__} "
             f"(it reads versions 1..{FORMAT_VERSION}); it was written by hvps {root.get('hvps_version')}: "
             "upgrade hvps to load it", path)
@@ -604,5 +610,5 @@ def iter_leaves(tree: Mapping, prefix: str = "") -> Iterator[tuple]:
             yield key, v
 
 
-__all__ = ["CheckpointError", "FORMAT_VERSION", "Header", "Reader", "write_file", "read_header",
+__all__ = ["CheckpointError", "IncompatibleCheckpointError", "FORMAT_VERSION", "Header", "Reader", "write_file", "read_header",
            "read_verified", "verify_file", "build_trees", "aligned_empty", "root_attributes"]

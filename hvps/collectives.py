@@ -26,6 +26,8 @@ class Entry:
     inputs: list
     outputs: list = field(default_factory=list)
     handle: Handle = None
+    #: whether the result is the list of outputs (grouped allreduce) or the only one
+    grouped: bool = False
 
 
 class FusionBuffer:
@@ -102,7 +104,7 @@ def run_allreduce(ctx: Context, response, entries: list) -> list:
     results = []
     for entry in entries:
         if entry is not None:
-            results.append(entry.outputs[0] if len(entry.outputs) == 1 else list(entry.outputs))
+            results.append(list(entry.outputs) if entry.grouped else entry.outputs[0])
         else:
             results.append(None)
     return results

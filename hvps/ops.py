@@ -63,22 +63,57 @@ def grouped_allreduce_async(
     postscale_factor: float = 1.0,
     outs: Optional[Sequence[np.ndarray]] = None,
 ) -> Handle:
-    """Reduce several arrays of one dtype as one fused collective; the handle yields a list."""
+    """Reduce several arrays as one collective per dtype; the handle yields a list in input order."""
+    return _allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs, grouped=True)
+
+
+def _allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs, grouped: bool) -> Handle:
     op = _as_op(op)
     runtime.engine()
     inputs = [_prepare(a) for a in arrays]
     if not inputs:
         raise ValueError("grouped_allreduce needs at least one array")
-    dtype = inputs[0].dtype
-    if any(a.dtype != dtype for a in inputs):
-        raise TypeError(f"grouped_allreduce needs one dtype; got {sorted({str(a.dtype) for a in inputs})}")
-    dtypes.check_reducible(dtype, op)
+    for array in inputs:
+        dtypes.check_reducible(array.dtype, op)
     outputs = [_check_out(o, a) for o, a in zip(outs, inputs)] if outs is not None else [np.empty_like(a) for a in inputs]
-    request = Request(
-        _name(ALLREDUCE, name), ALLREDUCE, dtypes.SUPPORTED[dtype], tuple(a.shape for a in inputs),
-        op.value, prescale=float(prescale_factor), postscale=float(postscale_factor),
-    )
-    return _submit(request, inputs, outputs)
+    base = _name(ALLREDUCE, name)
+    by_dtype: dict = {}
+    for index, array in enumerate(inputs):
+        by_dtype.setdefault(array.dtype, []).append(index)
+    handles = []
+    for dtype, indices in by_dtype.items():
+        request = Request(
+            base if len(by_dtype) == 1 else f"{base}.{dtypes.SUPPORTED[dtype]}", ALLREDUCE,
+            dtypes.SUPPORTED[dtype], tuple(inputs[i].shape for i in indices), op.value,
+            prescale=float(prescale_factor), postscale=float(postscale_factor),
+        )
+        entry = Entry(request, [inputs[i] for i in indices], [outputs[i] for i in indices], grouped=grouped)
+        handles.append((indices, runtime.engine().submit(entry)))
+    if len(handles) == 1:
+        return handles[0][1]
+    return GroupHandle(base, handles, len(inputs))
+
+
+class GroupHandle(Handle):
+    """Several per-dtype collectives of one grouped allreduce, seen as one handle."""
+
+    __slots__ = ("_parts", "_count")
+
+    def __init__(self, name: str, parts: list, count: int) -> None:
+        super().__init__(name)
+        self._parts = parts
+        self._count = count
+
+    def poll(self) -> bool:
+        return all(handle.poll() for _, handle in self._parts)
+
+    def wait(self, timeout: Optional[float] = None) -> list:
+        results: list = [None] * self._count
+        for indices, handle in self._parts:
+            outputs = handle.wait(timeout)
+            for index, output in zip(indices, outputs):
+                results[index] = output
+        return results
 
 
 def allreduce_async(
@@ -91,7 +126,7 @@ def allreduce_async(
 ) -> Handle:
     """Start reducing ``array`` over all ranks; pass ``out=array`` to reduce in place."""
     outs = None if out is None else [out]
-    return grouped_allreduce_async([array], op, name, prescale_factor, postscale_factor, outs)
+    return _allreduce_async([array], op, name, prescale_factor, postscale_factor, outs, grouped=False)
 
 
 def allreduce(array: Any, op: Any = Average, name: Optional[str] = None, prescale_factor: float = 1.0,

@@ -57,4 +57,7 @@ __all__ = [
     "synchronize", "poll", "join", "barrier",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "DistributedOptimizer",
+    "CheckpointManager", "CheckpointError",
 ]
+
+from .checkpoint import CheckpointError, CheckpointManager  # noqa: E402  (HDF5 checkpoints)

@@ -105,7 +105,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
                     process_set: Any = None) -> TorchHandle:
     """Start reducing ``tensor`` over all ranks into a new tensor."""
     handle = grouped_allreduce_async([tensor], average, name, op, prescale_factor, postscale_factor, process_set)
-    return TorchHandle(handle._core, lambda result: handle._finish([result])[0])
+    return TorchHandle(handle._core, lambda result: handle._finish(result)[0])
 
 
 class _Allreduce(torch.autograd.Function):

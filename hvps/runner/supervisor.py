@@ -72,8 +72,13 @@ class Supervisor:
         self._proc = None
 
     def _attempt_env(self, restart: int) -> dict:
+        """Restarts count on from the caller's HVPS_RESTART_COUNT (e.g. a Slurm restart chain's link)."""
         env = dict(self.env)
-        env[RESTART_ENV] = str(restart)
+        try:
+            base = int(self.env.get(RESTART_ENV, "0"))
+        except ValueError:
+            base = 0
+        env[RESTART_ENV] = str(base + restart)
         if self.checkpoint_dir:
             env[CHECKPOINT_ENV] = self.checkpoint_dir
         return env

@@ -1,0 +1,297 @@
+"""PyTorch checkpoints on top of :mod:`hvps.checkpoint`::
+
+    import hvps.adapters.torch as hvd
+
+    ckpt = hvd.CheckpointManager("/nfs/run1", keep_last=3, keep_every=10)
+    start = ckpt.load(model=model, optimizer=optimizer)   # 0, or the saved epoch + 1
+    for epoch in range(start, epochs):
+        train_one_epoch(...)
+        ckpt.save(epoch, model=model, optimizer=optimizer)
+
+Every rank calls ``save`` and ``load`` (collective when hvps is initialized); only rank 0
+reads or writes the files.  Saved: the module's ``state_dict()``; the optimizer's
+``state_dict()`` (any ``torch.optim`` optimizer, ``hvd.DistributedOptimizer`` included):
+``param_groups`` as a JSON attribute, per-parameter tensors as datasets; each rank's RNG
+states (torch CPU and CUDA, numpy's global generator, Python's ``random``); optional
+per-rank compression state and user extras.  bfloat16 and float8 tensors are stored as
+integers of the same width with a ``dtype`` attribute.  No pickle is involved.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any, Mapping, Optional, Union
+
+import numpy as np
+import torch
+
+import hvps.checkpoint as _core
+from hvps.checkpoint_format import CheckpointError, logical_dtype
+
+_VIA_INT = {  # torch dtypes numpy lacks: (same-width torch integer, ml_dtypes name)
+    torch.bfloat16: (torch.int16, "bfloat16"),
+    torch.float8_e4m3fn: (torch.uint8, "float8_e4m3fn"),
+    torch.float8_e5m2: (torch.uint8, "float8_e5m2"),
+}
+_FROM_ML = {name: (tdt, via) for tdt, (via, name) in _VIA_INT.items()}
+
+
+def tensor_to_array(tensor: torch.Tensor, where: str = "tensor") -> np.ndarray:
+    """A CPU numpy array with the tensor's bytes (bfloat16 via ``view(torch.int16)``)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_sparse or t.layout != torch.strided or t.is_quantized:
+        raise CheckpointError(f"{where}: only dense tensors can be stored (got layout {t.layout})")
+    t = t.contiguous()
+    if t.dtype in _VIA_INT:
+        via, name = _VIA_INT[t.dtype]
+        return t.view(via).numpy().view(logical_dtype(name, where))
+    try:
+        return t.numpy()
+    except TypeError as exc:
+        raise CheckpointError(f"{where}: tensors of dtype {t.dtype} cannot be stored") from exc
+
+
+def array_to_tensor(array: np.ndarray) -> torch.Tensor:
+    """The inverse of :func:`tensor_to_array` (shares memory with ``array``)."""
+    name = array.dtype.name
+    if name in _FROM_ML:
+        tdt, via = _FROM_ML[name]
+        ints = np.dtype(torch.empty(0, dtype=via).numpy().dtype)
+        return torch.from_numpy(array.view(ints)).view(tdt)
+    return torch.from_numpy(array)
+
+
+def _to_neutral(value: Any, where: str) -> Any:
+    """Tensors -> arrays inside nested mappings; other values untouched."""
+    if isinstance(value, torch.Tensor):
+        return tensor_to_array(value, where)
+    if isinstance(value, Mapping):
+        return {str(k): _to_neutral(v, f"{where}.{k}") for k, v in value.items()}
+    return value
+
+
+# ----------------------------------------------------------------------------- model
+def model_state(model: Union[torch.nn.Module, Mapping]) -> dict:
+    sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    return {k: tensor_to_array(v, f"model.{k}") if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+
+
+def check_model(model: torch.nn.Module, saved: Mapping, path: Any) -> list:
+    """Problems (missing / unexpected keys, shape and dtype mismatches) of loading ``saved``."""
+    current = model.state_dict()
+    problems = []
+    for k in current:
+        if k not in saved:
+            problems.append(f"missing in checkpoint: model.{k}")
+    for k, v in saved.items():
+        if k not in current:
+            problems.append(f"unexpected in checkpoint: model.{k}")
+            continue
+        cur = current[k]
+        if isinstance(v, np.ndarray) and isinstance(cur, torch.Tensor):
+            if tuple(cur.shape) != v.shape:
+                problems.append(f"shape mismatch: model.{k}: checkpoint {list(v.shape)}, model {list(cur.shape)}")
+            elif array_to_tensor(v).dtype != cur.dtype:
+                problems.append(f"dtype mismatch: model.{k}: checkpoint {v.dtype.name}, model {cur.dtype}")
+    return problems
+
+
+def apply_model(model: torch.nn.Module, saved: Mapping, strict: bool, path: Any) -> None:
+    problems = check_model(model, saved, path)
+    if problems and strict:
+        raise CheckpointError("the checkpoint does not fit this model (strict=True)", path, problems)
+    if problems:
+        warnings.warn(f"{path}: loading what fits; skipped: " + "; ".join(problems), RuntimeWarning, stacklevel=3)
+    current = model.state_dict()
+    state = {}
+    for k, v in saved.items():
+        if k not in current:
+            continue
+        if isinstance(v, np.ndarray):
+            t = array_to_tensor(v)
+            if tuple(t.shape) != tuple(current[k].shape) or t.dtype != current[k].dtype:
+                continue
+            state[k] = t
+        else:
+            state[k] = v
+    model.load_state_dict(state, strict=False)
+
+
+# ----------------------------------------------------------------------------- optimizer
+def optimizer_state(optimizer: Union[torch.optim.Optimizer, Mapping]) -> dict:
+    is_opt = isinstance(optimizer, torch.optim.Optimizer)
+    sd = optimizer.state_dict() if is_opt else optimizer
+    inner = getattr(optimizer, "_inner", optimizer)
+    out = {
+        "param_groups": sd["param_groups"],
+        "state": {str(k): _to_neutral(dict(v), f"optimizer.state.{k}") for k, v in sd["state"].items()},
+    }
+    if is_opt:
+        out["class"] = type(inner).__name__
+    for k, v in sd.items():
+        if k not in ("state", "param_groups"):
+            out.setdefault("extra", {})[k] = _to_neutral(v, f"optimizer.{k}")
+    return out
+
+
+def _int_key(k: str) -> Any:
+    return int(k) if k.isdigit() else k
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping) -> list:
+    problems = []
+    inner = getattr(optimizer, "_inner", optimizer)
+    cls = saved.get("class")
+    if cls is not None and cls != type(inner).__name__:
+        problems.append(f"optimizer class: checkpoint {cls}, given {type(inner).__name__}")
+    groups = saved.get("param_groups", [])
+    cur_groups = optimizer.param_groups
+    if len(groups) != len(cur_groups):
+        problems.append(f"optimizer param_groups: checkpoint has {len(groups)}, optimizer {len(cur_groups)}")
+        return problems
+    params = {}
+    for gi, (g, cg) in enumerate(zip(groups, cur_groups)):
+        if len(g["params"]) != len(cg["params"]):
+            problems.append(f"optimizer param_groups[{gi}]: checkpoint has {len(g['params'])} parameters, "
+                            f"optimizer {len(cg['params'])}")
+            continue
+        params.update(zip(g["params"], cg["params"]))
+    for key, st in saved.get("state", {}).items():
+        p = params.get(_int_key(key))
+        if p is None:
+            problems.append(f"optimizer state for parameter {key}, which is in no param_group")
+            continue
+        for name, v in st.items():
+            if isinstance(v, np.ndarray) and v.ndim and tuple(v.shape) != tuple(p.shape):
+                problems.append(f"shape mismatch: optimizer.state.{key}.{name}: checkpoint {list(v.shape)}, "
+                                f"parameter {list(p.shape)}")
+    return problems
+
+
+def apply_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping, path: Any) -> None:
+    problems = check_optimizer(optimizer, saved)
+    if problems:
+        raise CheckpointError("the checkpoint's optimizer state does not fit this optimizer", path, problems)
+    state = {}
+    for key, st in saved.get("state", {}).items():
+        state[_int_key(key)] = {k: (array_to_tensor(v).clone() if isinstance(v, np.ndarray) else v)
+                                for k, v in st.items()}
+    sd = {"state": state, "param_groups": [dict(g) for g in saved["param_groups"]]}
+    for k, v in saved.get("extra", {}).items():
+        sd[k] = v
+    optimizer.load_state_dict(sd)
+
+
+# ----------------------------------------------------------------------------- RNG
+def rng_state() -> dict:
+    """This process's torch (CPU, CUDA), numpy (global) and Python ``random`` states."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    out = {
+        "torch": tensor_to_array(torch.get_rng_state(), "rng.torch"),
+        "numpy": {"kind": str(kind), "keys": np.asarray(keys, dtype=np.uint32), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": {"version": int(version), "state": np.asarray(internal, dtype=np.uint64),
+                   "gauss_next": gauss_next},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = {str(i): tensor_to_array(s, f"rng.cuda.{i}") for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    return out
+
+
+def set_rng_state(saved: Mapping) -> None:
+    if "torch" in saved:
+        torch.set_rng_state(torch.from_numpy(np.array(saved["torch"], dtype=np.uint8)))
+    if "numpy" in saved:
+        n = saved["numpy"]
+        np.random.set_state((n["kind"], np.array(n["keys"], dtype=np.uint32), int(n["pos"]),
+                             int(n["has_gauss"]), float(n["cached_gaussian"])))
+    if "python" in saved:
+        p = saved["python"]
+        random.setstate((int(p["version"]), tuple(int(x) for x in p["state"]), p["gauss_next"]))
+    if "cuda" in saved and torch.cuda.is_available():
+        states = [torch.from_numpy(np.array(saved["cuda"][k], dtype=np.uint8))
+                  for k in sorted(saved["cuda"], key=int)]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+        else:
+            warnings.warn(f"checkpoint has CUDA RNG states for {len(states)} devices, this process sees "
+                          f"{torch.cuda.device_count()}: CUDA RNG left as is", RuntimeWarning, stacklevel=3)
+
+
+# ----------------------------------------------------------------------------- manager
+class CheckpointManager(_core.CheckpointManager):
+    """:class:`hvps.checkpoint.CheckpointManager` that takes torch modules and optimizers.
+
+    ``save(epoch, model=module, optimizer=opt, extra=..., compression_state=..., step=...,
+    rng=True)`` and ``load(version="latest", model=module, optimizer=opt)`` (returns the
+    epoch to resume from: saved epoch + 1, or 0 when there is no checkpoint).  After
+    ``load``, ``self.loaded`` holds the :class:`hvps.checkpoint.Checkpoint` (numpy views;
+    ``compression_state`` converted to tensors).
+    """
+
+    framework = "torch"
+
+    def framework_version(self) -> str:
+        return torch.__version__
+
+    def save(self, epoch: int, model: Any = None, optimizer: Any = None, extra: Optional[Mapping] = None,
+             compression_state: Any = None, step: Optional[int] = None, rng: Any = True):
+        """Save ``epoch`` on rank 0 (collective). ``rng=True`` captures this rank's RNG
+        states, ``False`` none, a mapping is stored as given.  ``compression_state`` is a
+        mapping name -> tensor, or an object with ``state_dict()``."""
+        if compression_state is not None and hasattr(compression_state, "state_dict"):
+            compression_state = compression_state.state_dict()
+        if rng is True:
+            rng = rng_state()
+        elif rng is False:
+            rng = None
+        return super().save(
+            epoch,
+            model=None if model is None else model_state(model),
+            optimizer=None if optimizer is None else optimizer_state(optimizer),
+            extra=None if extra is None else _to_neutral(extra, "extra"),
+            compression_state=None if compression_state is None else _to_neutral(compression_state, "compression"),
+            step=step, rng=None if rng is None else _to_neutral(rng, "rng"))
+
+    def load(self, version: Union[str, int] = "latest", drop_compression_state: bool = False, *,
+             model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
+             compression: Any = None, restore_rng: bool = True, strict: bool = True) -> int:
+        """Load a version on every rank and restore ``model`` / ``optimizer`` (and this
+        rank's RNG states unless ``restore_rng=False``) in place; collective.
+
+        Before anything is changed, the checkpoint is compared with the model and the
+        optimizer: missing or unexpected keys and shape or dtype mismatches raise one
+        CheckpointError listing them all (``strict=False`` loads what fits and warns).
+        ``compression``, an object with ``load_state_dict``, receives this rank's saved
+        compression state.  Returns the saved epoch + 1, or 0 when there is nothing to load.
+        """
+        start = super().load(version, drop_compression_state=drop_compression_state)
+        ck = self.loaded
+        if ck is None:
+            return start
+        ck.compression_state = {k: (array_to_tensor(v) if isinstance(v, np.ndarray) else v)
+                                for k, v in ck.compression_state.items()}
+        problems = []
+        if model is not None:
+            problems += [p for p in check_model(model, ck.model, ck.path)] if strict else []
+        if optimizer is not None:
+            problems += check_optimizer(optimizer, ck.optimizer) if ck.optimizer else \
+                ["the checkpoint holds no optimizer state"]
+        if problems:
+            raise CheckpointError("the checkpoint does not fit the given model/optimizer", ck.path, problems)
+        if model is not None:
+            apply_model(model, ck.model, strict, ck.path)
+        if optimizer is not None:
+            apply_optimizer(optimizer, ck.optimizer, ck.path)
+        if compression is not None:
+            compression.load_state_dict(ck.compression_state)
+        if restore_rng and ck.rng is not None:
+            set_rng_state(ck.rng)
+        return start
+
+
+__all__ = ["CheckpointManager", "CheckpointError", "tensor_to_array", "array_to_tensor", "rng_state", "set_rng_state"]
