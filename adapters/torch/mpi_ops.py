@@ -9,7 +9,7 @@ import torch
 import hvps
 from hvps import ReduceOp
 
-from .compression import Compression
+from .compression import Compression, compress_tensor, decompress_tensor
 from .tensors import from_numpy, host_buffer, to_numpy
 
 Average, Sum, Min, Max, Product = hvps.Average, hvps.Sum, hvps.Min, hvps.Max, hvps.Product
@@ -127,9 +127,9 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
               postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks (differentiable); ``compression`` applies on the wire."""
     _check_process_set(process_set)
-    compressed, ctx = compression.compress(tensor)
+    compressed, ctx = compress_tensor(compression, tensor)
     summed = _Allreduce.apply(compressed, name, _resolve_op(average, op), prescale_factor, postscale_factor)
-    return compression.decompress(summed, ctx)
+    return decompress_tensor(compression, summed, ctx)
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -143,10 +143,10 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                       compression=Compression.none, op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = None) -> list:
     """Reduce several tensors as one fused collective."""
-    pairs = [compression.compress(t) for t in tensors]
+    pairs = [compress_tensor(compression, t) for t in tensors]
     outs = grouped_allreduce_async([p[0] for p in pairs], average, name, op, prescale_factor, postscale_factor,
                                    process_set).wait()
-    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+    return [decompress_tensor(compression, o, ctx) for o, (_, ctx) in zip(outs, pairs)]
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
@@ -259,9 +259,9 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=
                   op: ReduceOp = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                   process_set: Any = None) -> torch.Tensor:
     """Reduce ``tensor`` over ranks and return this rank's block of dim 0."""
-    compressed, ctx = compression.compress(tensor)
+    compressed, ctx = compress_tensor(compression, tensor)
     out = reducescatter_async(compressed, name, op, prescale_factor, postscale_factor, process_set).wait()
-    return compression.decompress(out, ctx)
+    return decompress_tensor(compression, out, ctx)
 
 
 def join(device: int = -1) -> int:

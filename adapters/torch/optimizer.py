@@ -16,8 +16,9 @@ import torch
 import hvps
 from hvps import HvpsError
 
-from .compression import Compression
-from .mpi_ops import Average, allgather_async, allreduce_async_, grouped_allreduce_async_
+from .compression import Compression, as_gradient_compression, compress_tensor, decompress_tensor
+from .mpi_ops import Average, Sum, allgather_async, grouped_allreduce_async_
+from .tensors import from_numpy, host_buffer, to_numpy
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -28,13 +29,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
-                 compression=Compression.none, backward_passes_per_step: int = 1, op=Average,
+                 compression: Any = None, backward_passes_per_step: int = 1, op=Average,
                  gradient_predivide_factor: float = 1.0, groups: Any = None, sparse_as_dense: bool = False,
                  process_set: Any = None) -> None:
         if process_set is not None:
             raise NotImplementedError("hvps runs collectives on the global process set only; pass process_set=None")
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
+        if op not in (Average, Sum):
+            raise ValueError(f"DistributedOptimizer reduces gradients with Average or Sum, not {op}")
         if gradient_predivide_factor != 1.0 and op is not Average:
             raise ValueError("gradient_predivide_factor is only defined for op=Average")
         hvps.size()  # raises HvpsError before init
@@ -42,7 +45,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._inner = optimizer
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
-        self._compression = compression
+        self.compression = as_gradient_compression(compression if compression is not None else Compression.none)
+        if groups is not None and not self.compression.summable:
+            raise ValueError(f"groups needs a summable compression (none, fp16, bf16), not {self.compression!r}")
         self._op = op
         self._predivide = gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
@@ -130,9 +135,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._handles[member] = handle
             del self._group_ready[group]
 
-    def _scale_factors(self) -> tuple:
-        return (1.0 / self._predivide, self._predivide) if self._op is Average else (1.0, 1.0)
-
     def _prepare_grad(self, p: torch.Tensor) -> torch.Tensor:
         if p.grad is None:  # not used this step on this rank; other ranks may have a gradient
             p.grad = torch.zeros_like(p)
@@ -147,16 +149,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             grad = grad.coalesce()
             return ("sparse", allgather_async(grad._indices().t().contiguous(), f"{name}.indices"),
                     allgather_async(grad._values(), f"{name}.values"))
-        compressed, ctx = self._compression.compress(grad)
-        pre, post = self._scale_factors()
-        return ("dense", allreduce_async_(compressed, name=name, op=self._op, prescale_factor=pre,
-                                          postscale_factor=post), ctx)
+        buffer = host_buffer(grad)
+        array = to_numpy(buffer)
+        if self._predivide != 1.0:
+            array *= array.dtype.type(1.0 / self._predivide)
+        return ("dense", self.compression.start(array, name, self._op), buffer)
 
     def _allreduce_group_async(self, group: tuple):
-        grads = [self._prepare_grad(p) for p in group]
-        pairs = [self._compression.compress(g) for g in grads]
-        pre, post = self._scale_factors()
+        pairs = [compress_tensor(self.compression, self._prepare_grad(p)) for p in group]
         name = "grad.group." + "+".join(self._names[p] for p in group[:1]) + f".{len(group)}"
+        pre, post = (1.0 / self._predivide, self._predivide) if self._op is Average else (1.0, 1.0)
         handle = grouped_allreduce_async_([c for c, _ in pairs], name=name, op=self._op,
                                           prescale_factor=pre, postscale_factor=post)
         return ("group", handle, [ctx for _, ctx in pairs], group)
@@ -177,11 +179,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     done_groups.add(id(handle))
                     outputs = handle.wait()
                     for member, out, ctx in zip(group, outputs, ctxs):
-                        self._install(member, out, ctx)
+                        self._install(member, decompress_tensor(self.compression, out, ctx))
                 elif pending[0] == "sparse":
                     self._install_sparse(p, pending[1].wait(), pending[2].wait())
                 else:
-                    self._install(p, pending[1].wait(), pending[2])
+                    _, exchange, buffer = pending
+                    result = self.compression.finish(exchange)
+                    if self._predivide != 1.0:
+                        result *= result.dtype.type(self._predivide)
+                    self._install(p, from_numpy(result).view(buffer.shape))
         finally:
             self._handles.clear()
             self._group_ready.clear()
@@ -189,9 +195,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._delay[p] = self.backward_passes_per_step
         self._synchronized = True
 
-    def _install(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
-        grad = self._compression.decompress(output, ctx)
-        if grad.data_ptr() != p.grad.data_ptr():
+    @staticmethod
+    def _install(p: torch.Tensor, grad: torch.Tensor) -> None:
+        if grad.data_ptr() != p.grad.data_ptr() or grad.device != p.grad.device:
             p.grad.copy_(grad)
 
     def _install_sparse(self, p: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
@@ -199,6 +205,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._op is Average:
             summed = summed / hvps.size()
         p.grad = summed
+
+    def compression_stats(self) -> dict:
+        """Bytes sent and received, compression ratio and (de)compression time since the last reset."""
+        return self.compression.stats.as_dict()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell the compression the epoch (DGC's density warm-up)."""
+        self.compression.set_epoch(epoch)
 
     @contextlib.contextmanager
     def skip_synchronize(self):

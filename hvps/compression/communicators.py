@@ -1,0 +1,62 @@
+"""Exchanging payloads: allreduce for summable compressors, allgather for the rest."""
+
+from __future__ import annotations
+
+
+from .. import ops
+from .base import Communicator, Compressor
+
+
+def _bus_factor(size: int) -> float:
+    return 2.0 * (size - 1) / size if size > 1 else 0.0
+
+
+class Allreduce(Communicator):
+    """Sums (or averages) payloads elementwise across ranks, in place; fuses with other allreduces."""
+
+    averages = True
+
+    def start(self, payloads, name, average):
+        op = ops.Average if average else ops.Sum
+        return [ops.allreduce_async(p, op=op, name=f"{name}.{i}", out=p) for i, p in enumerate(payloads)]
+
+    def wait(self, pending):
+        return [handle.wait() for handle in pending]
+
+    def rebuild(self, compressor: Compressor, received, ctx):
+        return compressor.decompress(received, ctx)
+
+    def wire_bytes(self, payloads, size):
+        # A ring allreduce sends and receives 2(n-1)/n of the buffer on every rank.
+        moved = int(sum(p.nbytes for p in payloads) * _bus_factor(size))
+        return moved, moved
+
+
+class Allgather(Communicator):
+    """Concatenates every rank's payloads, then the compressor aggregates them."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def start(self, payloads, name, average):
+        return [ops.allgather_async(p.reshape(-1), name=f"{name}.{i}") for i, p in enumerate(payloads)]
+
+    def wait(self, pending):
+        return [handle.wait() for handle in pending]
+
+    def rebuild(self, compressor: Compressor, received, ctx):
+        return compressor.aggregate(received, ctx, self.size)
+
+    def wire_bytes(self, payloads, size):
+        # Each rank's payload reaches the n-1 others; counted for the sender, and
+        # received from each of them (equal sizes assumed for the receive side).
+        own = sum(p.nbytes for p in payloads)
+        return own * (size - 1), own * (size - 1)
+
+
+def choose(compressor: Compressor, size: int) -> Communicator:
+    """Allreduce when the compressor's payloads are summable, else allgather."""
+    return Allreduce() if compressor.summable else Allgather(size)
+
+
+__all__ = ["Allreduce", "Allgather", "choose"]

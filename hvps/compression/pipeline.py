@@ -1,0 +1,128 @@
+"""``GradientCompression``: one compressor, its memory and communicator, with accounting."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from .. import runtime
+from ..dtypes import ReduceOp
+from .base import Communicator, Compressor, Memory
+from .communicators import choose
+from .memory import NoMemory
+
+
+@dataclass
+class CompressionStats:
+    """What compression cost and saved since the last ``reset()``, for this rank."""
+
+    exchanges: int = 0
+    dense_bytes: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    compress_seconds: float = 0.0
+    decompress_seconds: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Dense bytes a ring allreduce would move over the bytes actually sent."""
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else 1.0
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "ratio": self.ratio}
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+@dataclass
+class Pending:
+    """An exchange in flight: finish it with ``GradientCompression.finish``."""
+
+    name: str
+    communicator_state: Any
+    ctx: Any
+    factor: float
+
+
+class GradientCompression:
+    """Compress, exchange and rebuild gradients; ``Compression.topk(0.01)`` and friends build these.
+
+    ``start(array, name)`` compresses (with error feedback) and starts the
+    exchange; ``finish(pending)`` returns the sum or average over ranks.
+    """
+
+    def __init__(self, name: str, compressor: Compressor, memory: Optional[Memory] = None,
+                 communicator: Optional[Communicator] = None, schedule=None) -> None:
+        self.name = name
+        self.compressor = compressor
+        self.memory = memory or NoMemory()
+        self._communicator = communicator
+        self.schedule = schedule
+        self.stats = CompressionStats()
+
+    @property
+    def summable(self) -> bool:
+        """Whether the payloads are summed by allreduce (and so fuse with other gradients)."""
+        return self.compressor.summable
+
+    def communicator(self) -> Communicator:
+        if self._communicator is None:
+            self._communicator = choose(self.compressor, runtime.size())
+        return self._communicator
+
+    def set_epoch(self, epoch: int) -> None:
+        """Apply the density schedule (DGC warm-up) for ``epoch``."""
+        if self.schedule is not None:
+            self.compressor.density = self.schedule.at(epoch)
+
+    def start(self, array: np.ndarray, name: str, op: ReduceOp = ReduceOp.Average) -> Pending:
+        """Compress ``array`` (with error feedback) and start sending it; ``array`` may be sent as is."""
+        size = runtime.size()
+        self.compressor.check(array)
+        communicator = self.communicator()
+        average = op is ReduceOp.Average
+        started = time.perf_counter()
+        compensated = self.memory.compensate(array, name)
+        prescale = self.compressor.prescale(size) if average else 1.0
+        if prescale != 1.0:
+            compensated = compensated * np.asarray(prescale, dtype=np.float32).astype(compensated.dtype)
+        payloads, ctx = self.compressor.compress(compensated, name)
+        self.memory.update(compensated, name, self.compressor, payloads, ctx)
+        self.stats.compress_seconds += time.perf_counter() - started
+        self._count(array, payloads, size)
+        # Where the communicator averages and nothing was prescaled, it divides in place.
+        in_place = average and prescale == 1.0 and communicator.averages
+        factor = 1.0 if in_place else (1.0 / size if average else 1.0) / prescale
+        return Pending(name, communicator.start(payloads, name, in_place), ctx, factor)
+
+    def _count(self, array: np.ndarray, payloads: list, size: int) -> None:
+        sent, received = self.communicator().wire_bytes(payloads, size)
+        self.stats.exchanges += 1
+        self.stats.dense_bytes += int(array.nbytes * 2 * (size - 1) / size) if size > 1 else 0
+        self.stats.bytes_sent += sent
+        self.stats.bytes_received += received
+
+    def finish(self, pending: Pending) -> np.ndarray:
+        """Wait for the exchange and return the aggregated (summed or averaged) gradient."""
+        communicator = self.communicator()
+        received = communicator.wait(pending.communicator_state)
+        started = time.perf_counter()
+        result = communicator.rebuild(self.compressor, received, pending.ctx)
+        if pending.factor != 1.0:
+            result = result * np.asarray(pending.factor, dtype=np.float32).astype(result.dtype)
+        self.stats.decompress_seconds += time.perf_counter() - started
+        return result
+
+    def state_dict(self) -> dict:
+        """Error-feedback state keyed by tensor name, for checkpoints."""
+        return self.memory.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.memory.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"Compression.{self.name}"
