@@ -1,0 +1,321 @@
+"""Synthetic ResNet-50 training throughput with hvps (after Horovod's
+examples/pytorch/pytorch_synthetic_benchmark.py). Launch under mpirun, e.g.::
+
+    mpirun -np 2 --bind-to none --map-by slot python benchmarks/pytorch_synthetic_benchmark.py \\
+        --threads-per-rank 1 --compare-no-comm --baseline --json out/resnet50.json
+
+Measurements (each iteration = --num-batches-per-iter steps of forward,
+cross-entropy, backward, optimizer step on random data; images/s per rank per
+iteration; 95% CIs use Student's t over iterations):
+
+* distributed (default): ``hvd.DistributedOptimizer``; its exposed
+  communication wait is timed as ``optimizer.synchronize()`` before
+  ``with optimizer.skip_synchronize(): optimizer.step()``, and the
+  communication share is that wait over the step time.
+* --no-comm: only a plain optimizer on all ranks at once (hvps not even
+  initialised): the throughput ceiling under the same CPU contention.
+* --compare-no-comm: distributed and no-comm phases alternate in one launch
+  (A B A B ..., --rounds rounds, two model replicas so no hooks fire in B);
+  reports dist/no-comm images/s as the median over rounds of per-round median
+  ratios (target >= 0.97) and how much of the step-time gap is communication wait.
+* --baseline: afterwards rank 0 alone runs the no-comm workload while the
+  other ranks sleep in a non-spinning barrier; scaling efficiency =
+  total images/s / (ranks * single-rank images/s).
+
+Defaults (batch 32, 224 px, 10 warm-up batches, 10 iterations of 10 batches)
+are Horovod's and are meant for a real cluster; on a small CPU box pass e.g.
+--batch-size 4 --image-size 64 --num-warmup-batches 2 --num-batches-per-iter 2
+--num-iters 3. Logs and JSON come from rank 0 only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import idle_barrier, median, summarize, write_json  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("resnet50",), default="resnet50", help="model to train (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=32, help="images per rank per batch (default: %(default)s)")
+    p.add_argument("--image-size", type=int, default=224, help="square input side in pixels (default: %(default)s)")
+    p.add_argument("--num-classes", type=int, default=1000, help="classifier outputs (default: %(default)s)")
+    p.add_argument("--num-warmup-batches", type=int, default=10,
+                   help="untimed batches before measuring, per model replica (default: %(default)s)")
+    p.add_argument("--num-batches-per-iter", type=int, default=10,
+                   help="batches per timed iteration (default: %(default)s)")
+    p.add_argument("--num-iters", type=int, default=10,
+                   help="timed iterations per measurement (per phase with --compare-no-comm) (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--compare-no-comm: alternating distributed/no-comm rounds (default: %(default)s)")
+    p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16 for the allreduce")
+    p.add_argument("--threads-per-rank", type=int, default=1,
+                   help="torch intra-op and inter-op threads per rank (default: %(default)s)")
+    p.add_argument("--channels-last", action="store_true", help="use torch.channels_last for model and data")
+    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate, scaled by ranks (default: %(default)s)")
+    p.add_argument("--no-comm", action="store_true",
+                   help="plain optimizer on every rank, no communication (contention ceiling)")
+    p.add_argument("--compare-no-comm", action="store_true",
+                   help="alternate distributed and no-comm phases in this launch and report their ratio")
+    p.add_argument("--baseline", action="store_true",
+                   help="also time rank 0 alone (others idle) and report scaling efficiency")
+    p.add_argument("--no-comm-ref", default="",
+                   help="JSON of an earlier --no-comm run to compare the distributed run against")
+    p.add_argument("--json", default="", help="write the results to this JSON file (rank 0)")
+    p.add_argument("--progress", action="store_true", help="tqdm progress bar on rank 0")
+    args = p.parse_args(argv)
+    if args.no_comm and args.compare_no_comm:
+        p.error("--no-comm and --compare-no-comm exclude each other")
+    return args
+
+
+class Trainer:
+    """One model replica with its optimizer; ``step()`` returns
+    (step_s, comm_wait_s, forward_backward_s)."""
+
+    def __init__(self, args: argparse.Namespace, hvd: Any | None, ranks: int) -> None:
+        import torch
+        from torch.nn import functional as F
+
+        from benchmarks.resnet import resnet50
+
+        self.F, self.hvd = F, hvd
+        fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+        self.model = resnet50(num_classes=args.num_classes).to(memory_format=fmt)
+        opt = torch.optim.SGD(self.model.parameters(), lr=args.lr * ranks, momentum=0.9)
+        if hvd is not None:
+            compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+            opt = hvd.DistributedOptimizer(opt, named_parameters=self.model.named_parameters(),
+                                           compression=compression)
+            hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+        self.opt = opt
+        gen = torch.Generator().manual_seed(0)
+        self.data = torch.randn(args.batch_size, 3, args.image_size, args.image_size,
+                                generator=gen).contiguous(memory_format=fmt)
+        self.target = torch.randint(0, args.num_classes, (args.batch_size,), generator=gen)
+
+    def step(self) -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        self.opt.zero_grad()
+        loss = self.F.cross_entropy(self.model(self.data), self.target)
+        loss.backward()
+        fwd_bwd = time.perf_counter() - t0
+        wait = 0.0
+        if self.hvd is not None:
+            tw = time.perf_counter()
+            self.opt.synchronize()
+            wait = time.perf_counter() - tw
+            with self.opt.skip_synchronize():
+                self.opt.step()
+        else:
+            self.opt.step()
+        return time.perf_counter() - t0, wait, fwd_bwd
+
+
+def measure(trainer: Trainer, args: argparse.Namespace, tick: Callable[[str], None]) -> dict[str, list[float]]:
+    """Time ``--num-iters`` iterations on this rank: images/s, step, wait and
+    forward+backward seconds."""
+    img_s, step_s, wait_s, fb_s = [], [], [], []
+    for _ in range(args.num_iters):
+        t0 = time.perf_counter()
+        steps = [trainer.step() for _ in range(args.num_batches_per_iter)]
+        elapsed = time.perf_counter() - t0
+        img_s.append(args.batch_size * args.num_batches_per_iter / elapsed)
+        step_s.append(sum(s[0] for s in steps))
+        wait_s.append(sum(s[1] for s in steps))
+        fb_s.append(sum(s[2] for s in steps))
+        tick(f"{img_s[-1]:.1f} img/s (rank 0)")
+    return {"img_s": img_s, "step_s": step_s, "wait_s": wait_s, "fb_s": fb_s}
+
+
+def combine(per_rank: list[dict[str, list[float]]], args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    """Merge the per-rank lists that rank 0 gathered into one result."""
+    n = len(per_rank)
+    iters = list(zip(*(r["img_s"] for r in per_rank)))
+    step, wait = sum(sum(r["step_s"]) for r in per_rank), sum(sum(r["wait_s"]) for r in per_rank)
+    fwd_bwd = sum(sum(r["fb_s"]) for r in per_rank)
+    steps = n * len(iters) * args.num_batches_per_iter
+    return {"mode": mode, "ranks": n,
+            "per_rank_img_s": summarize(statistics.fmean(it) for it in iters),
+            "total_img_s": summarize(sum(it) for it in iters),
+            "per_rank_mean_img_s": [statistics.fmean(r["img_s"]) for r in per_rank],
+            "step_time_s": step / steps if steps else None,
+            "comm_wait_s_per_step": wait / steps if steps else None,
+            "forward_backward_s_per_step": fwd_bwd / steps if steps else None,
+            "comm_share": wait / step if step else 0.0}
+
+
+def gap_analysis(dist: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, Any]:
+    """How much of the mean step-time gap between no-comm and distributed is the
+    exposed comm wait (both means over all steps of all ranks)."""
+    gap = dist["step_time_s"] - ceiling["step_time_s"]
+    return {"dist_over_no_comm": dist["per_rank_img_s"]["median"] / ceiling["per_rank_img_s"]["median"],
+            "step_time_s": dist["step_time_s"], "no_comm_step_time_s": ceiling["step_time_s"],
+            "step_gap_s": gap, "comm_wait_s_per_step": dist["comm_wait_s_per_step"],
+            "forward_backward_gap_s": (dist["forward_backward_s_per_step"] - ceiling["forward_backward_s_per_step"]
+                                       if "forward_backward_s_per_step" in ceiling else None),
+            "comm_fraction_of_gap": dist["comm_wait_s_per_step"] / gap if gap > 0 else None}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads_per_rank)
+    try:
+        torch.set_num_interop_threads(args.threads_per_rank)
+    except RuntimeError:  # already set or parallel work started
+        pass
+    from mpi4py import MPI
+    from tqdm import tqdm
+
+    comm = MPI.COMM_WORLD.Dup()  # private communicator for the harness's own sync
+    rank, size = comm.Get_rank(), comm.Get_size()
+    hvd = None
+    if not args.no_comm:
+        import hvps.adapters.torch as hvd
+        hvd.init()
+        assert hvd.size() == size and hvd.rank() == rank, "hvps and MPI disagree on rank/size"
+
+    phases = args.rounds * 2 if args.compare_no_comm else 1
+    total = args.num_iters * (phases + int(args.baseline and rank == 0))
+    bar = tqdm(total=total, disable=not (args.progress and rank == 0), unit="iter", file=sys.stderr)
+
+    done = [0]
+
+    def tick(msg: str) -> None:
+        done[0] += 1
+        bar.update(1)
+        if args.progress:
+            bar.set_postfix_str(msg)
+        elif rank == 0:
+            print(f"Iter #{done[0]}: {msg}", flush=True)
+
+    def log(*a: Any) -> None:
+        if rank == 0:
+            (tqdm.write if args.progress else print)(" ".join(str(x) for x in a))
+            sys.stdout.flush()
+
+    log(f"Model: {args.model}, batch size {args.batch_size}, image size {args.image_size}, "
+        f"ranks {size}, threads per rank {args.threads_per_rank}, fp16 allreduce {args.fp16_allreduce}, "
+        f"channels_last {args.channels_last}")
+    dist = Trainer(args, hvd, size) if hvd is not None else None
+    local = Trainer(args, None, size) if (args.no_comm or args.compare_no_comm or args.baseline) else None
+    for trainer in (dist, local):
+        if trainer is not None:
+            for _ in range(args.num_warmup_batches):
+                trainer.step()
+
+    def phase(trainer: Trainer, mode: str) -> dict[str, Any] | None:
+        comm.Barrier()
+        gathered = comm.gather(measure(trainer, args, tick), root=0)
+        return combine(gathered, args, mode) if rank == 0 else None
+
+    result: dict[str, Any] = {"benchmark": "pytorch_synthetic", "model": args.model, "ranks": size,
+                              "threads_per_rank": args.threads_per_rank, "batch_size": args.batch_size,
+                              "image_size": args.image_size, "num_batches_per_iter": args.num_batches_per_iter,
+                              "num_iters": args.num_iters, "fp16_allreduce": args.fp16_allreduce,
+                              "channels_last": args.channels_last}
+    if args.compare_no_comm:
+        rounds = []
+        for r in range(args.rounds):
+            a, b = phase(dist, "distributed"), phase(local, "no_comm")
+            if rank == 0:
+                ratio = a["per_rank_img_s"]["median"] / b["per_rank_img_s"]["median"]
+                rounds.append({"distributed": a, "no_comm": b, "ratio": ratio})
+                log(f"Round {r + 1}/{args.rounds}: distributed {a['per_rank_img_s']['median']:.2f}, "
+                    f"no-comm {b['per_rank_img_s']['median']:.2f} img/s per rank, ratio {ratio:.3f}")
+        if rank == 0:
+            main_res = _pool([x["distributed"] for x in rounds], "distributed")
+            ceiling = _pool([x["no_comm"] for x in rounds], "no_comm")
+            ratios = [x["ratio"] for x in rounds]
+            result.update(distributed=main_res, no_comm=ceiling, rounds=rounds,
+                          dist_over_no_comm={"median_of_round_ratios": median(ratios), "per_round": ratios,
+                                             "target": 0.97},
+                          gap=gap_analysis(main_res, ceiling))
+    else:
+        main_res = phase(local if args.no_comm else dist, "no_comm" if args.no_comm else "distributed")
+        if rank == 0:
+            result[main_res["mode"]] = main_res
+            if args.no_comm_ref and not args.no_comm:
+                ref = json.loads(Path(args.no_comm_ref).read_text())["no_comm"]
+                result["no_comm_ref"] = ref
+                result["gap"] = gap_analysis(main_res, ref)
+
+    if args.baseline:
+        comm.Barrier()
+        if rank == 0:
+            single = combine([measure(local, args, tick)], args, "single_rank")
+            result["single_rank"] = single
+            result["scaling_efficiency"] = (main_res["total_img_s"]["median"]
+                                            / (size * single["per_rank_img_s"]["median"]))
+            if "no_comm" in result and not args.no_comm:
+                result["no_comm_scaling_efficiency"] = (result["no_comm"]["total_img_s"]["median"]
+                                                        / (size * single["per_rank_img_s"]["median"]))
+        idle_barrier(comm)
+    bar.close()
+
+    if rank == 0:
+        _summary(result, main_res, log)
+        write_json(args.json, result)
+        print(json.dumps(result, default=float), flush=True)
+    if hvd is not None and hasattr(hvd, "shutdown"):
+        hvd.shutdown()
+    comm.Free()
+    return result if rank == 0 else None
+
+
+def _pool(results: list[dict[str, Any]], mode: str) -> dict[str, Any]:
+    """Pool several phase results of one mode (per-iteration data is not kept, so
+    pool the per-phase means; CI is over phases)."""
+    per_rank = summarize(r["per_rank_img_s"]["median"] for r in results)
+    total = summarize(r["total_img_s"]["median"] for r in results)
+    step = statistics.fmean(r["step_time_s"] for r in results)
+    wait = statistics.fmean(r["comm_wait_s_per_step"] for r in results)
+    fwd_bwd = statistics.fmean(r["forward_backward_s_per_step"] for r in results)
+    return {"mode": mode, "ranks": results[0]["ranks"], "pooled_over_rounds": len(results),
+            "per_rank_img_s": per_rank, "total_img_s": total, "step_time_s": step,
+            "comm_wait_s_per_step": wait, "forward_backward_s_per_step": fwd_bwd,
+            "comm_share": wait / step if step else 0.0}
+
+
+def _summary(result: dict[str, Any], main_res: dict[str, Any], log: Callable[..., None]) -> None:
+    """Human-readable closing lines (rank 0)."""
+    def ci(s: dict[str, Any]) -> str:
+        half = s.get("ci_half_width")
+        return f"{s['mean']:.2f} +-{half:.2f} (95% CI)" if half is not None else f"{s['mean']:.2f}"
+
+    n = result["ranks"]
+    label = "no-comm" if main_res["mode"] == "no_comm" else "distributed"
+    log(f"Img/sec per rank ({label}): {ci(main_res['per_rank_img_s'])}")
+    log(f"Total img/sec on {n} rank(s): {ci(main_res['total_img_s'])}")
+    if main_res["mode"] == "distributed":
+        log(f"Communication share of step time: {100 * main_res['comm_share']:.1f}% "
+            f"({1e3 * main_res['comm_wait_s_per_step']:.1f} ms exposed wait per step)")
+    if "dist_over_no_comm" in result:
+        d = result["dist_over_no_comm"]
+        log(f"Distributed / no-comm img/sec: {d['median_of_round_ratios']:.3f} (median of "
+            f"{len(d['per_round'])} rounds; target >= 0.97)")
+    if result.get("gap", {}).get("comm_fraction_of_gap") is not None:
+        g = result["gap"]
+        fb = g["forward_backward_gap_s"]
+        log(f"Communication wait explains {100 * g['comm_fraction_of_gap']:.0f}% of the "
+            f"{1e3 * g['step_gap_s']:.1f} ms step-time gap to no-comm"
+            + (f" (forward+backward is {1e3 * fb:.1f} ms slower than in no-comm)" if fb is not None else ""))
+    if "single_rank" in result:
+        log(f"Single-rank img/sec: {ci(result['single_rank']['per_rank_img_s'])}")
+        log(f"Scaling efficiency: {100 * result['scaling_efficiency']:.1f}%")
+        if "no_comm_scaling_efficiency" in result:
+            log(f"No-comm scaling efficiency (contention only): {100 * result['no_comm_scaling_efficiency']:.1f}%")
+
+
+if __name__ == "__main__":
+    main()
