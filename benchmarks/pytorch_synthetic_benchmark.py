@@ -55,7 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="timed iterations per measurement (per phase with --compare-no-comm) (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3,
                    help="--compare-no-comm: alternating distributed/no-comm rounds (default: %(default)s)")
-    p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16 for the allreduce")
+    p.add_argument("--fp16-allreduce", action="store_true",
+                   help="compress gradients to fp16 for the allreduce (Horovod's flag; same as --compression fp16)")
+    p.add_argument("--compression", choices=("none", "fp16", "bf16", "int8", "topk", "dgc"), default="none",
+                   help="gradient compression: casts, 8-bit quantisation, top-k with error feedback, or DGC "
+                        "(default: %(default)s)")
+    p.add_argument("--density", type=float, default=0.01,
+                   help="fraction of gradient entries top-k and DGC send, in (0, 1] (default: %(default)s)")
     p.add_argument("--threads-per-rank", type=int, default=1,
                    help="torch intra-op and inter-op threads per rank (default: %(default)s)")
     p.add_argument("--channels-last", action="store_true", help="use torch.channels_last for model and data")
@@ -73,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.no_comm and args.compare_no_comm:
         p.error("--no-comm and --compare-no-comm exclude each other")
+    if args.fp16_allreduce:
+        if args.compression not in ("none", "fp16"):
+            p.error("--fp16-allreduce and --compression exclude each other; use --compression fp16")
+        args.compression = "fp16"
+    if not 0 < args.density <= 1:
+        p.error(f"--density must be in (0, 1], got {args.density}")
     return args
 
 
@@ -89,11 +101,16 @@ class Trainer:
         self.F, self.hvd = F, hvd
         fmt = torch.channels_last if args.channels_last else torch.contiguous_format
         self.model = resnet50(num_classes=args.num_classes).to(memory_format=fmt)
-        opt = torch.optim.SGD(self.model.parameters(), lr=args.lr * ranks, momentum=0.9)
+        # DGC applies momentum itself (momentum correction), so its optimizer has none.
+        momentum = 0.0 if (hvd is not None and args.compression == "dgc") else 0.9
+        opt = torch.optim.SGD(self.model.parameters(), lr=args.lr * ranks, momentum=momentum)
         if hvd is not None:
-            compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+            from hvps import compression
+
+            options = {"density": args.density, "warmup": ()} if args.compression == "dgc" else (
+                {"density": args.density} if args.compression == "topk" else {})
             opt = hvd.DistributedOptimizer(opt, named_parameters=self.model.named_parameters(),
-                                           compression=compression)
+                                           compression=compression.create(args.compression, **options))
             hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
             hvd.broadcast_optimizer_state(opt, root_rank=0)
         self.opt = opt
@@ -143,7 +160,8 @@ def combine(per_rank: list[dict[str, list[float]]], args: argparse.Namespace, mo
     step, wait = sum(sum(r["step_s"]) for r in per_rank), sum(sum(r["wait_s"]) for r in per_rank)
     fwd_bwd = sum(sum(r["fb_s"]) for r in per_rank)
     steps = n * len(iters) * args.num_batches_per_iter
-    return {"mode": mode, "ranks": n,
+    wire = _wire(per_rank, steps // n if n else 0)
+    return {"mode": mode, "ranks": n, **wire,
             "per_rank_img_s": summarize(statistics.fmean(it) for it in iters),
             "total_img_s": summarize(sum(it) for it in iters),
             "per_rank_mean_img_s": [statistics.fmean(r["img_s"]) for r in per_rank],
@@ -151,6 +169,22 @@ def combine(per_rank: list[dict[str, list[float]]], args: argparse.Namespace, mo
             "comm_wait_s_per_step": wait / steps if steps else None,
             "forward_backward_s_per_step": fwd_bwd / steps if steps else None,
             "comm_share": wait / step if step else 0.0}
+
+
+def _wire(per_rank: list[dict[str, Any]], steps_per_rank: int) -> dict[str, Any]:
+    """Bytes each rank sent and received per step, and compression time, averaged over ranks."""
+    stats = [r["compression"] for r in per_rank if "compression" in r]
+    if not stats or not steps_per_rank:
+        return {}
+
+    def per_step(key: str) -> float:
+        return statistics.fmean(s[key] for s in stats) / steps_per_rank
+
+    return {"bytes_sent_per_step": per_step("bytes_sent"), "bytes_received_per_step": per_step("bytes_received"),
+            "dense_bytes_per_step": per_step("dense_bytes"),
+            "compression_ratio": statistics.fmean(s["ratio"] for s in stats),
+            "compress_s_per_step": per_step("compress_seconds"),
+            "decompress_s_per_step": per_step("decompress_seconds")}
 
 
 def gap_analysis(dist: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, Any]:
@@ -205,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             sys.stdout.flush()
 
     log(f"Model: {args.model}, batch size {args.batch_size}, image size {args.image_size}, "
-        f"ranks {size}, threads per rank {args.threads_per_rank}, fp16 allreduce {args.fp16_allreduce}, "
+        f"ranks {size}, threads per rank {args.threads_per_rank}, compression {args.compression}, "
         f"channels_last {args.channels_last}")
     dist = Trainer(args, hvd, size) if hvd is not None else None
     local = Trainer(args, None, size) if (args.no_comm or args.compare_no_comm or args.baseline) else None
@@ -216,13 +250,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
     def phase(trainer: Trainer, mode: str) -> dict[str, Any] | None:
         comm.Barrier()
-        gathered = comm.gather(measure(trainer, args, tick), root=0)
+        stats = getattr(trainer.opt, "compression", None)
+        if stats is not None:
+            stats.stats.reset()
+        timings = measure(trainer, args, tick)
+        if stats is not None:
+            timings["compression"] = stats.stats.as_dict()
+        gathered = comm.gather(timings, root=0)
         return combine(gathered, args, mode) if rank == 0 else None
 
     result: dict[str, Any] = {"benchmark": "pytorch_synthetic", "model": args.model, "ranks": size,
                               "threads_per_rank": args.threads_per_rank, "batch_size": args.batch_size,
                               "image_size": args.image_size, "num_batches_per_iter": args.num_batches_per_iter,
-                              "num_iters": args.num_iters, "fp16_allreduce": args.fp16_allreduce,
+                              "num_iters": args.num_iters, "compression": args.compression,
+                              "density": args.density if args.compression in ("topk", "dgc") else None,
                               "channels_last": args.channels_last}
     if args.compare_no_comm:
         rounds = []
@@ -281,7 +322,12 @@ def _pool(results: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     step = statistics.fmean(r["step_time_s"] for r in results)
     wait = statistics.fmean(r["comm_wait_s_per_step"] for r in results)
     fwd_bwd = statistics.fmean(r["forward_backward_s_per_step"] for r in results)
-    return {"mode": mode, "ranks": results[0]["ranks"], "pooled_over_rounds": len(results),
+    wire_keys = [k for k in results[0] if k.endswith("_per_step") and k.startswith(("bytes", "dense", "compress",
+                                                                                     "decompress"))]
+    wire = {k: statistics.fmean(r[k] for r in results) for k in wire_keys}
+    if "compression_ratio" in results[0]:
+        wire["compression_ratio"] = statistics.fmean(r["compression_ratio"] for r in results)
+    return {"mode": mode, "ranks": results[0]["ranks"], "pooled_over_rounds": len(results), **wire,
             "per_rank_img_s": per_rank, "total_img_s": total, "step_time_s": step,
             "comm_wait_s_per_step": wait, "forward_backward_s_per_step": fwd_bwd,
             "comm_share": wait / step if step else 0.0}
@@ -300,6 +346,11 @@ def _summary(result: dict[str, Any], main_res: dict[str, Any], log: Callable[...
     if main_res["mode"] == "distributed":
         log(f"Communication share of step time: {100 * main_res['comm_share']:.1f}% "
             f"({1e3 * main_res['comm_wait_s_per_step']:.1f} ms exposed wait per step)")
+        if "bytes_sent_per_step" in main_res:
+            log(f"Bytes sent per step and rank: {main_res['bytes_sent_per_step'] / 2**20:.2f} MiB "
+                f"({main_res['compression_ratio']:.1f}x fewer than dense), compress "
+                f"{1e3 * main_res['compress_s_per_step']:.1f} ms, decompress "
+                f"{1e3 * main_res['decompress_s_per_step']:.1f} ms per step")
     if "dist_over_no_comm" in result:
         d = result["dist_over_no_comm"]
         log(f"Distributed / no-comm img/sec: {d['median_of_round_ratios']:.3f} (median of "

@@ -1,10 +1,17 @@
-"""Explicit chunked ring all-reduce over point-to-point messages.
+"""hvps's own allreduce over point-to-point messages, bandwidth-optimal and deterministic.
 
-Reduce-scatter then allgather, as in Patarasuk & Yuan (2009) and Baidu's ring
-all-reduce: each rank sends and receives ``2 (n-1)/n`` of the buffer, whatever
-the number of ranks. Local contributions are read from ``sendbuf`` so that an
-out-of-place call needs no extra copy; every element's final value is computed
-on exactly one rank and copied to the others, so all ranks end bit-identical.
+Two phases, each moving ``(n-1)/n`` of the buffer per rank, as the ring
+all-reduce does (Patarasuk & Yuan, 2009):
+
+1. reduce-scatter by pairwise exchange: rank ``t`` owns segment ``t`` and
+   receives every other rank's contribution to it; it folds them **in rank
+   order**, so each element's result is the same whatever the buffer layout
+   (fused or not, chunk size, segment bounds);
+2. ring allgather: each owner's reduced segment travels around the ring.
+
+Work is chunked (``chunk_bytes`` per message) so reduction runs on cache-warm
+data and scratch memory stays small. Every rank makes the same number of
+calls in the same order, including zero-length ones, so odd sizes never hang.
 """
 
 from __future__ import annotations
@@ -12,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 
-def _segments(count: int, parts: int) -> list:
-    """Boundaries of ``parts`` nearly equal segments of ``count`` elements."""
+def segments(count: int, parts: int) -> list:
+    """Bounds of ``parts`` nearly equal segments of ``count`` elements (the first ones one longer)."""
     base, extra = divmod(count, parts)
     bounds, start = [], 0
     for i in range(parts):
@@ -23,52 +30,53 @@ def _segments(count: int, parts: int) -> list:
     return bounds
 
 
-def ring_allreduce(comm, sendbuf: np.ndarray, recvbuf: np.ndarray, ufunc, to_wire, chunk_bytes: int) -> None:
-    """Reduce 1-D ``sendbuf`` over ``comm`` into ``recvbuf`` with ``ufunc``.
+def _window(bound: tuple, offset: int, chunk: int) -> slice:
+    lo, hi = bound
+    return slice(min(lo + offset, hi), min(lo + offset + chunk, hi))
 
-    ``to_wire(array)`` turns a slice into an MPI buffer spec; ``chunk_bytes`` bounds
-    each message so that the reduction works on cache-warm data.
+
+def ring_allreduce(comm, sendbuf: np.ndarray, recvbuf: np.ndarray, ufunc, to_wire, chunk_bytes: int) -> None:
+    """Reduce 1-D ``sendbuf`` over ``comm`` into ``recvbuf`` (may be the same array) with ``ufunc``.
+
+    ``ufunc(a, b, out=)`` folds two contributions; ``to_wire(array)`` turns a
+    slice into an MPI buffer spec.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1 or recvbuf.size == 0:
-        if recvbuf is not sendbuf:
+        if recvbuf.ctypes.data != sendbuf.ctypes.data:
             recvbuf[...] = sendbuf
         return
+    bounds = segments(recvbuf.size, size)
+    longest = bounds[0][1] - bounds[0][0]
+    chunk = max(1, min(chunk_bytes // recvbuf.itemsize, longest))
+    rounds = -(-longest // chunk)
+    scratch = np.empty((size, chunk), dtype=recvbuf.dtype)
+    mine = bounds[rank]
+    # In place, a rank after the first two would read its own data after the
+    # partial sum overwrote it: keep a copy of it then.
+    copy_own = rank >= 2 and recvbuf.ctypes.data == sendbuf.ctypes.data
+
+    for r in range(rounds):  # reduce-scatter, rank-ordered folding
+        offset = r * chunk
+        own = _window(mine, offset, chunk)
+        n = own.stop - own.start
+        for step in range(1, size):
+            to, source = (rank + step) % size, (rank - step) % size
+            comm.Sendrecv(to_wire(sendbuf[_window(bounds[to], offset, chunk)]), to, 0,
+                          to_wire(scratch[source, :n]), source, 0)
+        if n:
+            if copy_own:
+                scratch[rank, :n] = sendbuf[own]
+            terms = [sendbuf[own] if q == rank and not copy_own else scratch[q, :n] for q in range(size)]
+            ufunc(terms[0], terms[1], out=recvbuf[own])
+            for term in terms[2:]:
+                ufunc(recvbuf[own], term, out=recvbuf[own])
+
     right, left = (rank + 1) % size, (rank - 1) % size
-    segments = _segments(recvbuf.size, size)
-    chunk = max(1, chunk_bytes // recvbuf.itemsize)
-    scratch = np.empty(min(chunk, segments[0][1] - segments[0][0]) or 1, dtype=recvbuf.dtype)
-
-    for step in range(size - 1):  # reduce-scatter
-        send_lo, send_hi = segments[(rank - step) % size]
-        recv_lo, recv_hi = segments[(rank - step - 1) % size]
-        source = sendbuf if step == 0 else recvbuf
-        _exchange(comm, right, left, source, send_lo, send_hi, recv_lo, recv_hi, chunk,
-                  lambda lo, hi, n: ufunc(sendbuf[lo:hi], scratch[:n], out=recvbuf[lo:hi]),
-                  scratch, to_wire)
-    for step in range(size - 1):  # allgather
-        send_lo, send_hi = segments[(rank + 1 - step) % size]
-        recv_lo, recv_hi = segments[(rank - step) % size]
-        _exchange(comm, right, left, recvbuf, send_lo, send_hi, recv_lo, recv_hi, chunk, None, recvbuf, to_wire)
-
-
-def _exchange(comm, right, left, source, send_lo, send_hi, recv_lo, recv_hi, chunk, reduce, target, to_wire):
-    """Send ``source[send_lo:send_hi]`` right while receiving ``recv_lo:recv_hi`` from the left.
-
-    With ``reduce``, each received chunk lands in ``target`` (the scratch buffer)
-    and is folded in at once; without it, it lands in ``target`` at its place.
-    """
-    send_len, recv_len = send_hi - send_lo, recv_hi - recv_lo
-    offset = 0
-    while offset < max(send_len, recv_len):
-        s_n = max(0, min(chunk, send_len - offset))
-        r_n = max(0, min(chunk, recv_len - offset))
-        send = source[send_lo + offset : send_lo + offset + s_n]
-        if reduce is None:
-            recv = target[recv_lo + offset : recv_lo + offset + r_n]
-        else:
-            recv = target[:r_n]
-        comm.Sendrecv(to_wire(send), right, 0, to_wire(recv), left, 0)
-        if reduce is not None and r_n:
-            reduce(recv_lo + offset, recv_lo + offset + r_n, r_n)
-        offset += chunk
+    for step in range(size - 1):  # ring allgather of the reduced segments
+        send_bound = bounds[(rank - step) % size]
+        recv_bound = bounds[(rank - step - 1) % size]
+        for r in range(rounds):
+            offset = r * chunk
+            comm.Sendrecv(to_wire(recvbuf[_window(send_bound, offset, chunk)]), right, 1,
+                          to_wire(recvbuf[_window(recv_bound, offset, chunk)]), left, 1)

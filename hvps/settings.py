@@ -30,7 +30,7 @@ class Settings:
     fusion_threshold: int = 64 * 1024 * 1024
     cycle_time_ms: float = 1.0
     stall_check_seconds: float = 60.0
-    algorithm: str = "mpi"
+    algorithm: str = "ring"
     ring_chunk_bytes: int = 4 * 1024 * 1024
 
     @classmethod

@@ -38,6 +38,13 @@ class Compressor(abc.ABC):
             total += self.decompress([part[rank] for part in parts], ctx)
         return total
 
+    def residual(self, compensated: np.ndarray, payloads: list, ctx: Any) -> np.ndarray:
+        """``compensated - decompress(payloads, ctx)``: what this compression dropped.
+
+        May reuse ``compensated``'s memory (error feedback owns that copy).
+        """
+        return compensated - self.decompress(payloads, ctx)
+
     def prescale(self, size: int) -> float:
         """Factor applied before ``compress`` when averaging (casts use 1/size to avoid overflow)."""
         return 1.0
@@ -88,3 +95,8 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def wire_bytes(self, payloads: list, size: int) -> tuple:
         """``(sent, received)`` bytes of this rank for one exchange of ``payloads``."""
+
+    def received_bytes(self, received: list, own_bytes: int, size: int) -> Any:
+        """Bytes this rank actually received, from what ``wait`` returned (``own_bytes``: its own
+        payloads); None where ``wire_bytes``'s count is exact already."""
+        return None

@@ -48,10 +48,15 @@ class Allgather(Communicator):
         return compressor.aggregate(received, ctx, self.size)
 
     def wire_bytes(self, payloads, size):
-        # Each rank's payload reaches the n-1 others; counted for the sender, and
-        # received from each of them (equal sizes assumed for the receive side).
+        # Each rank's payload reaches the n-1 others; the receive side is an estimate
+        # (equal sizes) until ``received_bytes`` counts what arrived.
         own = sum(p.nbytes for p in payloads)
         return own * (size - 1), own * (size - 1)
+
+    def received_bytes(self, received, own_bytes, size):
+        # Every rank's payloads arrive concatenated, this rank's own included; their sizes
+        # may differ by rank (sampled top-k sends between 0.8k and k entries).
+        return sum(r.nbytes for r in received) - own_bytes
 
 
 def choose(compressor: Compressor, size: int) -> Communicator:

@@ -134,10 +134,16 @@ class TopKCompressor(Compressor):
         dense[indices] = values
         return dense.reshape(ctx.shape)
 
+    def residual(self, compensated, payloads, ctx):
+        # What was sent is exact, so the residual is the input with those entries zeroed.
+        compensated.reshape(-1)[payloads[0]] = 0
+        return compensated
+
     def aggregate(self, gathered, ctx, size):
         indices, values = gathered
-        summed = np.bincount(indices, weights=values.astype(np.float64), minlength=ctx.extra)
-        return summed.astype(ctx.dtype).reshape(ctx.shape)
+        summed = np.zeros(ctx.extra, dtype=ctx.dtype)
+        np.add.at(summed, indices, values)  # in rank order: every rank gets the same bits
+        return summed.reshape(ctx.shape)
 
 
 class DensitySchedule:

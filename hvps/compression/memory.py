@@ -41,7 +41,7 @@ class ResidualMemory(Memory):
         return array + residual if residual is not None else array.copy()
 
     def update(self, compensated, name, compressor, payloads, ctx):
-        self.residuals[name] = compensated - compressor.decompress(payloads, ctx)
+        self.residuals[name] = compressor.residual(compensated, payloads, ctx)
 
     def state_dict(self):
         return {f"residual/{name}": value for name, value in self.residuals.items()}

@@ -46,6 +46,8 @@ class Pending:
     communicator_state: Any
     ctx: Any
     factor: float
+    own_bytes: int = 0
+    received_estimate: int = 0
 
 
 class GradientCompression:
@@ -93,23 +95,28 @@ class GradientCompression:
         payloads, ctx = self.compressor.compress(compensated, name)
         self.memory.update(compensated, name, self.compressor, payloads, ctx)
         self.stats.compress_seconds += time.perf_counter() - started
-        self._count(array, payloads, size)
+        received_estimate = self._count(array, payloads, size)
         # Where the communicator averages and nothing was prescaled, it divides in place.
         in_place = average and prescale == 1.0 and communicator.averages
         factor = 1.0 if in_place else (1.0 / size if average else 1.0) / prescale
-        return Pending(name, communicator.start(payloads, name, in_place), ctx, factor)
+        return Pending(name, communicator.start(payloads, name, in_place), ctx, factor,
+                       sum(p.nbytes for p in payloads), received_estimate)
 
-    def _count(self, array: np.ndarray, payloads: list, size: int) -> None:
+    def _count(self, array: np.ndarray, payloads: list, size: int) -> int:
+        """Count the exchange and the bytes sent; returns the estimate of the bytes to receive."""
         sent, received = self.communicator().wire_bytes(payloads, size)
         self.stats.exchanges += 1
         self.stats.dense_bytes += int(array.nbytes * 2 * (size - 1) / size) if size > 1 else 0
         self.stats.bytes_sent += sent
-        self.stats.bytes_received += received
+        return received
 
     def finish(self, pending: Pending) -> np.ndarray:
         """Wait for the exchange and return the aggregated (summed or averaged) gradient."""
         communicator = self.communicator()
         received = communicator.wait(pending.communicator_state)
+        # Received bytes are counted when they arrive: what came, where the communicator knows.
+        actual = communicator.received_bytes(received, pending.own_bytes, runtime.size())
+        self.stats.bytes_received += pending.received_estimate if actual is None else actual
         started = time.perf_counter()
         result = communicator.rebuild(self.compressor, received, pending.ctx)
         if pending.factor != 1.0:

@@ -21,9 +21,11 @@ def main() -> int:
     total = int(hvps.allreduce(np.array([rank + 1], dtype=np.int64), op=hvps.Sum, name="preflight.sum")[0])
     ranks = hvps.allgather(np.array([rank], dtype=np.int64), name="preflight.ranks").tolist()
     ok = total == size * (size + 1) // 2 and ranks == list(range(size))
-    print(f"hvps preflight: rank {rank}/{size} local {hvps.local_rank()}/{hvps.local_size()} "
-          f"cross {hvps.cross_rank()}/{hvps.cross_size()} on {socket.gethostname()}: "
-          f"{'ok' if ok else f'MISMATCH sum={total} ranks={ranks}'}", flush=True)
+    # one write per line, so that launchers that tag or merge output keep it whole
+    sys.stdout.write(f"hvps preflight: rank {rank}/{size} local {hvps.local_rank()}/{hvps.local_size()} "
+                     f"cross {hvps.cross_rank()}/{hvps.cross_size()} on {socket.gethostname()}: "
+                     f"{'ok' if ok else f'MISMATCH sum={total} ranks={ranks}'}\n")
+    sys.stdout.flush()
     hvps.shutdown()
     return 0 if ok else 1
 

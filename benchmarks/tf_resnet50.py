@@ -1,0 +1,186 @@
+"""Synthetic ResNet-50 training throughput with hvps on TensorFlow 2 / Keras 3
+(``keras.applications.ResNet50(weights=None)``, random data). Same flags and
+same JSON as ``benchmarks/pytorch_synthetic_benchmark.py`` (whose argument
+parser, statistics and summary it reuses), e.g.::
+
+    mpirun -np 2 --bind-to none --map-by slot python benchmarks/tf_resnet50.py \\
+        --threads-per-rank 1 --compare-no-comm --baseline --json out/tf_resnet50.json
+
+The distributed step is the user's loop: one ``tf.function`` with forward,
+loss, ``hvd.DistributedGradientTape(tape).gradient`` and ``apply_gradients``;
+the no-comm step is the same function with a plain ``tf.GradientTape``. The
+communication wait is the time the step spends inside the hvps collective op
+(the graph blocks on it). ``--threads-per-rank`` sets TensorFlow's intra- and
+inter-op pools. ``--channels-last`` is accepted (Keras on TF is channels-last
+already).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import idle_barrier, median, write_json  # noqa: E402
+from benchmarks.pytorch_synthetic_benchmark import (  # noqa: E402
+    _pool, _summary, combine, gap_analysis, measure, parse_args)
+
+
+class Trainer:
+    """One ResNet-50 replica; ``step()`` returns (step_s, comm_wait_s, forward_backward_s)."""
+
+    def __init__(self, args: Any, hvd: Any | None, ranks: int) -> None:
+        import keras
+        import numpy as np
+        import tensorflow as tf
+
+        from hvps.adapters.tensorflow.tensors import comm_clock
+
+        self.hvd, self.clock = hvd, comm_clock
+        self.model = keras.applications.ResNet50(weights=None, input_shape=(args.image_size, args.image_size, 3),
+                                                 classes=args.num_classes)
+        self.opt = keras.optimizers.SGD(args.lr * ranks, momentum=0.9)
+        self.opt.build(self.model.trainable_variables)
+        if hvd is not None:
+            hvd.broadcast_variables(self.model.variables, root_rank=0)
+            hvd.broadcast_variables(self.opt.variables, root_rank=0)
+        rng = np.random.default_rng(0)
+        self.data = tf.constant(rng.standard_normal((args.batch_size, args.image_size, args.image_size, 3),
+                                                    dtype=np.float32))
+        self.target = tf.constant(rng.integers(0, args.num_classes, args.batch_size))
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=False)
+        compression = None
+        if hvd is not None:
+            compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+
+        @tf.function(jit_compile=False)
+        def train_step(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, self.model(x, training=True))
+            if hvd is not None:
+                tape = hvd.DistributedGradientTape(tape, compression=compression)
+            grads = tape.gradient(loss, self.model.trainable_variables)
+            self.opt.apply_gradients(zip(grads, self.model.trainable_variables))
+            return loss
+
+        self.train_step = train_step
+
+    def step(self) -> tuple[float, float, float]:
+        before = self.clock.seconds
+        t0 = time.perf_counter()
+        self.train_step(self.data, self.target).numpy()
+        step = time.perf_counter() - t0
+        wait = self.clock.seconds - before if self.hvd is not None else 0.0
+        return step, wait, step - wait
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    args = parse_args(argv)
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads_per_rank)
+    tf.config.threading.set_inter_op_parallelism_threads(args.threads_per_rank)
+    from mpi4py import MPI
+    from tqdm import tqdm
+
+    comm = MPI.COMM_WORLD.Dup()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    hvd = None
+    if not args.no_comm:
+        import hvps.adapters.tensorflow as hvd
+        hvd.init()
+        assert hvd.size() == size and hvd.rank() == rank, "hvps and MPI disagree on rank/size"
+
+    phases = args.rounds * 2 if args.compare_no_comm else 1
+    total = args.num_iters * (phases + int(args.baseline and rank == 0))
+    bar = tqdm(total=total, disable=not (args.progress and rank == 0), unit="iter", file=sys.stderr)
+    done = [0]
+
+    def tick(msg: str) -> None:
+        done[0] += 1
+        bar.update(1)
+        if args.progress:
+            bar.set_postfix_str(msg)
+        elif rank == 0:
+            print(f"Iter #{done[0]}: {msg}", flush=True)
+
+    def log(*a: Any) -> None:
+        if rank == 0:
+            (tqdm.write if args.progress else print)(" ".join(str(x) for x in a))
+            sys.stdout.flush()
+
+    log(f"Model: {args.model} (keras.applications, TF {tf.__version__}), batch size {args.batch_size}, "
+        f"image size {args.image_size}, ranks {size}, threads per rank {args.threads_per_rank}, "
+        f"fp16 allreduce {args.fp16_allreduce}")
+    dist = Trainer(args, hvd, size) if hvd is not None else None
+    local = Trainer(args, None, size) if (args.no_comm or args.compare_no_comm or args.baseline) else None
+    for trainer in (dist, local):
+        if trainer is not None:
+            for _ in range(args.num_warmup_batches):
+                trainer.step()
+
+    def phase(trainer: Trainer, mode: str) -> dict[str, Any] | None:
+        comm.Barrier()
+        gathered = comm.gather(measure(trainer, args, tick), root=0)
+        return combine(gathered, args, mode) if rank == 0 else None
+
+    result: dict[str, Any] = {"benchmark": "tf_resnet50", "model": args.model, "ranks": size,
+                              "threads_per_rank": args.threads_per_rank, "batch_size": args.batch_size,
+                              "image_size": args.image_size, "num_batches_per_iter": args.num_batches_per_iter,
+                              "num_iters": args.num_iters, "fp16_allreduce": args.fp16_allreduce,
+                              "channels_last": True, "tensorflow": tf.__version__}
+    if args.compare_no_comm:
+        rounds = []
+        for r in range(args.rounds):
+            a, b = phase(dist, "distributed"), phase(local, "no_comm")
+            if rank == 0:
+                ratio = a["per_rank_img_s"]["median"] / b["per_rank_img_s"]["median"]
+                rounds.append({"distributed": a, "no_comm": b, "ratio": ratio})
+                log(f"Round {r + 1}/{args.rounds}: distributed {a['per_rank_img_s']['median']:.2f}, "
+                    f"no-comm {b['per_rank_img_s']['median']:.2f} img/s per rank, ratio {ratio:.3f}")
+        if rank == 0:
+            main_res = _pool([x["distributed"] for x in rounds], "distributed")
+            ceiling = _pool([x["no_comm"] for x in rounds], "no_comm")
+            ratios = [x["ratio"] for x in rounds]
+            result.update(distributed=main_res, no_comm=ceiling, rounds=rounds,
+                          dist_over_no_comm={"median_of_round_ratios": median(ratios), "per_round": ratios,
+                                             "target": 0.97},
+                          gap=gap_analysis(main_res, ceiling))
+    else:
+        main_res = phase(local if args.no_comm else dist, "no_comm" if args.no_comm else "distributed")
+        if rank == 0:
+            result[main_res["mode"]] = main_res
+            if args.no_comm_ref and not args.no_comm:
+                ref = json.loads(Path(args.no_comm_ref).read_text())["no_comm"]
+                result["no_comm_ref"] = ref
+                result["gap"] = gap_analysis(main_res, ref)
+
+    if args.baseline:
+        comm.Barrier()
+        if rank == 0:
+            single = combine([measure(local, args, tick)], args, "single_rank")
+            result["single_rank"] = single
+            result["scaling_efficiency"] = (main_res["total_img_s"]["median"]
+                                            / (size * single["per_rank_img_s"]["median"]))
+            if "no_comm" in result and not args.no_comm:
+                result["no_comm_scaling_efficiency"] = (result["no_comm"]["total_img_s"]["median"]
+                                                        / (size * single["per_rank_img_s"]["median"]))
+        idle_barrier(comm)
+    bar.close()
+
+    if rank == 0:
+        _summary(result, main_res, log)
+        write_json(args.json, result)
+        print(json.dumps(result, default=float), flush=True)
+    if hvd is not None:
+        hvd.shutdown()
+    comm.Free()
+    return result if rank == 0 else None
+
+
+if __name__ == "__main__":
+    main()

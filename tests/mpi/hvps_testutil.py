@@ -1,0 +1,199 @@
+"""Helpers shared by the inner multi-rank tests.
+
+All data is random but reproducible: every rank can regenerate every other
+rank's input from (test key, rank), so references are computed locally with
+numpy, independently of hvps.
+"""
+
+import os
+import zlib
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+DTYPES = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": BF16,
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+    "bool": np.dtype(np.bool_),
+}
+DTYPE_NAMES = list(DTYPES)
+FLOAT_NAMES = ["float16", "bfloat16", "float32", "float64"]
+INT_NAMES = ["int32", "int64", "uint8"]
+UNSUPPORTED = [np.complex64, np.int16, np.uint32]
+
+OP_NAMES = ["Sum", "Average", "Min", "Max", "Product"]
+
+MIB = 1 << 20
+
+
+def is_float(dt):
+    dt = np.dtype(dt)
+    return dt == BF16 or dt.kind == "f"
+
+
+def is_bool(dt):
+    return np.dtype(dt) == np.bool_
+
+
+def is_int(dt):
+    return np.dtype(dt).kind in "iu"
+
+
+def finfo(dt):
+    dt = np.dtype(dt)
+    return ml_dtypes.finfo(dt) if dt == BF16 else np.finfo(dt)
+
+
+def big_count(dt, nbytes=3 * MIB):
+    """Element count of a ~3 MiB buffer; deliberately odd."""
+    return nbytes // np.dtype(dt).itemsize + 1
+
+
+def world_size_env():
+    for key in ("OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PMI_SIZE"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 1
+
+
+def rng_for(key, rank):
+    seed = zlib.crc32(f"{key}#{rank}".encode())
+    return np.random.default_rng(seed)
+
+
+def random_array(dtype, shape, key, rank, op="Sum"):
+    return np.asarray(_random_array(dtype, shape, key, rank, op))
+
+
+def _random_array(dtype, shape, key, rank, op):
+    """Fresh random data for (key, rank).  Ranges keep integer reductions
+    free of overflow for up to 3 ranks (so numpy and MPI agree without
+    relying on wrap-around) and floats away from overflow."""
+    dt = np.dtype(dtype)
+    rng = rng_for(key, rank)
+    shape = tuple(shape)
+    if is_bool(dt):
+        return rng.random(shape) < 0.5
+    if is_float(dt):
+        if op == "Product":
+            mag = rng.uniform(0.5, 2.0, shape)
+            sign = np.where(rng.random(shape) < 0.5, -1.0, 1.0)
+            return (mag * sign).astype(dt)
+        return (rng.standard_normal(shape) * 2.0).astype(dt)
+    if dt == np.uint8:
+        hi = 7 if op == "Product" else (256 if op in ("Min", "Max") else 80)
+        return rng.integers(0, hi, shape).astype(dt)
+    lo, hi = (-30, 31) if op == "Product" else (-1000, 1001)
+    return rng.integers(lo, hi, shape).astype(dt)
+
+
+def all_inputs(dtype, shape, key, size, op="Sum"):
+    return [random_array(dtype, shape, key, r, op) for r in range(size)]
+
+
+def _scale_int(a, f, dt):
+    if f == 1.0:
+        return a
+    return (a.astype(np.float64) * f).astype(dt)
+
+
+def ref_allreduce(arrays, op, size, prescale=1.0, postscale=1.0):
+    """Return (reference, error_bound_or_None).  For floating dtypes the
+    reference is float64 and error_bound an elementwise magnitude bound used
+    to derive the tolerance; for integer/bool the reference has the input
+    dtype and must match exactly."""
+    dt = arrays[0].dtype
+    if is_bool(dt):
+        if op == "Average":
+            raise TypeError("Average on bool")
+        if op in ("Sum", "Max"):
+            return np.logical_or.reduce(np.stack(arrays), axis=0), None
+        return np.logical_and.reduce(np.stack(arrays), axis=0), None
+    if is_int(dt):
+        xs = [_scale_int(a, prescale, dt) for a in arrays]
+        st = np.stack(xs)
+        if op in ("Sum", "Average"):
+            res = np.add.reduce(st, axis=0, dtype=dt)
+            if op == "Average":
+                res = np.floor_divide(res, np.asarray(size, dtype=dt)).astype(dt)
+        elif op == "Min":
+            res = st.min(axis=0)
+        elif op == "Max":
+            res = st.max(axis=0)
+        else:
+            res = np.multiply.reduce(st, axis=0, dtype=dt)
+        return _scale_int(res, postscale, dt), None
+    xs = np.stack([a.astype(np.float64) * prescale for a in arrays])
+    if op in ("Sum", "Average"):
+        res = xs.sum(axis=0)
+        bound = np.abs(xs).sum(axis=0)
+        if op == "Average":
+            res = res / size
+            bound = bound / size
+    elif op == "Min":
+        res = xs.min(axis=0)
+        bound = np.abs(res)
+    elif op == "Max":
+        res = xs.max(axis=0)
+        bound = np.abs(res)
+    else:
+        res = xs.prod(axis=0)
+        bound = np.abs(res)
+    return res * postscale, bound * abs(postscale)
+
+
+def check_allreduce_result(result, arrays, op, size, prescale=1.0, postscale=1.0,
+                           what=""):
+    dt = arrays[0].dtype
+    assert isinstance(result, np.ndarray), f"{what}: result type {type(result)}"
+    assert result.dtype == dt, f"{what}: dtype {result.dtype} != {dt}"
+    assert result.shape == arrays[0].shape, f"{what}: shape {result.shape} != {arrays[0].shape}"
+    ref, bound = ref_allreduce(arrays, op, size, prescale, postscale)
+    if bound is None:
+        assert_exact(result, ref, what)
+        return
+    exact_ok = op in ("Min", "Max") and prescale == 1.0 and postscale == 1.0
+    if exact_ok:
+        assert_exact(result, ref.astype(dt), what)
+        return
+    fi = finfo(dt)
+    eps = float(fi.eps)
+    tiny = float(fi.tiny)
+    nterms = size + 3
+    tol = nterms * eps * (bound + np.abs(ref)) + 4 * tiny
+    got = result.astype(np.float64)
+    err = np.abs(got - ref)
+    bad = ~(err <= tol)
+    if bad.any():
+        idx = np.flatnonzero(bad.ravel())[:10]
+        raise AssertionError(
+            f"{what}: {bad.sum()} of {bad.size} elements out of tolerance; "
+            f"first idx {idx.tolist()} got {got.ravel()[idx].tolist()} "
+            f"ref {ref.ravel()[idx].tolist()} tol {tol.ravel()[idx].tolist()}")
+
+
+def assert_exact(result, ref, what=""):
+    result = np.asarray(result)
+    ref = np.asarray(ref)
+    assert result.dtype == ref.dtype, f"{what}: dtype {result.dtype} != {ref.dtype}"
+    assert result.shape == ref.shape, f"{what}: shape {result.shape} != {ref.shape}"
+    a = np.ascontiguousarray(result).reshape(-1).view(np.uint8)
+    b = np.ascontiguousarray(ref).reshape(-1).view(np.uint8)
+    if not np.array_equal(a, b):
+        ne = np.flatnonzero(result.ravel() != ref.ravel())[:10]
+        raise AssertionError(
+            f"{what}: arrays differ at {ne.tolist()}: got "
+            f"{result.ravel()[ne].tolist()} expected {ref.ravel()[ne].tolist()}")
+
+
+def rows_split(n, size):
+    """Row counts per rank for reducescatter: first n % size ranks get one more."""
+    base, extra = divmod(n, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]

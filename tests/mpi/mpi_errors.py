@@ -1,0 +1,164 @@
+"""Inner multi-rank tests: coordination errors (mismatched shape / dtype, a
+rank that never submits) and recovery afterwards.  Needs >= 2 ranks and
+HVPS_STALL_CHECK_TIME_SECONDS (3 s in the outer test)."""
+
+import os
+import re
+import time
+
+import numpy as np
+import pytest
+
+import hvps
+from hvps_testutil import all_inputs, check_allreduce_result, random_array
+
+pytestmark = pytest.mark.timeout(120)
+
+STALL = float(os.environ.get("HVPS_STALL_CHECK_TIME_SECONDS", "60"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    hvps.init()
+    assert hvps.size() >= 2, "mpi_errors.py needs at least 2 ranks"
+    yield
+
+
+def _assert_names(msg, name, ranks):
+    assert name in msg, f"tensor name {name!r} missing from error: {msg!r}"
+    assert re.search(r"rank", msg, re.I), f"no mention of ranks in error: {msg!r}"
+    for r in ranks:
+        assert re.search(rf"(?<![\w.]){r}(?![\w.])", msg), \
+            f"rank {r} not named in error: {msg!r}"
+
+
+def _signal_and_wait(shared_dir, tag, waiters, me):
+    """Ranks in `waiters` wait until every other rank has written its marker."""
+    size = hvps.size()
+    (shared_dir / f"{tag}.{me}").write_text("done")
+    if me in waiters:
+        deadline = time.monotonic() + 60
+        others = [r for r in range(size) if r not in waiters]
+        while not all((shared_dir / f"{tag}.{r}").exists() for r in others):
+            assert time.monotonic() < deadline, f"peers never finished {tag}"
+            time.sleep(0.05)
+
+
+def _healthy(key):
+    """A normal round of ops must still work."""
+    size, rank = hvps.size(), hvps.rank()
+    xs = all_inputs(np.float32, (1013,), key, size)
+    check_allreduce_result(hvps.allreduce(xs[rank].copy(), op=hvps.Sum), xs, "Sum", size,
+                           what=key)
+    ys = all_inputs(np.int64, (4, 3), key + "h", size)
+    h = hvps.allreduce_async(ys[rank].copy(), op=hvps.Max)
+    check_allreduce_result(np.asarray(h.wait()), ys, "Max", size, what=key + " async")
+    g = hvps.allgather(np.full((rank + 1,), rank, dtype=np.int32))
+    assert g.tolist() == [r for r in range(size) for _ in range(r + 1)]
+
+
+def test_mismatched_shape():
+    size, rank = hvps.size(), hvps.rank()
+    bad = size - 1
+    x = random_array(np.float32, (5,) if rank == bad else (4,), "mm-shape", rank)
+    t0 = time.monotonic()
+    with pytest.raises(hvps.HvpsError) as ei:
+        hvps.allreduce(x, op=hvps.Sum, name="err.shape_mismatch")
+    assert time.monotonic() - t0 < 3 * STALL
+    _assert_names(str(ei.value), "err.shape_mismatch", [bad])
+    _healthy("after-shape")
+
+
+def test_mismatched_dtype_async():
+    size, rank = hvps.size(), hvps.rank()
+    bad = size - 1
+    x = random_array(np.float64 if rank == bad else np.float32, (6,), "mm-dtype", rank)
+    t0 = time.monotonic()
+    h = hvps.allreduce_async(x, op=hvps.Sum, name="err.dtype_mismatch")
+    with pytest.raises(hvps.HvpsError) as ei:
+        h.wait()
+    assert time.monotonic() - t0 < 3 * STALL
+    _assert_names(str(ei.value), "err.dtype_mismatch", [bad])
+    _healthy("after-dtype")
+
+
+def test_mismatched_allgather_trailing_shape():
+    size, rank = hvps.size(), hvps.rank()
+    bad = size - 1
+    x = random_array(np.int32, (rank + 1, 3 if rank == bad else 2), "mm-ag", rank)
+    with pytest.raises(hvps.HvpsError) as ei:
+        hvps.allgather(x, name="err.allgather_shape")
+    _assert_names(str(ei.value), "err.allgather_shape", [bad])
+    _healthy("after-allgather-shape")
+
+
+def test_mismatch_inside_async_batch_does_not_poison_others(request):
+    size, rank = hvps.size(), hvps.rank()
+    key = request.node.name
+    good = [all_inputs(np.float32, (50 + i,), f"{key}/{i}", size) for i in range(4)]
+    hs = [hvps.allreduce_async(g[rank].copy(), op=hvps.Sum, name=f"batch.good.{i}")
+          for i, g in enumerate(good[:2])]
+    bad_x = np.zeros((3,) if rank == 0 else (2,), dtype=np.float32)
+    hb = hvps.allreduce_async(bad_x, op=hvps.Sum, name="batch.bad")
+    hs += [hvps.allreduce_async(g[rank].copy(), op=hvps.Sum, name=f"batch.good.{i + 2}")
+           for i, g in enumerate(good[2:])]
+    with pytest.raises(hvps.HvpsError) as ei:
+        hb.wait()
+    _assert_names(str(ei.value), "batch.bad", [0])
+    for i, (h, g) in enumerate(zip(hs, good)):
+        check_allreduce_result(np.asarray(h.wait()), g, "Sum", size, what=f"good {i}")
+
+
+def test_missing_rank_stall(shared_dir):
+    size, rank = hvps.size(), hvps.rank()
+    missing = size - 1
+    hvps.barrier()
+    if rank != missing:
+        x = random_array(np.float32, (8,), "stall", rank)
+        t0 = time.monotonic()
+        with pytest.raises(hvps.HvpsError) as ei:
+            hvps.allreduce(x, op=hvps.Sum, name="err.never_submitted")
+        elapsed = time.monotonic() - t0
+        assert elapsed < 3 * STALL, f"stall error after {elapsed:.1f}s (stall time {STALL}s)"
+        assert elapsed >= 0.5 * STALL, f"stall error already after {elapsed:.2f}s"
+        _assert_names(str(ei.value), "err.never_submitted", [missing])
+    _signal_and_wait(shared_dir, "stall1", waiters=[missing], me=rank)
+    _healthy("after-stall")
+
+
+def test_missing_many_ranks_stall_async(shared_dir):
+    """Only rank 0 submits; the error must name every missing rank."""
+    size, rank = hvps.size(), hvps.rank()
+    hvps.barrier()
+    if rank == 0:
+        t0 = time.monotonic()
+        h = hvps.allreduce_async(np.arange(4, dtype=np.float64), op=hvps.Sum,
+                                 name="err.only_rank0")
+        with pytest.raises(hvps.HvpsError) as ei:
+            h.wait()
+        assert time.monotonic() - t0 < 3 * STALL
+        _assert_names(str(ei.value), "err.only_rank0", list(range(1, size)))
+    _signal_and_wait(shared_dir, "stall2", waiters=list(range(1, size)), me=rank)
+    _healthy("after-stall-many")
+
+
+def test_missing_rank_other_collective(shared_dir):
+    """Stall detection is not allreduce specific."""
+    size, rank = hvps.size(), hvps.rank()
+    missing = 0
+    hvps.barrier()
+    if rank != missing:
+        t0 = time.monotonic()
+        with pytest.raises(hvps.HvpsError) as ei:
+            hvps.broadcast(np.zeros(3, np.int32), root_rank=1, name="err.bcast_missing")
+        assert time.monotonic() - t0 < 3 * STALL
+        _assert_names(str(ei.value), "err.bcast_missing", [missing])
+    _signal_and_wait(shared_dir, "stall3", waiters=[missing], me=rank)
+    _healthy("after-stall-bcast")
+
+
+def test_everything_still_works_at_the_end(request):
+    size, rank = hvps.size(), hvps.rank()
+    for i in range(5):
+        _healthy(f"{request.node.name}/{i}")
+    hvps.barrier()

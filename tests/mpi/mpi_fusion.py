@@ -1,0 +1,72 @@
+"""Inner multi-rank workload for the fusion on/off comparison.
+
+Submits many small tensors of mixed sizes/dtypes/ops asynchronously, checks
+every result against the numpy reference, and saves the raw result bytes to
+$HVPS_TEST_OUTDIR/rank<R>.npz.  tests/test_multirank.py runs it with
+different HVPS_FUSION_THRESHOLD values and compares the files bit for bit.
+"""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hvps
+from hvps_testutil import DTYPES, all_inputs, check_allreduce_result
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    hvps.init()
+    yield
+
+
+def _items(size):
+    rng = np.random.default_rng(2024)  # same description on every rank
+    dtypes = ["float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8", "bool"]
+    items = []
+    for i in range(300):
+        dtype = dtypes[int(rng.integers(len(dtypes)))]
+        ops = ["Sum", "Max", "Min", "Product"] if dtype == "bool" else \
+            ["Sum", "Average", "Min", "Max", "Product"]
+        op = ops[int(rng.integers(len(ops)))]
+        n = int(rng.choice([0, 1, 3, 17, 100, 1000, 4097, 30000]))
+        scale = dtype != "bool" and op in ("Sum", "Average") and rng.random() < 0.3
+        items.append((i, dtype, op, n, scale))
+    return items
+
+
+def test_fusion_workload():
+    size, rank = hvps.size(), hvps.rank()
+    out_dir = Path(os.environ["HVPS_TEST_OUTDIR"])
+    items = _items(size)
+    inputs = {i: all_inputs(DTYPES[d], (n,), f"fusion/{i}", size, op)
+              for i, d, op, n, _ in items}
+    handles = []
+    for i, dtype, op, n, scale in items:
+        kw = {"prescale_factor": 0.5, "postscale_factor": 2.0} if scale else {}
+        handles.append(hvps.allreduce_async(inputs[i][rank].copy(), op=getattr(hvps, op), **kw))
+    # grouped submissions too
+    groups = []
+    for g in range(5):
+        ins = [all_inputs(np.float32, (k * 37 + g,), f"fusion/g{g}/{k}", size)
+               for k in range(8)]
+        groups.append((ins, hvps.grouped_allreduce_async([x[rank].copy() for x in ins],
+                                                         op=hvps.Sum)))
+    results = {}
+    for (i, dtype, op, n, scale), h in zip(items, handles):
+        res = np.asarray(h.wait())
+        pre, post = (0.5, 2.0) if scale else (1.0, 1.0)
+        check_allreduce_result(res, inputs[i], op, size, pre, post,
+                               what=f"item {i} {dtype} {op} n={n} scale={scale}")
+        results[f"t{i}_{dtype}_{op}"] = np.ascontiguousarray(res).reshape(-1).view(np.uint8)
+    for g, (ins, h) in enumerate(groups):
+        outs = h.wait()
+        for k, (o, x) in enumerate(zip(outs, ins)):
+            check_allreduce_result(np.asarray(o), x, "Sum", size, what=f"group {g} member {k}")
+            results[f"g{g}_{k}_float32_Sum"] = \
+                np.ascontiguousarray(o).reshape(-1).view(np.uint8)
+    np.savez(out_dir / f"rank{rank}.npz", **results)

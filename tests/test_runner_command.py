@@ -1,0 +1,202 @@
+"""hvpsrun's command building, flags and host parsing: pure functions, no MPI started."""
+
+from __future__ import annotations
+
+import pytest
+
+from hvps.runner import hosts as hostlib
+from hvps.runner.errors import LaunchError
+from hvps.runner.mpi_command import MpiImpl, build_mpirun_command, classify_mpi_version, cores_per_rank
+from hvps.runner.settings import LaunchSettings, build_parser, parse_args
+from hvps.runner.slurm_command import build_srun_command, in_slurm_allocation, srun_environment
+
+LOCAL = {"localhost", "127.0.0.1", "thisbox"}
+CMD = ("python", "train.py")
+
+
+def build(argv, env=None, **kw):
+    settings = parse_args(argv)
+    kw.setdefault("cpu_count", 8)
+    kw.setdefault("euid", 1000)
+    kw.setdefault("local_names", LOCAL)
+    return build_mpirun_command(settings, env or {}, **kw)
+
+
+def pairs(cmd, flag):
+    return [cmd[i + 1] for i, a in enumerate(cmd) if a == flag]
+
+
+def test_open_mpi_defaults_single_node():
+    cmd = build(["-np", "4", "python", "train.py"])
+    assert cmd[:3] == ["mpirun", "-np", "4"]
+    assert cmd[-2:] == list(CMD)
+    i = cmd.index("-bind-to")
+    assert cmd[i:i + 4] == ["-bind-to", "none", "-map-by", "slot"]
+    assert "--allow-run-as-root" not in cmd and "--oversubscribe" not in cmd
+    assert "-H" not in cmd
+    assert "OMP_NUM_THREADS=2" in pairs(cmd, "-x")  # 8 cores / 4 ranks
+
+
+def test_root_and_oversubscription():
+    cmd = build(["-np", "3", "python", "train.py"], cpu_count=2, euid=0)
+    assert "--allow-run-as-root" in cmd and "--oversubscribe" in cmd
+    assert "OMP_NUM_THREADS=1" in pairs(cmd, "-x")
+    # remote hosts: mpirun maps by slots, no oversubscription flag
+    cmd = build(["-np", "4", "-H", "a:2,b:2", "python", "train.py"], cpu_count=2, euid=0)
+    assert "--oversubscribe" not in cmd
+
+
+def test_forwards_hvps_nccl_omp_and_flag_values():
+    env = {"HVPS_CYCLE_TIME": "3", "NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "5", "HOME": "/root", "SECRET": "x",
+           "PYTHONPATH": "/src"}
+    cmd = build(["-np", "2", "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5",
+                 "--stall-check-time-seconds", "5", "--timeline-filename", "/tmp/tl.json",
+                 "python", "train.py"], env)
+    x = pairs(cmd, "-x")
+    assert "HVPS_FUSION_THRESHOLD=33554432" in x
+    assert "HVPS_CYCLE_TIME=2.5" in x  # the flag wins over the caller's HVPS_CYCLE_TIME
+    assert "HVPS_CYCLE_TIME" not in x
+    assert "HVPS_STALL_CHECK_TIME_SECONDS=5" in x
+    assert "HVPS_TIMELINE=/tmp/tl.json" in x
+    assert "NCCL_DEBUG" in x and "OMP_NUM_THREADS" in x and "PYTHONPATH" in x
+    assert not any(v.startswith("OMP_NUM_THREADS=") for v in x)  # set by the user: kept, forwarded by name
+    assert "HOME" not in x and "SECRET" not in x
+
+
+def test_hosts_network_interface_and_mpi_args():
+    cmd = build(["-np", "3", "-H", "n1:2,n2:1", "--network-interface", "eth1",
+                 "--mpi-args=--mca btl tcp,self --tag-output", "python", "train.py"])
+    assert pairs(cmd, "-H") == ["n1:2,n2:1"]
+    assert pairs(cmd, "-mca")[:2] == ["btl_tcp_if_include", "oob_tcp_if_include"]
+    assert "NCCL_SOCKET_IFNAME=eth1" in pairs(cmd, "-x")
+    assert "OMP_NUM_THREADS=4" in pairs(cmd, "-x")  # 8 cores, at most 2 ranks on a host
+    tail = cmd[cmd.index("--mca"):]
+    assert tail == ["--mca", "btl", "tcp,self", "--tag-output", "python", "train.py"]
+
+
+def test_hostfile(tmp_path):
+    f = tmp_path / "hosts"
+    f.write_text("# cluster\nnode1 slots=4\n\nnode2 slots=2  # GPU box\nnode1 slots=1\nnode3\n")
+    assert hostlib.parse_hostfile(str(f)) == [hostlib.Host("node1", 5), hostlib.Host("node2", 2),
+                                               hostlib.Host("node3", 1)]
+    cmd = build(["--hostfile", str(f), "python", "train.py"])
+    assert pairs(cmd, "-np") == ["8"] and pairs(cmd, "-H") == ["node1:5,node2:2,node3:1"]
+
+
+@pytest.mark.parametrize("text", ["node1 slots=two\n", "node1 cpus=2\n", "node1 slots=0\n", "# nothing\n"])
+def test_bad_hostfile(tmp_path, text):
+    f = tmp_path / "hosts"
+    f.write_text(text)
+    with pytest.raises(LaunchError):
+        hostlib.parse_hostfile(str(f))
+
+
+def test_hosts_spec_parsing():
+    assert hostlib.parse_hosts("a:2,b,a:1") == [hostlib.Host("a", 3), hostlib.Host("b", 1)]
+    assert hostlib.parse_hosts("198.18.0.1:2") == [hostlib.Host("198.18.0.1", 2)]
+    with pytest.raises(LaunchError, match="whole number"):
+        hostlib.parse_hosts("a:x")
+    assert hostlib.ranks_per_host([hostlib.Host("a", 2), hostlib.Host("b", 2)], 3) == [2, 1]
+
+
+def test_more_ranks_than_slots():
+    with pytest.raises(LaunchError, match="more than the 3 slots"):
+        build(["-np", "4", "-H", "a:2,b:1", "python", "train.py"])
+
+
+def test_unknown_host():
+    def resolve(name, _port):
+        import socket
+        raise socket.gaierror("nope")
+
+    with pytest.raises(LaunchError, match="unknown host 'ghost'"):
+        hostlib.check_resolvable([hostlib.Host("ghost", 1)], resolve)
+
+
+def test_missing_and_unknown_mpi():
+    with pytest.raises(LaunchError, match="no MPI found"):
+        build(["-np", "2", "python", "train.py"], impl=MpiImpl.MISSING)
+    with pytest.raises(LaunchError, match="names no MPI"):
+        build(["-np", "2", "python", "train.py"], impl=MpiImpl.UNKNOWN)
+
+
+def test_np_required_without_hosts():
+    with pytest.raises(LaunchError, match="-np is required"):
+        build(["python", "train.py"])
+
+
+@pytest.mark.parametrize("output,impl", [
+    ("mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/", MpiImpl.OPEN_MPI),
+    ("HYDRA build details:\n    Version:  4.1.2\n", MpiImpl.MPICH),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10", MpiImpl.INTEL_MPI),
+    ("something else", MpiImpl.UNKNOWN),
+])
+def test_classify_mpi(output, impl):
+    assert classify_mpi_version(output) is impl
+
+
+def test_mpich_and_intel_flags():
+    cmd = build(["-np", "4", "-H", "a:2,b:2", "python", "train.py"], {"NCCL_DEBUG": "INFO"}, impl=MpiImpl.MPICH)
+    assert pairs(cmd, "-hosts") == ["a:2,b:2"] and "-l" in cmd and "-x" not in cmd
+    assert "-bind-to" in cmd
+    assert cmd[cmd.index("-genv") + 1:cmd.index("-genv") + 3] == ["OMP_NUM_THREADS", "4"]
+    assert pairs(cmd, "-genvlist") == ["HVPS_RESTART_COUNT,NCCL_DEBUG"] or pairs(cmd, "-genvlist") == ["NCCL_DEBUG"]
+    cmd = build(["-np", "4", "-H", "a:2,b:2", "python", "train.py"], impl=MpiImpl.INTEL_MPI)
+    assert pairs(cmd, "-hosts") == ["a,b"] and pairs(cmd, "-ppn") == ["2"] and "-bind-to" not in cmd
+    with pytest.raises(LaunchError, match="same slots"):
+        build(["-np", "3", "-H", "a:2,b:1", "python", "train.py"], impl=MpiImpl.INTEL_MPI)
+
+
+def test_cores_per_rank():
+    assert cores_per_rank(4, [], 8) == 2
+    assert cores_per_rank(16, [], 8) == 1
+    assert cores_per_rank(3, [hostlib.Host("a", 1), hostlib.Host("b", 2)], 16) == 8
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("-np", "--hosts", "--hostfile", "--mpi-args", "--network-interface", "--timeline-filename",
+                 "--fusion-threshold-mb", "--cycle-time-ms", "--stall-check-time-seconds", "--check-build",
+                 "--verbose", "--dry-run", "--max-restarts", "--checkpoint-dir"):
+        assert flag in text
+    for action in build_parser()._actions:
+        assert action.help, f"{action.option_strings} has no help"
+
+
+def test_checkpoint_dir_reaches_ranks():
+    cmd = build(["-np", "2", "--checkpoint-dir", "/nfs/ckpt", "python", "train.py"])
+    assert "HVPS_CHECKPOINT_DIR=/nfs/ckpt" in pairs(cmd, "-x")
+
+
+# ---------------------------------------------------------------------------- Slurm
+SLURM_ENV = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_CPUS_PER_TASK": "3"}
+
+
+def test_srun_inside_allocation():
+    assert in_slurm_allocation(SLURM_ENV) and not in_slurm_allocation({})
+    settings = parse_args(["--stall-check-time-seconds", "7", "python", "train.py"])
+    cmd = build_srun_command(settings, SLURM_ENV)
+    assert cmd[:3] == ["srun", "--mpi=pmix", "-n"] and cmd[3] == "4"
+    assert "--kill-on-bad-exit=1" in cmd and "--cpu-bind=none" in cmd
+    assert cmd[-2:] == list(CMD)
+    env = srun_environment(settings, SLURM_ENV, 4, cpu_count=8)
+    assert env["HVPS_STALL_CHECK_TIME_SECONDS"] == "7" and env["OMP_NUM_THREADS"] == "3"
+
+
+def test_srun_more_ranks_than_allocated():
+    with pytest.raises(LaunchError, match="more than the 4 tasks"):
+        build_srun_command(parse_args(["-np", "8", "python", "train.py"]), SLURM_ENV)
+
+
+def test_srun_with_hosts():
+    cmd = build_srun_command(parse_args(["-np", "4", "-H", "n1:2,n2:2", "python", "train.py"]), SLURM_ENV)
+    assert cmd[cmd.index("--nodelist") + 1] == "n1,n2" and cmd[cmd.index("--ntasks-per-node") + 1] == "2"
+
+
+def test_settings_dataclass_is_frozen():
+    s = LaunchSettings(command=CMD, num_proc=2)
+    with pytest.raises(Exception):
+        s.num_proc = 3
