@@ -68,7 +68,11 @@ class Engine:
         return entry.handle
 
     def shutdown(self) -> bool:
-        """Agree with the other ranks to stop, then stop the thread. False if the thread is stuck."""
+        """Agree with the other ranks to stop, then stop the thread.
+
+        Returns whether MPI can still finalize normally: not after a collective
+        failed midway or while the thread is stuck inside one.
+        """
         if self._failure is None:
             handle = self.submit(Entry(Request("shutdown", SHUTDOWN), []))
             try:
@@ -83,7 +87,7 @@ class Engine:
         self._fail_all(HvpsError("hvps was shut down before this collective completed"))
         if not stuck:
             self.control.close()
-        return not stuck
+        return not stuck and self._failure is None
 
     # -- the engine thread ----------------------------------------------------------
     def _run(self) -> None:
@@ -96,10 +100,13 @@ class Engine:
                 else:
                     self._work(messages, closed)
         except BaseException as exc:  # noqa: BLE001 - surfaced on every handle
-            log.exception("hvps engine thread failed on rank %d", self.rank)
+            if isinstance(exc, HvpsError):
+                log.error("hvps rank %d: %s", self.rank, exc)
+            else:
+                log.exception("hvps engine thread failed on rank %d", self.rank)
             with self._lock:
                 self._failure = exc
-            self._fail_all(HvpsError(f"the hvps engine failed on rank {self.rank}: {exc}"))
+            self._fail_all(HvpsError(f"the hvps engine stopped on rank {self.rank} after: {exc}"))
 
     def _timeout(self) -> Optional[float]:
         """How long poll may block: until the next announcement or stall deadline, else forever."""
@@ -177,11 +184,13 @@ class Engine:
                 entry.handle.mark_started()
         try:
             results = EXECUTORS[response.kind](self.context, response, entries)
-        except Exception as exc:  # noqa: BLE001 - one failed collective must not stop the engine
+        except Exception as exc:
+            # Ranks may now disagree on which messages are in flight: nothing after
+            # this can be trusted, so the engine stops (see _run) and says why.
             for entry in entries:
                 if entry is not None:
                     entry.handle.set_error(exc)
-            return
+            raise
         for entry, result in zip(entries, results):
             if entry is not None:
                 entry.handle.set_result(result)

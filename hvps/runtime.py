@@ -84,11 +84,11 @@ def shutdown() -> None:
         if engine.shutdown():
             engine.backend.close()
             return
-    # The engine thread is stuck inside MPI (a peer or link died mid-collective):
+    # A collective failed midway or is stuck inside MPI (a peer or link died):
     # MPI cannot finalize, so end the job rather than hang at exit.
     from mpi4py import MPI
 
-    logging.getLogger("hvps").error("hvps: a collective is stuck inside MPI; aborting the job")
+    logging.getLogger("hvps").error("hvps: a collective failed midway; aborting the MPI job")
     MPI.COMM_WORLD.Abort(1)
 
 

@@ -204,11 +204,6 @@ def test_link_cut_between_steps_fails_every_survivor(cluster, tmp_path):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(strict=True, reason=(
-    "hvps core: the engine thread runs data-plane MPI calls (comm.Allreduce in hvps/backends/mpi.py) "
-    "blocking and without a deadline, and worker ranks never time out waiting on the coordinator, "
-    "so a link lost while a collective's data is in flight hangs every rank. Remove this marker once "
-    "the core bounds data-plane waits by HVPS_STALL_CHECK_TIME_SECONDS."))
 def test_link_cut_during_transfer_fails_every_survivor(cluster, tmp_path):
     """16 MiB allreduces through a 100 Mbit/s link (about 2 s of data per step): the cut
     lands while data is in flight. Every survivor must still report an error, not hang."""

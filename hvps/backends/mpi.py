@@ -68,11 +68,12 @@ class MPIBackend(Backend):
         self.comm = comm.Dup()
         self.algorithm = settings.algorithm
         self.ring_chunk_bytes = settings.ring_chunk_bytes
+        self.timeout = settings.stall_check_seconds
 
     def allreduce(self, sendbuf, recvbuf, op):
         if self.algorithm == "ring":
             ring_allreduce(self.comm, sendbuf.reshape(-1), recvbuf.reshape(-1), dtypes.combine(op, recvbuf.dtype),
-                           wire, self.ring_chunk_bytes)
+                           wire, self.ring_chunk_bytes, self.timeout)
             return
         send = MPI.IN_PLACE if sendbuf.ctypes.data == recvbuf.ctypes.data else wire(sendbuf)
         self.comm.Allreduce(send, wire(recvbuf), op=mpi_op(recvbuf.dtype, op))

@@ -15,6 +15,13 @@ from .communicators import choose
 from .memory import NoMemory
 
 
+def _scaled(array: np.ndarray, factor: float) -> np.ndarray:
+    """``array * factor`` in ``array``'s dtype, multiplied in float64 for float64 arrays (a float32
+    factor such as 1/3 would cost them their precision) and in float32 for the others."""
+    wide = np.float64 if array.dtype == np.float64 else np.float32
+    return (array * np.asarray(factor, dtype=wide)).astype(array.dtype, copy=False)
+
+
 @dataclass
 class CompressionStats:
     """What compression cost and saved since the last ``reset()``, for this rank."""
@@ -91,7 +98,7 @@ class GradientCompression:
         compensated = self.memory.compensate(array, name)
         prescale = self.compressor.prescale(size) if average else 1.0
         if prescale != 1.0:
-            compensated = compensated * np.asarray(prescale, dtype=np.float32).astype(compensated.dtype)
+            compensated = _scaled(compensated, prescale)
         payloads, ctx = self.compressor.compress(compensated, name)
         self.memory.update(compensated, name, self.compressor, payloads, ctx)
         self.stats.compress_seconds += time.perf_counter() - started
@@ -120,7 +127,7 @@ class GradientCompression:
         started = time.perf_counter()
         result = communicator.rebuild(self.compressor, received, pending.ctx)
         if pending.factor != 1.0:
-            result = result * np.asarray(pending.factor, dtype=np.float32).astype(result.dtype)
+            result = _scaled(result, pending.factor)
         self.stats.decompress_seconds += time.perf_counter() - started
         return result
 
