@@ -12,6 +12,9 @@ MPIRUN ?= $(if $(SYSTEM_MPIRUN),$(SYSTEM_MPIRUN),$(abspath $(VENV))/bin/mpirun)
 STAMP := $(VENV)/.hvps-installed-$(if $(SYSTEM_MPIRUN),system-mpi,pypi-mpi)
 RESULTS ?= results
 # Sized to finish in about 3 minutes on a 2-core machine; a real cluster wants Horovod's defaults.
+# FRAMEWORK=tensorflow runs the Keras ResNet-50 harness instead.
+FRAMEWORK ?= torch
+BENCH_SCRIPT := $(if $(filter tensorflow,$(FRAMEWORK)),benchmarks/tf_resnet50.py,benchmarks/pytorch_synthetic_benchmark.py)
 BENCH_ARGS ?= --batch-size 8 --image-size 128 --num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 5 \
 	--threads-per-rank 1 --baseline --progress
 
@@ -27,16 +30,16 @@ export HVPS_TEST_MPIRUN := $(MPIRUN)
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[$(MPI_EXTRA)torch,dev]'
+	$(PY) -m pip install --quiet -e '.[$(MPI_EXTRA)torch,tensorflow,dev]'
 	rm -f $(VENV)/.hvps-installed-*
 	touch $@
 
-setup: $(STAMP)  ## create .venv and install hvps with its test and torch extras
+setup: $(STAMP)  ## create .venv and install hvps with its torch, tensorflow and test extras
 
-bench: setup  ## ResNet-50 synthetic benchmark on $(NP) CPU ranks; JSON in $(RESULTS)/
+bench: setup  ## ResNet-50 synthetic benchmark on $(NP) CPU ranks (FRAMEWORK=torch|tensorflow); JSON in $(RESULTS)/
 	mkdir -p $(RESULTS)
-	$(MPIRUN) -np $(NP) --bind-to none --map-by slot $(PY) benchmarks/pytorch_synthetic_benchmark.py \
-		$(BENCH_ARGS) --json $(RESULTS)/resnet50.json
+	$(MPIRUN) -np $(NP) --bind-to none --map-by slot $(PY) $(BENCH_SCRIPT) \
+		$(BENCH_ARGS) --json $(RESULTS)/resnet50-$(FRAMEWORK).json
 
 test: setup  ## the whole test suite, multi-rank tests under mpirun
 	$(PY) -m pytest

@@ -58,6 +58,7 @@ class Trainer:
             compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
 
         @tf.function(jit_compile=False)
+        @tf.autograph.experimental.do_not_convert  # plain Python, nothing to convert
         def train_step(x, y):
             with tf.GradientTape() as tape:
                 loss = loss_fn(y, self.model(x, training=True))

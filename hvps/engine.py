@@ -10,6 +10,7 @@ control plane (``control.py``), so it takes no CPU from training while it waits.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -62,7 +63,9 @@ class Engine:
                     f"a collective named '{name}' is already in flight on rank {self.rank}; "
                     "names must be unique among outstanding operations"
                 )
-            entry.handle = Handle(name, (entry.inputs, entry.outputs), self.settings.stall_check_seconds)
+            # join() waits for ranks still training, for as long as they train: no watchdog.
+            patience = math.inf if entry.request.kind == JOIN else self.settings.stall_check_seconds
+            entry.handle = Handle(name, (entry.inputs, entry.outputs), patience)
             self._queue.append(entry)
         self.control.wake()
         return entry.handle

@@ -37,9 +37,8 @@ def allreduce_gradients(grads: Sequence[Any], op: ReduceOp = Average, compressio
     op = _resolve_op(None, op)
     prescale, postscale = scale_factors(op, gradient_predivide_factor)
     grads = list(grads)
-    if hvps.size() == 1 and op in (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max) \
-            and prescale == postscale == 1.0:
-        return grads
+    if hvps.size() == 1 and prescale == postscale == 1.0:
+        return grads  # every op is the identity on one rank
     out: list = [None] * len(grads)
     dense_index, dense = [], []
     for i, g in enumerate(grads):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import time
+
 import numpy as np
 import tensorflow as tf
 
@@ -33,6 +35,25 @@ def as_tensor(value: Any) -> tf.Tensor:
     return tf.convert_to_tensor(value)
 
 
+class _CommClock:
+    """Seconds spent inside the core's collectives called from TensorFlow (eager or graph), this process."""
+
+    seconds = 0.0
+
+
+comm_clock = _CommClock()
+
+
+def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(*arrays):
+        start = time.perf_counter()
+        try:
+            return [np.asarray(r) for r in fn(*arrays)]
+        finally:
+            comm_clock.seconds += time.perf_counter() - start
+    return timed
+
+
 def run(fn: Callable[..., Any], inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType],
         name: str = "hvps") -> list:
     """Run ``fn(*numpy_arrays) -> list of numpy arrays`` on ``inputs``; return tensors.
@@ -41,9 +62,10 @@ def run(fn: Callable[..., Any], inputs: Sequence[tf.Tensor], out_dtypes: Sequenc
     ``tf.numpy_function`` (ordered with the function's other stateful ops).
     The outputs' static shapes are the caller's job (``set_shape``).
     """
+    fn = _timed(fn)
     if tf.executing_eagerly():
         results = fn(*[t.numpy() for t in inputs])
         return [tf.convert_to_tensor(r, dtype=d) for r, d in zip(results, out_dtypes)]
-    outs = tf.numpy_function(lambda *arrays: [np.asarray(r) for r in fn(*arrays)], list(inputs),
+    outs = tf.numpy_function(fn, list(inputs),
                              list(out_dtypes), stateful=True, name=name)
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]

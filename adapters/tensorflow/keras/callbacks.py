@@ -1,0 +1,211 @@
+"""Keras 3 callbacks with Horovod's names and arguments."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Any, Callable, Optional, Union
+
+import keras
+import numpy as np
+
+import hvps
+
+from ..functions import broadcast_variables
+
+
+def _optimizer_variables(optimizer: Any) -> list:
+    if optimizer is None or not getattr(optimizer, "built", False):
+        return []
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Start every rank from the root's model and optimizer state.
+
+    Broadcasts ``model.weights`` and the optimizer's variables when training
+    begins (Keras 3 builds the optimizer before that); an optimizer that is
+    not built yet is broadcast after the first batch, as Horovod does.
+    """
+
+    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+        super().__init__()
+        self.root_rank = root_rank
+        self.broadcast_done = False
+
+    def _broadcast(self) -> bool:
+        optimizer = getattr(self.model, "optimizer", None)
+        opt_vars = _optimizer_variables(optimizer)
+        broadcast_variables(list(self.model.weights) + opt_vars, root_rank=self.root_rank)
+        return optimizer is None or bool(opt_vars)
+
+    def on_train_begin(self, logs=None):
+        if not self.broadcast_done:
+            self.broadcast_done = self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.broadcast_done:
+            self._broadcast()
+            self.broadcast_done = True
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Replace the epoch's logged metrics (including ``val_*``) by their mean over ranks.
+
+    Put it before callbacks that read the metrics (checkpointing, early stopping,
+    LR on plateau); Keras's History comes last and records the averaged values.
+    """
+
+    def __init__(self, device: str = "") -> None:
+        super().__init__()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not logs:
+            return
+        keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and isinstance(v, (int, float, np.number)))
+        if not keys:
+            return
+        values = np.asarray([float(logs[k]) for k in keys], dtype=np.float64)
+        averaged = hvps.allreduce(values, op=hvps.Average, name=f"MetricAverageCallback.{len(keys)}")
+        for k, v in zip(keys, averaged):
+            logs[k] = float(v)
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Set the learning rate to ``initial_lr * multiplier(epoch)`` between ``start_epoch`` and ``end_epoch``.
+
+    ``multiplier`` is a function of the (fractional, when ``staircase=False``)
+    epoch, or a number ``m`` meaning ``m ** epoch``. ``momentum_correction``
+    is accepted for Horovod compatibility, but Keras 3 optimizers keep
+    ``momentum`` as a Python float compiled into the train function, so it is
+    not applied (a warning says so once).
+    """
+
+    def __init__(self, initial_lr: float, multiplier: Union[float, Callable[[float], float]], start_epoch: int = 0,
+                 end_epoch: Optional[int] = None, staircase: bool = True, momentum_correction: bool = True,
+                 steps_per_epoch: Optional[int] = None, verbose: int = 0) -> None:
+        super().__init__()
+        if initial_lr is None:
+            raise ValueError("initial_lr is required")
+        self.initial_lr = float(initial_lr)
+        self.multiplier = multiplier if callable(multiplier) else (lambda epoch, m=float(multiplier): m ** epoch)
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = staircase
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.verbose = verbose
+        self.current_epoch = 0
+        self._warned_momentum = False
+
+    def _in_range(self, epoch: float) -> bool:
+        return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
+
+    def _set_lr(self, epoch: float) -> None:
+        optimizer = self.model.optimizer
+        optimizer.learning_rate = self.initial_lr * self.multiplier(epoch)
+        if self.momentum_correction and hasattr(optimizer, "momentum") and not self._warned_momentum:
+            self._warned_momentum = True
+            warnings.warn("momentum_correction is not applied: Keras 3 compiles the optimizer's momentum into the "
+                          "train function", stacklevel=2)
+
+    def on_train_begin(self, logs=None):
+        if not self.staircase and not self.steps_per_epoch:
+            self.steps_per_epoch = (self.params or {}).get("steps")
+            if not self.steps_per_epoch:
+                raise ValueError(f"{type(self).__name__}: pass steps_per_epoch (Keras did not say how many "
+                                 "steps an epoch has)")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self._in_range(self.current_epoch):
+            return
+        if self.staircase:
+            if batch == 0:
+                self._set_lr(self.current_epoch)
+        else:
+            self._set_lr(self.current_epoch + batch / self.steps_per_epoch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["learning_rate"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Ramp the learning rate from ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs``
+    (Goyal et al., "Accurate, Large Minibatch SGD"), per batch."""
+
+    def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
+                 steps_per_epoch: Optional[int] = None, verbose: int = 0) -> None:
+        def multiplier(epoch: float) -> float:
+            epoch += 1.0 / self.steps_per_epoch  # reach exactly 1 at the end of the last warm-up epoch
+            n = hvps.size()
+            return (epoch * (n - 1) / warmup_epochs + 1) / n
+
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
+                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch, verbose=verbose)
+        self.warmup_epochs = warmup_epochs
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        if epoch == self.warmup_epochs - 1 and self.verbose and hvps.rank() == 0:
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                  f"{float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)):g}.")
+
+
+class CheckpointCallback(keras.callbacks.Callback):
+    """Save versioned HDF5 checkpoints (``hvps.checkpoint``) every ``every`` epochs.
+
+    Collective: every rank runs it, the root writes. The model's weights and
+    the optimizer's variables are stored by position (their Keras paths go in
+    ``extra``), with the epoch's logs. ``restore(model)`` loads the newest good
+    version into a built model (and its optimizer) and returns the epoch to
+    pass as ``initial_epoch``.
+    """
+
+    def __init__(self, directory: Union[str, os.PathLike], every: int = 1, keep_last: Optional[int] = 3,
+                 keep_every: Optional[int] = None, compress: bool = False, root_rank: int = 0,
+                 fsync: bool = True) -> None:
+        super().__init__()
+        from hvps.checkpoint import CheckpointManager
+
+        if every < 1:
+            raise ValueError("every must be >= 1")
+        self.every = every
+        self.manager = CheckpointManager(directory, keep_last=keep_last, keep_every=keep_every, compress=compress,
+                                         root_rank=root_rank, fsync=fsync)
+
+    @staticmethod
+    def _arrays(variables: list) -> dict:
+        return {f"{i:05d}": np.array(keras.ops.convert_to_numpy(v)) for i, v in enumerate(variables)}
+
+    def on_epoch_end(self, epoch, logs=None):
+        if (epoch + 1) % self.every:
+            return
+        weights = list(self.model.weights)
+        opt_vars = _optimizer_variables(getattr(self.model, "optimizer", None))
+        logs = {k: float(v) for k, v in (logs or {}).items()
+                if np.ndim(v) == 0 and isinstance(v, (int, float, np.number)) and math.isfinite(float(v))}
+        self.manager.save(epoch, model=self._arrays(weights), optimizer=self._arrays(opt_vars),
+                          extra={"weight_paths": [getattr(v, "path", v.name) for v in weights],
+                                 "optimizer_paths": [getattr(v, "path", v.name) for v in opt_vars], "logs": logs})
+
+    def restore(self, model: keras.Model, version: Union[str, int] = "latest") -> int:
+        """Load a saved version into ``model`` (and its built optimizer); return the epoch to resume at (0: none)."""
+        start = self.manager.load(version)
+        if start == 0:
+            return 0
+        ckpt = self.manager.loaded
+        for target, saved in ((list(model.weights), ckpt.model),
+                              (_optimizer_variables(getattr(model, "optimizer", None)), ckpt.optimizer)):
+            if not target:
+                continue
+            if len(saved) != len(target):
+                raise ValueError(f"checkpoint {ckpt.path} holds {len(saved)} arrays where the model has {len(target)}")
+            for i, v in enumerate(target):
+                v.assign(saved[f"{i:05d}"])
+        return start

@@ -1,0 +1,168 @@
+"""``DistributedOptimizer`` for Keras 3: wraps any ``keras.optimizers.Optimizer``.
+
+How it hooks into Keras 3: ``model.fit``'s TensorFlow ``train_step`` computes
+gradients with a tf.GradientTape and calls ``optimizer.apply_gradients(zip(grads,
+vars))``, which the base class forwards to ``apply(grads, vars)``. This class
+is a wrapper optimizer (the pattern of Keras's own ``LossScaleOptimizer``): its
+``apply`` reduces the gradients over the ranks (one grouped allreduce, a
+stateful ``tf.numpy_function`` inside the compiled train function) and then
+calls the wrapped optimizer's ``apply``. Its ``build`` builds the wrapped
+optimizer (and, with ``backward_passes_per_step > 1``, the local gradient
+accumulators), so every variable exists before the train function is traced;
+``learning_rate``, ``iterations``, ``variables`` and ``scale_loss`` are the
+wrapped optimizer's. No runtime subclassing: the wrapped optimizer's class and
+state stay as they are.
+
+Keras 3 with the TensorFlow backend has no ``stateless_apply`` (TF raises), so
+only the stateful path is needed. XLA (``jit_compile=True``, which Keras picks
+by default on GPUs) cannot run ``tf.numpy_function``: compile with
+``jit_compile=False``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import keras
+import tensorflow as tf
+
+import hvps
+
+from ..compression import Compression
+from ..gradients import allreduce_gradients, scale_factors
+from ..mpi_ops import Average, _check_process_set, _resolve_op
+
+_COMPRESSION_NAMES = {Compression.none: "none", Compression.fp16: "fp16"}
+
+
+class DistributedOptimizer(keras.optimizers.Optimizer):
+    """Applies gradients averaged over all ranks with the wrapped Keras 3 optimizer.
+
+    ``backward_passes_per_step=N`` accumulates N local gradients and communicates
+    and applies once every N calls (their sum, or their mean with
+    ``average_aggregated_gradients=True``); the calls in between only accumulate.
+    """
+
+    def __init__(self, optimizer: keras.optimizers.Optimizer, name: Optional[str] = None, device_dense: str = "",
+                 device_sparse: str = "", compression=Compression.none, sparse_as_dense: bool = False,
+                 backward_passes_per_step: int = 1, op=Average, gradient_predivide_factor: float = 1.0,
+                 average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
+                 process_set: Any = None, scale_local_gradients: bool = True) -> None:
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps a Keras 3 keras.optimizers.Optimizer, got {type(optimizer)}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise ValueError("the optimizer is already a DistributedOptimizer")
+        if backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be >= 1")
+        _check_process_set(process_set)
+        op = _resolve_op(None, op)
+        scale_factors(op, gradient_predivide_factor)  # validates the combination
+        hvps.size()  # raises HvpsError before hvps.init()
+        super().__init__(learning_rate=0.0, name=name or f"Distributed{type(optimizer).__name__}")
+        self.inner_optimizer = optimizer
+        self.compression = compression
+        self.sparse_as_dense = sparse_as_dense
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self.op = op
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.average_aggregated_gradients = bool(average_aggregated_gradients)
+
+    # -- state -------------------------------------------------------------------------------
+    def build(self, var_list):
+        if self.built:
+            return
+        var_list = list(var_list)
+        if self.backward_passes_per_step > 1:
+            self._pass_counter = self.add_variable(shape=(), dtype="int32", initializer="zeros",
+                                                   aggregation="none", name="hvps_pass_counter")
+            self._accumulators = [self.add_variable_from_reference(v, name="hvps_accumulated_gradient")
+                                  for v in var_list]
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise NotImplementedError("hvps's Keras DistributedOptimizer runs on the TensorFlow backend (stateful apply)")
+
+    # -- the hook ------------------------------------------------------------------------------
+    def _reduce(self, grads: list) -> list:
+        return allreduce_gradients(grads, self.op, self.compression, self.sparse_as_dense,
+                                   self.gradient_predivide_factor)
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if not grads:
+            return
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError("pass trainable_variables on the first call, or build the optimizer first")
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+        if self.backward_passes_per_step == 1:
+            self.inner_optimizer.apply(self._reduce(grads), trainable_variables)
+            return
+        self._accumulate_and_maybe_apply(grads, trainable_variables)
+
+    def _accumulate_and_maybe_apply(self, grads: list, trainable_variables: list) -> None:
+        accumulators = [self._accumulators[self._get_variable_index(v)] for v in trainable_variables]
+        present = [g is not None for g in grads]
+        for g, acc in zip(grads, accumulators):
+            if g is not None:
+                acc.assign_add(tf.cast(tf.convert_to_tensor(g), acc.dtype))
+        self._pass_counter.assign_add(1)
+        steps = self.backward_passes_per_step
+
+        def communicate_and_apply():
+            divisor = float(steps) if self.average_aggregated_gradients else 1.0
+            summed = [tf.convert_to_tensor(acc) / divisor if p else None for acc, p in zip(accumulators, present)]
+            self.inner_optimizer.apply(self._reduce(summed), trainable_variables)
+            for acc in accumulators:
+                acc.assign(tf.zeros_like(acc))
+            self._pass_counter.assign(0)
+
+        tf.cond(tf.equal(tf.convert_to_tensor(self._pass_counter), steps), communicate_and_apply, lambda: None)
+
+    # -- serialisation ----------------------------------------------------------------------------
+    def get_config(self):
+        return {
+            "name": self.name,
+            "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "compression": _COMPRESSION_NAMES.get(self.compression, "none"),
+            "sparse_as_dense": self.sparse_as_dense,
+            "backward_passes_per_step": self.backward_passes_per_step,
+            "op": self.op.name,
+            "gradient_predivide_factor": self.gradient_predivide_factor,
+            "average_aggregated_gradients": self.average_aggregated_gradients,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
+        config["compression"] = getattr(Compression, config.get("compression", "none"))
+        config["op"] = getattr(hvps.ReduceOp, config.get("op", "Average"))
+        return cls(inner, **config)

@@ -1,0 +1,68 @@
+"""Outer tests of the TensorFlow 2 / Keras 3 adapter: the inner modules
+``tests/mpi/mpi_tf_*.py`` under mpirun with 2 and 3 ranks (clean on every rank),
+plus single-process checks in subprocesses (the outer run never imports TensorFlow)."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT, run_mpi
+
+NPS = [2, 3]
+HAVE_TF = importlib.util.find_spec("tensorflow") is not None and importlib.util.find_spec("keras") is not None
+needs_tf = pytest.mark.skipif(not HAVE_TF, reason="the 'tensorflow' extra (tensorflow-cpu) is not installed")
+
+# inner module -> hard timeout in seconds
+CASES = {"ops": ("mpi_tf_ops.py", 300), "train": ("mpi_tf_train.py", 300)}
+
+
+@needs_tf
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("np_", NPS, ids=[f"np{n}" for n in NPS])
+def test_tensorflow_inner_module(np_, case, tmp_path):
+    module, timeout = CASES[case]
+    # Ranks trace their tf.functions (model.fit's train function: seconds) at different speeds on a
+    # loaded box: the core's 3 s test default for the stall check would report that skew as a stall.
+    env = {"HVPS_TEST_SHARED_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2", "HVPS_STALL_CHECK_TIME_SECONDS": "60"}
+    result = run_mpi(module, np_, env=env, timeout=timeout)
+    result.assert_all_passed(min_passed=5)
+
+
+def _python(code):
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(REPO_ROOT), capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(REPO_ROOT), "TF_CPP_MIN_LOG_LEVEL": "2",
+                                            "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_core_and_torch_adapter_never_import_tensorflow():
+    out = _python("import sys, hvps\n"
+                  "import importlib.util\n"
+                  "if importlib.util.find_spec('torch'): import hvps.adapters.torch\n"
+                  "print('tensorflow' in sys.modules, 'keras' in sys.modules)")
+    assert out.split() == ["False", "False"]
+
+
+@needs_tf
+def test_single_process_api():
+    """World size 1 (MPI singleton): the facades, a tf.function allreduce, refusals with clear errors."""
+    out = _python(
+        "import keras, tensorflow as tf\n"
+        "import hvps.adapters.tensorflow as hvd, hvps.adapters.tensorflow.keras as hk\n"
+        "assert set(hvd.__all__) <= set(dir(hvd)) and set(hk.__all__) <= set(dir(hk))\n"
+        "try:\n    hk.DistributedOptimizer(keras.optimizers.SGD(0.1))\nexcept hvd.HvpsError: print('uninit')\n"
+        "hvd.init()\n"
+        "y = tf.function(lambda x: hvd.allreduce(x, op=hvd.Sum))(tf.constant([1.0, 2.0]))\n"
+        "print(y.numpy().tolist(), y.shape.as_list())\n"
+        "try:\n    hk.DistributedOptimizer(object())\nexcept TypeError: print('typeerror')\n"
+        "try:\n    hk.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=0)\n"
+        "except ValueError: print('valueerror')\n"
+        "opt = hk.DistributedOptimizer(keras.optimizers.Adam(0.01), compression=hvd.Compression.fp16)\n"
+        "again = hk.DistributedOptimizer.from_config(opt.get_config())\n"
+        "print(type(again.inner_optimizer).__name__, again.compression is hvd.Compression.fp16)\n"
+        "hvd.shutdown()\n")
+    assert out.split("\n")[:5] == ["uninit", "[1.0, 2.0] [2]", "typeerror", "valueerror", "Adam True"], out
