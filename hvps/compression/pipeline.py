@@ -111,11 +111,19 @@ class GradientCompression:
 
     def _count(self, array: np.ndarray, payloads: list, size: int) -> int:
         """Count the exchange and the bytes sent; returns the estimate of the bytes to receive."""
+        return self._count_bytes(array.nbytes, payloads, size)
+
+    def _count_bytes(self, dense_nbytes: int, payloads: list, size: int) -> int:
         sent, received = self.communicator().wire_bytes(payloads, size)
         self.stats.exchanges += 1
-        self.stats.dense_bytes += int(array.nbytes * 2 * (size - 1) / size) if size > 1 else 0
+        self.stats.dense_bytes += int(dense_nbytes * 2 * (size - 1) / size) if size > 1 else 0
         self.stats.bytes_sent += sent
         return received
+
+    def record(self, dense_nbytes: int, payloads: list) -> None:
+        """Count an exchange of summable ``payloads`` that an adapter ran itself (a fused allreduce),
+        standing for a gradient of ``dense_nbytes`` bytes."""
+        self.stats.bytes_received += self._count_bytes(dense_nbytes, payloads, runtime.size())
 
     def finish(self, pending: Pending) -> np.ndarray:
         """Wait for the exchange and return the aggregated (summed or averaged) gradient."""
