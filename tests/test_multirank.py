@@ -15,7 +15,7 @@ CASES = {
     "allreduce-ring": ("mpi_allreduce.py", {"HVPS_ALLREDUCE_ALGORITHM": "ring"}, 420),
     "collectives": ("mpi_collectives.py", {}, 420),
     "async": ("mpi_async.py", {}, 240),
-    "errors": ("mpi_errors.py", {}, 240),
+    "errors": ("mpi_errors.py", {"HVPS_STALL_CHECK_TIME_SECONDS": "3"}, 240),
     "torch": ("mpi_torch.py", {}, 420),
     "torch-train": ("mpi_torch_train.py", {}, 300),
 }
