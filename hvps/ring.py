@@ -37,6 +37,10 @@ def _window(bound: tuple, offset: int, chunk: int) -> slice:
     return slice(min(lo + offset, hi), min(lo + offset + chunk, hi))
 
 
+#: polls without progress before napping, the first nap and the longest (seconds)
+_SPIN_POLLS, _NAP, _MAX_NAP = 200, 20e-6, 1e-3
+
+
 def wait_all(requests: list, peers: list, timeout: float) -> None:
     """``MPI.Request.Waitall`` that gives up after ``timeout`` s without progress, naming the silent peers.
 
@@ -48,12 +52,18 @@ def wait_all(requests: list, peers: list, timeout: float) -> None:
 
     deadline = time.monotonic() + timeout
     remaining = len(requests)
+    idle = 0
     while remaining:
         done = MPI.Request.Testsome(requests)
         if done:
             remaining -= len(done)
             deadline = time.monotonic() + timeout
-        elif time.monotonic() > deadline:
+            idle = 0
+            continue
+        idle += 1
+        if idle > _SPIN_POLLS:  # a slow peer: stop burning the core (and the GIL) training needs
+            time.sleep(min(_MAX_NAP, _NAP * (idle - _SPIN_POLLS)))
+        if time.monotonic() > deadline:
             silent = sorted({peers[i] for i, r in enumerate(requests) if r != MPI.REQUEST_NULL})
             for request in requests:
                 if request != MPI.REQUEST_NULL:
