@@ -20,10 +20,14 @@ verifies, broadcasts the shared sections (one flat uint8 buffer) and sends each 
 own per-rank sections.  Without ``hvps.init()`` everything runs in one process.
 
 **Crash safety**: rank 0 writes ``.ckpt-epoch-000007.h5.tmp-<pid>-<hex>`` in the
-directory, fsyncs it, fsyncs the directory, renames it to ``ckpt-epoch-000007.h5``
-(atomic on POSIX and on NFS, which guarantees close-to-open consistency; no locks are
-used) and fsyncs the directory again.  A crash leaves either the old set of versions or
-the new one, plus possibly a temporary file that the next save removes.
+directory, fsyncs it, renames it to ``ckpt-epoch-000007.h5`` (atomic on POSIX and on NFS,
+which guarantees close-to-open consistency; no locks are used) and fsyncs the directory.
+A crash leaves either the old set of versions or the new one, plus possibly a temporary
+file that the next save removes.  Only then does retention drop old versions: each is
+renamed to a hidden ``.trash-...`` name at once (``list()`` no longer sees it) and
+unlinked in a background thread (freeing a large file's blocks takes a while); the next
+save, or the end of the process, waits for that thread, and leftovers of a crash are
+removed by the next save.
 
 **Verification**: every dataset's SHA-256 is in a manifest authenticated by a root
 attribute; :meth:`CheckpointManager.latest` and ``load("latest")`` skip (with a warning)
@@ -38,6 +42,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -56,6 +61,7 @@ from .checkpoint_format import (
     _layout,
     aligned_empty,
     build_trees,
+    chunk_bounds,
     fsync_path,
     is_per_rank_compression,
     padded,
@@ -66,7 +72,7 @@ from .checkpoint_format import (
 )
 
 FILE_RE = re.compile(r"^ckpt-epoch-(\d{6,})\.h5$")
-TMP_RE = re.compile(r"^\.ckpt-epoch-\d{6,}\.h5\.tmp-")
+TMP_RE = re.compile(r"^\.(ckpt-epoch-\d{6,}\.h5\.tmp-|trash-ckpt-epoch-\d{6,}\.h5-)")
 ATTIC = "attic"
 PER_RANK = ("compression", "rng")  # sections saved once per rank
 
@@ -209,6 +215,7 @@ class CheckpointManager:
     """
 
     framework = "numpy"
+    chunk_bytes = 16 << 20  # pieces in which load() broadcasts the shared sections
 
     def __init__(self, directory: Union[str, os.PathLike], keep_last: Optional[int] = 3,
                  keep_every: Optional[int] = None, compress: bool = False, root_rank: int = 0,
@@ -224,6 +231,7 @@ class CheckpointManager:
         self.root_rank = root_rank
         self.fsync = fsync
         self.loaded: Optional[Checkpoint] = None
+        self._deleter: Optional[threading.Thread] = None
 
     # ------------------------------------------------------------------ framework hooks
     def framework_version(self) -> str:
@@ -289,8 +297,9 @@ class CheckpointManager:
         attrs = root_attributes(epoch, step, world_size, self.framework, self.framework_version())
         try:
             write_file(tmp, sections, attrs, compress=self.compress, fsync=self.fsync)
-            if self.fsync:
-                fsync_path(self.directory, directory=True)
+            # The file is durable; the rename, made durable by the directory fsync below,
+            # publishes it (no fsync of the directory is needed before: the temporary
+            # name never has to survive a crash).
             os.replace(tmp, final)
             if self.fsync:
                 fsync_path(self.directory, directory=True)
@@ -303,8 +312,15 @@ class CheckpointManager:
         self._apply_retention()
         return final
 
+    def wait_for_retention(self) -> None:
+        """Wait until the versions dropped by the last save are unlinked."""
+        if self._deleter is not None:
+            self._deleter.join()
+            self._deleter = None
+
     def _remove_stale_temporaries(self) -> None:
-        """Temporary files of writers that died (one job owns a directory)."""
+        """Temporary and trash files of writers that died (one job owns a directory)."""
+        self.wait_for_retention()
         for p in self.directory.iterdir():
             if TMP_RE.match(p.name):
                 try:
@@ -321,16 +337,24 @@ class CheckpointManager:
         return keep
 
     def _apply_retention(self) -> None:
+        """Drop the versions retention does not keep: a rename now (cheap, and they are
+        gone from ``list()``), the unlink in a background thread.  No directory fsync: a
+        dropped version that reappears after a crash is dropped again by the next save."""
+        self.wait_for_retention()
         versions = self.list()
         keep = self.retained([v.epoch for v in versions])
+        trash = []
         for v in versions:
             if v.epoch not in keep:
+                doomed = v.path.with_name(f".trash-{v.path.name}-{secrets.token_hex(4)}")
                 try:
-                    v.path.unlink()
+                    os.replace(v.path, doomed)
                 except FileNotFoundError:
-                    pass
-        if self.fsync:
-            fsync_path(self.directory, directory=True)
+                    continue
+                trash.append(doomed)
+        if trash:
+            self._deleter = threading.Thread(target=_unlink_all, args=(trash,), name="hvps-ckpt-retention")
+            self._deleter.start()
 
     # ------------------------------------------------------------------ listing and verification
     def list(self) -> list:
@@ -445,17 +469,37 @@ class CheckpointManager:
         mine = f"/compression/{_rank_key(group.rank)}/"
         own = _relayout(entries, lambda p: p.startswith(mine)) if has_comp else []
         status = full = None
+        # The shared part travels in pieces: each piece's broadcast starts as soon as the
+        # root has read it, so reading, hashing and sending overlap.
+        bounds = chunk_bounds(shared, self.chunk_bytes) if group.distributed else []
+        handles: list = []
+
+        def send(k: int) -> None:
+            lo = bounds[k - 1] if k else 0
+            handles.append(group.bcast_buf_async(shared_buf[lo:bounds[k]], f"ckpt.load.data.{attempt}.{k}"))
+
         if group.is_root:
+            # laid out as: shared sections, then rank 0's, rank 1's, ... compression state
+            full = aligned_empty(reader.header.total_bytes)
+            shared_buf = full[:shared_bytes]
             try:
-                full = reader.read()  # laid out as: shared sections, then rank 0's, rank 1's, ... compression state
+                reader.read(full, bounds=bounds, ready=send)
             except CheckpointError as exc:
                 status = exc
+            while len(handles) < len(bounds):  # the others wait for every piece
+                send(len(handles))
+        else:
+            shared_buf = aligned_empty(shared_bytes)
+            for k in range(len(bounds)):
+                send(k)
         text = group.bcast_obj(None if status is None else str(status), f"ckpt.load.read.{attempt}")
         if text is not None:
+            for h in handles:
+                if h is not None:
+                    h.wait()
             return (status if group.is_root else CheckpointError(text)), None
         own_buf = None
         if group.is_root:
-            shared_buf = full[:shared_bytes]
             index = {e.path: e for e in reader.header.entries}
             parts = []
             for r in range(group.size if has_comp else 0):
@@ -465,9 +509,7 @@ class CheckpointManager:
             if has_comp:
                 own_buf = parts[group.rank]
         else:
-            shared_buf = aligned_empty(shared_bytes)
             parts = None
-        handle = group.bcast_buf_async(shared_buf, f"ckpt.load.data.{attempt}")
         if has_comp and group.distributed:
             got = group.scatter_bufs(parts, f"ckpt.load.comp.{attempt}")
             if not group.is_root:
@@ -479,8 +521,9 @@ class CheckpointManager:
                 reader.verify()  # the hashes ran while the bytes were read and sent
             except CheckpointError as exc:
                 verdict = exc
-        if handle is not None:
-            handle.wait()
+        for h in handles:
+            if h is not None:
+                h.wait()
         text = group.bcast_obj(None if verdict is None else str(verdict), f"ckpt.load.verdict.{attempt}")
         if text is not None:
             return (verdict if group.is_root else CheckpointError(text)), None
@@ -578,6 +621,14 @@ class CheckpointManager:
         if self.fsync:
             fsync_path(self.directory, directory=True)
         return restored
+
+
+def _unlink_all(paths: list) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass  # the next save removes leftovers
 
 
 def header_of(path: Union[str, os.PathLike]) -> Header:

@@ -228,6 +228,7 @@ class Header:
     entries: list  # [Entry]
     groups: dict  # HDF5 group path -> {attr: json value}
     total_bytes: int = 0  # size of the flat buffer, alignment included
+    offsets: Optional[dict] = None  # path -> file offset of a contiguous dataset's bytes, else None
 
     @property
     def epoch(self) -> int:
@@ -297,8 +298,66 @@ def aligned_empty(nbytes: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- writing
+_WRITEBACK_BYTES = 32 << 20  # start the kernel's writeback after this many bytes (Linux)
+
+
+HASH_THREADS = 2  # SHA-256 of one dataset is sequential; different datasets hash in parallel
+_HASH_BATCH = 4 << 20  # consecutive small datasets are hashed as one task
+
+
 def _sha256(array: np.ndarray) -> str:
     return hashlib.sha256(memoryview(array).cast("B")).hexdigest() if array.nbytes else hashlib.sha256(b"").hexdigest()
+
+
+def _sha256_all(arrays: list) -> list:
+    return [_sha256(a) for a in arrays]
+
+
+def _hash_batches(pool: ThreadPoolExecutor, arrays: list) -> list:
+    """Futures, each for a list of digests of consecutive ``arrays`` (in order)."""
+    futures, batch, size = [], [], 0
+    for a in arrays:
+        batch.append(a)
+        size += a.nbytes
+        if size >= _HASH_BATCH:
+            futures.append(pool.submit(_sha256_all, batch))
+            batch, size = [], 0
+    if batch:
+        futures.append(pool.submit(_sha256_all, batch))
+    return futures
+
+
+def _sync_file_range():
+    """libc's ``sync_file_range`` (Linux) or None: starts writeback of dirty pages without
+    waiting, so the disk works while later bytes are still being copied in and the final
+    fsync has little left to do.  ctypes releases the GIL during the call."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SFR = _sync_file_range()
+_SFR_WRITE = 2  # SYNC_FILE_RANGE_WRITE
+
+
+def _write_all(fd: int, jobs: list, early_writeback: bool) -> None:
+    """pwrite every (offset, array) of ``jobs`` (the GIL is released in each call)."""
+    pending = 0
+    for offset, arr in jobs:
+        _pwrite_all(fd, arr, offset)
+        pending += arr.nbytes
+        if early_writeback and _SFR is not None and pending >= _WRITEBACK_BYTES:
+            _SFR(fd, 0, 0, _SFR_WRITE)  # a hint: errors surface in the final fsync
+            pending = 0
 
 
 def write_file(path: os.PathLike, sections: Mapping[str, Mapping], root_attrs: Mapping[str, Any],
@@ -306,11 +365,16 @@ def write_file(path: os.PathLike, sections: Mapping[str, Mapping], root_attrs: M
     """Write one complete checkpoint file at ``path`` (the caller picks a temporary name).
 
     ``sections`` maps a section name (see SECTIONS) to a nested mapping of arrays and
-    JSON-able values.  Hashes run in a second thread while the bytes are written; the file
-    is fsynced before returning when ``fsync`` is true.
+    JSON-able values.  First this thread creates every HDF5 object (contiguous datasets,
+    space allocated, never filled), alone: that work holds the GIL, and threads waiting for
+    the GIL beside it would slow it down several times.  Then the bytes go out with
+    ``pwrite`` at each dataset's offset while HASH_THREADS threads compute the SHA-256s;
+    both release the GIL, so they run in parallel.  Every 32 MiB the kernel is told to
+    start writing back (``sync_file_range``), so that the final fsync (when ``fsync``)
+    has little left to wait for.
     """
     import h5py
-    from h5py import h5d, h5p, h5s, h5t
+    from h5py import h5d, h5g, h5p, h5s, h5t
 
     path = Path(path)
     leaves: list = []
@@ -325,10 +389,10 @@ def write_file(path: os.PathLike, sections: Mapping[str, Mapping], root_attrs: M
         _flatten(tree, f"/{name}", name, leaves, groups)
     attrs = {k: to_json(v, f"root attribute {k}") for k, v in root_attrs.items()}
 
-    pool = ThreadPoolExecutor(1, thread_name_prefix="hvps-ckpt-sha")
+    pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hvps-ckpt-sha")
+    jobs: list = []
+    fd = -1
     try:
-        digests = [pool.submit(_sha256, leaf.array) for leaf in leaves]
-        entries = []
         with h5py.File(path, "w", locking=False) as f:
             dcpl = h5p.create(h5p.DATASET_CREATE)
             if not compress:
@@ -337,37 +401,43 @@ def write_file(path: os.PathLike, sections: Mapping[str, Mapping], root_attrs: M
                 dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
             lcpl = h5p.create(h5p.LINK_CREATE)
             lcpl.set_create_intermediate_group(True)
-            for gpath, gattrs in groups.items():
-                g = f.require_group(gpath)
-                for k, v in gattrs.items():
-                    g.attrs[k] = _dumps(v)
-            raw_writes = []
+            types: dict = {}
+            existing = {""}
             for leaf in leaves:
                 arr = leaf.array
+                parent = leaf.path.rpartition("/")[0]
+                while parent not in existing:
+                    existing.add(parent)
+                    parent = parent.rpartition("/")[0]
                 if compress and arr.ndim and arr.size:
-                    ds = f.create_dataset(leaf.path, data=arr, compression="lzf", chunks=True)
+                    dsid = f.create_dataset(leaf.path, data=arr, compression="lzf", chunks=True).id
                 else:
+                    htype = types.get(arr.dtype)
+                    if htype is None:
+                        htype = types[arr.dtype] = h5t.py_create(arr.dtype)
                     space = h5s.create_simple(arr.shape) if arr.ndim else h5s.create(h5s.SCALAR)
-                    dsid = h5d.create(f.id, leaf.path.encode(), h5t.py_create(arr.dtype), space, dcpl=dcpl, lcpl=lcpl)
+                    dsid = h5d.create(f.id, leaf.path.encode(), htype, space, dcpl=dcpl, lcpl=lcpl)
                     offset = dsid.get_offset() if arr.nbytes else None
-                    if offset is None:
-                        if arr.nbytes:
-                            dsid.write(h5s.ALL, h5s.ALL, arr)
-                    else:
-                        raw_writes.append((offset, arr))
-                    ds = None
+                    if offset is not None:
+                        jobs.append((offset, arr))
+                    elif arr.nbytes:
+                        dsid.write(h5s.ALL, h5s.ALL, arr)
                 if leaf.dtype != arr.dtype.name:
-                    (ds if ds is not None else f[leaf.path]).attrs["dtype"] = leaf.dtype
-            # The raw bytes go through our own descriptor (GIL released, hashing overlaps).
+                    h5py.Dataset(dsid).attrs["dtype"] = leaf.dtype
+            for gpath in sorted(groups, key=lambda g: g.count("/")):  # parents first
+                if gpath not in existing:
+                    h5g.create(f.id, gpath.encode()).close()
+                    existing.add(gpath)
+                if groups[gpath]:
+                    g = f[gpath]
+                    for k, v in groups[gpath].items():
+                        g.attrs[k] = _dumps(v)
+            hashes = _hash_batches(pool, [leaf.array for leaf in leaves])
             fd = os.open(path, os.O_WRONLY)
-            try:
-                for offset, arr in raw_writes:
-                    _pwrite_all(fd, arr, offset)
-            finally:
-                os.close(fd)
-            for leaf, fut in zip(leaves, digests):
-                arr = leaf.array
-                entries.append(Entry(leaf.path, leaf.dtype, arr.dtype.str, tuple(arr.shape), int(arr.nbytes), fut.result()))
+            _write_all(fd, jobs, fsync)  # raises OSError (e.g. ENOSPC)
+            entries = [Entry(leaf.path, leaf.dtype, leaf.array.dtype.str, tuple(leaf.array.shape),
+                             int(leaf.array.nbytes), digest)
+                       for leaf, digest in zip(leaves, [d for fut in hashes for d in fut.result()])]
             manifest = {"format_version": FORMAT_VERSION, "root": attrs,
                         "datasets": [e.as_json() for e in entries], "groups": groups}
             blob = np.frombuffer(_dumps(manifest).encode(), dtype=np.uint8)
@@ -376,9 +446,11 @@ def write_file(path: os.PathLike, sections: Mapping[str, Mapping], root_attrs: M
                 f.attrs[k] = v if isinstance(v, (int, float, str)) and not isinstance(v, bool) else _dumps(v)
             f.attrs["manifest_sha256"] = hashlib.sha256(blob.tobytes()).hexdigest()
         if fsync:
-            fsync_path(path)
+            os.fsync(fd)  # HDF5 wrote its metadata through its own descriptor, now closed
     finally:
-        pool.shutdown(wait=True)
+        if fd >= 0:
+            os.close(fd)
+        pool.shutdown(wait=True, cancel_futures=True)
     header = Header(path, attrs, entries, groups)
     header.total_bytes = _layout(entries)
     return header
@@ -431,7 +503,7 @@ def read_header(path: os.PathLike) -> Header:
 
 
 def _read_header(path: Path, f) -> Header:
-    import h5py
+    from h5py import h5d, h5o
 
     root = {k: _root_value(v) for k, v in f.attrs.items()}
     if root.get("hvps_format") != FORMAT_NAME:
@@ -460,22 +532,30 @@ def _read_header(path: Path, f) -> Header:
     entries = [Entry(d["path"], d["dtype"], d["storage"], tuple(d["shape"]), int(d["nbytes"]), d["sha256"])
                for d in manifest["datasets"]]
     listed = {e.path for e in entries}
-    found = {}
+    found = set()
 
-    def visit(name, obj):
-        if isinstance(obj, h5py.Dataset) and name != MANIFEST:
-            found["/" + name] = obj
+    def visit(name, info):  # low-level: no h5py object per item
+        if info.type == h5o.TYPE_DATASET and name != MANIFEST.encode():
+            found.add("/" + name.decode())
 
-    f.visititems(visit)
-    for p in sorted(set(found) - listed):
+    h5o.visit(f.id, visit, info=True)
+    for p in sorted(found - listed):
         problems.append(f"dataset {p} is in the file but not in the manifest")
-    for p in sorted(listed - set(found)):
+    for p in sorted(listed - found):
         problems.append(f"dataset {p} is listed in the manifest but missing from the file")
+    offsets = {}
     for e in entries:
-        ds = found.get(e.path)
-        if ds is not None and (ds.dtype.str != e.storage or tuple(ds.shape) != e.shape):
-            problems.append(f"dataset {e.path}: file has {ds.dtype.str}{tuple(ds.shape)}, "
-                            f"manifest says {e.storage}{e.shape}")
+        if e.path not in found:
+            continue
+        dsid = h5d.open(f.id, e.path.encode())
+        try:
+            if dsid.dtype.str != e.storage or tuple(dsid.shape) != e.shape:
+                problems.append(f"dataset {e.path}: file has {dsid.dtype.str}{tuple(dsid.shape)}, "
+                                f"manifest says {e.storage}{e.shape}")
+            contiguous = dsid.get_create_plist().get_layout() == h5d.CONTIGUOUS
+            offsets[e.path] = dsid.get_offset() if contiguous else None
+        finally:
+            dsid.close()
     for gpath, gattrs in manifest["groups"].items():
         have = f.get(gpath)
         for k, v in gattrs.items():
@@ -484,9 +564,24 @@ def _read_header(path: Path, f) -> Header:
                 problems.append(f"group {gpath}: attribute {k} differs from the manifest")
     if problems:
         raise CheckpointError("file contents do not match its manifest", path, problems)
-    header = Header(path, attrs, entries, manifest["groups"])
+    header = Header(path, attrs, entries, manifest["groups"], offsets=offsets)
     header.total_bytes = _layout(entries)
     return header
+
+
+def chunk_bounds(entries: list, chunk_bytes: int) -> list:
+    """Byte offsets that cut the flat buffer of ``entries`` (laid out from 0 in order) into
+    pieces of about ``chunk_bytes`` at dataset boundaries; the last one is the end."""
+    bounds, last = [], 0
+    for e in entries:
+        end = e.start + padded(e.nbytes)
+        if end - last >= chunk_bytes:
+            bounds.append(end)
+            last = end
+    total = max((e.start + padded(e.nbytes) for e in entries), default=0)
+    if total > last:
+        bounds.append(total)
+    return bounds
 
 
 class Reader:
@@ -496,6 +591,8 @@ class Reader:
     dataset (computed in a background thread while reading) and raises CheckpointError
     listing each dataset whose bytes do not match.  Callers may ship the buffer elsewhere
     (e.g. broadcast it) between the two calls, but must not use it before ``verify()``.
+    ``read(bounds=[...], ready=fn)`` calls ``fn(k)`` as soon as the buffer's bytes up to
+    ``bounds[k]`` are in (so a broadcast of that piece can start while the rest is read).
     """
 
     def __init__(self, path: os.PathLike, header: Optional[Header] = None) -> None:
@@ -504,14 +601,18 @@ class Reader:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._digests: list = []
 
-    def read(self, buffer: Optional[np.ndarray] = None) -> np.ndarray:
+    def read(self, buffer: Optional[np.ndarray] = None, bounds: Optional[list] = None,
+             ready: Optional[callable] = None) -> np.ndarray:
         import h5py
         from h5py import h5d
 
         header = self.header
         buf = aligned_empty(header.total_bytes) if buffer is None else buffer
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hvps-ckpt-sha")
+        self._pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hvps-ckpt-sha")
         self._digests = []
+        batch, batch_bytes = [], 0
+        bounds = list(bounds or [])
+        nxt = 0
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError as exc:
@@ -519,21 +620,42 @@ class Reader:
         try:
             file_size = os.fstat(fd).st_size
             with h5py.File(self.path, "r", locking=False) as f:
-                for e in header.entries:
-                    dst = buf[e.start:e.start + e.nbytes]
-                    if e.nbytes:
+                # Where each dataset's bytes are: one pass over the metadata first.
+                plan = []
+                known = header.offsets or {}
+                for e in sorted(header.entries, key=lambda e: e.start):
+                    offset = None
+                    if e.nbytes and e.path in known:
+                        offset = known[e.path]
+                    elif e.nbytes:
                         dsid = f[e.path].id
                         offset = dsid.get_offset()
-                        if offset is not None and dsid.get_create_plist().get_layout() == h5d.CONTIGUOUS:
-                            if offset + e.nbytes > file_size:
-                                raise CheckpointError(
-                                    f"truncated: dataset {e.path} needs bytes {offset}..{offset + e.nbytes} "
-                                    f"but the file has {file_size}", self.path)
+                        if offset is not None and dsid.get_create_plist().get_layout() != h5d.CONTIGUOUS:
+                            offset = None
+                    if e.nbytes:
+                        if offset is not None and offset + e.nbytes > file_size:
+                            raise CheckpointError(
+                                f"truncated: dataset {e.path} needs bytes {offset}..{offset + e.nbytes} "
+                                f"but the file has {file_size}", self.path)
+                    plan.append((e, offset))
+                for e, offset in plan:
+                    dst = buf[e.start:e.start + e.nbytes]
+                    if e.nbytes:
+                        if offset is not None:
                             _pread_all(fd, dst, offset, self.path, e.path)
                         else:
                             target = dst.view(np.dtype(e.storage)).reshape(e.shape)
                             f[e.path].read_direct(target)
-                    self._digests.append((e, self._pool.submit(_sha256, dst)))
+                    batch.append((e, dst))
+                    batch_bytes += e.nbytes
+                    if batch_bytes >= _HASH_BATCH or e is plan[-1][0]:
+                        self._digests.append(([b[0] for b in batch], self._pool.submit(
+                            _sha256_all, [b[1] for b in batch])))
+                        batch, batch_bytes = [], 0
+                    done = e.start + padded(e.nbytes)
+                    while nxt < len(bounds) and bounds[nxt] <= done:
+                        ready(nxt)
+                        nxt += 1
         except CheckpointError:
             self._close()
             raise
@@ -542,12 +664,15 @@ class Reader:
             raise CheckpointError(f"unreadable data (truncated or damaged file): {exc}", self.path) from exc
         finally:
             os.close(fd)
+        while nxt < len(bounds):  # bounds past the last dataset (nothing to wait for)
+            ready(nxt)
+            nxt += 1
         return buf
 
     def verify(self) -> None:
         try:
-            bad = [f"dataset {e.path}: sha256 {fut.result()} != manifest {e.sha256}"
-                   for e, fut in self._digests if fut.result() != e.sha256]
+            bad = [f"dataset {e.path}: sha256 {digest} != manifest {e.sha256}"
+                   for batch, fut in self._digests for e, digest in zip(batch, fut.result()) if digest != e.sha256]
         finally:
             self._close()
         if bad:

@@ -20,6 +20,7 @@ from .collectives import EXECUTORS, Context, Entry
 from .control import ControlPlane
 from .errors import HvpsError
 from .handle import Handle
+from .timeline import Timeline
 from .negotiation import JOIN, SHUTDOWN, Coordinator, Request, Response, to_wire
 
 log = logging.getLogger("hvps")
@@ -46,6 +47,7 @@ class Engine:
         self._pending: dict[str, Entry] = {}
         self._failure: Optional[BaseException] = None
         self._stopping = False
+        self.timeline = Timeline(settings.timeline) if settings.timeline and self.rank == 0 else None
         self._thread = threading.Thread(target=self._run, name="hvps-engine", daemon=True)
         self._thread.start()
 
@@ -90,6 +92,8 @@ class Engine:
         self._fail_all(HvpsError("hvps was shut down before this collective completed"))
         if not stuck:
             self.control.close()
+        if self.timeline is not None:
+            self.timeline.close()
         return not stuck and self._failure is None
 
     # -- the engine thread ----------------------------------------------------------
@@ -182,6 +186,7 @@ class Engine:
                 self._run_collective(response, entries)
 
     def _run_collective(self, response, entries: list) -> None:
+        started = time.monotonic()
         for entry in entries:
             if entry is not None:
                 entry.handle.mark_started()
@@ -194,9 +199,20 @@ class Engine:
                 if entry is not None:
                     entry.handle.set_error(exc)
             raise
+        if self.timeline is not None:
+            self._trace(response, entries, started)
         for entry, result in zip(entries, results):
             if entry is not None:
                 entry.handle.set_result(result)
+
+    def _trace(self, response, entries: list, started: float) -> None:
+        ended = time.monotonic()
+        for entry in entries:
+            if entry is not None:
+                name = entry.request.name
+                self.timeline.span(name, "NEGOTIATE", entry.handle.submitted_at, started)
+                self.timeline.span(name, response.kind.upper(), started, ended,
+                                   {"fused": len(response.names), "dtype": entry.request.dtype})
 
     def _report_error(self, response, entries: list) -> None:
         mine = [e for e in entries if e is not None]

@@ -60,6 +60,11 @@ class Handle:
                 "a rank or a link between ranks may have died (HVPS_STALL_CHECK_TIME_SECONDS sets the limit)"
             ))
 
+    @property
+    def submitted_at(self) -> float:
+        """``time.monotonic()`` when the collective was submitted."""
+        return self._submitted
+
     def mark_started(self) -> None:
         """Called by the engine when every rank has agreed and the data starts to move."""
         self._started = time.monotonic()

@@ -32,6 +32,7 @@ class Settings:
     stall_check_seconds: float = 60.0
     algorithm: str = "ring"
     ring_chunk_bytes: int = 4 * 1024 * 1024
+    timeline: str = ""
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -46,4 +47,5 @@ class Settings:
             stall_check_seconds=_env_number("HVPS_STALL_CHECK_TIME_SECONDS", cls.stall_check_seconds),
             algorithm=algorithm,
             ring_chunk_bytes=int(_env_number("HVPS_RING_CHUNK_BYTES", cls.ring_chunk_bytes, int)) or cls.ring_chunk_bytes,
+            timeline=os.environ.get("HVPS_TIMELINE", ""),
         )

@@ -82,6 +82,8 @@ def rank_environment(settings: LaunchSettings, env: Mapping[str, str], num_proc:
         own["OMP_NUM_THREADS"] = str(cores_per_rank(num_proc, hosts, cpu_count))
     if settings.network_interfaces and "NCCL_SOCKET_IFNAME" not in env:
         own["NCCL_SOCKET_IFNAME"] = ",".join(settings.network_interfaces)
+    if settings.network_interfaces and "HVPS_NETWORK_INTERFACE" not in env:
+        own["HVPS_NETWORK_INTERFACE"] = settings.network_interfaces[0]  # the control plane's address
     return own
 
 
