@@ -13,7 +13,6 @@ from .check_build import check_build
 from .errors import LaunchError
 from .mpi_command import (
     MISSING_MPI,
-    MpiImpl,
     build_mpirun_command,
     default_num_proc,
     detect_mpi_implementation,

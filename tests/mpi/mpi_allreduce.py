@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import hvps
-from hvps_testutil import (BF16, DTYPE_NAMES, DTYPES, FLOAT_NAMES, INT_NAMES,
+from hvps_testutil import (DTYPE_NAMES, DTYPES, FLOAT_NAMES, INT_NAMES,
                            OP_NAMES, all_inputs, assert_exact, big_count,
-                           check_allreduce_result, random_array)
+                           check_allreduce_result)
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,14 +1,13 @@
 """Inner multi-rank tests: topology queries, allgather, broadcast, alltoall,
 reducescatter, barrier, object collectives, dtype errors (numpy core API)."""
 
-import os
 import time
 
 import numpy as np
 import pytest
 
 import hvps
-from hvps_testutil import (DTYPE_NAMES, DTYPES, FLOAT_NAMES, INT_NAMES, MIB,
+from hvps_testutil import (DTYPE_NAMES, DTYPES, MIB,
                            all_inputs, assert_exact, big_count,
                            check_allreduce_result, random_array, rows_split,
                            world_size_env)

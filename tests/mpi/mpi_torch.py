@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hvps.adapters.torch as hvd
-from hvps_testutil import (BF16, DTYPES, MIB, OP_NAMES, all_inputs, assert_exact,
+from hvps_testutil import (BF16, DTYPES, OP_NAMES, all_inputs, assert_exact,
                            big_count, check_allreduce_result, random_array, rows_split)
 
 pytestmark = pytest.mark.timeout(180)

@@ -1,7 +1,6 @@
 """Inner multi-rank training tests: DistributedOptimizer vs single-process
 training on the global batch (computed in-process on every rank, no hvps)."""
 
-import numpy as np
 import pytest
 import torch
 
