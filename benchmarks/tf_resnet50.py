@@ -10,9 +10,14 @@ The distributed step is the user's loop: one ``tf.function`` with forward,
 loss, ``hvd.DistributedGradientTape(tape).gradient`` and ``apply_gradients``;
 the no-comm step is the same function with a plain ``tf.GradientTape``. The
 communication wait is the time the step spends inside the hvps collective op
-(the graph blocks on it). ``--threads-per-rank`` sets TensorFlow's intra- and
-inter-op pools. ``--channels-last`` is accepted (Keras on TF is channels-last
-already).
+(the graph blocks on it). ``--compression none|fp16|bf16|int8|topk|dgc`` and
+``--density`` pick the tape's gradient compression (``--fp16-allreduce`` is
+``--compression fp16``); the JSON then reports bytes sent and received per
+step, the compression ratio and compress/decompress time, as the PyTorch
+harness does. DGC runs with a momentum-free SGD (DGC applies momentum itself)
+and no warm-up. ``--threads-per-rank`` sets TensorFlow's intra- and inter-op
+pools. ``--channels-last`` is accepted (Keras on TF is channels-last already).
+``--epochs`` / ``--checkpoint-dir`` are the PyTorch harness's only.
 """
 from __future__ import annotations
 
@@ -43,7 +48,9 @@ class Trainer:
         self.hvd, self.clock = hvd, comm_clock
         self.model = keras.applications.ResNet50(weights=None, input_shape=(args.image_size, args.image_size, 3),
                                                  classes=args.num_classes)
-        self.opt = keras.optimizers.SGD(args.lr * ranks, momentum=0.9)
+        # DGC applies momentum itself (momentum correction), so its optimizer has none.
+        momentum = 0.0 if (hvd is not None and args.compression == "dgc") else 0.9
+        self.opt = keras.optimizers.SGD(args.lr * ranks, momentum=momentum)
         self.opt.build(self.model.trainable_variables)
         if hvd is not None:
             hvd.broadcast_variables(self.model.variables, root_rank=0)
@@ -53,9 +60,14 @@ class Trainer:
                                                     dtype=np.float32))
         self.target = tf.constant(rng.integers(0, args.num_classes, args.batch_size))
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=False)
-        compression = None
+        self.compression = None
         if hvd is not None:
-            compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+            from hvps import compression as core
+
+            options = {"density": args.density, "warmup": ()} if args.compression == "dgc" else (
+                {"density": args.density} if args.compression == "topk" else {})
+            self.compression = core.create(args.compression, **options)  # one object: error feedback persists
+        compression = self.compression
 
         @tf.function(jit_compile=False)
         @tf.autograph.experimental.do_not_convert  # plain Python, nothing to convert
@@ -81,6 +93,8 @@ class Trainer:
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
+    if args.epochs is not None or args.checkpoint_dir:
+        raise SystemExit("tf_resnet50.py: --epochs, --checkpoint-dir and --resume are the PyTorch harness's only")
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads_per_rank)
@@ -116,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
     log(f"Model: {args.model} (keras.applications, TF {tf.__version__}), batch size {args.batch_size}, "
         f"image size {args.image_size}, ranks {size}, threads per rank {args.threads_per_rank}, "
-        f"fp16 allreduce {args.fp16_allreduce}")
+        f"compression {args.compression}" + (f" (density {args.density})" if args.compression in ("topk", "dgc")
+                                             else ""))
     dist = Trainer(args, hvd, size) if hvd is not None else None
     local = Trainer(args, None, size) if (args.no_comm or args.compare_no_comm or args.baseline) else None
     for trainer in (dist, local):
@@ -126,13 +141,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
     def phase(trainer: Trainer, mode: str) -> dict[str, Any] | None:
         comm.Barrier()
-        gathered = comm.gather(measure(trainer, args, tick), root=0)
+        if trainer.compression is not None:
+            trainer.compression.stats.reset()
+        timings = measure(trainer, args, tick)
+        if trainer.compression is not None:
+            timings["compression"] = trainer.compression.stats.as_dict()
+        gathered = comm.gather(timings, root=0)
         return combine(gathered, args, mode) if rank == 0 else None
 
     result: dict[str, Any] = {"benchmark": "tf_resnet50", "model": args.model, "ranks": size,
                               "threads_per_rank": args.threads_per_rank, "batch_size": args.batch_size,
                               "image_size": args.image_size, "num_batches_per_iter": args.num_batches_per_iter,
-                              "num_iters": args.num_iters, "fp16_allreduce": args.fp16_allreduce,
+                              "num_iters": args.num_iters, "compression": args.compression,
+                              "density": args.density if args.compression in ("topk", "dgc") else None,
                               "channels_last": True, "tensorflow": tf.__version__}
     if args.compare_no_comm:
         rounds = []

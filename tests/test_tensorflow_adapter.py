@@ -1,6 +1,7 @@
 """Outer tests of the TensorFlow 2 / Keras 3 adapter: the inner modules
-``tests/mpi/mpi_tf_*.py`` under mpirun with 2 and 3 ranks (clean on every rank),
-plus single-process checks in subprocesses (the outer run never imports TensorFlow)."""
+``tests/mpi/mpi_tf_ops.py`` and ``mpi_tf_train.py`` under mpirun with 2 and 3 ranks
+and ``mpi_tf_compression.py`` with 3 (clean on every rank), plus single-process
+checks in subprocesses (the outer run never imports TensorFlow)."""
 
 import importlib.util
 import subprocess
@@ -28,6 +29,17 @@ def test_tensorflow_inner_module(np_, case, tmp_path):
     # loaded box: the core's 3 s test default for the stall check would report that skew as a stall.
     env = {"HVPS_TEST_SHARED_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2", "HVPS_STALL_CHECK_TIME_SECONDS": "60"}
     result = run_mpi(module, np_, env=env, timeout=timeout)
+    result.assert_all_passed(min_passed=5)
+
+
+@needs_tf
+@pytest.mark.timeout(400)
+def test_tensorflow_compression(tmp_path):
+    """Compressed gradients (top-k, int8) through the tape and the Keras optimizer. Three ranks only:
+    that is where summing in rank order is what keeps the ranks bit-identical (two ranks' sums commute),
+    and every TF rank costs ~10 s of import on a small box."""
+    env = {"HVPS_TEST_SHARED_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2", "HVPS_STALL_CHECK_TIME_SECONDS": "60"}
+    result = run_mpi("mpi_tf_compression.py", 3, env=env, timeout=300)
     result.assert_all_passed(min_passed=5)
 
 
@@ -63,6 +75,8 @@ def test_single_process_api():
         "except ValueError: print('valueerror')\n"
         "opt = hk.DistributedOptimizer(keras.optimizers.Adam(0.01), compression=hvd.Compression.fp16)\n"
         "again = hk.DistributedOptimizer.from_config(opt.get_config())\n"
-        "print(type(again.inner_optimizer).__name__, again.compression is hvd.Compression.fp16)\n"
+        "topk = hk.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=hk.Compression.topk(0.05))\n"
+        "print(type(again.inner_optimizer).__name__, again.compression.name,\n"
+        "      hk.DistributedOptimizer.from_config(topk.get_config()).compression.name)\n"
         "hvd.shutdown()\n")
-    assert out.split("\n")[:5] == ["uninit", "[1.0, 2.0] [2]", "typeerror", "valueerror", "Adam True"], out
+    assert out.split("\n")[:5] == ["uninit", "[1.0, 2.0] [2]", "typeerror", "valueerror", "Adam fp16 topk(0.05)"], out

@@ -1,12 +1,38 @@
-"""Horovod's gradient compression interface for tf.Tensors: ``Compression.none`` and ``Compression.fp16``."""
+"""Gradient compression for TensorFlow: the core's compressors, plus Horovod-style ones.
+
+``hvd.Compression.none`` / ``.fp16`` / ``.bf16`` / ``.int8`` / ``.topk(d)`` /
+``.dgc(d)`` are ``hvps.compression.GradientCompression`` objects (the same
+``Compression`` as the core's and the PyTorch adapter's). Build a stateful one
+(``topk``, ``dgc``: error feedback and momentum live in it) once and pass that
+object to every step. A Horovod-style compressor (a class or object with
+``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx)`` on
+tf.Tensors, such as ``FP16Compressor`` below) is accepted too, as a summable
+transform.
+
+Summable compressions (none, fp16, bf16, Horovod-style) run as TensorFlow ops
+around the fused allreduce (``compress_tensor`` / ``decompress_tensor``);
+the others (int8, top-k, DGC) only through ``DistributedGradientTape`` and the
+Keras ``DistributedOptimizer``, which run them through the core pipeline.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import tensorflow as tf
+
+from hvps.compression import CastCompressor, Compression, GradientCompression
+from hvps.compression import NoneCompressor as _CoreNone
+from hvps.compression.horovod import TensorCompressor
+from hvps.compression.horovod import as_gradient_compression as _as_gradient_compression
+
+__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "as_gradient_compression",
+           "compress_tensor", "decompress_tensor"]
 
 
 class Compressor:
-    """Turns a tensor into what travels, and back; only summable transforms belong here."""
+    """Horovod's interface for a summable transform of tf.Tensors; subclass it for your own."""
 
     @staticmethod
     def compress(tensor: tf.Tensor):
@@ -20,7 +46,7 @@ class Compressor:
 
 
 class NoneCompressor(Compressor):
-    """Send tensors as they are."""
+    """Horovod-style: send tensors as they are."""
 
     @staticmethod
     def compress(tensor):
@@ -32,7 +58,7 @@ class NoneCompressor(Compressor):
 
 
 class FP16Compressor(Compressor):
-    """Send floating-point tensors as float16, halving the bytes on the wire."""
+    """Horovod-style: send floating-point tensors as float16 (no prescaling; ``Compression.fp16`` prescales)."""
 
     @staticmethod
     def compress(tensor):
@@ -45,8 +71,44 @@ class FP16Compressor(Compressor):
         return tensor if ctx is None else tf.cast(tensor, ctx)
 
 
-class Compression:
-    """Namespace of compressors, as in ``horovod.tensorflow.Compression``."""
+def _to_tensor(array: np.ndarray) -> tf.Tensor:
+    return tf.convert_to_tensor(array)
 
-    none = NoneCompressor
-    fp16 = FP16Compressor
+
+def _to_array(tensor: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(tensor.numpy() if hasattr(tensor, "numpy") else tensor))
+
+
+def as_gradient_compression(compression: Any) -> GradientCompression:
+    """The core pipeline for ``compression`` (a GradientCompression, None, or a Horovod-style compressor)."""
+    return _as_gradient_compression(compression, _to_tensor, _to_array)
+
+
+def is_fusable(pipeline: GradientCompression) -> bool:
+    """Whether ``pipeline`` runs as TensorFlow ops around a fused allreduce (none, casts, Horovod-style)."""
+    return isinstance(pipeline.compressor, (_CoreNone, CastCompressor, TensorCompressor))
+
+
+def compress_tensor(compression: Any, tensor: tf.Tensor) -> tuple:
+    """Horovod's ``compress(tensor)`` for summable compressions, as TensorFlow ops (gradients flow through)."""
+    pipeline = as_gradient_compression(compression)
+    compressor = pipeline.compressor
+    if isinstance(compressor, _CoreNone):
+        return tensor, None
+    if isinstance(compressor, CastCompressor):
+        if not tensor.dtype.is_floating:
+            return tensor, None
+        wire = tf.float16 if compressor.wire_dtype == np.float16 else tf.bfloat16
+        return (tensor, None) if tensor.dtype == wire else (tf.cast(tensor, wire), tensor.dtype)
+    if isinstance(compressor, TensorCompressor):
+        return compressor.horovod.compress(tensor)
+    raise ValueError(f"{pipeline!r} is not a summable compression: use it through DistributedGradientTape or the "
+                     f"Keras DistributedOptimizer")
+
+
+def decompress_tensor(compression: Any, tensor: tf.Tensor, ctx: Any) -> tf.Tensor:
+    """Undo ``compress_tensor``."""
+    compressor = as_gradient_compression(compression).compressor
+    if isinstance(compressor, TensorCompressor):
+        return compressor.horovod.decompress(tensor, ctx)
+    return tensor if ctx is None else tf.cast(tensor, ctx)

@@ -1,24 +1,37 @@
 """Averaging a list of gradients over ranks: what DistributedGradientTape and the Keras
 DistributedOptimizer share.
 
-Dense gradients travel in one grouped allreduce (the core fuses them per dtype,
-so a ResNet-50 step is one collective per dtype, one graph op); ``tf.IndexedSlices``
-are allgathered as (values, indices), or densified first with ``sparse_as_dense``.
-``None`` gradients stay ``None``: they come from the model's structure, which is
-the same on every rank.
+Dense gradients go one of two ways, depending on the compression:
+
+- none, fp16, bf16 and Horovod-style compressors are summable TensorFlow ops
+  around one grouped allreduce (the core fuses it per dtype, so a ResNet-50 step
+  is one collective per dtype, one graph op);
+- int8, top-k and DGC run through the core's ``GradientCompression`` pipeline
+  inside one stateful op: every gradient is compressed and its exchange started
+  (allgather of the sparse or quantised payloads), then every exchange is
+  finished, so the exchanges overlap each other. Error feedback and DGC
+  momentum are kept per gradient name (``<prefix>.<index>.<variable path>``).
+
+Either way the pipeline's ``stats`` count the bytes on the wire.
+``tf.IndexedSlices`` are allgathered as (values, indices), uncompressed, or
+densified first with ``sparse_as_dense``. ``None`` gradients stay ``None``:
+they come from the model's structure, which is the same on every rank.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 import hvps
 from hvps import ReduceOp
+from hvps.compression import GradientCompression
 
-from .compression import Compression
-from .mpi_ops import Average, _resolve_op, _sparse_allreduce, grouped_allreduce
+from .compression import as_gradient_compression, compress_tensor, decompress_tensor, is_fusable
+from .mpi_ops import Average, _grouped_allreduce, _resolve_op, _sparse_allreduce
+from .tensors import run
 
 
 def scale_factors(op: ReduceOp, gradient_predivide_factor: float) -> tuple:
@@ -30,14 +43,40 @@ def scale_factors(op: ReduceOp, gradient_predivide_factor: float) -> tuple:
     return 1.0, 1.0
 
 
-def allreduce_gradients(grads: Sequence[Any], op: ReduceOp = Average, compression=Compression.none,
+def check_compression(pipeline: GradientCompression, op: ReduceOp) -> None:
+    """Raise ValueError when ``pipeline`` cannot reduce with ``op`` (compressed exchanges sum or average)."""
+    if not is_fusable(pipeline) and op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(f"{pipeline!r} reduces gradients with Average or Sum only, not {op.name}")
+
+
+def variable_name(variable: Any, fallback: str = "tensor") -> str:
+    """A name for ``variable`` that is the same on every rank and every trace: the Keras path, the
+    tf.Variable name, else ``fallback`` (tensors' graph names change between traces)."""
+    path = getattr(variable, "path", None)
+    if isinstance(path, str) and path:
+        return path
+    if isinstance(variable, tf.Variable):
+        return variable.name.split(":")[0]
+    return fallback
+
+
+def allreduce_gradients(grads: Sequence[Any], op: ReduceOp = Average, compression: Any = None,
                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
-                        name: Optional[str] = None) -> list:
-    """Reduce ``grads`` (tensors, IndexedSlices or None) over all ranks; same structure back."""
+                        name: Optional[str] = None, names: Optional[Sequence[str]] = None) -> list:
+    """Reduce ``grads`` (tensors, IndexedSlices or None) over all ranks; same structure back.
+
+    ``names[i]`` names gradient i (its variable's path): the key of compression state
+    (error feedback) and of the exchanges; give the same names on every rank and step.
+    """
     op = _resolve_op(None, op)
     prescale, postscale = scale_factors(op, gradient_predivide_factor)
+    pipeline = as_gradient_compression(compression)
+    check_compression(pipeline, op)
+    fused = is_fusable(pipeline)
     grads = list(grads)
-    if hvps.size() == 1 and prescale == postscale == 1.0:
+    if names is not None and len(names) != len(grads):
+        raise ValueError(f"{len(names)} names for {len(grads)} gradients")
+    if hvps.size() == 1 and fused and prescale == postscale == 1.0:
         return grads  # every op is the identity on one rank
     out: list = [None] * len(grads)
     dense_index, dense = [], []
@@ -51,10 +90,74 @@ def allreduce_gradients(grads: Sequence[Any], op: ReduceOp = Average, compressio
                 out[i] = _sparse_allreduce(g, op, None if name is None else f"{name}.sparse.{i}")
                 continue
         dense_index.append(i)
-        dense.append(g)
+        dense.append(tf.convert_to_tensor(g))
     if dense:
-        reduced = grouped_allreduce(dense, op=op, compression=compression, prescale_factor=prescale,
-                                    postscale_factor=postscale, name=name)
+        if fused:
+            reduced = _fused_allreduce(dense, pipeline, op, prescale, postscale, name)
+        else:
+            prefix = name or "grad"
+            labels = [f"{prefix}.{i}.{names[i] if names is not None else 'tensor'}" for i in dense_index]
+            reduced = _compressed_allreduce(dense, labels, pipeline, op, gradient_predivide_factor)
         for i, r in zip(dense_index, reduced):
             out[i] = r
     return out
+
+
+def _fused_allreduce(dense: list, pipeline: GradientCompression, op: ReduceOp, prescale: float,
+                     postscale: float, name: Optional[str]) -> list:
+    """Summable compression as TensorFlow ops around one grouped allreduce (differentiable)."""
+    size = hvps.size()
+    factor = pipeline.compressor.prescale(size) if op is ReduceOp.Average else 1.0
+    after = 1.0
+    if factor != 1.0 and all(g.dtype.is_floating for g in dense):
+        # As the pipeline does: scale by 1/size before the cast, so a float16 sum cannot overflow.
+        dense = [g * tf.cast(factor, g.dtype) for g in dense]
+        op, prescale, postscale, after = ReduceOp.Sum, 1.0, 1.0, (1.0 / size) / factor
+    dense_itemsizes = [g.dtype.size for g in dense]
+    pairs = [compress_tensor(pipeline, g) for g in dense]
+
+    def observe(arrays):
+        for array, itemsize in zip(arrays, dense_itemsizes):
+            pipeline.record(array.size * itemsize, [array])
+
+    reduced = _grouped_allreduce([c for c, _ in pairs], op, name, prescale, postscale, observe)
+    out = [decompress_tensor(pipeline, r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
+    if after != 1.0:
+        out = [o * tf.cast(after, o.dtype) for o in out]
+    return out
+
+
+def _compressed_allreduce(dense: list, labels: list, pipeline: GradientCompression, op: ReduceOp,
+                          predivide: float) -> list:
+    """Every gradient through ``pipeline``: start all exchanges, then finish all (one stateful op)."""
+    for g in dense:
+        if not g.dtype.is_floating:
+            raise TypeError(f"{pipeline!r} compresses floating-point gradients only, not {g.dtype.name}")
+
+    def exchange(*arrays):
+        pending = []
+        try:
+            for array, label in zip(arrays, labels):
+                array = np.asarray(array)
+                if predivide != 1.0:
+                    array = array * array.dtype.type(1.0 / predivide)
+                pending.append(pipeline.start(array, label, op))
+        except BaseException:
+            for p in pending:  # let the started exchanges complete before reporting
+                try:
+                    pipeline.finish(p)
+                except Exception:
+                    pass
+            raise
+        results = []
+        for p in pending:
+            result = pipeline.finish(p)
+            if predivide != 1.0:
+                result = result * result.dtype.type(predivide)
+            results.append(result)
+        return results
+
+    outs = run(exchange, dense, [g.dtype for g in dense], name="HvpsCompressedAllreduce")
+    for out, g in zip(outs, dense):
+        out.set_shape(g.shape)
+    return outs

@@ -14,7 +14,7 @@ submission order; explicit names must be the same on every rank.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -22,7 +22,7 @@ import tensorflow as tf
 import hvps
 from hvps import ReduceOp
 
-from .compression import Compression
+from .compression import Compression, compress_tensor, decompress_tensor
 from .tensors import as_tensor, check_dtype, run
 
 Average, Sum, Min, Max, Product = hvps.Average, hvps.Sum, hvps.Min, hvps.Max, hvps.Product
@@ -49,9 +49,15 @@ def _zeros_if_none(grad: Optional[tf.Tensor], like: tf.Tensor) -> tf.Tensor:
 
 # -- allreduce ------------------------------------------------------------------------------
 def _grouped_allreduce_raw(tensors: Sequence[tf.Tensor], op: ReduceOp, name: Optional[str],
-                           prescale_factor: float, postscale_factor: float) -> list:
-    """One core grouped_allreduce (fused per dtype) over ``tensors``; no gradient."""
+                           prescale_factor: float, postscale_factor: float,
+                           observe: Optional[Callable[[Sequence[np.ndarray]], None]] = None) -> list:
+    """One core grouped_allreduce (fused per dtype) over ``tensors``; no gradient.
+
+    ``observe(arrays)``, if given, sees the input arrays each time the op runs (byte accounting).
+    """
     def reduce(*arrays):
+        if observe is not None:
+            observe(arrays)
         return hvps.grouped_allreduce(list(arrays), op=op, name=name, prescale_factor=prescale_factor,
                                       postscale_factor=postscale_factor)
 
@@ -62,7 +68,8 @@ def _grouped_allreduce_raw(tensors: Sequence[tf.Tensor], op: ReduceOp, name: Opt
 
 
 def _grouped_allreduce(tensors: Sequence[tf.Tensor], op: ReduceOp, name: Optional[str],
-                       prescale_factor: float, postscale_factor: float) -> list:
+                       prescale_factor: float, postscale_factor: float,
+                       observe: Optional[Callable[[Sequence[np.ndarray]], None]] = None) -> list:
     """Differentiable grouped allreduce: d/dx of allreduce is the same allreduce of dy."""
     tensors = [as_tensor(t) for t in tensors]
     for t in tensors:
@@ -70,7 +77,7 @@ def _grouped_allreduce(tensors: Sequence[tf.Tensor], op: ReduceOp, name: Optiona
 
     @tf.custom_gradient
     def forward(*xs):
-        ys = _grouped_allreduce_raw(xs, op, name, prescale_factor, postscale_factor)
+        ys = _grouped_allreduce_raw(xs, op, name, prescale_factor, postscale_factor, observe)
 
         def grad(*dys):
             if op not in _DIFFERENTIABLE_OPS:
@@ -107,9 +114,9 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
     op = _resolve_op(average, op)
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse_allreduce(tensor, op, name)
-    compressed, ctx = compression.compress(as_tensor(tensor))
+    compressed, ctx = compress_tensor(compression, as_tensor(tensor))
     (reduced,) = _grouped_allreduce([compressed], op, name, prescale_factor, postscale_factor)
-    return compression.decompress(reduced, ctx)
+    return decompress_tensor(compression, reduced, ctx)
 
 
 def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, device_dense: str = "",
@@ -121,9 +128,9 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
     op = _resolve_op(average, op)
     if not tensors:
         return []
-    pairs = [compression.compress(as_tensor(t)) for t in tensors]
+    pairs = [compress_tensor(compression, as_tensor(t)) for t in tensors]
     reduced = _grouped_allreduce([p[0] for p in pairs], op, name, prescale_factor, postscale_factor)
-    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
+    return [decompress_tensor(compression, r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 
 
 # -- allgather ----------------------------------------------------------------------------
@@ -245,13 +252,13 @@ def reducescatter(tensor: Any, device_dense: str = "", compression=Compression.n
     """Reduce ``tensor`` over ranks and return this rank's block of dim 0 (first ranks get the remainder)."""
     _check_process_set(process_set)
     op = _resolve_op(None, op)
-    compressed, ctx = compression.compress(as_tensor(tensor))
+    compressed, ctx = compress_tensor(compression, as_tensor(tensor))
     check_dtype(compressed)
     (out,) = run(lambda a: [hvps.reducescatter(a, op=op, name=name, prescale_factor=prescale_factor,
                                                postscale_factor=postscale_factor)],
                  [compressed], [compressed.dtype], name="HvpsReducescatter")
     out.set_shape(tf.TensorShape([None]).concatenate(compressed.shape[1:]))
-    return compression.decompress(out, ctx)
+    return decompress_tensor(compression, out, ctx)
 
 
 # -- control ---------------------------------------------------------------------------------

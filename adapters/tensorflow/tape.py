@@ -8,8 +8,8 @@ import tensorflow as tf
 
 import hvps
 
-from .compression import Compression
-from .gradients import allreduce_gradients, scale_factors
+from .compression import as_gradient_compression
+from .gradients import allreduce_gradients, check_compression, scale_factors, variable_name
 from .mpi_ops import Average, _check_process_set, _resolve_op
 
 
@@ -21,7 +21,7 @@ class _DistributedGradientTape(tf.GradientTape):
         # Take over the wrapped tape's state (recorded operations, watched variables,
         # persistence), whether it is still recording or already closed.
         self.__dict__.update(tape.__dict__)
-        self._hvps_compression = compression
+        self.compression = compression
         self._hvps_sparse_as_dense = sparse_as_dense
         self._hvps_op = op
         self._hvps_predivide = gradient_predivide_factor
@@ -32,26 +32,50 @@ class _DistributedGradientTape(tf.GradientTape):
         """Gradients of ``target`` w.r.t. ``sources``, reduced (by default averaged) over all ranks."""
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat = tf.nest.flatten(grads)
-        reduced = allreduce_gradients(flat, self._hvps_op, self._hvps_compression, self._hvps_sparse_as_dense,
-                                      self._hvps_predivide, self._hvps_name)
+        names = [variable_name(s) for s in tf.nest.flatten(sources)]
+        if len(names) != len(flat):
+            names = None
+        reduced = allreduce_gradients(flat, self._hvps_op, self.compression, self._hvps_sparse_as_dense,
+                                      self._hvps_predivide, self._hvps_name, names)
         return tf.nest.pack_sequence_as(grads, reduced)
+
+    def compression_stats(self) -> dict:
+        """Bytes sent and received, compression ratio and (de)compression time since the last
+        ``compression.stats.reset()``; they live in the compression object, shared by every tape
+        given the same one."""
+        return self.compression.stats.as_dict()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell the compression the epoch (DGC's density warm-up); takes effect without retracing."""
+        self.compression.set_epoch(epoch)
 
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
-                            compression=Compression.none, sparse_as_dense: bool = False, op=Average,
+                            compression: Any = None, sparse_as_dense: bool = False, op=Average,
                             gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
                             process_set: Any = None, name: Optional[str] = None) -> tf.GradientTape:
     """Wrap ``gradtape`` so that ``gradient()`` returns gradients reduced over all ranks.
 
     Use it around a tape that has recorded the forward pass (or wrap a fresh
-    tape and use it in ``with``). Dense gradients go in one grouped allreduce;
-    ``tf.IndexedSlices`` are allgathered unless ``sparse_as_dense``. Works
-    eagerly and inside ``tf.function``. ``device_*``, ``num_groups`` and
-    ``groups`` are accepted for Horovod compatibility: hvps always fuses all
-    dense gradients of one call.
+    tape and use it in ``with``). Works eagerly and inside ``tf.function``.
+
+    ``compression``: ``hvd.Compression.none`` (default), ``.fp16``, ``.bf16``
+    or a Horovod-style compressor put all dense gradients in one fused
+    allreduce; ``.int8``, ``.topk(density)`` and ``.dgc(density)`` compress
+    every gradient through the core pipeline (exchanges overlapping). Top-k
+    and DGC keep error feedback in the compression object, keyed by variable
+    path (``name`` prefixes it): build it once, outside the training step, and
+    pass the same object every step. Its ``stats`` (``tape.compression_stats()``)
+    count the bytes on the wire; ``compression.set_epoch(epoch)`` drives DGC's
+    warm-up. ``tf.IndexedSlices`` are allgathered uncompressed unless
+    ``sparse_as_dense``. ``device_*``, ``num_groups`` and ``groups`` are
+    accepted for Horovod compatibility: hvps always fuses all dense gradients
+    of one call.
     """
     _check_process_set(process_set)
     op = _resolve_op(None, op)
     scale_factors(op, gradient_predivide_factor)  # validates the combination
+    pipeline = as_gradient_compression(compression)  # TypeError for anything else
+    check_compression(pipeline, op)
     hvps.size()  # raises HvpsError before hvps.init()
-    return _DistributedGradientTape(gradtape, compression, sparse_as_dense, op, gradient_predivide_factor, name)
+    return _DistributedGradientTape(gradtape, pipeline, sparse_as_dense, op, gradient_predivide_factor, name)

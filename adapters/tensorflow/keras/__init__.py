@@ -39,6 +39,7 @@ from . import callbacks
 from .callbacks import (
     BroadcastGlobalVariablesCallback,
     CheckpointCallback,
+    CompressionEpochCallback,
     LearningRateScheduleCallback,
     LearningRateWarmupCallback,
     MetricAverageCallback,
@@ -52,5 +53,5 @@ __all__ = [
     "broadcast_variables", "broadcast_object", "allgather_object", "set_threads",
     "DistributedOptimizer", "callbacks",
     "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
-    "LearningRateScheduleCallback", "CheckpointCallback",
+    "LearningRateScheduleCallback", "CheckpointCallback", "CompressionEpochCallback",
 ]

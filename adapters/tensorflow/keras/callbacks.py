@@ -73,6 +73,16 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs[k] = float(v)
 
 
+class CompressionEpochCallback(keras.callbacks.Callback):
+    """Call ``set_epoch(epoch)`` on the model's DistributedOptimizer at the start of every epoch,
+    which steps DGC's density warm-up (other compressions ignore it)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        set_epoch = getattr(getattr(self.model, "optimizer", None), "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+
+
 class LearningRateScheduleCallback(keras.callbacks.Callback):
     """Set the learning rate to ``initial_lr * multiplier(epoch)`` between ``start_epoch`` and ``end_epoch``.
 

@@ -28,11 +28,11 @@ import tensorflow as tf
 
 import hvps
 
-from ..compression import Compression
-from ..gradients import allreduce_gradients, scale_factors
-from ..mpi_ops import Average, _check_process_set, _resolve_op
+from hvps.compression.horovod import from_name
 
-_COMPRESSION_NAMES = {Compression.none: "none", Compression.fp16: "fp16"}
+from ..compression import as_gradient_compression
+from ..gradients import allreduce_gradients, check_compression, scale_factors, variable_name
+from ..mpi_ops import Average, _check_process_set, _resolve_op
 
 
 class DistributedOptimizer(keras.optimizers.Optimizer):
@@ -41,10 +41,18 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     ``backward_passes_per_step=N`` accumulates N local gradients and communicates
     and applies once every N calls (their sum, or their mean with
     ``average_aggregated_gradients=True``); the calls in between only accumulate.
+
+    ``compression``: ``hvd.Compression.none`` (default), ``.fp16``, ``.bf16`` or a
+    Horovod-style compressor fuse all dense gradients into one allreduce;
+    ``.int8``, ``.topk(density)`` and ``.dgc(density)`` compress every gradient
+    through the core pipeline, error feedback keyed by variable path.
+    ``compression_stats()`` reports the bytes on the wire, ``set_epoch(epoch)``
+    drives DGC's density warm-up (``callbacks.CompressionEpochCallback`` calls it
+    from ``model.fit``), ``compression.state_dict()`` holds the residuals.
     """
 
     def __init__(self, optimizer: keras.optimizers.Optimizer, name: Optional[str] = None, device_dense: str = "",
-                 device_sparse: str = "", compression=Compression.none, sparse_as_dense: bool = False,
+                 device_sparse: str = "", compression: Any = None, sparse_as_dense: bool = False,
                  backward_passes_per_step: int = 1, op=Average, gradient_predivide_factor: float = 1.0,
                  average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
                  process_set: Any = None, scale_local_gradients: bool = True) -> None:
@@ -57,6 +65,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         _check_process_set(process_set)
         op = _resolve_op(None, op)
         scale_factors(op, gradient_predivide_factor)  # validates the combination
+        compression = as_gradient_compression(compression)  # TypeError for anything else
+        check_compression(compression, op)
         hvps.size()  # raises HvpsError before hvps.init()
         super().__init__(learning_rate=0.0, name=name or f"Distributed{type(optimizer).__name__}")
         self.inner_optimizer = optimizer
@@ -106,9 +116,19 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         raise NotImplementedError("hvps's Keras DistributedOptimizer runs on the TensorFlow backend (stateful apply)")
 
     # -- the hook ------------------------------------------------------------------------------
-    def _reduce(self, grads: list) -> list:
+    def _reduce(self, grads: list, variables: list) -> list:
         return allreduce_gradients(grads, self.op, self.compression, self.sparse_as_dense,
-                                   self.gradient_predivide_factor)
+                                   self.gradient_predivide_factor,
+                                   names=[variable_name(v, f"variable{i}") for i, v in enumerate(variables)])
+
+    def compression_stats(self) -> dict:
+        """Bytes sent and received, compression ratio and (de)compression time of this rank since
+        the last ``compression.stats.reset()``."""
+        return self.compression.stats.as_dict()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell the compression the epoch (DGC's density warm-up); takes effect without retracing."""
+        self.compression.set_epoch(epoch)
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
@@ -123,7 +143,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
         if self.backward_passes_per_step == 1:
-            self.inner_optimizer.apply(self._reduce(grads), trainable_variables)
+            self.inner_optimizer.apply(self._reduce(grads, trainable_variables), trainable_variables)
             return
         self._accumulate_and_maybe_apply(grads, trainable_variables)
 
@@ -139,7 +159,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         def communicate_and_apply():
             divisor = float(steps) if self.average_aggregated_gradients else 1.0
             summed = [tf.convert_to_tensor(acc) / divisor if p else None for acc, p in zip(accumulators, present)]
-            self.inner_optimizer.apply(self._reduce(summed), trainable_variables)
+            self.inner_optimizer.apply(self._reduce(summed, trainable_variables), trainable_variables)
             for acc in accumulators:
                 acc.assign(tf.zeros_like(acc))
             self._pass_counter.assign(0)
@@ -151,7 +171,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return {
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "compression": _COMPRESSION_NAMES.get(self.compression, "none"),
+            "compression": self.compression.name,
             "sparse_as_dense": self.sparse_as_dense,
             "backward_passes_per_step": self.backward_passes_per_step,
             "op": self.op.name,
@@ -163,6 +183,18 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
-        config["compression"] = getattr(Compression, config.get("compression", "none"))
+        config["compression"] = _compression_from_config(config.get("compression", "none"))
         config["op"] = getattr(hvps.ReduceOp, config.get("op", "Average"))
         return cls(inner, **config)
+
+
+def _compression_from_config(name: str):
+    """The compression a config names; Horovod-style ones cannot be rebuilt and become ``none``."""
+    try:
+        return from_name(name)
+    except ValueError:
+        import warnings
+
+        warnings.warn(f"DistributedOptimizer.from_config cannot rebuild the compression {name!r}; using none",
+                      stacklevel=3)
+        return from_name("none")
