@@ -12,45 +12,16 @@ from typing import Any
 
 import torch
 
-from hvps import dtypes
-from hvps.compression import CastCompressor, Compression, Compressor, GradientCompression, NoneCompressor
+from hvps.compression import CastCompressor, Compression, GradientCompression, NoneCompressor, horovod
 
 from .tensors import from_numpy, to_numpy
 
 __all__ = ["Compression", "as_gradient_compression", "compress_tensor", "decompress_tensor"]
 
 
-class HorovodCompressor(Compressor):
-    """Runs a Horovod-style tensor compressor inside the core's pipeline (summable payloads)."""
-
-    summable = True
-
-    def __init__(self, horovod_compressor: Any) -> None:
-        self.horovod = horovod_compressor
-
-    def compress(self, array, name):
-        compressed, ctx = self.horovod.compress(from_numpy(array))
-        return [to_numpy(compressed.contiguous())], (ctx, array.shape)
-
-    def decompress(self, payloads, ctx):
-        tensor = self.horovod.decompress(from_numpy(payloads[0]), ctx[0])
-        return to_numpy(tensor.contiguous()).reshape(ctx[1])
-
-    def check(self, array):
-        dtypes.check_dtype(array.dtype)
-
-
 def as_gradient_compression(compression: Any) -> GradientCompression:
-    """The core pipeline for ``compression`` (a GradientCompression or a Horovod-style compressor)."""
-    if isinstance(compression, GradientCompression):
-        return compression
-    if callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None)):
-        name = getattr(compression, "__name__", type(compression).__name__)
-        return GradientCompression(f"horovod:{name}", HorovodCompressor(compression))
-    raise TypeError(
-        f"compression must be one of hvd.Compression.none/fp16/bf16/int8/topk(...)/dgc(...) or a Horovod-style "
-        f"compressor with compress/decompress; got {compression!r}"
-    )
+    """The core pipeline for ``compression`` (a GradientCompression, None, or a Horovod-style compressor)."""
+    return horovod.as_gradient_compression(compression, from_numpy, lambda t: to_numpy(t.contiguous()))
 
 
 def compress_tensor(compression: Any, tensor: torch.Tensor) -> tuple:
@@ -64,7 +35,7 @@ def compress_tensor(compression: Any, tensor: torch.Tensor) -> tuple:
             return tensor, None
         wire = torch.float16 if compressor.wire_dtype == "float16" else torch.bfloat16
         return tensor.to(wire), tensor.dtype
-    if isinstance(compressor, HorovodCompressor):
+    if isinstance(compressor, horovod.TensorCompressor):
         return compressor.horovod.compress(tensor)
     raise ValueError(f"{pipeline!r} is not a summable compression: use it through DistributedOptimizer")
 
@@ -72,6 +43,6 @@ def compress_tensor(compression: Any, tensor: torch.Tensor) -> tuple:
 def decompress_tensor(compression: Any, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
     """Undo ``compress_tensor``."""
     compressor = as_gradient_compression(compression).compressor
-    if isinstance(compressor, HorovodCompressor):
+    if isinstance(compressor, horovod.TensorCompressor):
         return compressor.horovod.decompress(tensor, ctx)
     return tensor if ctx is None else tensor.to(ctx)

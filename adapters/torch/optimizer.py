@@ -16,7 +16,7 @@ import torch
 import hvps
 from hvps import HvpsError
 
-from .compression import Compression, as_gradient_compression, compress_tensor, decompress_tensor
+from .compression import as_gradient_compression, compress_tensor, decompress_tensor
 from .mpi_ops import Average, Sum, allgather_async, grouped_allreduce_async_
 from .tensors import from_numpy, host_buffer, to_numpy
 
@@ -45,7 +45,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._inner = optimizer
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
-        self.compression = as_gradient_compression(compression if compression is not None else Compression.none)
+        self.compression = as_gradient_compression(compression)
         if groups is not None and not self.compression.summable:
             raise ValueError(f"groups needs a summable compression (none, fp16, bf16), not {self.compression!r}")
         self._op = op
