@@ -7,6 +7,7 @@ part with zeros) and returns the per-entry results.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass, field
 
@@ -59,6 +60,25 @@ def _finish(ctx: Context, array: np.ndarray, op: ReduceOp, postscale: float) -> 
     dtypes.scale(array, postscale)
 
 
+def _span(ins: list, outs: list):
+    """One flat array over ``ins`` if they are reduced in place and lie back to back in memory, in order.
+
+    Gradients kept in one flat buffer (as ``DistributedOptimizer`` keeps them) fuse
+    this way without being copied into and out of the fusion buffer. Whether a
+    rank uses the span or the fusion buffer does not change what travels.
+    """
+    address = ins[0].ctypes.data
+    for array, out in zip(ins, outs):
+        if out.ctypes.data != array.ctypes.data or array.ctypes.data != address or not array.flags.c_contiguous:
+            return None
+        address += array.nbytes
+    nbytes = address - ins[0].ctypes.data
+    if not nbytes:
+        return None
+    memory = (ctypes.c_char * nbytes).from_address(ins[0].ctypes.data)
+    return np.frombuffer(memory, dtype=ins[0].dtype)
+
+
 def _zeros_for(req: Request) -> list:
     return [np.zeros(shape, dtype=dtypes.BY_NAME[req.dtype]) for shape in req.shapes]
 
@@ -87,20 +107,22 @@ def run_allreduce(ctx: Context, response, entries: list) -> list:
             ctx.backend.allreduce(src.reshape(-1), dst.reshape(-1), wire_op)
         _finish(ctx, dst, op, first.postscale)
     else:
-        total = sum(a.size for a in ins)
-        flat = ctx.fusion.view(ins[0].dtype, total)
-        offset = 0
-        for array in ins:
-            flat[offset : offset + array.size] = array.reshape(-1)
-            offset += array.size
+        span = _span(ins, outs)  # in place on tensors that lie back to back: no copies at all
+        flat = span if span is not None else ctx.fusion.view(ins[0].dtype, sum(a.size for a in ins))
+        if span is None:
+            offset = 0
+            for array in ins:
+                flat[offset : offset + array.size] = array.reshape(-1)
+                offset += array.size
         dtypes.scale(flat, first.prescale)
-        if total:
+        if flat.size:
             ctx.backend.allreduce(flat, flat, wire_op)
         _finish(ctx, flat, op, first.postscale)
-        offset = 0
-        for array in outs:
-            array.reshape(-1)[...] = flat[offset : offset + array.size]
-            offset += array.size
+        if span is None:
+            offset = 0
+            for array in outs:
+                array.reshape(-1)[...] = flat[offset : offset + array.size]
+                offset += array.size
     results = []
     for entry in entries:
         if entry is not None:
