@@ -21,6 +21,14 @@ iteration; 95% CIs use Student's t over iterations):
 * --baseline: afterwards rank 0 alone runs the no-comm workload while the
   other ranks sleep in a non-spinning barrier; scaling efficiency =
   total images/s / (ranks * single-rank images/s).
+* --epochs N (distributed mode only): train N epochs, an epoch being one
+  measurement, i.e. --num-iters x --num-batches-per-iter batches; the result
+  pools the epochs run in this launch.  --checkpoint-dir DIR saves an
+  ``hvd.CheckpointManager`` version (model, optimizer, this rank's compression
+  state) collectively after every epoch; --resume loads the latest valid one
+  after warm-up and continues with the next epoch (from scratch if there is
+  none).  ``hvpsrun --max-restarts N --checkpoint-dir DIR ... --resume``
+  recovers a crashed run; --resume alone takes DIR from HVPS_CHECKPOINT_DIR.
 
 Defaults (batch 32, 224 px, 10 warm-up batches, 10 iterations of 10 batches)
 are Horovod's and are meant for a real cluster; on a small CPU box pass e.g.
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -74,6 +83,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time rank 0 alone (others idle) and report scaling efficiency")
     p.add_argument("--no-comm-ref", default="",
                    help="JSON of an earlier --no-comm run to compare the distributed run against")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="distributed mode: train this many epochs of --num-iters x --num-batches-per-iter "
+                        "batches (default: one measurement, no epochs; 1 with --checkpoint-dir)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="save an hvps checkpoint here after every epoch (all ranks collectively)")
+    p.add_argument("--resume", action="store_true",
+                   help="load the latest checkpoint from --checkpoint-dir (or $HVPS_CHECKPOINT_DIR) and continue "
+                        "with the next epoch")
+    p.add_argument("--keep-last", type=int, default=3, help="checkpoint versions kept (default: %(default)s)")
     p.add_argument("--json", default="", help="write the results to this JSON file (rank 0)")
     p.add_argument("--progress", action="store_true", help="tqdm progress bar on rank 0")
     args = p.parse_args(argv)
@@ -85,6 +103,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.compression = "fp16"
     if not 0 < args.density <= 1:
         p.error(f"--density must be in (0, 1], got {args.density}")
+    if args.resume and not args.checkpoint_dir:
+        args.checkpoint_dir = os.environ.get("HVPS_CHECKPOINT_DIR") or None
+        if not args.checkpoint_dir:
+            p.error("--resume needs --checkpoint-dir DIR (or HVPS_CHECKPOINT_DIR in the environment)")
+    if args.epochs is not None or args.checkpoint_dir:
+        if args.no_comm or args.compare_no_comm:
+            p.error("--epochs, --checkpoint-dir and --resume work in the plain distributed mode only "
+                    "(not with --no-comm or --compare-no-comm)")
+        if args.epochs is None:
+            args.epochs = 1
+        if args.epochs < 1:
+            p.error(f"--epochs must be >= 1, got {args.epochs}")
     return args
 
 
@@ -219,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         hvd.init()
         assert hvd.size() == size and hvd.rank() == rank, "hvps and MPI disagree on rank/size"
 
-    phases = args.rounds * 2 if args.compare_no_comm else 1
+    phases = args.rounds * 2 if args.compare_no_comm else (args.epochs or 1)
     total = args.num_iters * (phases + int(args.baseline and rank == 0))
     bar = tqdm(total=total, disable=not (args.progress and rank == 0), unit="iter", file=sys.stderr)
 
@@ -282,6 +312,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                           dist_over_no_comm={"median_of_round_ratios": median(ratios), "per_round": ratios,
                                              "target": 0.97},
                           gap=gap_analysis(main_res, ceiling))
+    elif args.epochs is not None:
+        main_res = run_epochs(args, dist, hvd, phase, log, result)
     else:
         main_res = phase(local if args.no_comm else dist, "no_comm" if args.no_comm else "distributed")
         if rank == 0:
@@ -296,6 +328,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         if rank == 0:
             single = combine([measure(local, args, tick)], args, "single_rank")
             result["single_rank"] = single
+        if rank == 0 and main_res is not None:
             result["scaling_efficiency"] = (main_res["total_img_s"]["median"]
                                             / (size * single["per_rank_img_s"]["median"]))
             if "no_comm" in result and not args.no_comm:
@@ -305,13 +338,50 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     bar.close()
 
     if rank == 0:
-        _summary(result, main_res, log)
+        if main_res is not None:
+            _summary(result, main_res, log)
         write_json(args.json, result)
         print(json.dumps(result, default=float), flush=True)
     if hvd is not None and hasattr(hvd, "shutdown"):
         hvd.shutdown()
     comm.Free()
     return result if rank == 0 else None
+
+
+def run_epochs(args: argparse.Namespace, dist: Trainer, hvd: Any, phase: Callable[..., Any],
+               log: Callable[..., None], result: dict[str, Any]) -> dict[str, Any] | None:
+    """--epochs: resume (--resume), then one measurement per epoch, each followed by a
+    collective checkpoint save (--checkpoint-dir). Rank 0 returns the epochs pooled."""
+    ckpt = hvd.CheckpointManager(args.checkpoint_dir, keep_last=args.keep_last) if args.checkpoint_dir else None
+    start = 0
+    if ckpt is not None and args.resume:
+        start = ckpt.load(model=dist.model, optimizer=dist.opt, compression=dist.opt.compression)
+        log(f"Resuming from {ckpt.loaded.path} at epoch {start}" if ckpt.loaded is not None
+            else f"No checkpoint in {args.checkpoint_dir}: starting at epoch 0")
+    info: dict[str, Any] = {"epochs": args.epochs, "start_epoch": start, "checkpoint_dir": args.checkpoint_dir,
+                            "restart_count": int(os.environ.get("HVPS_RESTART_COUNT", "0") or 0), "save_s": []}
+    per_epoch = []
+    for epoch in range(start, args.epochs):
+        dist.opt.set_epoch(epoch)
+        res = phase(dist, "distributed")
+        if ckpt is not None:
+            t0 = time.perf_counter()
+            path = ckpt.save(epoch, model=dist.model, optimizer=dist.opt, compression_state=dist.opt.compression,
+                             extra={"harness": "pytorch_synthetic_benchmark", "model": args.model})
+            info["save_s"].append(time.perf_counter() - t0)
+            log(f"Epoch {epoch + 1}/{args.epochs} done; checkpoint {path} ({info['save_s'][-1]:.2f} s)")
+        else:
+            log(f"Epoch {epoch + 1}/{args.epochs} done")
+        per_epoch.append(res)
+    result["epochs"] = info
+    if dist.hvd.rank() != 0:
+        return None
+    if not per_epoch:  # everything was done before this launch
+        log(f"All {args.epochs} epochs were done already")
+        return None
+    main_res = per_epoch[0] if len(per_epoch) == 1 else _pool(per_epoch, "distributed")
+    result["distributed"] = main_res
+    return main_res
 
 
 def _pool(results: list[dict[str, Any]], mode: str) -> dict[str, Any]:

@@ -16,7 +16,8 @@ accepts torch modules and optimizers and restores them in place.
 **Collective when hvps is initialized**: every rank calls ``save`` and ``load`` with the
 same arguments.  Only ``root_rank`` (0) touches the directory: on save it gathers the
 per-rank sections (``compression_state``, ``rng``) and writes; on load it reads and
-verifies, broadcasts the shared sections (one flat uint8 buffer) and sends each rank its
+verifies, broadcasts the shared sections (one flat uint8 buffer, sent in pieces of
+``chunk_bytes`` as soon as each is read, while it is still being hashed) and sends each rank its
 own per-rank sections.  Without ``hvps.init()`` everything runs in one process.
 
 **Crash safety**: rank 0 writes ``.ckpt-epoch-000007.h5.tmp-<pid>-<hex>`` in the
@@ -492,12 +493,8 @@ class CheckpointManager:
             shared_buf = aligned_empty(shared_bytes)
             for k in range(len(bounds)):
                 send(k)
-        text = group.bcast_obj(None if status is None else str(status), f"ckpt.load.read.{attempt}")
-        if text is not None:
-            for h in handles:
-                if h is not None:
-                    h.wait()
-            return (status if group.is_root else CheckpointError(text)), None
+        # A read error is reported with the verdict below (one round trip fewer); until
+        # then every rank goes through the same collectives, the root with garbage bytes.
         own_buf = None
         if group.is_root:
             index = {e.path: e for e in reader.header.entries}
@@ -515,8 +512,8 @@ class CheckpointManager:
             if not group.is_root:
                 own_buf = aligned_empty(got.size)
                 own_buf[...] = got
-        verdict = None
-        if group.is_root:
+        verdict = status
+        if group.is_root and verdict is None:
             try:
                 reader.verify()  # the hashes ran while the bytes were read and sent
             except CheckpointError as exc:

@@ -22,7 +22,7 @@ byte, a missing or an extra dataset, or an edited attribute is detected.
 Nothing is ever unpickled: values are numeric/bool arrays or JSON (tuples are tagged so
 that they come back as tuples).  Datasets are contiguous and uncompressed by default, so
 their bytes sit at one offset in the file (``H5Dget_offset``) and are written and read
-with ``pwrite``/``preadv`` outside HDF5, while SHA-256 runs in a second thread;
+with ``pwrite``/``preadv`` outside HDF5, while SHA-256 runs in HASH_THREADS other threads;
 ``compress=True`` uses chunked lzf datasets read and written through h5py instead.
 
 This module only knows about one file.  Versions, retention, atomic renames and
@@ -557,6 +557,8 @@ def _read_header(path: Path, f) -> Header:
         finally:
             dsid.close()
     for gpath, gattrs in manifest["groups"].items():
+        if not gattrs:
+            continue
         have = f.get(gpath)
         for k, v in gattrs.items():
             raw = None if have is None else have.attrs.get(k)

@@ -5,7 +5,7 @@
 #   jobs/slurm/submit-with-restarts.sh                       # 1 job + 2 standbys
 #   RESTARTS=5 CKPT_DIR=/nfs/ckpt/run1 jobs/slurm/submit-with-restarts.sh -n 8
 # Extra arguments go to every sbatch call. Environment (defaults):
-#   RESTARTS=2   SCRIPT=jobs/slurm/train-restartable.sbatch   CKPT_DIR (see SCRIPT)
+#   RESTARTS=2   SCRIPT=jobs/slurm/train-restartable.sbatch   CKPT_DIR, EPOCHS (see SCRIPT)
 # Prints the job ids, one per line, first job first.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
