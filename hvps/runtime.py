@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -56,6 +57,10 @@ def init(comm=None) -> None:
     with _state.lock:
         if _state.engine is not None:
             return
+        # The engine's thread shares the cores with training: Open MPI's blocking
+        # calls should yield the core while they wait rather than spin (only takes
+        # effect when MPI is not initialised yet; an explicit setting wins).
+        os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
         from mpi4py import MPI
 
         from . import backends
