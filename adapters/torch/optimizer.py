@@ -16,7 +16,6 @@ import torch
 import hvps
 from hvps import HvpsError
 
-from .buckets import GradientBuckets
 from .compression import as_gradient_compression, compress_tensor, decompress_tensor
 from .mpi_ops import Average, Sum, allgather_async, grouped_allreduce_async_
 from .tensors import from_numpy, host_buffer, to_numpy
@@ -65,7 +64,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._delay[p] = backward_passes_per_step
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-        self._buckets = GradientBuckets(self._params())
 
     # -- setup --------------------------------------------------------------------
     def _params(self) -> list:
@@ -112,7 +110,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- the backward hook --------------------------------------------------------
     def _on_grad_ready(self, p: torch.Tensor) -> None:
-        self._buckets.adopt(p)
         if self._handles.get(p) is not None and self._delay[p] <= 0:
             raise HvpsError(
                 "gradients were computed more than backward_passes_per_step times before step(); "
@@ -243,25 +240,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._inner.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients; refused while allreduces are in flight (their results would be lost).
-
-        Gradients kept in the flat buffers are zeroed rather than dropped (as with
-        DDP's ``gradient_as_bucket_view``), so the next fusion needs no copies.
-        """
+        """Clear gradients; refused while allreduces are in flight (their results would be lost)."""
         if any(h is not None for h in self._handles.values()):
             raise HvpsError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                 "optimizer.synchronize(); gradients are still being reduced"
             )
-        self._buckets.zero()
-        for p in self._params():
-            if p.grad is None or self._buckets.holds(p):
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.detach_()
-                p.grad.zero_()
+        self._inner.zero_grad(set_to_none=set_to_none)
 
     # -- delegate state to the wrapped optimizer -------------------------------------
     def state_dict(self) -> dict:
