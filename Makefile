@@ -27,21 +27,26 @@ export HVPS_TEST_MPIRUN := $(MPIRUN)
 
 .PHONY: setup bench test clean
 
-$(STAMP): setup.cfg pyproject.toml
+comma := ,
+# bench needs torch (and TensorFlow for FRAMEWORK=tensorflow); test needs everything.
+$(STAMP)-bench-$(FRAMEWORK): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[$(MPI_EXTRA)torch,tensorflow,dev]'
-	rm -f $(VENV)/.hvps-installed-*
+	$(PY) -m pip install --quiet -e '.[$(MPI_EXTRA)torch$(if $(filter tensorflow,$(FRAMEWORK)),$(comma)tensorflow)]'
 	touch $@
 
-setup: $(STAMP)  ## create .venv and install hvps with its torch, tensorflow and test extras
+$(STAMP)-test: $(STAMP)-bench-$(FRAMEWORK)
+	$(PY) -m pip install --quiet -e '.[$(MPI_EXTRA)torch,tensorflow,dev]'
+	touch $@
 
-bench: setup  ## ResNet-50 synthetic benchmark on $(NP) CPU ranks (FRAMEWORK=torch|tensorflow); JSON in $(RESULTS)/
+setup: $(STAMP)-test  ## create .venv and install hvps with its torch, tensorflow and test extras
+
+bench: $(STAMP)-bench-$(FRAMEWORK)  ## ResNet-50 synthetic benchmark on $(NP) CPU ranks (FRAMEWORK=torch|tensorflow); JSON in $(RESULTS)/
 	mkdir -p $(RESULTS)
 	$(MPIRUN) -np $(NP) --bind-to none --map-by slot $(PY) $(BENCH_SCRIPT) \
 		$(BENCH_ARGS) --json $(RESULTS)/resnet50-$(FRAMEWORK).json
 
-test: setup  ## the whole test suite, multi-rank tests under mpirun
+test: $(STAMP)-test  ## the whole test suite, multi-rank tests under mpirun
 	$(PY) -m pytest
 
 clean:

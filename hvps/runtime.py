@@ -72,9 +72,10 @@ def init(comm=None) -> None:
                 "(do not set mpi4py.rc.thread_level below 'serialized')"
             )
         comm = MPI.COMM_WORLD if comm is None else comm
-        settings = Settings.from_env()
+        topology = _discover(comm)
+        settings = Settings.from_env().resolved(single_host=topology.local_size == topology.size)
         backend = backends.create("mpi", comm, settings)
-        _state.topology = _discover(comm)
+        _state.topology = topology
         _state.settings = settings
         _state.engine = Engine(comm, backend, settings)
 

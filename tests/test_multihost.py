@@ -147,7 +147,9 @@ def _start_linkcut(cluster, tmp_path, elements: int, gap: float) -> Job:
     argv = HVPSRUN + ["-np", str(HOSTS), "--hostfile", str(cluster.hostfile), "--mpi-args", cluster.mpi_args,
                       "--stall-check-time-seconds", f"{STALL_SECONDS:g}", sys.executable,
                       str(INNER / "mh_linkcut.py")]
-    env = _env({"MH_ELEMENTS": str(elements), "MH_GAP": str(gap)})
+    # hvps's ring watches every peer and names the one that stopped moving data;
+    # across hosts the default is MPI's Allreduce, which can only be timed out whole.
+    env = _env({"MH_ELEMENTS": str(elements), "MH_GAP": str(gap), "HVPS_ALLREDUCE_ALGORITHM": "ring"})
     return Job(argv, env, tmp_path / "linkcut.log")
 
 
