@@ -99,7 +99,9 @@ def cast(array: np.ndarray, dtype) -> np.ndarray:
     if array.dtype == dtype:
         return array
     halves = (np.dtype(np.float16), bfloat16)
-    if "torch" not in sys.modules or (dtype not in halves and array.dtype not in halves):
+    # Only float32 <-> half: torch rounds float64 -> half through float32 (twice), numpy once.
+    fast = {array.dtype, dtype} <= {np.dtype(np.float32), *halves} and {array.dtype, dtype} & set(halves)
+    if "torch" not in sys.modules or not fast:
         return array.astype(dtype)
     import torch
 
@@ -110,7 +112,7 @@ def cast(array: np.ndarray, dtype) -> np.ndarray:
         return torch.from_numpy(a)
 
     out = np.empty(array.shape, dtype=dtype)
-    as_torch(out).copy_(as_torch(np.ascontiguousarray(array)))
+    as_torch(out).copy_(as_torch(np.ascontiguousarray(array).reshape(array.shape)))  # keeps 0-d 0-d
     return out
 
 
