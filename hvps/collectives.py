@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import dtypes
+from .buffers import FusionBuffer
 from .dtypes import ReduceOp
 from .handle import Handle
 from .negotiation import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER, Request
@@ -29,19 +30,6 @@ class Entry:
     handle: Handle = None
     #: whether the result is the list of outputs (grouped allreduce) or the only one
     grouped: bool = False
-
-
-class FusionBuffer:
-    """A reusable flat byte buffer, grown on demand, viewed as any dtype."""
-
-    def __init__(self) -> None:
-        self._bytes = np.empty(0, dtype=np.uint8)
-
-    def view(self, dtype: np.dtype, count: int) -> np.ndarray:
-        need = count * dtype.itemsize
-        if self._bytes.size < need:
-            self._bytes = np.empty(need, dtype=np.uint8)
-        return self._bytes[:need].view(dtype)
 
 
 class Context:

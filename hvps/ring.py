@@ -75,13 +75,15 @@ def wait_all(requests: list, peers: list, timeout: float) -> None:
 
 
 def ring_allreduce(comm, sendbuf: np.ndarray, recvbuf: np.ndarray, ufunc, to_wire, chunk_bytes: int,
-                   timeout: float = 60.0) -> None:
+                   timeout: float = 60.0, workspace=None) -> None:
     """Reduce 1-D ``sendbuf`` over ``comm`` into ``recvbuf`` (may be the same array) with ``ufunc``.
 
     ``ufunc(a, b, out=)`` folds two contributions; ``to_wire(array)`` turns a
     slice into an MPI buffer spec. Messages are non-blocking and the next
     chunk is in flight while the current one is folded; a peer that moves no
     data for ``timeout`` s makes it raise HvpsError naming that peer.
+    ``workspace(dtype, count)`` lends reusable scratch memory (fresh pages cost
+    a page fault each, every call).
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1 or recvbuf.size == 0:
@@ -92,7 +94,8 @@ def ring_allreduce(comm, sendbuf: np.ndarray, recvbuf: np.ndarray, ufunc, to_wir
     longest = bounds[0][1] - bounds[0][0]
     chunk = max(1, min(chunk_bytes // recvbuf.itemsize, longest))
     rounds = -(-longest // chunk)
-    scratch = np.empty((2, size, chunk), dtype=recvbuf.dtype)  # double-buffered
+    count = 2 * size * chunk  # double-buffered
+    scratch = (workspace(recvbuf.dtype, count) if workspace else np.empty(count, recvbuf.dtype)).reshape(2, size, chunk)
     mine = bounds[rank]
     # In place, a rank after the first two would read its own data after the
     # partial sum overwrote it: keep a copy of it then.

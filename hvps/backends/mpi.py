@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 from .. import dtypes
 from ..dtypes import ReduceOp
+from ..buffers import FusionBuffer
 from ..ring import ring_allreduce
 from .base import Backend
 
@@ -69,11 +70,12 @@ class MPIBackend(Backend):
         self.algorithm = settings.algorithm
         self.ring_chunk_bytes = settings.ring_chunk_bytes
         self.timeout = settings.stall_check_seconds
+        self.workspace = FusionBuffer()
 
     def allreduce(self, sendbuf, recvbuf, op):
         if self.algorithm == "ring":
             ring_allreduce(self.comm, sendbuf.reshape(-1), recvbuf.reshape(-1), dtypes.combine(op, recvbuf.dtype),
-                           wire, self.ring_chunk_bytes, self.timeout)
+                           wire, self.ring_chunk_bytes, self.timeout, self.workspace.view)
             return
         send = MPI.IN_PLACE if sendbuf.ctypes.data == recvbuf.ctypes.data else wire(sendbuf)
         self.comm.Allreduce(send, wire(recvbuf), op=mpi_op(recvbuf.dtype, op))
