@@ -49,6 +49,8 @@ class Engine:
         self._wake_pending = False
         #: until then the engine polls its queue every cycle (submitters need not wake it)
         self._active_until = 0.0
+        #: set (under the lock) when the engine may block longer than a cycle: then submitters wake it
+        self._sleeping = False
         self._unannounced: list = []
         self._last_announce = 0.0
         self._pending: dict[str, Entry] = {}
@@ -80,7 +82,7 @@ class Engine:
             # switch and the GIL (~150 us). Backward hooks submit in bursts, so while
             # the engine is active it polls its queue every cycle instead (as
             # Horovod's cycle does); after a quiet spell a collective wakes it at once.
-            wake = not self._wake_pending and time.monotonic() >= self._active_until
+            wake = self._sleeping and not self._wake_pending
             self._wake_pending = self._wake_pending or wake
         if wake:
             self.control.wake()
@@ -114,7 +116,12 @@ class Engine:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                messages, closed = self.control.poll(self._timeout())
+                timeout = self._timeout()
+                with self._lock:  # decided together with submit(), so no wake-up is lost
+                    if self._queue:
+                        timeout = 0.0
+                    self._sleeping = timeout is None or timeout > self.settings.cycle_time_ms / 1000.0
+                messages, closed = self.control.poll(timeout)
                 self._take_queue()
                 if self.rank == 0:
                     self._coordinate(messages, closed)
@@ -144,7 +151,7 @@ class Engine:
 
     def _take_queue(self) -> None:
         with self._lock:
-            self._wake_pending = False
+            self._wake_pending = self._sleeping = False
             new = list(self._queue)
             self._queue.clear()
             if new:  # more is likely to follow (a backward pass): poll for a while
