@@ -167,3 +167,33 @@ def run_mpi_worker(np_: int, script: str | os.PathLike, args: Sequence[str],
             tail = (proc.stdout + proc.stderr)[-4000:]
             raise RuntimeError(f"worker failed (rc={proc.returncode}): {' '.join(cmd)}\n{tail}")
         return json.loads(out.read_text())
+
+
+class Progress:
+    """Rank-0 reporting for the training harnesses: ``tick`` per timed iteration, ``log`` for lines.
+
+    With ``bar`` a tqdm progress bar (iterations done out of ``total``), else one line per tick.
+    """
+
+    def __init__(self, total: int, rank: int, bar: bool) -> None:
+        from tqdm import tqdm
+
+        self._tqdm = tqdm
+        self.rank, self.use_bar, self.done = rank, bar, 0
+        self.bar = tqdm(total=total, disable=not (bar and rank == 0), unit="iter", file=sys.stderr)
+
+    def tick(self, msg: str) -> None:
+        self.done += 1
+        self.bar.update(1)
+        if self.use_bar:
+            self.bar.set_postfix_str(msg)
+        elif self.rank == 0:
+            print(f"Iter #{self.done}: {msg}", flush=True)
+
+    def log(self, *args: Any) -> None:
+        if self.rank == 0:
+            (self._tqdm.write if self.use_bar else print)(" ".join(str(a) for a in args))
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        self.bar.close()

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import idle_barrier, median, summarize, write_json  # noqa: E402
+from benchmarks.common import Progress, idle_barrier, median, summarize, write_json  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -239,7 +239,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     except RuntimeError:  # already set or parallel work started
         pass
     from mpi4py import MPI
-    from tqdm import tqdm
 
     comm = MPI.COMM_WORLD.Dup()  # private communicator for the harness's own sync
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -251,22 +250,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
     phases = args.rounds * 2 if args.compare_no_comm else (args.epochs or 1)
     total = args.num_iters * (phases + int(args.baseline and rank == 0))
-    bar = tqdm(total=total, disable=not (args.progress and rank == 0), unit="iter", file=sys.stderr)
-
-    done = [0]
-
-    def tick(msg: str) -> None:
-        done[0] += 1
-        bar.update(1)
-        if args.progress:
-            bar.set_postfix_str(msg)
-        elif rank == 0:
-            print(f"Iter #{done[0]}: {msg}", flush=True)
-
-    def log(*a: Any) -> None:
-        if rank == 0:
-            (tqdm.write if args.progress else print)(" ".join(str(x) for x in a))
-            sys.stdout.flush()
+    progress = Progress(total, rank, args.progress)
+    tick, log = progress.tick, progress.log
 
     log(f"Model: {args.model}, batch size {args.batch_size}, image size {args.image_size}, "
         f"ranks {size}, threads per rank {args.threads_per_rank}, compression {args.compression}, "
@@ -335,7 +320,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                 result["no_comm_scaling_efficiency"] = (result["no_comm"]["total_img_s"]["median"]
                                                         / (size * single["per_rank_img_s"]["median"]))
         idle_barrier(comm)
-    bar.close()
+    progress.close()
 
     if rank == 0:
         if main_res is not None:

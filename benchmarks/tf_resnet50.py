@@ -30,7 +30,7 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import idle_barrier, median, write_json  # noqa: E402
+from benchmarks.common import Progress, idle_barrier, median, write_json  # noqa: E402
 from benchmarks.pytorch_synthetic_benchmark import (  # noqa: E402
     _pool, _summary, combine, gap_analysis, measure, parse_args)
 
@@ -100,7 +100,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     tf.config.threading.set_intra_op_parallelism_threads(args.threads_per_rank)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads_per_rank)
     from mpi4py import MPI
-    from tqdm import tqdm
 
     comm = MPI.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -112,21 +111,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
     phases = args.rounds * 2 if args.compare_no_comm else 1
     total = args.num_iters * (phases + int(args.baseline and rank == 0))
-    bar = tqdm(total=total, disable=not (args.progress and rank == 0), unit="iter", file=sys.stderr)
-    done = [0]
-
-    def tick(msg: str) -> None:
-        done[0] += 1
-        bar.update(1)
-        if args.progress:
-            bar.set_postfix_str(msg)
-        elif rank == 0:
-            print(f"Iter #{done[0]}: {msg}", flush=True)
-
-    def log(*a: Any) -> None:
-        if rank == 0:
-            (tqdm.write if args.progress else print)(" ".join(str(x) for x in a))
-            sys.stdout.flush()
+    progress = Progress(total, rank, args.progress)
+    tick, log = progress.tick, progress.log
 
     log(f"Model: {args.model} (keras.applications, TF {tf.__version__}), batch size {args.batch_size}, "
         f"image size {args.image_size}, ranks {size}, threads per rank {args.threads_per_rank}, "
@@ -192,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                 result["no_comm_scaling_efficiency"] = (result["no_comm"]["total_img_s"]["median"]
                                                         / (size * single["per_rank_img_s"]["median"]))
         idle_barrier(comm)
-    bar.close()
+    progress.close()
 
     if rank == 0:
         _summary(result, main_res, log)
