@@ -10,10 +10,11 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from . import dtypes
+from . import arrays
 from .buffers import FusionBuffer
 from .dtypes import ReduceOp
 from .handle import Handle
@@ -30,6 +31,8 @@ class Entry:
     handle: Handle = None
     #: whether the result is the list of outputs (grouped allreduce) or the only one
     grouped: bool = False
+    #: CUDA inputs: an event on the submitting stream after which they are ready
+    ready_event: Any = None
 
 
 class Context:
@@ -42,19 +45,21 @@ class Context:
         self.fusion = FusionBuffer()
 
 
-def _finish(ctx: Context, array: np.ndarray, op: ReduceOp, postscale: float) -> None:
+def _finish(ctx: Context, array, op: ReduceOp, postscale: float) -> None:
     if op is ReduceOp.Average:
-        dtypes.divide(array, ctx.size)
-    dtypes.scale(array, postscale)
+        arrays.divide(array, ctx.size)
+    arrays.scale(array, postscale)
 
 
 def _span(ins: list, outs: list):
     """One flat array over ``ins`` if they are reduced in place and lie back to back in memory, in order.
 
-    Gradients kept in one flat buffer (as ``DistributedOptimizer`` keeps them) fuse
-    this way without being copied into and out of the fusion buffer. Whether a
-    rank uses the span or the fusion buffer does not change what travels.
+    Gradients kept in one flat buffer fuse this way without being copied into
+    and out of the fusion buffer. Whether a rank uses the span or the fusion
+    buffer does not change what travels. Host (numpy) arrays only.
     """
+    if not all(arrays.is_numpy(a) for a in ins):
+        return None
     address = ins[0].ctypes.data
     for array, out in zip(ins, outs):
         if out.ctypes.data != array.ctypes.data or array.ctypes.data != address or not array.flags.c_contiguous:
@@ -68,7 +73,7 @@ def _span(ins: list, outs: list):
 
 
 def _zeros_for(req: Request) -> list:
-    return [np.zeros(shape, dtype=dtypes.BY_NAME[req.dtype]) for shape in req.shapes]
+    return [arrays.zeros(shape, req.dtype, req.device) for shape in req.shapes]
 
 
 def run_allreduce(ctx: Context, response, entries: list) -> list:
@@ -89,28 +94,30 @@ def run_allreduce(ctx: Context, response, entries: list) -> list:
         if first.prescale != 1.0:
             if dst is not src:
                 dst[...] = src
-            dtypes.scale(dst, first.prescale)
+            arrays.scale(dst, first.prescale)
             src = dst
-        if dst.size:
+        if arrays.numel(dst):
             ctx.backend.allreduce(src.reshape(-1), dst.reshape(-1), wire_op)
         _finish(ctx, dst, op, first.postscale)
     else:
         span = _span(ins, outs)  # in place on tensors that lie back to back: no copies at all
-        flat = span if span is not None else ctx.fusion.view(ins[0].dtype, sum(a.size for a in ins))
+        flat = span if span is not None else ctx.fusion.like(ins[0], sum(arrays.numel(a) for a in ins))
         if span is None:
             offset = 0
             for array in ins:
-                flat[offset : offset + array.size] = array.reshape(-1)
-                offset += array.size
-        dtypes.scale(flat, first.prescale)
-        if flat.size:
+                n = arrays.numel(array)
+                flat[offset : offset + n] = array.reshape(-1)
+                offset += n
+        arrays.scale(flat, first.prescale)
+        if arrays.numel(flat):
             ctx.backend.allreduce(flat, flat, wire_op)
         _finish(ctx, flat, op, first.postscale)
         if span is None:
             offset = 0
             for array in outs:
-                array.reshape(-1)[...] = flat[offset : offset + array.size]
-                offset += array.size
+                n = arrays.numel(array)
+                array.reshape(-1)[...] = flat[offset : offset + n]
+                offset += n
     results = []
     for entry in entries:
         if entry is not None:
@@ -124,7 +131,7 @@ def run_allgather(ctx: Context, response, entries: list) -> list:
     (entry,) = entries
     src = entry.inputs[0]
     row = math.prod(src.shape[1:])
-    out = np.empty((sum(response.per_rank),) + src.shape[1:], dtype=src.dtype)
+    out = arrays.empty(src, (sum(response.per_rank),) + tuple(src.shape[1:]))
     ctx.backend.allgatherv(src.reshape(-1), out.reshape(-1), [rows * row for rows in response.per_rank])
     return [out]
 
@@ -134,7 +141,7 @@ def run_broadcast(ctx: Context, response, entries: list) -> list:
     src, out = entry.inputs[0], entry.outputs[0]
     if out is not src and ctx.rank == entry.request.root:
         out[...] = src
-    if out.size:
+    if arrays.numel(out):
         ctx.backend.broadcast(out.reshape(-1), entry.request.root)
     return [out]
 
@@ -144,7 +151,7 @@ def run_alltoall(ctx: Context, response, entries: list) -> list:
     src = entry.inputs[0]
     row = math.prod(src.shape[1:])
     received = [splits[ctx.rank] for splits in response.per_rank]
-    out = np.empty((sum(received),) + src.shape[1:], dtype=src.dtype)
+    out = arrays.empty(src, (sum(received),) + tuple(src.shape[1:]))
     ctx.backend.alltoallv(src.reshape(-1), [n * row for n in response.per_rank[ctx.rank]],
                           out.reshape(-1), [n * row for n in received])
     return [(out, np.asarray(received, dtype=np.int32))]
@@ -162,11 +169,11 @@ def run_reducescatter(ctx: Context, response, entries: list) -> list:
     op = ReduceOp(req.op)
     src = entry.inputs[0]
     if req.prescale != 1.0:
-        src = src.copy()
-        dtypes.scale(src, req.prescale)
+        src = arrays.copy_of(src)
+        arrays.scale(src, req.prescale)
     rows = reducescatter_rows(src.shape[0] if src.ndim else 1, ctx.size)
     row = math.prod(src.shape[1:])
-    out = np.empty((rows[ctx.rank],) + src.shape[1:], dtype=src.dtype)
+    out = arrays.empty(src, (rows[ctx.rank],) + tuple(src.shape[1:]))
     ctx.backend.reducescatter(src.reshape(-1), out.reshape(-1), [n * row for n in rows],
                               ReduceOp.Sum if op is ReduceOp.Average else op)
     _finish(ctx, out, op, req.postscale)

@@ -218,7 +218,8 @@ class Engine:
             if entry is not None:
                 entry.handle.mark_started()
         try:
-            results = EXECUTORS[response.kind](self.context, response, entries)
+            with self.backend.ordered(entries):
+                results = EXECUTORS[response.kind](self.context, response, entries)
         except Exception as exc:
             # Ranks may now disagree on which messages are in flight: nothing after
             # this can be trusted, so the engine stops (see _run) and says why.

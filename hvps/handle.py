@@ -17,7 +17,7 @@ _WATCHDOG_FACTOR = 1.5
 class Handle:
     """An in-flight collective; owns its input and output buffers until it completes."""
 
-    __slots__ = ("name", "_done", "_result", "_error", "_buffers", "_submitted", "_started", "_limit")
+    __slots__ = ("name", "_done", "_result", "_error", "_buffers", "_submitted", "_started", "_limit", "event")
 
     def __init__(self, name: str, buffers: tuple = (), stall_seconds: float = 60.0) -> None:
         self.name = name
@@ -28,6 +28,8 @@ class Handle:
         self._submitted = time.monotonic()
         self._started: Optional[float] = None
         self._limit = stall_seconds * _WATCHDOG_FACTOR + 1.0
+        #: CUDA results: the event after which they are valid on the device (None on the host)
+        self.event: Any = None
 
     def poll(self) -> bool:
         """Whether the collective has finished (successfully or not); never blocks."""
@@ -46,6 +48,8 @@ class Handle:
         self._buffers = ()
         if self._error is not None:
             raise self._error
+        if self.event is not None:
+            self.event.wait()  # the waiter's current CUDA stream waits; the host does not
         return self._result
 
     def _check_watchdog(self, now: float) -> None:

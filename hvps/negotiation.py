@@ -40,6 +40,8 @@ class Request:
     prescale: float = 1.0
     postscale: float = 1.0
     splits: tuple = ()
+    #: where the data lives: "cpu" (numpy arrays, CPU tensors) or "cuda"
+    device: str = "cpu"
 
     @property
     def nbytes(self) -> int:
@@ -48,8 +50,8 @@ class Request:
     def signature(self) -> tuple:
         """The fields every rank must agree on; allgather and alltoall may differ in dim 0."""
         if self.kind in (ALLGATHER, ALLTOALL):
-            return (self.kind, self.dtype, tuple(s[1:] for s in self.shapes), len(self.shapes[0]))
-        return (self.kind, self.dtype, self.shapes, self.op, self.root, self.prescale, self.postscale)
+            return (self.kind, self.dtype, tuple(s[1:] for s in self.shapes), len(self.shapes[0]), self.device)
+        return (self.kind, self.dtype, self.shapes, self.op, self.root, self.prescale, self.postscale, self.device)
 
     @classmethod
     def from_wire(cls, data: dict) -> "Request":
@@ -63,7 +65,7 @@ class Request:
         shapes = ", ".join(str(tuple(s)) for s in self.shapes)
         extra = f" root={self.root}" if self.kind == BROADCAST else ""
         op = f" op={self.op}" if self.op else ""
-        return f"{self.kind} {self.dtype} [{shapes}]{op}{extra}"
+        return f"{self.kind} {self.dtype} [{shapes}]{op}{extra} on {self.device}"
 
 
 @dataclass
@@ -248,4 +250,4 @@ class Coordinator:
 
 
 def _fusion_key(req: Request) -> tuple:
-    return (req.dtype, req.op, req.prescale, req.postscale)
+    return (req.dtype, req.op, req.prescale, req.postscale, req.device)

@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import dtypes, runtime
+from . import arrays, dtypes, runtime
 from .collectives import Entry
 from .dtypes import ReduceOp
 from .errors import HvpsError
@@ -26,23 +26,49 @@ def _name(kind: str, name: Optional[str]) -> str:
     return f"{kind}.{name}" if name else f"{kind}.noname.{next(_counters[kind])}"
 
 
-def _prepare(array: Any) -> np.ndarray:
+def _prepare(array: Any):
+    """A contiguous numpy array, or a torch tensor when the backend moves tensors of its kind."""
+    if arrays.is_tensor(array):
+        name = arrays.dtype_name(array)
+        if name not in dtypes.BY_NAME:
+            raise TypeError(f"hvps does not support dtype {array.dtype}; supported: {', '.join(dtypes.BY_NAME)}")
+        backend = runtime.engine().backend
+        if not backend.takes(arrays.device_of(array), name):
+            raise TypeError(
+                f"the {backend.name} backend does not move {arrays.device_of(array)} tensors of dtype {name}; "
+                "pass a numpy array, or set HVPS_BACKEND=tdist"
+            )
+        return array.detach().contiguous()
     array = np.asarray(array)
     dtypes.check_dtype(array.dtype)
     return np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes 0-d arrays 1-d
 
 
-def _check_out(out: np.ndarray, like: np.ndarray) -> np.ndarray:
-    if out.shape != like.shape or out.dtype != like.dtype or not out.flags.c_contiguous or not out.flags.writeable:
+def _contiguous_writable(array: Any) -> bool:
+    if arrays.is_numpy(array):
+        return array.flags.c_contiguous and array.flags.writeable
+    return array.is_contiguous()
+
+
+def _check_out(out: Any, like: Any) -> Any:
+    same_kind = arrays.is_numpy(out) == arrays.is_numpy(like) and arrays.device_of(out) == arrays.device_of(like)
+    if (not same_kind or tuple(out.shape) != tuple(like.shape) or out.dtype != like.dtype
+            or not _contiguous_writable(out)):
         raise ValueError(
-            f"out must be a writable C-contiguous array of shape {like.shape} and dtype {like.dtype}; "
-            f"got shape {out.shape}, dtype {out.dtype}"
+            f"out must be a writable C-contiguous array of shape {tuple(like.shape)} and dtype {like.dtype} "
+            f"on {arrays.device_of(like)}; got shape {tuple(out.shape)}, dtype {out.dtype} on {arrays.device_of(out)}"
         )
     return out
 
 
-def _submit(request: Request, inputs: list, outputs: list = ()) -> Handle:
-    return runtime.engine().submit(Entry(request, list(inputs), list(outputs)))
+def _describe(array: Any) -> dict:
+    """The request fields that come from the array itself."""
+    return {"dtype": arrays.dtype_name(array), "shapes": (tuple(array.shape),), "device": arrays.device_of(array)}
+
+
+def _submit(request: Request, inputs: list, outputs: list = (), grouped: bool = False) -> Handle:
+    entry = Entry(request, list(inputs), list(outputs), grouped=grouped, ready_event=arrays.ready_event(inputs))
+    return runtime.engine().submit(entry)
 
 
 def _as_op(op: Any) -> ReduceOp:
@@ -67,28 +93,30 @@ def grouped_allreduce_async(
     return _allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs, grouped=True)
 
 
-def _allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs, grouped: bool) -> Handle:
+def _allreduce_async(values, op, name, prescale_factor, postscale_factor, outs, grouped: bool) -> Handle:
     op = _as_op(op)
     runtime.engine()
-    inputs = [_prepare(a) for a in arrays]
+    inputs = [_prepare(a) for a in values]
     if not inputs:
         raise ValueError("grouped_allreduce needs at least one array")
     for array in inputs:
-        dtypes.check_reducible(array.dtype, op)
-    outputs = [_check_out(o, a) for o, a in zip(outs, inputs)] if outs is not None else [np.empty_like(a) for a in inputs]
+        dtypes.check_reducible(dtypes.BY_NAME[arrays.dtype_name(array)], op)
+    outputs = ([_check_out(o, a) for o, a in zip(outs, inputs)] if outs is not None
+               else [arrays.empty(a, tuple(a.shape)) for a in inputs])
     base = _name(ALLREDUCE, name)
-    by_dtype: dict = {}
+    by_kind: dict = {}  # one collective per (dtype, device)
     for index, array in enumerate(inputs):
-        by_dtype.setdefault(array.dtype, []).append(index)
+        by_kind.setdefault((arrays.dtype_name(array), arrays.device_of(array)), []).append(index)
     handles = []
-    for dtype, indices in by_dtype.items():
+    for (dtype, device), indices in by_kind.items():
+        suffix = dtype if device == "cpu" else f"{dtype}.{device}"
         request = Request(
-            base if len(by_dtype) == 1 else f"{base}.{dtypes.SUPPORTED[dtype]}", ALLREDUCE,
-            dtypes.SUPPORTED[dtype], tuple(inputs[i].shape for i in indices), op.value,
-            prescale=float(prescale_factor), postscale=float(postscale_factor),
+            base if len(by_kind) == 1 else f"{base}.{suffix}", ALLREDUCE,
+            dtype, tuple(tuple(inputs[i].shape) for i in indices), op.value,
+            prescale=float(prescale_factor), postscale=float(postscale_factor), device=device,
         )
-        entry = Entry(request, [inputs[i] for i in indices], [outputs[i] for i in indices], grouped=grouped)
-        handles.append((indices, runtime.engine().submit(entry)))
+        handles.append((indices, _submit(request, [inputs[i] for i in indices], [outputs[i] for i in indices],
+                                         grouped)))
     if len(handles) == 1:
         return handles[0][1]
     return GroupHandle(base, handles, len(inputs))
@@ -149,7 +177,7 @@ def allgather_async(array: Any, name: Optional[str] = None) -> Handle:
     src = _prepare(array)
     if src.ndim == 0:
         src = src.reshape(1)
-    request = Request(_name(ALLGATHER, name), ALLGATHER, dtypes.SUPPORTED[src.dtype], (src.shape,))
+    request = Request(_name(ALLGATHER, name), ALLGATHER, **_describe(src))
     return _submit(request, [src])
 
 
@@ -165,9 +193,8 @@ def broadcast_async(array: Any, root_rank: int, name: Optional[str] = None,
     src = _prepare(array)
     if not 0 <= root_rank < runtime.size():
         raise ValueError(f"root_rank {root_rank} is out of range for {runtime.size()} ranks")
-    output = _check_out(out, src) if out is not None else np.empty_like(src)
-    request = Request(_name(BROADCAST, name), BROADCAST, dtypes.SUPPORTED[src.dtype], (src.shape,),
-                      root=int(root_rank))
+    output = _check_out(out, src) if out is not None else arrays.empty(src, tuple(src.shape))
+    request = Request(_name(BROADCAST, name), BROADCAST, root=int(root_rank), **_describe(src))
     return _submit(request, [src], [output])
 
 
@@ -190,8 +217,7 @@ def alltoall_async(array: Any, splits: Optional[Sequence[int]] = None, name: Opt
     splits = [int(s) for s in np.asarray(splits).reshape(-1)]
     if len(splits) != world or min(splits) < 0 or sum(splits) != src.shape[0]:
         raise ValueError(f"splits {splits} must have {world} non-negative entries summing to dim 0 ({src.shape[0]})")
-    request = Request(_name(ALLTOALL, name), ALLTOALL, dtypes.SUPPORTED[src.dtype], (src.shape,),
-                      splits=tuple(splits))
+    request = Request(_name(ALLTOALL, name), ALLTOALL, splits=tuple(splits), **_describe(src))
     return _submit(request, [src])
 
 
@@ -208,9 +234,9 @@ def reducescatter_async(array: Any, op: Any = Average, name: Optional[str] = Non
     src = _prepare(array)
     if src.ndim == 0:
         raise ValueError("reducescatter needs an array with at least one dimension")
-    dtypes.check_reducible(src.dtype, op)
-    request = Request(_name(REDUCESCATTER, name), REDUCESCATTER, dtypes.SUPPORTED[src.dtype], (src.shape,),
-                      op.value, prescale=float(prescale_factor), postscale=float(postscale_factor))
+    dtypes.check_reducible(dtypes.BY_NAME[arrays.dtype_name(src)], op)
+    request = Request(_name(REDUCESCATTER, name), REDUCESCATTER, op=op.value, prescale=float(prescale_factor),
+                      postscale=float(postscale_factor), **_describe(src))
     return _submit(request, [src])
 
 

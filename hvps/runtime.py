@@ -36,17 +36,29 @@ class _State:
 _state = _State()
 
 
-def _discover(comm) -> Topology:
+def _node_comms(comm):
+    """Communicators over this node's ranks and over the ranks sharing this local rank.
+
+    ``HVPS_LOCAL_SIZE=k`` overrides the discovery: consecutive blocks of k ranks
+    count as one node (to emulate several nodes on one machine, e.g. in tests).
+    """
     from mpi4py import MPI
 
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
-    topology = Topology(
-        comm.Get_rank(), comm.Get_size(), local.Get_rank(), local.Get_size(), cross.Get_rank(), cross.Get_size()
-    )
-    local.Free()
-    cross.Free()
-    return topology
+    rank, size = comm.Get_rank(), comm.Get_size()
+    override = os.environ.get("HVPS_LOCAL_SIZE")
+    if override:
+        if not override.isdigit() or int(override) < 1 or size % int(override):
+            raise HvpsError(f"HVPS_LOCAL_SIZE={override!r} must be a positive divisor of the job size ({size})")
+        local = comm.Split(color=rank // int(override), key=rank)
+    else:
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    cross = comm.Split(color=local.Get_rank(), key=rank)
+    return local, cross
+
+
+def _topology(comm, local, cross) -> Topology:
+    return Topology(comm.Get_rank(), comm.Get_size(), local.Get_rank(), local.Get_size(),
+                    cross.Get_rank(), cross.Get_size())
 
 
 def init(comm=None) -> None:
@@ -72,9 +84,14 @@ def init(comm=None) -> None:
                 "(do not set mpi4py.rc.thread_level below 'serialized')"
             )
         comm = MPI.COMM_WORLD if comm is None else comm
-        topology = _discover(comm)
+        local, cross = _node_comms(comm)
+        topology = _topology(comm, local, cross)
         settings = Settings.from_env().resolved(single_host=topology.local_size == topology.size)
-        backend = backends.create("mpi", comm, settings)
+        try:
+            backend = backends.build(settings, comm, local, cross)
+        finally:
+            local.Free()
+            cross.Free()
         _state.topology = topology
         _state.settings = settings
         _state.engine = Engine(comm, backend, settings)

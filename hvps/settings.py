@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from .errors import HvpsError
 
 ALGORITHMS = ("auto", "mpi", "ring")
+BACKENDS = ("auto", "mpi", "tdist", "horovod")
 
 
 def _env_number(name: str, default: float, kind=float) -> float:
@@ -24,6 +25,13 @@ def _env_number(name: str, default: float, kind=float) -> float:
     return value
 
 
+def _env_choice(name: str, default: str, choices: tuple) -> str:
+    value = (os.environ.get(name) or default).lower()
+    if value not in choices:
+        raise HvpsError(f"{name}={value!r} is unknown; choose one of {', '.join(choices)}")
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
     """Engine settings; ``from_env()`` reads them once at ``init``."""
@@ -34,6 +42,11 @@ class Settings:
     algorithm: str = "auto"
     ring_chunk_bytes: int = 4 * 1024 * 1024
     timeline: str = ""
+    #: data plane: mpi, tdist (torch.distributed: gloo on CPU, NCCL on CUDA), horovod, or
+    #: auto (NCCL for CUDA tensors when available, MPI for everything else)
+    backend: str = "auto"
+    #: allreduce within each node, then across nodes, then within the node again
+    hierarchical: bool = False
 
     def resolved(self, single_host: bool) -> "Settings":
         """``auto`` made concrete: hvps's ring within one host (shared memory), MPI's Allreduce across hosts.
@@ -48,12 +61,10 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> "Settings":
-        algorithm = os.environ.get("HVPS_ALLREDUCE_ALGORITHM", cls.algorithm).lower()
-        if algorithm not in ALGORITHMS:
-            raise HvpsError(
-                f"HVPS_ALLREDUCE_ALGORITHM={algorithm!r} is unknown; choose one of {', '.join(ALGORITHMS)}"
-            )
+        algorithm = _env_choice("HVPS_ALLREDUCE_ALGORITHM", cls.algorithm, ALGORITHMS)
         return cls(
+            backend=_env_choice("HVPS_BACKEND", cls.backend, BACKENDS),
+            hierarchical=_env_choice("HVPS_HIERARCHICAL_ALLREDUCE", "0", ("0", "1")) == "1",
             fusion_threshold=int(_env_number("HVPS_FUSION_THRESHOLD", cls.fusion_threshold, int)),
             cycle_time_ms=_env_number("HVPS_CYCLE_TIME", cls.cycle_time_ms),
             stall_check_seconds=_env_number("HVPS_STALL_CHECK_TIME_SECONDS", cls.stall_check_seconds),

@@ -1,10 +1,20 @@
-"""Data planes behind one small interface; ``create(name, comm)`` picks one by name."""
+"""Data planes behind one small interface; ``build(settings, ...)`` picks and composes them.
+
+- ``mpi``: mpi4py (MPI's collectives, or hvps's ring for allreduce);
+- ``tdist``: torch.distributed process groups, gloo on CPU and NCCL on CUDA;
+- ``horovod``: delegate to an installed Horovod;
+- ``auto``: MPI, plus NCCL for CUDA tensors when torch is loaded and a GPU with NCCL is present.
+
+``HVPS_HIERARCHICAL_ALLREDUCE=1`` wraps the chosen one in ``HierarchicalBackend``.
+"""
 
 from __future__ import annotations
 
+import sys
+
 from .base import Backend
 
-__all__ = ["Backend", "create"]
+__all__ = ["Backend", "build", "create"]
 
 
 def _mpi(comm, settings):
@@ -13,8 +23,38 @@ def _mpi(comm, settings):
     return MPIBackend(comm, settings)
 
 
-#: name -> constructor; further data planes (torch.distributed, Horovod) register here.
-REGISTRY = {"mpi": _mpi}
+def _tdist(comm, settings):
+    from .tdist import TorchDistBackend
+
+    return TorchDistBackend(comm, settings)
+
+
+def _horovod(comm, settings):
+    from .horovod import HorovodBackend
+
+    return HorovodBackend(comm, settings)
+
+
+def _gpu_ready() -> bool:
+    torch = sys.modules.get("torch")  # never import torch for numpy or TensorFlow users
+    if torch is None or not torch.cuda.is_available():
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_nccl_available()
+
+
+def _auto(comm, settings):
+    host = _mpi(comm, settings)
+    if not _gpu_ready():
+        return host
+    from .router import DeviceRouter
+
+    return DeviceRouter(host, _tdist(comm, settings))
+
+
+#: name -> constructor on one communicator
+REGISTRY = {"mpi": _mpi, "tdist": _tdist, "horovod": _horovod, "auto": _auto}
 
 
 def create(name: str, comm, settings) -> Backend:
@@ -24,3 +64,27 @@ def create(name: str, comm, settings) -> Backend:
     except KeyError:
         raise ValueError(f"unknown hvps backend {name!r}; available: {', '.join(REGISTRY)}") from None
     return factory(comm, settings)
+
+
+def build(settings, comm, local, cross) -> Backend:
+    """The engine's backend: ``settings.backend`` on ``comm``, hierarchical when asked and useful.
+
+    ``local`` spans this node's ranks, ``cross`` the ranks with this local rank
+    on every node (both collective to build, as every backend here is).
+    """
+    backend = create(settings.backend, comm, settings)
+    if not settings.hierarchical or settings.backend == "horovod":
+        return backend
+    sizes = set(comm.allgather(local.Get_size()))
+    if len(sizes) > 1 or local.Get_size() in (1, comm.Get_size()):
+        if comm.Get_rank() == 0:
+            import logging
+
+            logging.getLogger("hvps").warning(
+                "HVPS_HIERARCHICAL_ALLREDUCE=1 ignored: it needs several nodes with the same number of ranks "
+                "each (ranks per node: %s)", sorted(sizes))
+        return backend
+    from .hierarchical import HierarchicalBackend
+
+    return HierarchicalBackend(backend, create(settings.backend, local, settings),
+                               create(settings.backend, cross, settings), local.Get_rank(), local.Get_size())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 
 import numpy as np
 
@@ -13,6 +14,15 @@ class Backend(abc.ABC):
     """Collectives on contiguous buffers, called only from the engine's thread."""
 
     name: str = "abstract"
+
+    def takes(self, device: str, dtype: str) -> bool:
+        """Whether torch tensors on ``device`` (``"cpu"``, ``"cuda"``) of ``dtype`` may be passed
+        as they are; everything else reaches the backend as numpy arrays."""
+        return False
+
+    def ordered(self, entries: list):
+        """A context the engine runs each collective in (device stream ordering; none on the host)."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def allreduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> None:

@@ -1,0 +1,117 @@
+"""The few array operations the engine needs, on numpy arrays and on torch tensors alike.
+
+The core moves numpy arrays; backends that run on PyTorch (``tdist``, CUDA-aware
+MPI) also take torch tensors, CPU or CUDA, which then go through the engine
+unconverted. These helpers are the only places that tell the two apart, so the
+executors in ``collectives.py`` stay framework-neutral. torch is never imported
+here: a tensor can only arrive when the caller has imported it already.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from . import dtypes
+
+
+def is_numpy(array: Any) -> bool:
+    return isinstance(array, np.ndarray)
+
+
+def device_of(array: Any) -> str:
+    """``"cpu"`` for numpy arrays and CPU tensors, else the tensor's device type (``"cuda"``)."""
+    return "cpu" if is_numpy(array) else array.device.type
+
+
+def numel(array: Any) -> int:
+    return array.size if is_numpy(array) else array.numel()
+
+
+def address(array: Any) -> int:
+    return array.ctypes.data if is_numpy(array) else array.data_ptr()
+
+
+def dtype_name(array: Any) -> str:
+    """hvps's name for the element type (``float32``, ``bfloat16``, ...)."""
+    if is_numpy(array):
+        return dtypes.SUPPORTED[array.dtype]
+    return str(array.dtype).removeprefix("torch.")
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, "bool" if name == "bool" else name)
+
+
+def empty(like: Any, shape: tuple) -> Any:
+    """An uninitialised array of ``shape`` with ``like``'s kind, dtype and device."""
+    if is_numpy(like):
+        return np.empty(shape, dtype=like.dtype)
+    return like.new_empty(shape)
+
+
+def zeros(shape: tuple, dtype: str, device: str) -> Any:
+    """Zeros of hvps dtype name ``dtype`` on ``device`` (numpy on the CPU)."""
+    if device == "cpu":
+        return np.zeros(shape, dtype=dtypes.BY_NAME[dtype])
+    import torch
+
+    return torch.zeros(shape, dtype=_torch_dtype(dtype), device=device)
+
+
+def copy_of(array: Any) -> Any:
+    return array.copy() if is_numpy(array) else array.clone()
+
+
+def scale(array: Any, factor: float) -> None:
+    """Multiply in place; integers truncate, halves compute in float32 (as ``dtypes.scale``)."""
+    if is_numpy(array):
+        dtypes.scale(array, factor)
+        return
+    if factor == 1.0 or array.numel() == 0:
+        return
+    if array.dtype.is_floating_point and array.element_size() > 2:
+        array.mul_(factor)
+    elif array.dtype.is_floating_point:
+        array.copy_(array.float() * factor)
+    elif array.dtype == _torch_dtype("bool"):
+        raise TypeError("prescale/postscale factors are not defined for bool tensors")
+    else:
+        array.copy_((array.double() * factor).trunc())
+
+
+def divide(array: Any, divisor: int) -> None:
+    """Average's last step in place: floor division for integers, true division otherwise."""
+    if is_numpy(array):
+        dtypes.divide(array, divisor)
+        return
+    if divisor == 1 or array.numel() == 0:
+        return
+    if array.dtype.is_floating_point and array.element_size() > 2:
+        array.div_(divisor)
+    elif array.dtype.is_floating_point:
+        array.copy_(array.float() / divisor)
+    else:
+        array.floor_divide_(divisor)
+
+
+def is_tensor(array: Any) -> bool:
+    """Whether ``array`` is a torch tensor (without importing torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(array, torch.Tensor)
+
+
+def ready_event(items: list) -> Any:
+    """For CUDA inputs: an event recorded now on the current stream (their producer), else None."""
+    for array in items:
+        if not is_numpy(array) and array.device.type == "cuda":
+            import torch
+
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(array.device))
+            return event
+    return None

@@ -1,0 +1,188 @@
+"""The torch.distributed data plane: gloo for CPU buffers, NCCL for CUDA tensors.
+
+Bootstrapped from MPI, not from a rendezvous of its own: rank 0 starts a
+``TCPStore`` on a free port and broadcasts its address over the backend's MPI
+communicator. Process groups are private to hvps (built directly, never the
+default group), so a script may use ``torch.distributed`` itself beside it.
+The NCCL group is created the first time a CUDA tensor arrives; every rank
+executes responses in the same order, so that creation is collective too.
+
+Numpy arrays travel as zero-copy tensor views; CUDA tensors never leave the
+device. On CUDA the engine thread enqueues work on its own stream ordered
+after each submission's ready event (see ``device.py``): NCCL's ``wait()``
+only orders streams, so no call here blocks the host on the GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import numpy as np
+
+from .. import arrays, dtypes
+from ..control import candidate_addresses
+from ..dtypes import ReduceOp
+from ..errors import HvpsError
+from .base import Backend
+from .device import cuda_order
+
+
+def _as_tensor(array):
+    """A torch view of a numpy array (bfloat16 through its bits), or the tensor itself."""
+    import torch
+
+    if not arrays.is_numpy(array):
+        return array
+    if array.dtype == dtypes.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def _reachable(addresses: list, port: int, timeout: float = 2.0):
+    """The first of rank 0's ``addresses`` that accepts a connection, and this host's address towards it."""
+    for address in addresses:
+        try:
+            with socket.create_connection((address, port), timeout=timeout) as probe:
+                return address, probe.getsockname()[0]
+        except OSError:
+            continue
+    raise HvpsError(
+        f"could not reach rank 0's torch.distributed store at any of {addresses} port {port}; set "
+        "HVPS_NETWORK_INTERFACE (hvpsrun --network-interface) to an interface every host can reach"
+    )
+
+
+class TorchDistBackend(Backend):
+    """Collectives on private torch.distributed process groups (gloo on CPU, NCCL on CUDA)."""
+
+    name = "tdist"
+
+    def __init__(self, comm, settings) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            raise HvpsError("HVPS_BACKEND=tdist needs a PyTorch build with torch.distributed")
+        self.dist = dist
+        self.comm = comm.Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.timeout = datetime.timedelta(seconds=max(1.0, settings.stall_check_seconds))
+        self._groups: dict = {}
+        store = None
+        if self.rank == 0:
+            store = dist.TCPStore("0.0.0.0", 0, self.size, True, self.timeout, wait_for_workers=False)
+            offer = (candidate_addresses(), store.port)
+        else:
+            offer = None
+        addresses, port = self.comm.bcast(offer, root=0)
+        if self.rank == 0:
+            self.address = addresses[0]
+        else:
+            master, self.address = _reachable(addresses, port)
+            store = dist.TCPStore(master, port, self.size, False, self.timeout)
+        self.store = store
+
+    # -- process groups ---------------------------------------------------------------
+    def _group(self, device: str):
+        group = self._groups.get(device)
+        if group is None:
+            group = self._groups[device] = self._create_group(device)
+        return group
+
+    def _create_group(self, device: str):
+        dist = self.dist
+        prefix = dist.PrefixStore(f"hvps/{device}", self.store)
+        if device == "cuda":
+            if not dist.is_nccl_available():
+                raise HvpsError("CUDA tensors on HVPS_BACKEND=tdist need NCCL, and this PyTorch has none")
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            return dist.ProcessGroupNCCL(prefix, self.rank, self.size, options)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = self.timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.address)]
+        return dist.ProcessGroupGloo(prefix, self.rank, self.size, options)
+
+    def takes(self, device: str, dtype: str) -> bool:
+        return device == "cpu" or (device == "cuda" and self.dist.is_nccl_available())
+
+    def ordered(self, entries: list):
+        return cuda_order(entries, host_sync=False)
+
+    # -- collectives ------------------------------------------------------------------
+    def _run(self, what: str, tensor, start) -> None:
+        """Run ``start(group)`` (which returns a Work) and wait for it, naming the failure."""
+        try:
+            start(self._group(tensor.device.type)).wait()
+        except RuntimeError as exc:
+            raise HvpsError(
+                f"torch.distributed {what} failed on rank {self.rank} (a rank died, a link is down, or nothing "
+                f"moved for HVPS_STALL_CHECK_TIME_SECONDS={self.timeout.total_seconds():g} s): {exc}"
+            ) from exc
+
+    def _reduce_options(self, options, tensor, op: ReduceOp):
+        """``options`` with the reduction set; bool reduces as uint8 max (or) / min (and)."""
+        dist = self.dist
+        import torch
+
+        if tensor.dtype == torch.bool:
+            tensor = tensor.view(torch.uint8)
+            reduce_op = dist.ReduceOp.MAX if op in (ReduceOp.Sum, ReduceOp.Max) else dist.ReduceOp.MIN
+        else:
+            reduce_op = {ReduceOp.Sum: dist.ReduceOp.SUM, ReduceOp.Min: dist.ReduceOp.MIN,
+                         ReduceOp.Max: dist.ReduceOp.MAX, ReduceOp.Product: dist.ReduceOp.PRODUCT}[op]
+        options.reduceOp = reduce_op
+        return options, tensor
+
+    def allreduce(self, sendbuf, recvbuf, op):
+        send, recv = _as_tensor(sendbuf), _as_tensor(recvbuf)
+        if send.data_ptr() != recv.data_ptr():
+            recv.copy_(send)
+        options, wire = self._reduce_options(self.dist.AllreduceOptions(), recv, op)
+        self._run("allreduce", recv, lambda group: group.allreduce([wire], options))
+
+    def allgatherv(self, sendbuf, recvbuf, counts):
+        send, recv = _as_tensor(sendbuf), _as_tensor(recvbuf)
+        widest = max(counts, default=0)
+        if widest == 0:
+            return
+        if all(c == widest for c in counts):
+            self._run("allgather", recv, lambda group: group._allgather_base(recv, send))
+            return
+        # gloo and NCCL gather equal blocks: pad every rank's block to the widest.
+        padded = send.new_zeros(widest)
+        padded[: send.numel()] = send
+        gathered = send.new_empty(widest * self.size)
+        self._run("allgather", recv, lambda group: group._allgather_base(gathered, padded))
+        offset = 0
+        for r, count in enumerate(counts):
+            recv[offset : offset + count] = gathered[r * widest : r * widest + count]
+            offset += count
+
+    def broadcast(self, buf, root):
+        tensor = _as_tensor(buf)
+        options = self.dist.BroadcastOptions()
+        options.rootRank = root
+        self._run("broadcast", tensor, lambda group: group.broadcast([tensor], options))
+
+    def alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
+        send, recv = _as_tensor(sendbuf), _as_tensor(recvbuf)
+        options = self.dist.AllToAllOptions()
+        self._run("alltoall", recv, lambda group: group.alltoall_base(
+            recv, send, list(recvcounts), list(sendcounts), options))
+
+    def reducescatter(self, sendbuf, recvbuf, counts, op):
+        send, recv = _as_tensor(sendbuf), _as_tensor(recvbuf)
+        options, wire_recv = self._reduce_options(self.dist.ReduceScatterOptions(), recv, op)
+        wire_send = send.view(wire_recv.dtype)
+        blocks = list(wire_send.split([int(c) for c in counts]))
+        self._run("reducescatter", recv, lambda group: group.reduce_scatter([wire_recv], [blocks], options))
+
+    def close(self):
+        for group in self._groups.values():
+            try:
+                group.shutdown()
+            except (AttributeError, RuntimeError):
+                pass
+        self._groups.clear()
+        self.comm.Free()
