@@ -18,6 +18,17 @@ iteration; 95% CIs use Student's t over iterations):
   (A B A B ..., --rounds rounds, two model replicas so no hooks fire in B);
   reports dist/no-comm images/s as the median over rounds of per-round median
   ratios (target >= 0.97) and how much of the step-time gap is communication wait.
+* --compare-plain: the same rounds against a plain PyTorch loop (same model,
+  optimizer, batch and data; no hvps call in it); JSON ``ratio_vs_plain``,
+  ``hvps_img_sec_per_rank`` and ``plain_img_sec_per_rank``. With 1 rank this is
+  the device check: hvps reaches >= 0.97x the plain loop's images/s.
+* --cuda: one GPU per rank (``torch.cuda.set_device(hvd.local_rank())``); each
+  iteration ends with ``torch.cuda.synchronize()``, so images/s are device
+  times, while step/wait/forward+backward seconds are host-side. The JSON's
+  ``gpu`` lists per rank torch's peak allocated memory and, through pynvml
+  (the ``gpu`` extra), the GPU's memory used/total (MiB) and utilisation (%)
+  sampled during the timed phases (None plus ``nvml_reason`` when unreadable).
+  --amp adds bf16 autocast around forward and loss (CPU too).
 * --baseline: afterwards rank 0 alone runs the no-comm workload while the
   other ranks sleep in a non-spinning barrier; scaling efficiency =
   total images/s / (ranks * single-rank images/s).
@@ -61,9 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-batches-per-iter", type=int, default=10,
                    help="batches per timed iteration (default: %(default)s)")
     p.add_argument("--num-iters", type=int, default=10,
-                   help="timed iterations per measurement (per phase with --compare-no-comm) (default: %(default)s)")
+                   help="timed iterations per measurement (per phase with --compare-*) (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="--compare-no-comm: alternating distributed/no-comm rounds (default: %(default)s)")
+                   help="--compare-no-comm / --compare-plain: alternating rounds (default: %(default)s)")
     p.add_argument("--fp16-allreduce", action="store_true",
                    help="compress gradients to fp16 for the allreduce (Horovod's flag; same as --compression fp16)")
     p.add_argument("--compression", choices=("none", "fp16", "bf16", "int8", "topk", "dgc"), default="none",
@@ -74,11 +85,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads-per-rank", type=int, default=1,
                    help="torch intra-op and inter-op threads per rank (default: %(default)s)")
     p.add_argument("--channels-last", action="store_true", help="use torch.channels_last for model and data")
+    p.add_argument("--cuda", action="store_true",
+                   help="train on the GPU: torch.cuda.set_device(local rank), model and synthetic data on it, "
+                        "cudnn.benchmark (as Horovod's examples); the JSON gets GPU memory and utilisation")
+    p.add_argument("--amp", action="store_true",
+                   help="bf16 autocast (torch.autocast) around forward and loss, on GPU or CPU")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate, scaled by ranks (default: %(default)s)")
     p.add_argument("--no-comm", action="store_true",
                    help="plain optimizer on every rank, no communication (contention ceiling)")
     p.add_argument("--compare-no-comm", action="store_true",
                    help="alternate distributed and no-comm phases in this launch and report their ratio")
+    p.add_argument("--compare-plain", action="store_true",
+                   help="alternate the hvps loop with a plain PyTorch loop (same model, optimizer and data, no hvps "
+                        "call) in this launch and report hvps/plain images/s (target >= 0.97; on 1 rank: the "
+                        "framework's overhead)")
     p.add_argument("--baseline", action="store_true",
                    help="also time rank 0 alone (others idle) and report scaling efficiency")
     p.add_argument("--no-comm-ref", default="",
@@ -95,8 +115,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default="", help="write the results to this JSON file (rank 0)")
     p.add_argument("--progress", action="store_true", help="tqdm progress bar on rank 0")
     args = p.parse_args(argv)
-    if args.no_comm and args.compare_no_comm:
-        p.error("--no-comm and --compare-no-comm exclude each other")
+    if sum((args.no_comm, args.compare_no_comm, args.compare_plain)) > 1:
+        p.error("--no-comm, --compare-no-comm and --compare-plain exclude each other")
+    if args.cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error(f"--cuda: torch.cuda.is_available() is False (torch {torch.__version__}, "
+                    f"built for CUDA {torch.version.cuda}); run without --cuda")
     if args.fp16_allreduce:
         if args.compression not in ("none", "fp16"):
             p.error("--fp16-allreduce and --compression exclude each other; use --compression fp16")
@@ -108,9 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not args.checkpoint_dir:
             p.error("--resume needs --checkpoint-dir DIR (or HVPS_CHECKPOINT_DIR in the environment)")
     if args.epochs is not None or args.checkpoint_dir:
-        if args.no_comm or args.compare_no_comm:
+        if args.no_comm or args.compare_no_comm or args.compare_plain:
             p.error("--epochs, --checkpoint-dir and --resume work in the plain distributed mode only "
-                    "(not with --no-comm or --compare-no-comm)")
+                    "(not with --no-comm, --compare-no-comm or --compare-plain)")
         if args.epochs is None:
             args.epochs = 1
         if args.epochs < 1:
@@ -119,18 +145,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Trainer:
-    """One model replica with its optimizer; ``step()`` returns
-    (step_s, comm_wait_s, forward_backward_s)."""
+    """One model replica with its optimizer on ``device``; ``step()`` returns
+    (step_s, comm_wait_s, forward_backward_s). With ``hvd`` None it is a plain
+    PyTorch loop that makes no hvps call."""
 
-    def __init__(self, args: argparse.Namespace, hvd: Any | None, ranks: int) -> None:
+    def __init__(self, args: argparse.Namespace, hvd: Any | None, ranks: int, device: Any = "cpu") -> None:
+        import functools
+
         import torch
         from torch.nn import functional as F
 
         from benchmarks.resnet import resnet50
 
-        self.F, self.hvd = F, hvd
+        self.F, self.hvd, self.device = F, hvd, torch.device(device)
+        self.autocast = functools.partial(torch.autocast, self.device.type, dtype=torch.bfloat16, enabled=args.amp)
+        self.synchronize_device = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         fmt = torch.channels_last if args.channels_last else torch.contiguous_format
-        self.model = resnet50(num_classes=args.num_classes).to(memory_format=fmt)
+        self.model = resnet50(num_classes=args.num_classes).to(self.device, memory_format=fmt)
         # DGC applies momentum itself (momentum correction), so its optimizer has none.
         momentum = 0.0 if (hvd is not None and args.compression == "dgc") else 0.9
         opt = torch.optim.SGD(self.model.parameters(), lr=args.lr * ranks, momentum=momentum)
@@ -146,13 +177,14 @@ class Trainer:
         self.opt = opt
         gen = torch.Generator().manual_seed(0)
         self.data = torch.randn(args.batch_size, 3, args.image_size, args.image_size,
-                                generator=gen).contiguous(memory_format=fmt)
-        self.target = torch.randint(0, args.num_classes, (args.batch_size,), generator=gen)
+                                generator=gen).to(self.device).contiguous(memory_format=fmt)
+        self.target = torch.randint(0, args.num_classes, (args.batch_size,), generator=gen).to(self.device)
 
     def step(self) -> tuple[float, float, float]:
         t0 = time.perf_counter()
         self.opt.zero_grad()
-        loss = self.F.cross_entropy(self.model(self.data), self.target)
+        with self.autocast():
+            loss = self.F.cross_entropy(self.model(self.data), self.target)
         loss.backward()
         fwd_bwd = time.perf_counter() - t0
         wait = 0.0
@@ -169,11 +201,15 @@ class Trainer:
 
 def measure(trainer: Trainer, args: argparse.Namespace, tick: Callable[[str], None]) -> dict[str, list[float]]:
     """Time ``--num-iters`` iterations on this rank: images/s, step, wait and
-    forward+backward seconds."""
+    forward+backward seconds. An iteration's clock stops after the device has
+    finished its work (``trainer.synchronize_device``, where the trainer has one)."""
+    sync = getattr(trainer, "synchronize_device", None) or (lambda: None)
     img_s, step_s, wait_s, fb_s = [], [], [], []
     for _ in range(args.num_iters):
+        sync()
         t0 = time.perf_counter()
         steps = [trainer.step() for _ in range(args.num_batches_per_iter)]
+        sync()
         elapsed = time.perf_counter() - t0
         img_s.append(args.batch_size * args.num_batches_per_iter / elapsed)
         step_s.append(sum(s[0] for s in steps))
@@ -217,12 +253,14 @@ def _wire(per_rank: list[dict[str, Any]], steps_per_rank: int) -> dict[str, Any]
             "decompress_s_per_step": per_step("decompress_seconds")}
 
 
-def gap_analysis(dist: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, Any]:
-    """How much of the mean step-time gap between no-comm and distributed is the
-    exposed comm wait (both means over all steps of all ranks)."""
+def gap_analysis(dist: dict[str, Any], ceiling: dict[str, Any], ref: str = "no_comm") -> dict[str, Any]:
+    """How much of the mean step-time gap between the reference ``ref`` (no_comm or
+    plain) and distributed is the exposed comm wait (both means over all steps of all
+    ranks; on a GPU these are host-side times)."""
     gap = dist["step_time_s"] - ceiling["step_time_s"]
-    return {"dist_over_no_comm": dist["per_rank_img_s"]["median"] / ceiling["per_rank_img_s"]["median"],
-            "step_time_s": dist["step_time_s"], "no_comm_step_time_s": ceiling["step_time_s"],
+    return {"reference": ref,
+            f"dist_over_{ref}": dist["per_rank_img_s"]["median"] / ceiling["per_rank_img_s"]["median"],
+            "step_time_s": dist["step_time_s"], f"{ref}_step_time_s": ceiling["step_time_s"],
             "step_gap_s": gap, "comm_wait_s_per_step": dist["comm_wait_s_per_step"],
             "forward_backward_gap_s": (dist["forward_backward_s_per_step"] - ceiling["forward_backward_s_per_step"]
                                        if "forward_backward_s_per_step" in ceiling else None),
@@ -247,21 +285,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         import hvps.adapters.torch as hvd
         hvd.init()
         assert hvd.size() == size and hvd.rank() == rank, "hvps and MPI disagree on rank/size"
+    device = torch.device("cpu")
+    if args.cuda:  # one GPU per rank, as in Horovod's examples
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        local_rank = hvd.local_rank() if hvd is not None else node.Get_rank()
+        node.Free()
+        torch.cuda.set_device(local_rank)
+        torch.backends.cudnn.benchmark = True
+        device = torch.device("cuda", local_rank)
+    ref = "plain" if args.compare_plain else "no_comm" if args.compare_no_comm else None
 
-    phases = args.rounds * 2 if args.compare_no_comm else (args.epochs or 1)
+    phases = args.rounds * 2 if ref else (args.epochs or 1)
     total = args.num_iters * (phases + int(args.baseline and rank == 0))
     progress = Progress(total, rank, args.progress)
     tick, log = progress.tick, progress.log
 
     log(f"Model: {args.model}, batch size {args.batch_size}, image size {args.image_size}, "
         f"ranks {size}, threads per rank {args.threads_per_rank}, compression {args.compression}, "
-        f"channels_last {args.channels_last}")
-    dist = Trainer(args, hvd, size) if hvd is not None else None
-    local = Trainer(args, None, size) if (args.no_comm or args.compare_no_comm or args.baseline) else None
+        f"channels_last {args.channels_last}, device {device}, bf16 autocast {args.amp}")
+    dist = Trainer(args, hvd, size, device) if hvd is not None else None
+    local = Trainer(args, None, size, device) if (args.no_comm or ref or args.baseline) else None
     for trainer in (dist, local):
         if trainer is not None:
             for _ in range(args.num_warmup_batches):
                 trainer.step()
+    sampler = None
+    if args.cuda:
+        from benchmarks.gpu_stats import NvmlSampler
+
+        sampler = NvmlSampler(device.index).start()
 
     def phase(trainer: Trainer, mode: str) -> dict[str, Any] | None:
         comm.Barrier()
@@ -279,24 +331,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                               "image_size": args.image_size, "num_batches_per_iter": args.num_batches_per_iter,
                               "num_iters": args.num_iters, "compression": args.compression,
                               "density": args.density if args.compression in ("topk", "dgc") else None,
-                              "channels_last": args.channels_last}
-    if args.compare_no_comm:
+                              "channels_last": args.channels_last, "device": device.type, "amp_bf16": args.amp}
+    if ref:  # A B A B ...: the hvps loop, then the reference (no-comm or plain) on the same device
         rounds = []
         for r in range(args.rounds):
-            a, b = phase(dist, "distributed"), phase(local, "no_comm")
+            a, b = phase(dist, "distributed"), phase(local, ref)
             if rank == 0:
                 ratio = a["per_rank_img_s"]["median"] / b["per_rank_img_s"]["median"]
-                rounds.append({"distributed": a, "no_comm": b, "ratio": ratio})
+                rounds.append({"distributed": a, ref: b, "ratio": ratio})
                 log(f"Round {r + 1}/{args.rounds}: distributed {a['per_rank_img_s']['median']:.2f}, "
-                    f"no-comm {b['per_rank_img_s']['median']:.2f} img/s per rank, ratio {ratio:.3f}")
+                    f"{ref.replace('_', '-')} {b['per_rank_img_s']['median']:.2f} img/s per rank, ratio {ratio:.3f}")
         if rank == 0:
             main_res = _pool([x["distributed"] for x in rounds], "distributed")
-            ceiling = _pool([x["no_comm"] for x in rounds], "no_comm")
+            ceiling = _pool([x[ref] for x in rounds], ref)
             ratios = [x["ratio"] for x in rounds]
-            result.update(distributed=main_res, no_comm=ceiling, rounds=rounds,
-                          dist_over_no_comm={"median_of_round_ratios": median(ratios), "per_round": ratios,
-                                             "target": 0.97},
-                          gap=gap_analysis(main_res, ceiling))
+            ratio_info = {"median_of_round_ratios": median(ratios), "per_round": ratios, "target": 0.97}
+            result.update({"distributed": main_res, ref: ceiling, "rounds": rounds,
+                           "gap": gap_analysis(main_res, ceiling, ref)})
+            if ref == "no_comm":
+                result["dist_over_no_comm"] = ratio_info
+            else:
+                result.update(hvps_img_sec_per_rank=main_res["per_rank_img_s"]["median"],
+                              plain_img_sec_per_rank=ceiling["per_rank_img_s"]["median"],
+                              ratio_vs_plain=ratio_info["median_of_round_ratios"], vs_plain=ratio_info)
     elif args.epochs is not None:
         main_res = run_epochs(args, dist, hvd, phase, log, result)
     else:
@@ -321,6 +378,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                                                         / (size * single["per_rank_img_s"]["median"]))
         idle_barrier(comm)
     progress.close()
+    if args.cuda:
+        from benchmarks.gpu_stats import cuda_report
+
+        gpus = comm.gather({"rank": rank, **cuda_report(device, sampler)}, root=0)
+        result["gpu"] = gpus
+    else:
+        result.update(gpu=None, gpu_reason="CPU run (no --cuda)")
 
     if rank == 0:
         if main_res is not None:
@@ -410,12 +474,22 @@ def _summary(result: dict[str, Any], main_res: dict[str, Any], log: Callable[...
         d = result["dist_over_no_comm"]
         log(f"Distributed / no-comm img/sec: {d['median_of_round_ratios']:.3f} (median of "
             f"{len(d['per_round'])} rounds; target >= 0.97)")
+    if "ratio_vs_plain" in result:
+        log(f"hvps / plain PyTorch img/sec: {result['ratio_vs_plain']:.3f} (median of "
+            f"{len(result['vs_plain']['per_round'])} rounds; target >= 0.97); per rank: hvps "
+            f"{result['hvps_img_sec_per_rank']:.2f}, plain {result['plain_img_sec_per_rank']:.2f}")
     if result.get("gap", {}).get("comm_fraction_of_gap") is not None:
         g = result["gap"]
-        fb = g["forward_backward_gap_s"]
+        fb, ref = g["forward_backward_gap_s"], g.get("reference", "no_comm").replace("_", "-")
         log(f"Communication wait explains {100 * g['comm_fraction_of_gap']:.0f}% of the "
-            f"{1e3 * g['step_gap_s']:.1f} ms step-time gap to no-comm"
-            + (f" (forward+backward is {1e3 * fb:.1f} ms slower than in no-comm)" if fb is not None else ""))
+            f"{1e3 * g['step_gap_s']:.1f} ms step-time gap to {ref}"
+            + (f" (forward+backward is {1e3 * fb:.1f} ms slower than in {ref})" if fb is not None else ""))
+    for gpu in result.get("gpu") or ():
+        nvml = (f"NVML: {gpu['memory_used_mib']:.0f} of {gpu['memory_total_mib']:.0f} MiB used, "
+                f"{gpu['utilization_pct']:.0f}% utilisation" if gpu.get("utilization_pct") is not None
+                else f"NVML: n/a ({gpu.get('nvml_reason')})")
+        log(f"GPU rank {gpu['rank']} {gpu['name']}: torch max allocated "
+            f"{gpu['torch_max_memory_allocated_mib']:.0f} MiB; {nvml}")
     if "single_rank" in result:
         log(f"Single-rank img/sec: {ci(result['single_rank']['per_rank_img_s'])}")
         log(f"Scaling efficiency: {100 * result['scaling_efficiency']:.1f}%")

@@ -73,6 +73,10 @@ def init(comm=None) -> None:
         # calls should yield the core while they wait rather than spin (only takes
         # effect when MPI is not initialised yet; an explicit setting wins).
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+        # Open MPI 4.1's AVX reduction kernels saturate integer sums that overflow
+        # (uint8 200 + 100 = 255, not 44; open-mpi/ompi#8045, closed "wontfix"):
+        # every integer result must wrap as numpy's and NCCL's do.
+        os.environ.setdefault("OMPI_MCA_op", "^avx")
         from mpi4py import MPI
 
         from . import backends

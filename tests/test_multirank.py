@@ -2,6 +2,7 @@
 ranks and require a clean result on every rank (passed, nothing failed,
 errored or skipped)."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -19,6 +20,12 @@ CASES = {
     "torch": ("mpi_torch.py", {}, 420),
     "torch-train": ("mpi_torch_train.py", {}, 300),
 }
+# The whole foundation suite again on the torch.distributed data plane (gloo on CPU).
+CASES.update({
+    f"{case}-tdist": (module, dict(env, HVPS_BACKEND="tdist"), timeout)
+    for case, (module, env, timeout) in list(CASES.items())
+    if case != "allreduce-ring"  # the algorithm setting is the MPI backend's; one allreduce run suffices
+})
 
 
 @pytest.mark.timeout(600)
@@ -96,3 +103,48 @@ def test_fusion_on_off_bit_identical(np_, algorithm, tmp_path):
     if problems:
         pytest.fail(f"{len(problems)} mismatches (first 40):\n  " + "\n  ".join(problems[:40]),
                     pytrace=False)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", ["mpi", "tdist"])
+def test_hierarchical_allreduce_on_emulated_nodes(backend, tmp_path):
+    """4 ranks as 2 emulated nodes of 2 (HVPS_LOCAL_SIZE): the whole allreduce suite through
+    reduce-scatter in the node, allreduce across nodes, allgather in the node."""
+    env = {"HVPS_BACKEND": backend, "HVPS_HIERARCHICAL_ALLREDUCE": "1", "HVPS_LOCAL_SIZE": "2",
+           "HVPS_TEST_EXPECT_BACKEND": f"hierarchical-{backend}", "HVPS_TEST_EXPECT_LOCAL_SIZE": "2",
+           "HVPS_TEST_SHARED_DIR": str(tmp_path)}
+    for module in ("mpi_topology.py", "mpi_allreduce.py"):
+        result = run_mpi(module, 4, env=env, timeout=600)
+        result.assert_all_passed()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("np_", NPS, ids=[f"np{n}" for n in NPS])
+def test_tdist_matches_mpi_backend(np_, tmp_path):
+    """The same fused workload on both data planes: integer and bool results bit-identical,
+    floats within rounding (gloo sums in its own order)."""
+    outputs = {}
+    for backend in ("mpi", "tdist"):
+        out = tmp_path / backend
+        out.mkdir()
+        env = {"HVPS_BACKEND": backend, "HVPS_TEST_OUTDIR": str(out), "HVPS_TEST_SHARED_DIR": str(tmp_path)}
+        run_mpi("mpi_topology.py", np_, env=dict(env, HVPS_TEST_EXPECT_BACKEND=backend)).assert_all_passed()
+        run_mpi("mpi_fusion.py", np_, env=env, timeout=300).assert_all_passed()
+        outputs[backend] = [_load(out / f"rank{r}.npz") for r in range(np_)]
+    problems, exact = [], 0
+    for r in range(np_):
+        mpi, tdist = outputs["mpi"][r], outputs["tdist"][r]
+        assert mpi.keys() == tdist.keys()
+        for k in mpi:
+            dtype = _dtype_of(k)
+            if dtype.kind in "iub":
+                exact += 1
+                ok = np.array_equal(mpi[k], tdist[k])
+            else:  # a different summation order moves a result by a few units in the last place
+                a, b = (x.view(dtype).astype(np.float64) for x in (mpi[k], tdist[k]))
+                ulp = float(ml_dtypes.finfo(dtype).eps) * max(1.0, float(np.abs(a).max(initial=0.0)))
+                ok = np.allclose(a, b, rtol=0, atol=4 * np_ * ulp)
+            if not ok:
+                problems.append(f"rank {r} tensor {k}")
+    assert exact > 0, "the workload had no integer tensors to compare bit for bit"
+    assert not problems, f"{len(problems)} tdist results differ from mpi: {problems[:20]}"

@@ -10,7 +10,7 @@ import hvps
 from hvps import ReduceOp
 
 from .compression import Compression, compress_tensor, decompress_tensor
-from .tensors import from_numpy, host_buffer, to_numpy
+from .tensors import core_buffer, core_input, from_core
 
 Average, Sum, Min, Max, Product = hvps.Average, hvps.Sum, hvps.Min, hvps.Max, hvps.Product
 
@@ -74,10 +74,9 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
                              process_set: Any = None) -> TorchHandle:
     """Reduce ``tensors`` in place as one fused collective."""
     _check_process_set(process_set)
-    buffers = [host_buffer(t) for t in tensors]
-    arrays = [to_numpy(b) for b in buffers]
-    core = hvps.grouped_allreduce_async(arrays, _resolve_op(average, op), name, prescale_factor,
-                                        postscale_factor, outs=arrays)
+    arrays, buffers = zip(*[core_buffer(t) for t in tensors]) if tensors else ((), ())
+    core = hvps.grouped_allreduce_async(list(arrays), _resolve_op(average, op), name, prescale_factor,
+                                        postscale_factor, outs=list(arrays))
     return TorchHandle(core, lambda _: [_writeback(t, b) for t, b in zip(tensors, buffers)])
 
 
@@ -87,9 +86,9 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
                             process_set: Any = None) -> TorchHandle:
     """Reduce ``tensors`` as one fused collective into new tensors."""
     _check_process_set(process_set)
-    arrays = [to_numpy(host_buffer(t)) for t in tensors]
+    arrays = [core_input(t) for t in tensors]
     core = hvps.grouped_allreduce_async(arrays, _resolve_op(average, op), name, prescale_factor, postscale_factor)
-    return TorchHandle(core, lambda outs: [from_numpy(o).to(t.device) for o, t in zip(outs, tensors)])
+    return TorchHandle(core, lambda outs: [from_core(o, t.device) for o, t in zip(outs, tensors)])
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -161,8 +160,8 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any = None) -> TorchHandle:
     """Start concatenating every rank's tensor along dim 0."""
     _check_process_set(process_set)
-    core = hvps.allgather_async(to_numpy(host_buffer(tensor)), name)
-    return TorchHandle(core, lambda out: from_numpy(out).to(tensor.device))
+    core = hvps.allgather_async(core_input(tensor), name)
+    return TorchHandle(core, lambda out: from_core(out, tensor.device))
 
 
 class _Allgather(torch.autograd.Function):
@@ -189,16 +188,15 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
                     process_set: Any = None) -> TorchHandle:
     """Start copying the root's tensor to a new tensor on every rank."""
     _check_process_set(process_set)
-    core = hvps.broadcast_async(to_numpy(host_buffer(tensor)), root_rank, name)
-    return TorchHandle(core, lambda out: from_numpy(out).to(tensor.device))
+    core = hvps.broadcast_async(core_input(tensor), root_rank, name)
+    return TorchHandle(core, lambda out: from_core(out, tensor.device))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: Any = None) -> TorchHandle:
     """Start overwriting ``tensor`` in place with the root's."""
     _check_process_set(process_set)
-    buffer = host_buffer(tensor)
-    array = to_numpy(buffer)
+    array, buffer = core_buffer(tensor)
     core = hvps.broadcast_async(array, root_rank, name, out=array)
     return TorchHandle(core, lambda _: _writeback(tensor, buffer))
 
@@ -236,8 +234,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Optional[Any] = None, name: Opt
     _check_process_set(process_set)
     if isinstance(splits, torch.Tensor):
         splits = splits.tolist()
-    core = hvps.alltoall_async(to_numpy(host_buffer(tensor)), splits, name)
-    return TorchHandle(core, lambda res: (from_numpy(res[0]).to(tensor.device), from_numpy(res[1])))
+    core = hvps.alltoall_async(core_input(tensor), splits, name)
+    return TorchHandle(core, lambda res: (from_core(res[0], tensor.device), from_core(res[1], torch.device("cpu"))))
 
 
 def alltoall(tensor: torch.Tensor, splits: Optional[Any] = None, name: Optional[str] = None,
@@ -251,8 +249,8 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Re
                         process_set: Any = None) -> TorchHandle:
     """Start reducing ``tensor`` and keeping this rank's block of dim 0."""
     _check_process_set(process_set)
-    core = hvps.reducescatter_async(to_numpy(host_buffer(tensor)), op, name, prescale_factor, postscale_factor)
-    return TorchHandle(core, lambda out: from_numpy(out).to(tensor.device))
+    core = hvps.reducescatter_async(core_input(tensor), op, name, prescale_factor, postscale_factor)
+    return TorchHandle(core, lambda out: from_core(out, tensor.device))
 
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=Compression.none,

@@ -18,7 +18,7 @@ from hvps import HvpsError
 
 from .compression import as_gradient_compression, compress_tensor, decompress_tensor
 from .mpi_ops import Average, Sum, allgather_async, grouped_allreduce_async_
-from .tensors import from_numpy, host_buffer, to_numpy
+from .tensors import from_numpy, host_buffer, takes_tensor, to_numpy
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -149,6 +149,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             grad = grad.coalesce()
             return ("sparse", allgather_async(grad._indices().t().contiguous(), f"{name}.indices"),
                     allgather_async(grad._values(), f"{name}.values"))
+        if self.compression.summable and takes_tensor(grad):
+            # The backend moves tensors (NCCL, gloo): casts run as torch ops where the gradient lives.
+            return self._allreduce_group_async((p,))
         buffer = host_buffer(grad)
         array = to_numpy(buffer)
         if self._predivide != 1.0:
@@ -156,7 +159,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return ("dense", self.compression.start(array, name, self._op), buffer)
 
     def _allreduce_group_async(self, group: tuple):
-        pairs = [compress_tensor(self.compression, self._prepare_grad(p)) for p in group]
+        grads = [self._prepare_grad(p) for p in group]
+        pairs = [compress_tensor(self.compression, g) for g in grads]
+        self.compression.record(sum(g.nbytes for g in grads), [c for c, _ in pairs])
         name = "grad.group." + "+".join(self._names[p] for p in group[:1]) + f".{len(group)}"
         pre, post = (1.0 / self._predivide, self._predivide) if self._op is Average else (1.0, 1.0)
         handle = grouped_allreduce_async_([c for c, _ in pairs], name=name, op=self._op,

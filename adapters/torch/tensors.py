@@ -1,11 +1,22 @@
-"""Zero-copy views between CPU torch tensors and the numpy buffers the core moves."""
+"""What the core moves for a torch tensor: the tensor itself, a zero-copy numpy view, or a staged copy.
+
+- Backends that take tensors of the tensor's device and dtype (``tdist``: gloo
+  and NCCL; ``auto`` with NCCL; CUDA-aware MPI) get the tensor itself, so CUDA
+  tensors stay on the GPU end to end.
+- Other CPU tensors travel as numpy views of their memory (no copy).
+- Other CUDA tensors are staged through pinned host memory (with a one-time warning).
+"""
 
 from __future__ import annotations
+
+import logging
+from typing import Any
 
 import numpy as np
 import torch
 
-from hvps import dtypes
+import hvps
+from hvps import arrays, dtypes, runtime
 
 _TO_NUMPY = {
     torch.float16: np.dtype(np.float16),
@@ -41,8 +52,50 @@ def from_numpy(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
+_warned_staging = False
+
+
+def _warn_staging(tensor: torch.Tensor) -> None:
+    global _warned_staging
+    if not _warned_staging and hvps.rank() == 0:
+        logging.getLogger("hvps").warning(
+            "hvps: %s tensors are staged through pinned host memory: the %s backend cannot move them "
+            "(MPI is not CUDA-aware here). Set HVPS_BACKEND=tdist or auto to keep them on the GPU with NCCL.",
+            tensor.device.type, runtime.engine().backend.name)
+    _warned_staging = True
+
+
+def takes_tensor(tensor: torch.Tensor) -> bool:
+    """Whether the running backend moves ``tensor`` as it is (no numpy view, no staging)."""
+    check_dtype(tensor)
+    return runtime.engine().backend.takes(tensor.device.type, arrays.dtype_name(tensor))
+
+
 def host_buffer(tensor: torch.Tensor) -> torch.Tensor:
-    """The contiguous CPU tensor the core can work on (the tensor itself when it already is one)."""
-    if tensor.device.type != "cpu":
-        return tensor.detach().to("cpu").contiguous()
-    return tensor.detach().contiguous()
+    """A contiguous CPU tensor with ``tensor``'s values: itself when it already is one, else pinned memory."""
+    if tensor.device.type == "cpu":
+        return tensor.detach().contiguous()
+    _warn_staging(tensor)
+    staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
+    staged.copy_(tensor.detach())  # waits for the copy: the engine reads it from the host
+    return staged
+
+
+def core_buffer(tensor: torch.Tensor) -> tuple:
+    """``(array, buffer)``: what the core moves for ``tensor``, and the tensor that shares its memory."""
+    if takes_tensor(tensor):
+        buffer = tensor.detach().contiguous()
+        return buffer, buffer
+    buffer = host_buffer(tensor)
+    return to_numpy(buffer), buffer
+
+
+def core_input(tensor: torch.Tensor) -> Any:
+    """What the core moves for ``tensor`` (read-only use)."""
+    return core_buffer(tensor)[0]
+
+
+def from_core(result: Any, device: torch.device) -> torch.Tensor:
+    """A tensor on ``device`` holding a core result (numpy array or tensor)."""
+    tensor = from_numpy(result) if arrays.is_numpy(result) else result
+    return tensor.to(device, non_blocking=True)

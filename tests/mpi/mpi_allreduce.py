@@ -11,7 +11,7 @@ import pytest
 import hvps
 from hvps_testutil import (DTYPE_NAMES, DTYPES, FLOAT_NAMES, INT_NAMES,
                            OP_NAMES, all_inputs, assert_exact, big_count,
-                           check_allreduce_result)
+                           check_allreduce_result, rng_for)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -243,3 +243,16 @@ def test_many_sequential_unnamed_allreduces(request):
         xs = all_inputs(DTYPES[dtype], (n,), f"{request.node.name}/{i}", size, op)
         res = hvps.allreduce(xs[rank].copy(), op=_op(op))
         check_allreduce_result(res, xs, op, size, what=f"iteration {i} {dtype} n={n}")
+
+
+def test_integer_sum_wraps_like_numpy(request):
+    """Sums that overflow wrap around (as numpy and NCCL do), never saturate: Open MPI 4.1's
+    AVX kernels saturate, so hvps turns them off (open-mpi/ompi#8045)."""
+    size, rank = hvps.size(), hvps.rank()
+    for dtype in (np.uint8, np.int32):
+        info = np.iinfo(dtype)
+        xs = [rng_for(f"{request.node.name}/{dtype.__name__}", r).integers(info.max // 2, info.max, 1001)
+              .astype(dtype) for r in range(size)]
+        result = hvps.allreduce(xs[rank].copy(), op=hvps.Sum, name=f"wrap.{dtype.__name__}")
+        expected = np.sum(np.stack(xs), axis=0, dtype=dtype)
+        assert_exact(result, expected, f"{dtype.__name__} sum with overflow")
