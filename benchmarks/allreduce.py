@@ -1,9 +1,17 @@
-"""OSU-style allreduce sweep: raw mpi4py ``Allreduce`` vs hvps ``allreduce``.
+"""OSU-style allreduce sweep: hvps ``allreduce`` against the data plane it runs on, called directly.
+
+Contenders: ``raw`` (mpi4py ``Allreduce``), ``hvps-mpi`` and ``hvps-ring`` (the
+MPI backend), ``tdist`` (``torch.distributed.all_reduce`` on a default group:
+gloo on CPU, NCCL with ``--device cuda``) and ``hvps-tdist`` (hvps with
+``HVPS_BACKEND=tdist`` on the same kind of tensors). Ratios are against
+``--reference`` (raw, or tdist when raw is not run).
 
 Driver mode (default, run without mpirun)::
 
     python benchmarks/allreduce.py --np 2 --json out/allreduce.json
     python benchmarks/allreduce.py --np 2 --sizes 64MiB --rounds 5
+    python benchmarks/allreduce.py --np 2 --sizes 64MiB --impls tdist,hvps-tdist
+    python benchmarks/allreduce.py --np 1 --sizes 256MiB --impls tdist,hvps-tdist --device cuda
 
 launches, for each of ``--rounds`` rounds, one ``mpirun -np N`` job per
 implementation (A B C A B C ...), so every contender is timed in processes of
@@ -12,7 +20,7 @@ reference. Reports medians over rounds of each job's median per-call time
 (per call: the slowest rank's time, calls separated by a barrier, ``MPI.Wtime``),
 algbw = bytes/time, busbw = algbw * 2(n-1)/n and hvps/raw ratios.
 
-Worker mode (``--impl raw|hvps-mpi|hvps-ring``, under mpirun) times one
+Worker mode (``--impl NAME``, under mpirun) times one
 implementation and prints an OSU-style table from rank 0.
 """
 from __future__ import annotations
@@ -28,15 +36,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (DEFAULT_MPIRUN_ARGS, MiB, fmt_bytes, log0, median,  # noqa: E402
                                parse_size, run_mpi_worker, write_json)
 
-IMPLS = ("raw", "hvps-mpi", "hvps-ring")
+IMPLS = ("raw", "hvps-mpi", "hvps-ring", "tdist", "hvps-tdist")
+#: contenders that move torch tensors (the others move numpy arrays)
+TORCH_IMPLS = ("tdist", "hvps-tdist")
 DTYPES = ("float32", "float64", "int32", "int64")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--impl", choices=IMPLS, help="worker mode: time this implementation (run under mpirun)")
-    p.add_argument("--impls", default=",".join(IMPLS),
-                   help="driver: comma-separated implementations to compare (default: %(default)s)")
+    p.add_argument("--impls", default="raw,hvps-mpi,hvps-ring",
+                   help=f"driver: comma-separated implementations to compare, from {', '.join(IMPLS)} "
+                        "(default: %(default)s)")
+    p.add_argument("--reference", default="",
+                   help="driver: the implementation ratios are taken against (default: raw if run, else tdist)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where tdist/hvps-tdist tensors live; cuda uses NCCL, one GPU per rank (default: cpu)")
     p.add_argument("--np", type=int, default=2, help="driver: number of ranks per job (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3,
                    help="driver: rounds of alternating jobs; results are medians over rounds (default: %(default)s)")
@@ -77,36 +92,91 @@ def message_sizes(args: argparse.Namespace) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- worker
+def _torch_default_group(comm, device: str) -> None:
+    """torch.distributed's default group, bootstrapped over MPI as hvps's tdist backend is."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    address = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    if device == "cuda":
+        torch.cuda.set_device(comm.Get_rank() % torch.cuda.device_count())
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=comm.bcast(address),
+                            rank=comm.Get_rank(), world_size=comm.Get_size())
+
+
+def _contender(impl: str, comm, device: str):
+    """``allreduce(send, recv)`` (recv = the sum of every rank's send) for ``impl``."""
+    from mpi4py import MPI
+
+    if impl == "raw":
+        return lambda send, recv: comm.Allreduce(send, recv, op=MPI.SUM)
+    if impl == "tdist":
+        import torch.distributed as dist
+
+        _torch_default_group(comm, device)
+
+        def direct(send, recv):
+            recv.copy_(send)
+            dist.all_reduce(recv)
+        return direct
+    import hvps
+
+    if device == "cuda":
+        import torch
+
+        torch.cuda.set_device(comm.Get_rank() % torch.cuda.device_count())
+    hvps.init()
+    return lambda send, recv: hvps.allreduce(send, op=hvps.Sum, out=recv)
+
+
+def _buffers(impl: str, count: int, dtype: str, rank: int, device: str) -> tuple:
+    send = np.full(count, rank + 1, dtype=dtype)
+    if impl not in TORCH_IMPLS:
+        return send, np.zeros_like(send)
+    import torch
+
+    tensor = torch.from_numpy(send).to(device)
+    return tensor, torch.zeros_like(tensor)
+
+
 def run_worker(args: argparse.Namespace) -> None:
     """Time ``args.impl`` for every size; rank 0 prints a table and writes JSON."""
-    if args.impl.startswith("hvps-"):
+    if args.impl in ("hvps-mpi", "hvps-ring"):
         os.environ["HVPS_ALLREDUCE_ALGORITHM"] = args.impl.split("-", 1)[1]
+        os.environ["HVPS_BACKEND"] = "mpi"
+    elif args.impl == "hvps-tdist":
+        os.environ["HVPS_BACKEND"] = "tdist"
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    if args.impl == "raw":
-        def allreduce(send: np.ndarray, recv: np.ndarray) -> None:
-            comm.Allreduce(send, recv, op=MPI.SUM)
-    else:
-        import hvps
-        hvps.init()
+    device = args.device if args.impl in TORCH_IMPLS else "cpu"
+    allreduce = _contender(args.impl, comm, device)
+    if device == "cuda":
+        import torch
 
-        def allreduce(send: np.ndarray, recv: np.ndarray) -> None:
-            hvps.allreduce(send, op=hvps.Sum, out=recv)
+        call = allreduce
 
+        def allreduce(send, recv) -> None:  # time the device's work, not just its launch
+            call(send, recv)
+            torch.cuda.synchronize()
     log0(rank, f"# hvps allreduce benchmark: impl={args.impl} ranks={size} dtype={args.dtype}")
     log0(rank, f"# {'Size':>12} {'Median(us)':>12} {'Avg(us)':>12} {'Min(us)':>12} {'Max(us)':>12} {'busbw(GB/s)':>12}")
     results = []
     for nbytes in message_sizes(args):
         large = nbytes >= args.large_bytes
         iters, warmup = (args.iters_large, args.warmup_large) if large else (args.iters, args.warmup)
-        send = np.full(nbytes // np.dtype(args.dtype).itemsize, rank + 1, dtype=args.dtype)
-        recv = np.zeros_like(send)
+        send, recv = _buffers(args.impl, nbytes // np.dtype(args.dtype).itemsize, args.dtype, rank, device)
         for _ in range(max(1, warmup)):
             allreduce(send, recv)
         expected = size * (size + 1) // 2
-        ok = bool(np.all(recv == expected))
+        ok = bool((recv == expected).all())
         ok = comm.allreduce(ok, op=MPI.LAND)
         times = np.empty(iters)
         for i in range(iters):
@@ -126,8 +196,9 @@ def run_worker(args: argparse.Namespace) -> None:
                   f"{slowest.max() * 1e6:>12.1f} {busbw:>12.3f}{'' if ok else '  WRONG RESULT'}", flush=True)
         del send, recv
     if rank == 0:
-        write_json(args.json, {"impl": args.impl, "ranks": size, "dtype": args.dtype, "results": results})
-    if args.impl != "raw":
+        write_json(args.json, {"impl": args.impl, "ranks": size, "dtype": args.dtype, "device": device,
+                               "results": results})
+    if args.impl.startswith("hvps-"):
         shutdown = getattr(sys.modules["hvps"], "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -140,7 +211,7 @@ def worker_argv(args: argparse.Namespace, impl: str) -> list[str]:
     return ["--impl", impl, "--sizes", sizes, "--dtype", args.dtype,
             "--iters", str(args.iters), "--warmup", str(args.warmup),
             "--iters-large", str(args.iters_large), "--warmup-large", str(args.warmup_large),
-            "--large-bytes", str(args.large_bytes)]
+            "--large-bytes", str(args.large_bytes), "--device", args.device]
 
 
 def run_driver(args: argparse.Namespace) -> dict:
@@ -149,6 +220,7 @@ def run_driver(args: argparse.Namespace) -> dict:
     for impl in impls:
         if impl not in IMPLS:
             raise SystemExit(f"unknown implementation {impl!r}; choose from {IMPLS}")
+    reference = args.reference or ("raw" if "raw" in impls else "tdist")
     sizes = message_sizes(args)
     runs: dict[str, list[dict]] = {impl: [] for impl in impls}
     errors: dict[str, str] = {}
@@ -177,29 +249,30 @@ def run_driver(args: argparse.Namespace) -> dict:
             row[impl] = {"median_s": t, "per_round_median_s": per_round,
                          "algbw_GBps": nbytes / t / 1e9, "busbw_GBps": nbytes / t * bus / 1e9,
                          "correct": all(r["results"][i]["correct"] for r in runs[impl])}
-        if "raw" in row:
+        if reference in row:
             for impl in impls:
-                if impl != "raw" and impl in row:
-                    row[impl]["time_ratio_vs_raw"] = row[impl]["median_s"] / row["raw"]["median_s"]
-                    row[impl]["bw_ratio_vs_raw"] = row["raw"]["median_s"] / row[impl]["median_s"]
+                if impl != reference and impl in row:
+                    row[impl][f"time_ratio_vs_{reference}"] = row[impl]["median_s"] / row[reference]["median_s"]
+                    row[impl][f"bw_ratio_vs_{reference}"] = row[reference]["median_s"] / row[impl]["median_s"]
         table.append(row)
 
     present = [impl for impl in impls if runs[impl]]
     head = f"{'size':>10}" + "".join(f" {impl + ' us':>13} {'busbw GB/s':>10}" for impl in present)
-    head += "".join(f" {impl + '/raw t':>15}" for impl in present if impl != "raw" and "raw" in present)
-    print(f"\n# allreduce, {args.np} ranks, {args.dtype}, medians over {args.rounds} rounds "
-          f"(ratio = time hvps / time raw; <= 1 is as fast as raw)")
+    ratios = [impl for impl in present if impl != reference and reference in present]
+    head += "".join(f" {impl + '/' + reference + ' t':>18}" for impl in ratios)
+    print(f"\n# allreduce, {args.np} ranks, {args.dtype} on {args.device}, medians over {args.rounds} rounds "
+          f"(ratio = time / time of {reference}; <= 1 is as fast as {reference})")
     print(head)
     for row in table:
         line = f"{row['size']:>10}"
         for impl in present:
             ok = "" if row[impl]["correct"] else "!"
             line += f" {row[impl]['median_s'] * 1e6:>12.1f}{ok or ' '} {row[impl]['busbw_GBps']:>10.3f}"
-        for impl in present:
-            if impl != "raw" and "raw" in present:
-                line += f" {row[impl]['time_ratio_vs_raw']:>15.3f}"
+        for impl in ratios:
+            line += f" {row[impl][f'time_ratio_vs_{reference}']:>18.3f}"
         print(line)
-    result = {"benchmark": "allreduce", "ranks": args.np, "dtype": args.dtype, "rounds": args.rounds,
+    result = {"benchmark": "allreduce", "ranks": args.np, "dtype": args.dtype, "device": args.device,
+              "reference": reference, "rounds": args.rounds,
               "impls": impls, "mpirun_args": args.mpirun_args, "iters": args.iters,
               "iters_large": args.iters_large, "large_bytes": args.large_bytes,
               "results": table, "errors": errors}

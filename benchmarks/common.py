@@ -135,7 +135,12 @@ def mpirun_command(np_: int, argv: Sequence[str], mpirun: str = "mpirun",
                    mpirun_args: str = DEFAULT_MPIRUN_ARGS,
                    env_vars: Sequence[str] = ()) -> list[str]:
     """``mpirun -np N [flags] [-x VAR ...] argv``; adds Open MPI's root and
-    oversubscribe flags when they apply."""
+    oversubscribe flags when they apply. ``mpirun="none"`` runs one process
+    without a launcher (an MPI singleton)."""
+    if mpirun == "none":
+        if np_ != 1:
+            raise ValueError(f"--mpirun none runs a single process; got -np {np_}")
+        return list(argv)
     cmd = [mpirun, "-np", str(np_)]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")

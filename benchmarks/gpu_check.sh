@@ -17,7 +17,8 @@
 #   b      ResNet-50 harness, 1 rank (mpirun -np 1 when there is an mpirun),
 #          --cuda --amp --channels-last --batch-size 256 --compare-plain,
 #          HVPS_BACKEND=tdist: hvps vs plain PyTorch images/s, target >= 0.97
-#   c      benchmarks/tdist_allreduce.py --device cuda --size-mib 256 --repeats 20
+#   c      benchmarks/allreduce.py: a 256 MiB float32 allreduce, world size 1, hvps
+#          (HVPS_BACKEND=tdist, NCCL) vs torch.distributed.all_reduce, 3 rounds
 #   d      nvidia-smi, package versions
 # Step time limits (seconds) come from T_SETUP T_TEST T_RESNET T_ALLREDUCE T_INFO;
 # GPU_CHECK_BACKEND overrides HVPS_BACKEND=tdist; PIP_FIND_LINKS / PIP_NO_INDEX
@@ -48,14 +49,14 @@ if [ "$CPU_MODE" = 1 ]; then
   export MODE="cpu dry run"
   BENCH=(--amp --channels-last --batch-size 8 --image-size 64 --compare-plain --rounds 2
          --num-warmup-batches 1 --num-batches-per-iter 1 --num-iters 2 --threads-per-rank 1)
-  ALLREDUCE=(--device cpu --size-mib 8 --repeats 20)
+  ALLREDUCE=(--device cpu --sizes 8MiB --rounds 2 --iters-large 10)
   RESNET_JSON=resnet50_cpu.json ALLREDUCE_JSON=allreduce_gloo.json
 else
   export MODE=gpu
   # ~0.1 s a batch on an H200: 6 phases x 40 batches plus warm-up is about a minute
   BENCH=(--cuda --amp --channels-last --batch-size 256 --compare-plain --rounds 3
          --num-warmup-batches 5 --num-batches-per-iter 10 --num-iters 4 --threads-per-rank 4)
-  ALLREDUCE=(--device cuda --size-mib 256 --repeats 20)
+  ALLREDUCE=(--device cuda --sizes 256MiB --rounds 3 --iters-large 20)
   RESNET_JSON=resnet50_cuda.json ALLREDUCE_JSON=allreduce_nccl.json
 fi
 
@@ -180,7 +181,8 @@ run_step "b. ResNet-50 hvps vs plain PyTorch" "${T_RESNET:-170}" resnet50.log \
   ${LAUNCH[@]+"${LAUNCH[@]}"} "$PY" benchmarks/pytorch_synthetic_benchmark.py "${BENCH[@]}" --json "$OUT/$RESNET_JSON"
 
 run_step "c. allreduce hvps vs torch.distributed" "${T_ALLREDUCE:-45}" allreduce.log \
-  "$PY" benchmarks/tdist_allreduce.py "${ALLREDUCE[@]}" --json "$OUT/$ALLREDUCE_JSON"
+  "$PY" benchmarks/allreduce.py --np 1 --impls tdist,hvps-tdist "${ALLREDUCE[@]}" \
+  --mpirun "$(command -v mpirun || echo none)" --json "$OUT/$ALLREDUCE_JSON"
 
 run_step "d. nvidia-smi and versions" "${T_INFO:-15}" setup_env.log bash -c env_info
 
@@ -232,8 +234,13 @@ def result_of(step):
     if name.startswith("c."):
         if not isinstance(allreduce, dict):
             return f"no {allreduce_name}: {last_error(log)}"
-        keys = [k for k, v in allreduce.items() if isinstance(v, (int, float)) and re.search(r"ratio|speedup|_ms|_s$|gbps|bw", k)]
-        return ", ".join(f"{k} {allreduce[k]:.4g}" for k in keys[:6]) or f"see {allreduce_name}"
+        rows = allreduce.get("results") or [{}]
+        row = rows[-1]
+        if "hvps-tdist" not in row or "tdist" not in row:
+            return f"see {allreduce_name}: {allreduce.get('errors')}"
+        return (f"{row['size']}: torch.distributed {row['tdist']['algbw_GBps']:.1f} GB/s algbw, hvps "
+                f"{row['hvps-tdist']['algbw_GBps']:.1f} GB/s, time ratio hvps/direct "
+                f"{row['hvps-tdist']['time_ratio_vs_tdist']:.3f}")
     if name.startswith("d."):
         hits = [l for l in lines(log) if l.startswith("torch ") and "CUDA" in l]
         return hits[-1] if hits else "see log"

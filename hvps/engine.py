@@ -46,6 +46,7 @@ class Engine:
         )
         self._lock = threading.Lock()
         self._queue: deque = deque()
+        self._queued_names: set = set()
         self._wake_pending = False
         #: until then the engine polls its queue every cycle (submitters need not wake it)
         self._active_until = 0.0
@@ -69,7 +70,7 @@ class Engine:
             if self._stopping:
                 raise HvpsError("hvps is shutting down: call hvps.init() again")
             name = entry.request.name
-            if name in self._pending or any(e.request.name == name for e in self._queue):
+            if name in self._pending or name in self._queued_names:
                 raise HvpsError(
                     f"a collective named '{name}' is already in flight on rank {self.rank}; "
                     "names must be unique among outstanding operations"
@@ -78,6 +79,7 @@ class Engine:
             patience = math.inf if entry.request.kind == JOIN else self.settings.stall_check_seconds
             entry.handle = Handle(name, (entry.inputs, entry.outputs), patience)
             self._queue.append(entry)
+            self._queued_names.add(name)
             # A wake-up costs the submitting (training) thread a syscall, a context
             # switch and the GIL (~150 us). Backward hooks submit in bursts, so while
             # the engine is active it polls its queue every cycle instead (as
@@ -154,10 +156,11 @@ class Engine:
             self._wake_pending = self._sleeping = False
             new = list(self._queue)
             self._queue.clear()
+            self._queued_names.clear()
+            for entry in new:  # under the lock: a name is always either queued or pending
+                self._pending[entry.request.name] = entry
             if new:  # more is likely to follow (a backward pass): poll for a while
                 self._active_until = time.monotonic() + _ACTIVE_CYCLES * self.settings.cycle_time_ms / 1000.0
-        for entry in new:
-            self._pending[entry.request.name] = entry
         self._unannounced.extend(e.request for e in new)
 
     def _due_announcements(self) -> list:
@@ -254,6 +257,7 @@ class Engine:
             entries = list(self._pending.values()) + list(self._queue)
             self._pending.clear()
             self._queue.clear()
+            self._queued_names.clear()
         for entry in entries:
             if not entry.handle.poll():
                 entry.handle.set_error(error)

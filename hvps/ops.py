@@ -38,7 +38,7 @@ def _prepare(array: Any):
                 f"the {backend.name} backend does not move {arrays.device_of(array)} tensors of dtype {name}; "
                 "pass a numpy array, or set HVPS_BACKEND=tdist"
             )
-        return array.detach().contiguous()
+        return array if array.is_contiguous() and not array.requires_grad else array.detach().contiguous()
     array = np.asarray(array)
     dtypes.check_dtype(array.dtype)
     return np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes 0-d arrays 1-d

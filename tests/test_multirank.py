@@ -38,6 +38,22 @@ def test_inner_module(np_, case, tmp_path):
     result.assert_all_passed()
 
 
+@pytest.mark.timeout(3600)
+def test_foundation_suite_on_horovod_backend(tmp_path):
+    """The same suite with hvps delegating its data plane to Horovod (HVPS_BACKEND=horovod)."""
+    import importlib.util
+
+    from hvps.backends.horovod import UNAVAILABLE
+
+    if importlib.util.find_spec("horovod") is None:
+        pytest.skip(UNAVAILABLE)
+    for case in ("allreduce-mpi", "collectives", "async", "torch", "torch-train"):
+        module, env, timeout = CASES[case]
+        for np_ in NPS:
+            run_mpi(module, np_, env=dict(env, HVPS_BACKEND="horovod", HVPS_TEST_SHARED_DIR=str(tmp_path)),
+                    timeout=timeout).assert_all_passed()
+
+
 def _load(path):
     with np.load(path) as f:
         return {k: f[k].copy() for k in f.files}

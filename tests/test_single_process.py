@@ -14,6 +14,8 @@ CASES = {
     "async": ("mpi_async.py", {}),
     "torch": ("mpi_torch.py", {}),
     "torch-train": ("mpi_torch_train.py", {}),
+    "collectives-tdist": ("mpi_collectives.py", {"HVPS_BACKEND": "tdist"}),
+    "torch-tdist": ("mpi_torch.py", {"HVPS_BACKEND": "tdist"}),
 }
 
 

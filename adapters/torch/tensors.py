@@ -84,7 +84,7 @@ def host_buffer(tensor: torch.Tensor) -> torch.Tensor:
 def core_buffer(tensor: torch.Tensor) -> tuple:
     """``(array, buffer)``: what the core moves for ``tensor``, and the tensor that shares its memory."""
     if takes_tensor(tensor):
-        buffer = tensor.detach().contiguous()
+        buffer = tensor if tensor.is_contiguous() and not tensor.requires_grad else tensor.detach().contiguous()
         return buffer, buffer
     buffer = host_buffer(tensor)
     return to_numpy(buffer), buffer

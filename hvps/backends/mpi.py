@@ -1,17 +1,26 @@
-"""The mpi4py data plane: MPI's native collectives, or hvps's ring for allreduce."""
+"""The mpi4py data plane: MPI's native collectives, or hvps's ring for allreduce.
+
+With a CUDA-aware MPI (Open MPI's ``MPIX_Query_cuda_support``), CUDA tensors
+of MPI's native types are handed to MPI as they are (mpi4py reads their
+``__cuda_array_interface__``), after the engine's stream has caught up with
+their producers; otherwise the torch adapter stages them through host memory.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import sys
 
 import numpy as np
 from mpi4py import MPI
 
-from .. import dtypes
+from .. import arrays, dtypes
 from ..dtypes import ReduceOp
 from ..buffers import FusionBuffer
 from ..ring import ring_allreduce
 from .base import Backend
+from .device import cuda_order
 
 #: dtype -> (numpy carrier dtype, MPI datatype). Half types travel as 16-bit words
 #: and are reduced by user-defined ops, since MPI has no float16 or bfloat16.
@@ -29,10 +38,21 @@ _NATIVE_OPS = {ReduceOp.Sum: MPI.SUM, ReduceOp.Min: MPI.MIN, ReduceOp.Max: MPI.M
 _BOOL_OPS = {ReduceOp.Sum: MPI.LOR, ReduceOp.Max: MPI.LOR, ReduceOp.Min: MPI.LAND, ReduceOp.Product: MPI.LAND}
 
 
-def wire(array: np.ndarray):
-    """The ``[buffer, datatype]`` spec MPI needs for a contiguous array of a supported dtype."""
+def wire(array):
+    """The ``[buffer, datatype]`` spec MPI needs for a contiguous array (or CUDA tensor) of a supported dtype."""
+    if not arrays.is_numpy(array):
+        return [array, _WIRE[dtypes.BY_NAME[arrays.dtype_name(array)]][1]]
     carrier, datatype = _WIRE[array.dtype]
     return [array.view(carrier), datatype]
+
+
+def cuda_aware() -> bool:
+    """Whether this MPI takes CUDA device buffers (Open MPI's extension; False where it is absent)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return False
+    query = getattr(ctypes.CDLL(None), "MPIX_Query_cuda_support", None)
+    return bool(query and query())
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,6 +76,10 @@ def mpi_op(dtype: np.dtype, op: ReduceOp) -> MPI.Op:
     return _NATIVE_OPS[op]
 
 
+def _dtype(array) -> np.dtype:
+    return dtypes.BY_NAME[arrays.dtype_name(array)]
+
+
 def _displacements(counts: list) -> list:
     return [int(x) for x in np.concatenate(([0], np.cumsum(counts)[:-1]))] if counts else []
 
@@ -71,14 +95,22 @@ class MPIBackend(Backend):
         self.ring_chunk_bytes = settings.ring_chunk_bytes
         self.timeout = settings.stall_check_seconds
         self.workspace = FusionBuffer()
+        self.cuda_aware = cuda_aware()
+
+    def takes(self, device, dtype):
+        # User-defined reductions (float16, bfloat16) run on the host: those are staged.
+        return device == "cuda" and self.cuda_aware and dtype not in ("float16", "bfloat16")
+
+    def ordered(self, entries):
+        return cuda_order(entries, host_sync=True)
 
     def allreduce(self, sendbuf, recvbuf, op):
-        if self.algorithm == "ring":
+        if self.algorithm == "ring" and arrays.is_numpy(recvbuf):
             ring_allreduce(self.comm, sendbuf.reshape(-1), recvbuf.reshape(-1), dtypes.combine(op, recvbuf.dtype),
                            wire, self.ring_chunk_bytes, self.timeout, self.workspace.view)
             return
-        send = MPI.IN_PLACE if sendbuf.ctypes.data == recvbuf.ctypes.data else wire(sendbuf)
-        self.comm.Allreduce(send, wire(recvbuf), op=mpi_op(recvbuf.dtype, op))
+        send = MPI.IN_PLACE if arrays.address(sendbuf) == arrays.address(recvbuf) else wire(sendbuf)
+        self.comm.Allreduce(send, wire(recvbuf), op=mpi_op(_dtype(recvbuf), op))
 
     def allgatherv(self, sendbuf, recvbuf, counts):
         carrier, datatype = wire(recvbuf)
@@ -98,7 +130,7 @@ class MPIBackend(Backend):
     def reducescatter(self, sendbuf, recvbuf, counts, op):
         carrier, datatype = wire(recvbuf)
         self.comm.Reduce_scatter(wire(sendbuf), [carrier, datatype], recvcounts=counts,
-                                 op=mpi_op(recvbuf.dtype, op))
+                                 op=mpi_op(_dtype(recvbuf), op))
 
     def close(self):
         self.comm.Free()

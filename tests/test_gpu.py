@@ -1,0 +1,137 @@
+"""CUDA tensors end to end, with 1 rank (``benchmarks/gpu_check.sh`` runs these on a GPU machine).
+
+Each test runs a script in a fresh process (hvps as an MPI singleton) so that
+backends and CUDA state never leak between tests. Results are checked against
+numpy references computed from the same inputs.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import REPO_ROOT
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason=f"no CUDA GPU: torch {torch.__version__} sees none (CPU build or no device); "
+               "benchmarks/gpu_check.sh runs these on a GPU machine",
+    ),
+]
+
+
+def _run(body: str, **env) -> str:
+    code = "import numpy as np, torch, hvps\nimport hvps.adapters.torch as hvd\n" + textwrap.dedent(body)
+    full = dict(os.environ, PYTHONPATH=str(REPO_ROOT), **env)
+    proc = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout + proc.stderr
+
+
+def test_nccl_collectives_on_cuda_tensors_match_numpy():
+    out = _run("""
+        hvd.init()
+        torch.cuda.set_device(hvd.local_rank())
+        assert hvps.runtime.engine().backend.name == "tdist"
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
+                      torch.uint8, torch.bool):
+            for n in (0, 1, 7, 1_000_003):
+                x = (torch.rand(n, device="cuda", generator=g) * 100).to(dtype)
+                ref = x.cpu()
+                for op in (hvd.Sum, hvd.Min, hvd.Max):
+                    y = hvd.allreduce(x, op=op, name=f"{dtype}.{n}.{op}")
+                    assert y.device.type == "cuda", y.device
+                    assert torch.equal(y.cpu(), ref), (dtype, n, op)
+                if dtype.is_floating_point:
+                    avg = hvd.allreduce(x, op=hvd.Average, name=f"avg.{dtype}.{n}", prescale_factor=0.5,
+                                        postscale_factor=4.0)
+                    torch.testing.assert_close(avg.cpu(), (ref.float() * 2.0).to(dtype))
+        b = torch.arange(10, device="cuda", dtype=torch.float32)
+        hvd.broadcast_(b, 0)
+        assert torch.equal(hvd.allgather(b).cpu(), torch.arange(10.0))
+        print("ok")
+    """, HVPS_BACKEND="tdist")
+    assert "ok" in out
+
+
+def test_collective_waits_for_the_producing_stream():
+    # The input is written on a side stream by a slow kernel chain: the allreduce must see the
+    # final values (ready event), and the consumer stream must see the result (done event).
+    out = _run("""
+        hvd.init()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            m = torch.randn(2048, 2048, device="cuda")
+            for _ in range(50):
+                m = m @ m
+                m = m / m.norm()
+            x = torch.full((4_000_000,), 3.0, device="cuda") + m.sum() * 0
+            handle = hvd.allreduce_async_(x, op=hvd.Sum, name="ordered")
+            hvd.synchronize(handle)
+            y = x * 2
+        torch.cuda.synchronize()
+        assert torch.all(y == 6.0).item()
+        print("ok")
+    """, HVPS_BACKEND="tdist")
+    assert "ok" in out
+
+
+def test_fused_gradients_and_fp16_compression_stay_on_the_gpu():
+    out = _run("""
+        hvd.init()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(20)]).cuda()
+        reference = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(20)]).cuda()
+        reference.load_state_dict(model.state_dict())
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression=hvd.Compression.fp16)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        x = torch.randn(32, 64, device="cuda")
+        for net, optimizer in ((model, opt), (reference, ref_opt)):
+            optimizer.zero_grad()
+            net(x).square().mean().backward()
+            optimizer.step()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert p.device.type == "cuda"
+            torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-3)  # fp16 on the wire
+        print("ok")
+    """, HVPS_BACKEND="tdist")
+    assert "ok" in out
+
+
+def test_auto_sends_cuda_tensors_over_nccl_and_host_arrays_over_mpi():
+    out = _run("""
+        hvd.init()
+        backend = hvps.runtime.engine().backend
+        assert backend.name == "auto", backend.name
+        y = hvd.allreduce(torch.ones(5, device="cuda"), op=hvd.Sum)
+        assert y.device.type == "cuda" and torch.equal(y.cpu(), torch.ones(5))
+        assert np.array_equal(hvps.allreduce(np.arange(5.0), op=hvps.Sum), np.arange(5.0))
+        assert "cuda" in backend.device._groups and "cpu" not in backend.device._groups
+        print("ok")
+    """, HVPS_BACKEND="auto")
+    assert "ok" in out
+
+
+def test_mpi_backend_stages_cuda_tensors_through_host_memory_with_one_warning():
+    out = _run("""
+        hvd.init()
+        if hvps.runtime.engine().backend.takes("cuda", "float32"):
+            print("cuda-aware")
+        for i in range(3):
+            x = torch.randn(1000, device="cuda")
+            y = hvd.allreduce(x, op=hvd.Sum, name=f"staged.{i}")
+            assert y.device.type == "cuda" and torch.equal(y, x)
+        print("ok")
+    """, HVPS_BACKEND="mpi")
+    assert "ok" in out
+    if "cuda-aware" not in out:
+        assert out.count("staged through pinned host memory") == 1, out
