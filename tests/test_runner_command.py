@@ -63,6 +63,13 @@ def test_forwards_hvps_nccl_omp_and_flag_values():
     assert "HOME" not in x and "SECRET" not in x
 
 
+def test_backend_and_hierarchical_flags():
+    x = pairs(build(["-np", "4", "--backend", "tdist", "--hierarchical-allreduce", "python", "train.py"], {}), "-x")
+    assert "HVPS_BACKEND=tdist" in x and "HVPS_HIERARCHICAL_ALLREDUCE=1" in x
+    x = pairs(build(["-np", "4", "python", "train.py"], {}), "-x")
+    assert not any(v.startswith(("HVPS_BACKEND", "HVPS_HIERARCHICAL")) for v in x)
+
+
 def test_hosts_network_interface_and_mpi_args():
     cmd = build(["-np", "3", "-H", "n1:2,n2:1", "--network-interface", "eth1",
                  "--mpi-args=--mca btl tcp,self --tag-output", "python", "train.py"])

@@ -50,6 +50,17 @@ def _nccl() -> Optional[str]:
     return None
 
 
+def _gloo() -> Optional[str]:
+    if not _present("torch"):
+        return None
+    try:
+        import torch.distributed as dist
+
+        return f"torch.distributed {_version(('torch',))}" if dist.is_available() and dist.is_gloo_available() else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def collect(mpirun: str = "mpirun", detect: Callable = detect_mpi_implementation) -> dict:
     """Facts about this installation (a dict, so it can be tested and printed)."""
     from ..version import __version__
@@ -66,7 +77,9 @@ def collect(mpirun: str = "mpirun", detect: Callable = detect_mpi_implementation
         },
         "tensor_operations": {
             "NCCL": _nccl(),
+            "Gloo": _gloo(),
             "MPI": _mpi4py_library(),
+            "Horovod": _version(("horovod",)) if _present("horovod") else None,
         },
         "launchers": {
             "mpirun": None if impl in (MpiImpl.MISSING, MpiImpl.UNKNOWN) else f"{impl.value} ({shutil.which(mpirun)})",

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from ..settings import BACKENDS
 from .errors import LaunchError
 
 LAUNCHERS = ("auto", "mpirun", "srun")
@@ -45,6 +46,8 @@ class LaunchSettings:
     fusion_threshold_mb: Optional[float] = None
     cycle_time_ms: Optional[float] = None
     stall_check_time_seconds: Optional[float] = None
+    hierarchical_allreduce: bool = False
+    backend: Optional[str] = None
     check_build: bool = False
     verbose: bool = False
     dry_run: bool = False
@@ -63,6 +66,10 @@ class LaunchSettings:
             env["HVPS_CYCLE_TIME"] = _number(self.cycle_time_ms)
         if self.stall_check_time_seconds is not None:
             env["HVPS_STALL_CHECK_TIME_SECONDS"] = _number(self.stall_check_time_seconds)
+        if self.hierarchical_allreduce:
+            env["HVPS_HIERARCHICAL_ALLREDUCE"] = "1"
+        if self.backend:
+            env["HVPS_BACKEND"] = self.backend
         if self.timeline_filename:
             env["HVPS_TIMELINE"] = self.timeline_filename
         if self.checkpoint_dir:
@@ -121,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-check-time-seconds", type=_non_negative(float), metavar="S",
                    help="seconds before ranks that did not submit a collective are reported as stalled and the "
                         "collective fails (sets HVPS_STALL_CHECK_TIME_SECONDS; default 60)")
+    p.add_argument("--hierarchical-allreduce", action="store_true",
+                   help="reduce within each node, then across nodes, then within the node again "
+                        "(sets HVPS_HIERARCHICAL_ALLREDUCE=1)")
+    p.add_argument("--backend", choices=BACKENDS,
+                   help="data plane: mpi, tdist (torch.distributed: gloo on CPU, NCCL on CUDA), horovod, or auto "
+                        "(NCCL for CUDA tensors when available, MPI otherwise) (sets HVPS_BACKEND; default auto)")
     p.add_argument("--check-build", action="store_true",
                    help="list the frameworks, controllers and tensor operations available here, then exit")
     p.add_argument("--verbose", action="store_true", help="print the command line and restarts to stderr")
@@ -161,6 +174,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchSettings:
         fusion_threshold_mb=args.fusion_threshold_mb,
         cycle_time_ms=args.cycle_time_ms,
         stall_check_time_seconds=args.stall_check_time_seconds,
+        hierarchical_allreduce=args.hierarchical_allreduce,
+        backend=args.backend,
         check_build=args.check_build,
         verbose=args.verbose,
         dry_run=args.dry_run,
