@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run hvps's three target checks and write their JSON to OUT_DIR:
 #   allreduce_64MiB.json  64 MiB float32 allreduce, hvps (mpi, ring) vs raw mpi4py
+#   tdist_64MiB.json      the same through hvps on torch.distributed (gloo) vs direct all_reduce (target >= 0.9x)
 #   fusion.json           ResNet-50's 161 grads through DistributedOptimizer vs one raw Allreduce (target <= 1.25)
 #   resnet50.json         ResNet-50, NP ranks x 1 thread: distributed vs no-comm (target >= 0.97) and vs 1 rank
 # then print a one-line verdict per check.
@@ -27,6 +28,10 @@ echo "== 1/3 allreduce 64 MiB (raw vs hvps-mpi vs hvps-ring, $ROUNDS rounds)"
 "$PYTHON" "$HERE/allreduce.py" --np "$NP" --sizes 64MiB --rounds "$ROUNDS" --iters-large 20 \
     --mpirun-args "$MPIRUN_ARGS" --json "$OUT/allreduce_64MiB.json"
 
+echo "== 1b/3 allreduce 64 MiB on gloo (direct torch.distributed vs hvps HVPS_BACKEND=tdist, $ROUNDS rounds)"
+"$PYTHON" "$HERE/allreduce.py" --np "$NP" --sizes 64MiB --impls tdist,hvps-tdist --rounds "$ROUNDS" \
+    --iters-large 20 --mpirun-args "$MPIRUN_ARGS" --json "$OUT/tdist_64MiB.json"
+
 echo "== 2/3 fusion (ResNet-50 gradients, $ROUNDS rounds)"
 "$PYTHON" "$HERE/fusion.py" --np "$NP" --rounds "$ROUNDS" --iters 10 --warmup 3 \
     --mpirun-args "$MPIRUN_ARGS" --json "$OUT/fusion.json"
@@ -50,6 +55,9 @@ for impl in ("hvps-mpi", "hvps-ring"):
     if impl in ar:
         print(f"allreduce 64 MiB {impl}: time/raw = {ar[impl]['time_ratio_vs_raw']:.3f} "
               f"(busbw {ar[impl]['busbw_GBps']:.2f} vs raw {ar['raw']['busbw_GBps']:.2f} GB/s)")
+td = json.loads((out / "tdist_64MiB.json").read_text())["results"][0]
+bw = td["hvps-tdist"]["bw_ratio_vs_tdist"]
+print(f"allreduce 64 MiB gloo: hvps/direct throughput = {bw:.3f} -> {'PASS' if bw >= 0.9 else 'FAIL'} (>= 0.9)")
 fu = json.loads((out / "fusion.json").read_text())
 print(f"fusion: (hvps - backward) / raw = {fu['ratio']:.3f} -> {'PASS' if fu['ratio'] <= 1.25 else 'FAIL'} (<= 1.25)")
 rn = json.loads((out / "resnet50.json").read_text())
