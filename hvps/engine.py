@@ -122,7 +122,9 @@ class Engine:
                 with self._lock:  # decided together with submit(), so no wake-up is lost
                     if self._queue:
                         timeout = 0.0
-                    self._sleeping = timeout is None or timeout > self.settings.cycle_time_ms / 1000.0
+                    # "More than a cycle", with slack: (now + cycle) - now rounds to a hair above
+                    # a cycle, which would make every submission pay for a wake-up while active.
+                    self._sleeping = timeout is None or timeout > 1.5 * self.settings.cycle_time_ms / 1000.0
                 messages, closed = self.control.poll(timeout)
                 self._take_queue()
                 if self.rank == 0:
