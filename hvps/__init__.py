@@ -4,6 +4,18 @@
 ``import hvps.adapters.torch as hvd``.
 """
 
+from .build_info import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
 from .dtypes import ReduceOp
 from .errors import HvpsError
 from .handle import Handle
@@ -78,4 +90,14 @@ __all__ = [
     "join",
     "broadcast_object",
     "allgather_object",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "gloo_built",
+    "gloo_enabled",
+    "nccl_built",
+    "cuda_built",
+    "rocm_built",
+    "ddl_built",
+    "ccl_built",
 ]

@@ -88,3 +88,17 @@ hvps.shutdown()
     proc = _run(code, HVPS_BACKEND="mpi")
     assert proc.returncode == 0, proc.stderr
     assert "the mpi backend does not move cpu tensors of dtype float32; pass a numpy array" in proc.stdout
+
+
+def test_horovod_capability_queries():
+    code = """
+import torch, hvps.adapters.torch as hvd
+hvd.init()
+print(hvd.mpi_built(), hvd.mpi_enabled(), hvd.gloo_built(), hvd.gloo_enabled(), hvd.nccl_built() == 0,
+      hvd.cuda_built(), hvd.rocm_built())
+hvd.shutdown()
+"""
+    proc = _run(code, HVPS_BACKEND="tdist")
+    assert proc.returncode == 0, proc.stderr
+    # CPU torch here: gloo is there and in use; no NCCL, no CUDA
+    assert proc.stdout.split() == ["True", "False", "True", "True", "True", "False", "False"]

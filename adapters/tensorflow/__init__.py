@@ -8,13 +8,23 @@ do). Collectives take and return ``tf.Tensor`` and work eagerly and inside
 from hvps import (
     HvpsError,
     ReduceOp,
+    ccl_built,
     cross_rank,
     cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
     init,
     is_initialized,
     local_rank,
     local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
     rank,
+    rocm_built,
     shutdown,
     size,
 )
@@ -42,6 +52,8 @@ from .tape import DistributedGradientTape
 from .threads import set_threads
 
 __all__ = [
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
+    "cuda_built", "rocm_built", "ddl_built", "ccl_built",
     "HvpsError", "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Compression",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_", "alltoall", "reducescatter",

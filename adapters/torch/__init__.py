@@ -3,13 +3,23 @@
 from hvps import (
     HvpsError,
     ReduceOp,
+    ccl_built,
     cross_rank,
     cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
     init,
     is_initialized,
     local_rank,
     local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
     rank,
+    rocm_built,
     shutdown,
     size,
 )
@@ -48,6 +58,8 @@ from .mpi_ops import (
 from .optimizer import DistributedOptimizer
 
 __all__ = [
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
+    "cuda_built", "rocm_built", "ddl_built", "ccl_built",
     "HvpsError", "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Compression",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
