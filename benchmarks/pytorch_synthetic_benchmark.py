@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         torch.cuda.set_device(local_rank)
         torch.backends.cudnn.benchmark = True
         device = torch.device("cuda", local_rank)
-    ref = "plain" if args.compare_plain else "no_comm" if args.compare_no_comm else None
+    ref = reference(args)
 
     phases = args.rounds * 2 if ref else (args.epochs or 1)
     total = args.num_iters * (phases + int(args.baseline and rank == 0))
@@ -332,51 +332,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                               "num_iters": args.num_iters, "compression": args.compression,
                               "density": args.density if args.compression in ("topk", "dgc") else None,
                               "channels_last": args.channels_last, "device": device.type, "amp_bf16": args.amp}
-    if ref:  # A B A B ...: the hvps loop, then the reference (no-comm or plain) on the same device
-        rounds = []
-        for r in range(args.rounds):
-            a, b = phase(dist, "distributed"), phase(local, ref)
-            if rank == 0:
-                ratio = a["per_rank_img_s"]["median"] / b["per_rank_img_s"]["median"]
-                rounds.append({"distributed": a, ref: b, "ratio": ratio})
-                log(f"Round {r + 1}/{args.rounds}: distributed {a['per_rank_img_s']['median']:.2f}, "
-                    f"{ref.replace('_', '-')} {b['per_rank_img_s']['median']:.2f} img/s per rank, ratio {ratio:.3f}")
-        if rank == 0:
-            main_res = _pool([x["distributed"] for x in rounds], "distributed")
-            ceiling = _pool([x[ref] for x in rounds], ref)
-            ratios = [x["ratio"] for x in rounds]
-            ratio_info = {"median_of_round_ratios": median(ratios), "per_round": ratios, "target": 0.97}
-            result.update({"distributed": main_res, ref: ceiling, "rounds": rounds,
-                           "gap": gap_analysis(main_res, ceiling, ref)})
-            if ref == "no_comm":
-                result["dist_over_no_comm"] = ratio_info
-            else:
-                result.update(hvps_img_sec_per_rank=main_res["per_rank_img_s"]["median"],
-                              plain_img_sec_per_rank=ceiling["per_rank_img_s"]["median"],
-                              ratio_vs_plain=ratio_info["median_of_round_ratios"], vs_plain=ratio_info)
-    elif args.epochs is not None:
+    if args.epochs is not None:
         main_res = run_epochs(args, dist, hvd, phase, log, result)
     else:
-        main_res = phase(local if args.no_comm else dist, "no_comm" if args.no_comm else "distributed")
-        if rank == 0:
-            result[main_res["mode"]] = main_res
-            if args.no_comm_ref and not args.no_comm:
-                ref = json.loads(Path(args.no_comm_ref).read_text())["no_comm"]
-                result["no_comm_ref"] = ref
-                result["gap"] = gap_analysis(main_res, ref)
-
-    if args.baseline:
-        comm.Barrier()
-        if rank == 0:
-            single = combine([measure(local, args, tick)], args, "single_rank")
-            result["single_rank"] = single
-        if rank == 0 and main_res is not None:
-            result["scaling_efficiency"] = (main_res["total_img_s"]["median"]
-                                            / (size * single["per_rank_img_s"]["median"]))
-            if "no_comm" in result and not args.no_comm:
-                result["no_comm_scaling_efficiency"] = (result["no_comm"]["total_img_s"]["median"]
-                                                        / (size * single["per_rank_img_s"]["median"]))
-        idle_barrier(comm)
+        main_res = run_phases(args, dist, local, phase, rank, log, result)
+    run_baseline(args, comm, local, tick, main_res, result)
     progress.close()
     if args.cuda:
         from benchmarks.gpu_stats import cuda_report
@@ -395,6 +355,71 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         hvd.shutdown()
     comm.Free()
     return result if rank == 0 else None
+
+
+def reference(args: argparse.Namespace) -> str | None:
+    """The loop the hvps loop is compared with in this launch: "plain", "no_comm" or None."""
+    return "plain" if args.compare_plain else "no_comm" if args.compare_no_comm else None
+
+
+def run_phases(args: argparse.Namespace, dist: Any, local: Any, phase: Callable[..., Any], rank: int,
+               log: Callable[..., None], result: dict[str, Any]) -> dict[str, Any] | None:
+    """The measurements both harnesses make: rounds of the hvps loop against the reference loop
+    (A B A B ...; --compare-no-comm / --compare-plain), or one phase. Fills ``result`` on rank 0
+    and returns the hvps loop's pooled results there."""
+    ref = reference(args)
+    if not ref:
+        main_res = phase(local if args.no_comm else dist, "no_comm" if args.no_comm else "distributed")
+        if rank == 0:
+            result[main_res["mode"]] = main_res
+            if args.no_comm_ref and not args.no_comm:
+                ref_res = json.loads(Path(args.no_comm_ref).read_text())["no_comm"]
+                result["no_comm_ref"] = ref_res
+                result["gap"] = gap_analysis(main_res, ref_res)
+        return main_res
+    rounds = []
+    for r in range(args.rounds):
+        a, b = phase(dist, "distributed"), phase(local, ref)
+        if rank == 0:
+            ratio = a["per_rank_img_s"]["median"] / b["per_rank_img_s"]["median"]
+            rounds.append({"distributed": a, ref: b, "ratio": ratio})
+            log(f"Round {r + 1}/{args.rounds}: distributed {a['per_rank_img_s']['median']:.2f}, "
+                f"{ref.replace('_', '-')} {b['per_rank_img_s']['median']:.2f} img/s per rank, ratio {ratio:.3f}")
+    if rank != 0:
+        return None
+    main_res = _pool([x["distributed"] for x in rounds], "distributed")
+    ceiling = _pool([x[ref] for x in rounds], ref)
+    ratios = [x["ratio"] for x in rounds]
+    ratio_info = {"median_of_round_ratios": median(ratios), "per_round": ratios, "target": 0.97}
+    result.update({"distributed": main_res, ref: ceiling, "rounds": rounds,
+                   "gap": gap_analysis(main_res, ceiling, ref)})
+    if ref == "no_comm":
+        result["dist_over_no_comm"] = ratio_info
+    else:
+        result.update(hvps_img_sec_per_rank=main_res["per_rank_img_s"]["median"],
+                      plain_img_sec_per_rank=ceiling["per_rank_img_s"]["median"],
+                      ratio_vs_plain=ratio_info["median_of_round_ratios"], vs_plain=ratio_info)
+    return main_res
+
+
+def run_baseline(args: argparse.Namespace, comm: Any, local: Any, tick: Callable[[str], None],
+                 main_res: dict[str, Any] | None, result: dict[str, Any]) -> None:
+    """--baseline: rank 0 alone runs the reference loop while the others sleep in a
+    non-spinning barrier; adds the single-rank results and the scaling efficiencies."""
+    if not args.baseline:
+        return
+    rank, size = comm.Get_rank(), comm.Get_size()
+    comm.Barrier()
+    if rank == 0:
+        single = combine([measure(local, args, tick)], args, "single_rank")
+        result["single_rank"] = single
+        if main_res is not None:
+            result["scaling_efficiency"] = (main_res["total_img_s"]["median"]
+                                            / (size * single["per_rank_img_s"]["median"]))
+            if "no_comm" in result and not args.no_comm:
+                result["no_comm_scaling_efficiency"] = (result["no_comm"]["total_img_s"]["median"]
+                                                        / (size * single["per_rank_img_s"]["median"]))
+    idle_barrier(comm)
 
 
 def run_epochs(args: argparse.Namespace, dist: Trainer, hvd: Any, phase: Callable[..., Any],

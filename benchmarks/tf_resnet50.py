@@ -8,7 +8,8 @@ parser, statistics and summary it reuses), e.g.::
 
 The distributed step is the user's loop: one ``tf.function`` with forward,
 loss, ``hvd.DistributedGradientTape(tape).gradient`` and ``apply_gradients``;
-the no-comm step is the same function with a plain ``tf.GradientTape``. The
+the no-comm step (also the plain loop of ``--compare-plain``) is the same function
+with a plain ``tf.GradientTape``. The
 communication wait is the time the step spends inside the hvps collective op
 (the graph blocks on it). ``--compression none|fp16|bf16|int8|topk|dgc`` and
 ``--density`` pick the tape's gradient compression (``--fp16-allreduce`` is
@@ -30,9 +31,9 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import Progress, idle_barrier, median, write_json  # noqa: E402
+from benchmarks.common import Progress, write_json  # noqa: E402
 from benchmarks.pytorch_synthetic_benchmark import (  # noqa: E402
-    _pool, _summary, combine, gap_analysis, measure, parse_args)
+    _summary, combine, measure, parse_args, reference, run_baseline, run_phases)
 
 
 class Trainer:
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
     if args.epochs is not None or args.checkpoint_dir:
         raise SystemExit("tf_resnet50.py: --epochs, --checkpoint-dir and --resume are the PyTorch harness's only")
+    if args.cuda or args.amp:
+        raise SystemExit("tf_resnet50.py: --cuda and --amp are the PyTorch harness's only (TensorFlow places ops "
+                         "on a GPU by itself)")
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads_per_rank)
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         hvd.init()
         assert hvd.size() == size and hvd.rank() == rank, "hvps and MPI disagree on rank/size"
 
-    phases = args.rounds * 2 if args.compare_no_comm else 1
+    phases = args.rounds * 2 if reference(args) else 1
     total = args.num_iters * (phases + int(args.baseline and rank == 0))
     progress = Progress(total, rank, args.progress)
     tick, log = progress.tick, progress.log
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         f"compression {args.compression}" + (f" (density {args.density})" if args.compression in ("topk", "dgc")
                                              else ""))
     dist = Trainer(args, hvd, size) if hvd is not None else None
-    local = Trainer(args, None, size) if (args.no_comm or args.compare_no_comm or args.baseline) else None
+    local = Trainer(args, None, size) if (args.no_comm or reference(args) or args.baseline) else None
     for trainer in (dist, local):
         if trainer is not None:
             for _ in range(args.num_warmup_batches):
@@ -141,43 +145,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                               "num_iters": args.num_iters, "compression": args.compression,
                               "density": args.density if args.compression in ("topk", "dgc") else None,
                               "channels_last": True, "tensorflow": tf.__version__}
-    if args.compare_no_comm:
-        rounds = []
-        for r in range(args.rounds):
-            a, b = phase(dist, "distributed"), phase(local, "no_comm")
-            if rank == 0:
-                ratio = a["per_rank_img_s"]["median"] / b["per_rank_img_s"]["median"]
-                rounds.append({"distributed": a, "no_comm": b, "ratio": ratio})
-                log(f"Round {r + 1}/{args.rounds}: distributed {a['per_rank_img_s']['median']:.2f}, "
-                    f"no-comm {b['per_rank_img_s']['median']:.2f} img/s per rank, ratio {ratio:.3f}")
-        if rank == 0:
-            main_res = _pool([x["distributed"] for x in rounds], "distributed")
-            ceiling = _pool([x["no_comm"] for x in rounds], "no_comm")
-            ratios = [x["ratio"] for x in rounds]
-            result.update(distributed=main_res, no_comm=ceiling, rounds=rounds,
-                          dist_over_no_comm={"median_of_round_ratios": median(ratios), "per_round": ratios,
-                                             "target": 0.97},
-                          gap=gap_analysis(main_res, ceiling))
-    else:
-        main_res = phase(local if args.no_comm else dist, "no_comm" if args.no_comm else "distributed")
-        if rank == 0:
-            result[main_res["mode"]] = main_res
-            if args.no_comm_ref and not args.no_comm:
-                ref = json.loads(Path(args.no_comm_ref).read_text())["no_comm"]
-                result["no_comm_ref"] = ref
-                result["gap"] = gap_analysis(main_res, ref)
-
-    if args.baseline:
-        comm.Barrier()
-        if rank == 0:
-            single = combine([measure(local, args, tick)], args, "single_rank")
-            result["single_rank"] = single
-            result["scaling_efficiency"] = (main_res["total_img_s"]["median"]
-                                            / (size * single["per_rank_img_s"]["median"]))
-            if "no_comm" in result and not args.no_comm:
-                result["no_comm_scaling_efficiency"] = (result["no_comm"]["total_img_s"]["median"]
-                                                        / (size * single["per_rank_img_s"]["median"]))
-        idle_barrier(comm)
+    main_res = run_phases(args, dist, local, phase, rank, log, result)
+    run_baseline(args, comm, local, tick, main_res, result)
     progress.close()
 
     if rank == 0:
