@@ -19,7 +19,7 @@ import tensorflow as tf  # noqa: E402
 import hvps.adapters.tensorflow as hvd_tf  # noqa: E402
 import hvps.adapters.tensorflow.keras as hvd  # noqa: E402
 from hvps.compression import TopKCompressor  # noqa: E402
-from hvps_testutil import random_array  # noqa: E402
+from tf_testutil import assert_identical_across_ranks, data, flat_weights, make_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,30 +31,11 @@ def _init():
     yield
 
 
-def make_model(seed):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(2)])
-
-
-def data(key, rank, n=8):
-    return (random_array(np.float32, (n, 4), f"{key}-x", rank), random_array(np.float32, (n, 2), f"{key}-y", rank))
-
-
-def flat_weights(model):
-    return np.concatenate([np.asarray(v.numpy()).ravel() for v in model.weights])
-
-
-def assert_identical_across_ranks(array, what):
-    everyone = hvd.allgather_object(np.asarray(array))
-    for r, other in enumerate(everyone):
-        assert np.array_equal(other, everyone[0]), f"{what}: rank {r} differs from rank 0"
-
-
 @pytest.mark.parametrize("kind", ["topk", "int8"])
 def test_fit_with_compression_keeps_ranks_identical(kind):
     rank = hvd.rank()
     compression = hvd.Compression.topk(0.05) if kind == "topk" else hvd.Compression.int8
-    model = make_model(seed=rank)  # different on every rank: the broadcast callback fixes that
+    model = make_model(seed=rank, hidden=16)  # different on every rank: the broadcast callback fixes that
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), compression=compression)
     assert opt.compression is compression
     model.compile(optimizer=opt, loss="mse", jit_compile=False)
@@ -78,7 +59,7 @@ def test_fit_with_compression_keeps_ranks_identical(kind):
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_topk_step_equals_dense_average_of_decompressed(mode):
     size, rank = hvd.size(), hvd.rank()
-    model = make_model(seed=0)
+    model = make_model(seed=0, hidden=16)
     x, y = data(f"topk-step-{mode}", rank)
     x, y = tf.constant(x), tf.constant(y)
     compression = hvd.Compression.topk(0.1, selection="exact")

@@ -18,11 +18,9 @@ import tensorflow as tf  # noqa: E402
 
 import hvps.adapters.tensorflow as hvd_tf  # noqa: E402
 import hvps.adapters.tensorflow.keras as hvd  # noqa: E402
-from hvps_testutil import random_array  # noqa: E402
+from tf_testutil import assert_identical_across_ranks, data, flat_weights, make_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
-
-LOCAL_BATCH = 8
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,27 +28,6 @@ def _init():
     hvd.set_threads(1)
     hvd.init()
     yield
-
-
-def make_model(seed):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
-
-
-def data(key, rank, n=LOCAL_BATCH):
-    x = random_array(np.float32, (n, 4), f"{key}-x", rank)
-    y = random_array(np.float32, (n, 2), f"{key}-y", rank)
-    return x, y
-
-
-def flat_weights(model):
-    return np.concatenate([np.asarray(v.numpy()).ravel() for v in model.weights])
-
-
-def assert_identical_across_ranks(array, what):
-    everyone = hvd.allgather_object(np.asarray(array))
-    for r, other in enumerate(everyone):
-        assert np.array_equal(other, everyone[0]), f"{what}: rank {r} differs from rank 0"
 
 
 @pytest.mark.parametrize("compression", ["none", "fp16"])
