@@ -58,15 +58,22 @@ def _check_benchmark(path: Path, ranks: int) -> dict:
     return result
 
 
-@pytest.mark.timeout(600)
-def test_single_node_sbatch_runs_every_rank_and_writes_json(slurm, tmp_path):
-    """jobs/slurm/resnet50.sbatch: hvpsrun inside the allocation -> srun --mpi=pmix, 2 tasks."""
-    job, rc, out = slurm.sbatch(JOBS / "resnet50.sbatch", "-n", "2", f"--output={tmp_path}/job-%j.out",
+def _run_two_rank_benchmark(slurm, tmp_path, script, *sbatch_args):
+    """sbatch ``jobs/slurm/<script>`` on the tiny benchmark, wait, require success and a preflight
+    line from ranks 0 and 1; returns the job id."""
+    job, rc, out = slurm.sbatch(JOBS / script, *sbatch_args, f"--output={tmp_path}/job-%j.out",
                                 env=_env(tmp_path, BENCH_ARGS=TINY_BENCH), cwd=REPO_ROOT)
     log = (tmp_path / f"job-{job}.out")
     text = log.read_text() if log.exists() else ""
     assert rc == 0, f"sbatch rc={rc}: {out}\n{text}\n{slurm.logs()}"
     assert sorted(_preflight_ranks(text, 2)) == [0, 1], text
+    return job
+
+
+@pytest.mark.timeout(600)
+def test_single_node_sbatch_runs_every_rank_and_writes_json(slurm, tmp_path):
+    """jobs/slurm/resnet50.sbatch: hvpsrun inside the allocation -> srun --mpi=pmix, 2 tasks."""
+    job = _run_two_rank_benchmark(slurm, tmp_path, "resnet50.sbatch", "-n", "2")
     _check_benchmark(tmp_path / "results" / f"resnet50-slurm-{job}.json", 2)
 
 
@@ -74,13 +81,7 @@ def test_single_node_sbatch_runs_every_rank_and_writes_json(slurm, tmp_path):
 def test_multinode_sbatch_with_srun_pmix(slurm, tmp_path):
     """jobs/slurm/resnet50-multinode.sbatch (srun --mpi=pmix directly). This cluster has one
     node, so it runs as --nodes=1 --ntasks-per-node=2."""
-    job, rc, out = slurm.sbatch(JOBS / "resnet50-multinode.sbatch", "--nodes=1", "--ntasks-per-node=2",
-                                f"--output={tmp_path}/job-%j.out", env=_env(tmp_path, BENCH_ARGS=TINY_BENCH),
-                                cwd=REPO_ROOT)
-    log = (tmp_path / f"job-{job}.out")
-    text = log.read_text() if log.exists() else ""
-    assert rc == 0, f"sbatch rc={rc}: {out}\n{text}\n{slurm.logs()}"
-    assert sorted(_preflight_ranks(text, 2)) == [0, 1], text
+    job = _run_two_rank_benchmark(slurm, tmp_path, "resnet50-multinode.sbatch", "--nodes=1", "--ntasks-per-node=2")
     _check_benchmark(tmp_path / "results" / f"resnet50-slurm-multinode-{job}.json", 2)
 
 
