@@ -49,6 +49,17 @@ def check_compression(pipeline: GradientCompression, op: ReduceOp) -> None:
         raise ValueError(f"{pipeline!r} reduces gradients with Average or Sum only, not {op.name}")
 
 
+def gradient_options(op: Any, gradient_predivide_factor: float, compression: Any) -> tuple:
+    """``(op, pipeline, prescale, postscale)`` for reducing gradients, every argument checked:
+    ValueError for a predivide factor without Average or a compression that cannot use ``op``,
+    TypeError for something that is not a compression."""
+    op = _resolve_op(None, op)
+    prescale, postscale = scale_factors(op, gradient_predivide_factor)
+    pipeline = as_gradient_compression(compression)
+    check_compression(pipeline, op)
+    return op, pipeline, prescale, postscale
+
+
 def variable_name(variable: Any, fallback: str = "tensor") -> str:
     """A name for ``variable`` that is the same on every rank and every trace: the Keras path, the
     tf.Variable name, else ``fallback`` (tensors' graph names change between traces)."""
@@ -68,10 +79,7 @@ def allreduce_gradients(grads: Sequence[Any], op: ReduceOp = Average, compressio
     ``names[i]`` names gradient i (its variable's path): the key of compression state
     (error feedback) and of the exchanges; give the same names on every rank and step.
     """
-    op = _resolve_op(None, op)
-    prescale, postscale = scale_factors(op, gradient_predivide_factor)
-    pipeline = as_gradient_compression(compression)
-    check_compression(pipeline, op)
+    op, pipeline, prescale, postscale = gradient_options(op, gradient_predivide_factor, compression)
     fused = is_fusable(pipeline)
     grads = list(grads)
     if names is not None and len(names) != len(grads):

@@ -8,9 +8,8 @@ import tensorflow as tf
 
 import hvps
 
-from .compression import as_gradient_compression
-from .gradients import allreduce_gradients, check_compression, scale_factors, variable_name
-from .mpi_ops import Average, _check_process_set, _resolve_op
+from .gradients import allreduce_gradients, gradient_options, variable_name
+from .mpi_ops import Average, _check_process_set
 
 
 class _DistributedGradientTape(tf.GradientTape):
@@ -73,9 +72,6 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
     of one call.
     """
     _check_process_set(process_set)
-    op = _resolve_op(None, op)
-    scale_factors(op, gradient_predivide_factor)  # validates the combination
-    pipeline = as_gradient_compression(compression)  # TypeError for anything else
-    check_compression(pipeline, op)
+    op, pipeline, _, _ = gradient_options(op, gradient_predivide_factor, compression)
     hvps.size()  # raises HvpsError before hvps.init()
     return _DistributedGradientTape(gradtape, pipeline, sparse_as_dense, op, gradient_predivide_factor, name)

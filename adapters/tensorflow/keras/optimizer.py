@@ -30,9 +30,8 @@ import hvps
 
 from hvps.compression.horovod import from_name
 
-from ..compression import as_gradient_compression
-from ..gradients import allreduce_gradients, check_compression, scale_factors, variable_name
-from ..mpi_ops import Average, _check_process_set, _resolve_op
+from ..gradients import allreduce_gradients, gradient_options, variable_name
+from ..mpi_ops import Average, _check_process_set
 
 
 class DistributedOptimizer(keras.optimizers.Optimizer):
@@ -63,10 +62,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
         _check_process_set(process_set)
-        op = _resolve_op(None, op)
-        scale_factors(op, gradient_predivide_factor)  # validates the combination
-        compression = as_gradient_compression(compression)  # TypeError for anything else
-        check_compression(compression, op)
+        op, compression, _, _ = gradient_options(op, gradient_predivide_factor, compression)
         hvps.size()  # raises HvpsError before hvps.init()
         super().__init__(learning_rate=0.0, name=name or f"Distributed{type(optimizer).__name__}")
         self.inner_optimizer = optimizer
