@@ -166,15 +166,13 @@ class Trainer:
         momentum = 0.0 if (hvd is not None and args.compression == "dgc") else 0.9
         opt = torch.optim.SGD(self.model.parameters(), lr=args.lr * ranks, momentum=momentum)
         if hvd is not None:
-            from hvps import compression
-
-            options = {"density": args.density, "warmup": ()} if args.compression == "dgc" else (
-                {"density": args.density} if args.compression == "topk" else {})
             opt = hvd.DistributedOptimizer(opt, named_parameters=self.model.named_parameters(),
-                                           compression=compression.create(args.compression, **options))
+                                           compression=create_compression(args))
             hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
             hvd.broadcast_optimizer_state(opt, root_rank=0)
         self.opt = opt
+        #: the gradient compression whose stats the harness reports (None in the plain loop)
+        self.compression = getattr(opt, "compression", None)
         gen = torch.Generator().manual_seed(0)
         self.data = torch.randn(args.batch_size, 3, args.image_size, args.image_size,
                                 generator=gen).to(self.device).contiguous(memory_format=fmt)
@@ -197,6 +195,34 @@ class Trainer:
         else:
             self.opt.step()
         return time.perf_counter() - t0, wait, fwd_bwd
+
+
+def create_compression(args: argparse.Namespace) -> Any:
+    """The core compression ``--compression`` / ``--density`` ask for (DGC without warm-up), one
+    object per trainer so that error feedback persists across steps."""
+    from hvps import compression
+
+    options = {"density": args.density, "warmup": ()} if args.compression == "dgc" else (
+        {"density": args.density} if args.compression == "topk" else {})
+    return compression.create(args.compression, **options)
+
+
+def phase_runner(comm: Any, args: argparse.Namespace, tick: Callable[[str], None]) -> Callable[..., Any]:
+    """``phase(trainer, mode)``: one measurement on every rank, after a barrier; rank 0 gets the
+    ranks' results combined, with the bytes and times of ``trainer.compression`` where it has one."""
+    rank = comm.Get_rank()
+
+    def phase(trainer: Any, mode: str) -> dict[str, Any] | None:
+        comm.Barrier()
+        if trainer.compression is not None:
+            trainer.compression.stats.reset()
+        timings = measure(trainer, args, tick)
+        if trainer.compression is not None:
+            timings["compression"] = trainer.compression.stats.as_dict()
+        gathered = comm.gather(timings, root=0)
+        return combine(gathered, args, mode) if rank == 0 else None
+
+    return phase
 
 
 def measure(trainer: Trainer, args: argparse.Namespace, tick: Callable[[str], None]) -> dict[str, list[float]]:
@@ -315,17 +341,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
         sampler = NvmlSampler(device.index).start()
 
-    def phase(trainer: Trainer, mode: str) -> dict[str, Any] | None:
-        comm.Barrier()
-        stats = getattr(trainer.opt, "compression", None)
-        if stats is not None:
-            stats.stats.reset()
-        timings = measure(trainer, args, tick)
-        if stats is not None:
-            timings["compression"] = stats.stats.as_dict()
-        gathered = comm.gather(timings, root=0)
-        return combine(gathered, args, mode) if rank == 0 else None
-
+    phase = phase_runner(comm, args, tick)
     result: dict[str, Any] = {"benchmark": "pytorch_synthetic", "model": args.model, "ranks": size,
                               "threads_per_rank": args.threads_per_rank, "batch_size": args.batch_size,
                               "image_size": args.image_size, "num_batches_per_iter": args.num_batches_per_iter,

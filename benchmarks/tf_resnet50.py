@@ -33,7 +33,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import Progress, write_json  # noqa: E402
 from benchmarks.pytorch_synthetic_benchmark import (  # noqa: E402
-    _summary, combine, measure, parse_args, reference, run_baseline, run_phases)
+    _summary, create_compression, parse_args, phase_runner, reference, run_baseline, run_phases)
 
 
 class Trainer:
@@ -61,13 +61,8 @@ class Trainer:
                                                     dtype=np.float32))
         self.target = tf.constant(rng.integers(0, args.num_classes, args.batch_size))
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=False)
-        self.compression = None
-        if hvd is not None:
-            from hvps import compression as core
-
-            options = {"density": args.density, "warmup": ()} if args.compression == "dgc" else (
-                {"density": args.density} if args.compression == "topk" else {})
-            self.compression = core.create(args.compression, **options)  # one object: error feedback persists
+        #: the gradient compression whose stats the harness reports (None in the plain loop)
+        self.compression = create_compression(args) if hvd is not None else None
         compression = self.compression
 
         @tf.function(jit_compile=False)
@@ -129,15 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             for _ in range(args.num_warmup_batches):
                 trainer.step()
 
-    def phase(trainer: Trainer, mode: str) -> dict[str, Any] | None:
-        comm.Barrier()
-        if trainer.compression is not None:
-            trainer.compression.stats.reset()
-        timings = measure(trainer, args, tick)
-        if trainer.compression is not None:
-            timings["compression"] = trainer.compression.stats.as_dict()
-        gathered = comm.gather(timings, root=0)
-        return combine(gathered, args, mode) if rank == 0 else None
+    phase = phase_runner(comm, args, tick)
 
     result: dict[str, Any] = {"benchmark": "tf_resnet50", "model": args.model, "ranks": size,
                               "threads_per_rank": args.threads_per_rank, "batch_size": args.batch_size,
