@@ -197,6 +197,24 @@ class Trainer:
         return time.perf_counter() - t0, wait, fwd_bwd
 
 
+def result_header(args: argparse.Namespace, benchmark: str, ranks: int) -> dict[str, Any]:
+    """The JSON fields that describe the run, common to both harnesses."""
+    return {"benchmark": benchmark, "model": args.model, "ranks": ranks, "threads_per_rank": args.threads_per_rank,
+            "batch_size": args.batch_size, "image_size": args.image_size,
+            "num_batches_per_iter": args.num_batches_per_iter, "num_iters": args.num_iters,
+            "compression": args.compression,
+            "density": args.density if args.compression in ("topk", "dgc") else None,
+            "channels_last": args.channels_last}
+
+
+def warm_up(args: argparse.Namespace, *trainers: Any) -> None:
+    """``--num-warmup-batches`` untimed steps of every trainer that exists."""
+    for trainer in trainers:
+        if trainer is not None:
+            for _ in range(args.num_warmup_batches):
+                trainer.step()
+
+
 def create_compression(args: argparse.Namespace) -> Any:
     """The core compression ``--compression`` / ``--density`` ask for (DGC without warm-up), one
     object per trainer so that error feedback persists across steps."""
@@ -331,10 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         f"channels_last {args.channels_last}, device {device}, bf16 autocast {args.amp}")
     dist = Trainer(args, hvd, size, device) if hvd is not None else None
     local = Trainer(args, None, size, device) if (args.no_comm or ref or args.baseline) else None
-    for trainer in (dist, local):
-        if trainer is not None:
-            for _ in range(args.num_warmup_batches):
-                trainer.step()
+    warm_up(args, dist, local)
     sampler = None
     if args.cuda:
         from benchmarks.gpu_stats import NvmlSampler
@@ -342,12 +357,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         sampler = NvmlSampler(device.index).start()
 
     phase = phase_runner(comm, args, tick)
-    result: dict[str, Any] = {"benchmark": "pytorch_synthetic", "model": args.model, "ranks": size,
-                              "threads_per_rank": args.threads_per_rank, "batch_size": args.batch_size,
-                              "image_size": args.image_size, "num_batches_per_iter": args.num_batches_per_iter,
-                              "num_iters": args.num_iters, "compression": args.compression,
-                              "density": args.density if args.compression in ("topk", "dgc") else None,
-                              "channels_last": args.channels_last, "device": device.type, "amp_bf16": args.amp}
+    result = result_header(args, "pytorch_synthetic", size)
+    result.update(device=device.type, amp_bf16=args.amp)
     if args.epochs is not None:
         main_res = run_epochs(args, dist, hvd, phase, log, result)
     else:

@@ -33,7 +33,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import Progress, write_json  # noqa: E402
 from benchmarks.pytorch_synthetic_benchmark import (  # noqa: E402
-    _summary, create_compression, parse_args, phase_runner, reference, run_baseline, run_phases)
+    _summary, create_compression, parse_args, phase_runner, reference, result_header, run_baseline, run_phases,
+    warm_up)
 
 
 class Trainer:
@@ -119,19 +120,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                                              else ""))
     dist = Trainer(args, hvd, size) if hvd is not None else None
     local = Trainer(args, None, size) if (args.no_comm or reference(args) or args.baseline) else None
-    for trainer in (dist, local):
-        if trainer is not None:
-            for _ in range(args.num_warmup_batches):
-                trainer.step()
+    warm_up(args, dist, local)
 
     phase = phase_runner(comm, args, tick)
 
-    result: dict[str, Any] = {"benchmark": "tf_resnet50", "model": args.model, "ranks": size,
-                              "threads_per_rank": args.threads_per_rank, "batch_size": args.batch_size,
-                              "image_size": args.image_size, "num_batches_per_iter": args.num_batches_per_iter,
-                              "num_iters": args.num_iters, "compression": args.compression,
-                              "density": args.density if args.compression in ("topk", "dgc") else None,
-                              "channels_last": True, "tensorflow": tf.__version__}
+    # Keras on TensorFlow is channels-last whatever --channels-last says
+    result = dict(result_header(args, "tf_resnet50", size), channels_last=True, tensorflow=tf.__version__)
     main_res = run_phases(args, dist, local, phase, rank, log, result)
     run_baseline(args, comm, local, tick, main_res, result)
     progress.close()
