@@ -99,14 +99,14 @@ def _allreduce_async(values, op, name, prescale_factor, postscale_factor, outs, 
     inputs = [_prepare(a) for a in values]
     if not inputs:
         raise ValueError("grouped_allreduce needs at least one array")
-    for array in inputs:
-        dtypes.check_reducible(dtypes.BY_NAME[arrays.dtype_name(array)], op)
-    outputs = ([_check_out(o, a) for o, a in zip(outs, inputs)] if outs is not None
-               else [arrays.empty(a, tuple(a.shape)) for a in inputs])
-    base = _name(ALLREDUCE, name)
     by_kind: dict = {}  # one collective per (dtype, device)
     for index, array in enumerate(inputs):
         by_kind.setdefault((arrays.dtype_name(array), arrays.device_of(array)), []).append(index)
+    for dtype, _ in by_kind:
+        dtypes.check_reducible(dtypes.BY_NAME[dtype], op)
+    outputs = ([_check_out(o, a) for o, a in zip(outs, inputs)] if outs is not None
+               else [arrays.empty(a, tuple(a.shape)) for a in inputs])
+    base = _name(ALLREDUCE, name)
     handles = []
     for (dtype, device), indices in by_kind.items():
         suffix = dtype if device == "cpu" else f"{dtype}.{device}"

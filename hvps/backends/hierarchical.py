@@ -14,6 +14,7 @@ per rank. Other collectives run flat.
 from __future__ import annotations
 
 from .. import arrays
+from ..buffers import FusionBuffer
 from ..ring import segments
 from .base import Backend
 
@@ -26,6 +27,7 @@ class HierarchicalBackend(Backend):
     def __init__(self, flat: Backend, local: Backend, cross: Backend, local_rank: int, local_size: int) -> None:
         self.flat, self.local, self.cross = flat, local, cross
         self.local_rank, self.local_size = local_rank, local_size
+        self.workspace = FusionBuffer()  # the node's partial sums, reused across calls
         self.name = f"hierarchical-{flat.name}"
 
     def takes(self, device, dtype):
@@ -36,7 +38,7 @@ class HierarchicalBackend(Backend):
 
     def allreduce(self, sendbuf, recvbuf, op):
         counts = [stop - start for start, stop in segments(arrays.numel(recvbuf), self.local_size)]
-        shard = arrays.empty(recvbuf, (counts[self.local_rank],))
+        shard = self.workspace.like(recvbuf, counts[self.local_rank])
         self.local.reducescatter(sendbuf, shard, counts, op)
         if arrays.numel(shard):  # same count on every rank of the cross group
             self.cross.allreduce(shard, shard, op)

@@ -102,7 +102,8 @@ class MPIBackend(Backend):
         return device == "cuda" and self.cuda_aware and dtype not in ("float16", "bfloat16")
 
     def ordered(self, entries):
-        return cuda_order(entries, host_sync=True)
+        # Only a CUDA-aware MPI ever gets device tensors; otherwise nothing to order.
+        return cuda_order(entries, host_sync=True) if self.cuda_aware else super().ordered(entries)
 
     def allreduce(self, sendbuf, recvbuf, op):
         if self.algorithm == "ring" and arrays.is_numpy(recvbuf):
