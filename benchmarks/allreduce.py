@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import (DEFAULT_MPIRUN_ARGS, MiB, fmt_bytes, log0, median,  # noqa: E402
+from benchmarks.common import (DEFAULT_MPIRUN_ARGS, MPIRUN_HELP, MiB, fmt_bytes, log0, median,  # noqa: E402
                                parse_size, run_mpi_worker, write_json)
 
 IMPLS = ("raw", "hvps-mpi", "hvps-ring", "tdist", "hvps-tdist")
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="untimed calls per message >= --large-bytes (default: %(default)s)")
     p.add_argument("--large-bytes", type=parse_size, default=4 * MiB,
                    help="threshold for the *-large iteration counts (default: 4 MiB)")
-    p.add_argument("--mpirun", default="mpirun", help="driver: mpirun executable (default: %(default)s)")
+    p.add_argument("--mpirun", default=None, help="driver: " + MPIRUN_HELP)
     p.add_argument("--mpirun-args", default=DEFAULT_MPIRUN_ARGS,
                    help="driver: extra mpirun flags (default: '%(default)s')")
     p.add_argument("--timeout", type=float, default=1800, help="driver: seconds allowed per job (default: %(default)s)")

@@ -131,7 +131,18 @@ def idle_barrier(comm: Any, poll_s: float = 0.02) -> None:
         time.sleep(poll_s)
 
 
-def mpirun_command(np_: int, argv: Sequence[str], mpirun: str = "mpirun",
+MPIRUN_HELP = "mpirun executable (default: the one hvpsrun finds: $HVPS_MPIRUN, beside this Python, then PATH)"
+
+
+def resolve_mpirun(mpirun: str | None) -> str:
+    """The mpirun to launch workers with, by hvpsrun's rule (``--mpirun``, ``$HVPS_MPIRUN``,
+    the running Python's directory, PATH)."""
+    from hvps.runner.mpi_discovery import find_mpirun
+
+    return find_mpirun(mpirun).path
+
+
+def mpirun_command(np_: int, argv: Sequence[str], mpirun: str | None = None,
                    mpirun_args: str = DEFAULT_MPIRUN_ARGS,
                    env_vars: Sequence[str] = ()) -> list[str]:
     """``mpirun -np N [flags] [-x VAR ...] argv``; adds Open MPI's root and
@@ -141,7 +152,7 @@ def mpirun_command(np_: int, argv: Sequence[str], mpirun: str = "mpirun",
         if np_ != 1:
             raise ValueError(f"--mpirun none runs a single process; got -np {np_}")
         return list(argv)
-    cmd = [mpirun, "-np", str(np_)]
+    cmd = [resolve_mpirun(mpirun), "-np", str(np_)]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     cmd.append("--oversubscribe")
@@ -152,7 +163,7 @@ def mpirun_command(np_: int, argv: Sequence[str], mpirun: str = "mpirun",
 
 
 def run_mpi_worker(np_: int, script: str | os.PathLike, args: Sequence[str],
-                   env: dict[str, str] | None = None, mpirun: str = "mpirun",
+                   env: dict[str, str] | None = None, mpirun: str | None = None,
                    mpirun_args: str = DEFAULT_MPIRUN_ARGS, timeout: float | None = None,
                    verbose: bool = False) -> Any:
     """Launch ``mpirun -np N python script args --json TMP`` and return the JSON

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import DEFAULT_MPIRUN_ARGS, median, run_mpi_worker, summarize, write_json  # noqa: E402
+from benchmarks.common import DEFAULT_MPIRUN_ARGS, MPIRUN_HELP, median, run_mpi_worker, summarize, write_json  # noqa: E402
 
 RESNET50_NUMEL = 25_557_032
 
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ranks of the mpirun that counts the pipeline's statistics; 0 skips it (default: %(default)s)")
     p.add_argument("--worker", action="store_true", help="worker mode (run under mpirun by the driver)")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: selection,compress,mpirun")
-    p.add_argument("--mpirun", default="mpirun", help="mpirun executable (default: %(default)s)")
+    p.add_argument("--mpirun", default=None, help=MPIRUN_HELP)
     p.add_argument("--mpirun-args", default=DEFAULT_MPIRUN_ARGS, help="extra mpirun flags (default: '%(default)s')")
     p.add_argument("--timeout", type=float, default=1200, help="seconds allowed for the mpirun (default: %(default)s)")
     p.add_argument("--json", default="", help="write results as JSON to this path")

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import DEFAULT_MPIRUN_ARGS, median, run_mpi_worker, summarize, write_json  # noqa: E402
+from benchmarks.common import DEFAULT_MPIRUN_ARGS, MPIRUN_HELP, median, run_mpi_worker, summarize, write_json  # noqa: E402
 
 IMPLS = ("hvps", "backward", "raw")
 
@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="set HVPS_ALLREDUCE_ALGORITHM for the hvps jobs (default: hvps's own default)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads per rank for the backward (default: %(default)s)")
-    p.add_argument("--mpirun", default="mpirun", help="driver: mpirun executable (default: %(default)s)")
+    p.add_argument("--mpirun", default=None, help="driver: " + MPIRUN_HELP)
     p.add_argument("--mpirun-args", default=DEFAULT_MPIRUN_ARGS,
                    help="driver: extra mpirun flags (default: '%(default)s')")
     p.add_argument("--timeout", type=float, default=1800, help="driver: seconds allowed per job (default: %(default)s)")

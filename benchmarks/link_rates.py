@@ -63,7 +63,7 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from benchmarks.common import MiB, parse_size, write_json  # noqa: E402
+from benchmarks.common import MPIRUN_HELP, MiB, parse_size, resolve_mpirun, write_json  # noqa: E402
 
 HARNESS = REPO / "benchmarks" / "pytorch_synthetic_benchmark.py"
 TOPK_TARGET, DENSE_TARGET = 0.12, 0.35  # issue 4, "End to end"
@@ -176,7 +176,8 @@ def run_harness(cluster: Any, args: argparse.Namespace, compression: str, rate: 
         env["HVPS_ALLREDUCE_ALGORITHM"] = args.algorithm
     forward = sorted(k for k in env if k.startswith("HVPS_")) + ["PYTHONPATH", "PYTHONUNBUFFERED",
                                                                  "OMPI_MCA_mpi_yield_when_idle"]
-    cmd = [args.mpirun, "-np", "2", "--hostfile", str(cluster.hostfile), "-bind-to", "none", "-map-by", "slot"]
+    cmd = [resolve_mpirun(args.mpirun), "-np", "2", "--hostfile", str(cluster.hostfile),
+           "--bind-to", "none", "--map-by", "slot"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     for key in forward:
@@ -310,7 +311,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="testbed /24 inside 198.18.0.0/15, e.g. 198.19.7 (default: a free one in 198.19.0.0/16)")
     g.add_argument("--run-timeout", type=float, default=900.0,
                    help="seconds before one harness run is killed (default: %(default)s)")
-    g.add_argument("--mpirun", default="mpirun", help="mpirun to use (default: %(default)s)")
+    g.add_argument("--mpirun", default=None, help=MPIRUN_HELP)
     args = p.parse_args(argv)
     base = QUICK if args.quick else DEFAULTS
     for key, value in base.items():

@@ -24,6 +24,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from benchmarks.common import MPIRUN_HELP, resolve_mpirun  # noqa: E402
+
 TESTBED = REPO / "jobs" / "testbed" / "netns-cluster.sh"
 MiB = 1 << 20
 
@@ -117,8 +120,9 @@ def driver(args) -> dict:
             for impl in results:
                 run_env = dict(os.environ, PYTHONPATH=str(REPO),
                                HVPS_ALLREDUCE_ALGORITHM="ring" if impl == "hvps-ring" else "mpi")
-                cmd = [args.mpirun, "-np", "2", "--allow-run-as-root", "--hostfile", str(state / "hostfile"),
-                       "-bind-to", "none", "-map-by", "slot", "-x", "PYTHONPATH", "-x", "HVPS_ALLREDUCE_ALGORITHM",
+                cmd = [resolve_mpirun(args.mpirun), "-np", "2", "--allow-run-as-root",
+                       "--hostfile", str(state / "hostfile"),
+                       "--bind-to", "none", "--map-by", "slot", "-x", "PYTHONPATH", "-x", "HVPS_ALLREDUCE_ALGORITHM",
                        *mpi_args, sys.executable, __file__, "--impl", impl, "--bytes", str(args.bytes),
                        "--iters", str(args.iters), "--warmup", str(args.warmup)]
                 proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600)
@@ -156,7 +160,7 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=5, help="timed calls per job (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per job (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="driver: A B A B rounds (default: %(default)s)")
-    p.add_argument("--mpirun", default="mpirun")
+    p.add_argument("--mpirun", default=None, help=MPIRUN_HELP)
     p.add_argument("--json", default="", help="driver: write results here")
     args = p.parse_args(argv)
     if args.impl:

