@@ -1,19 +1,148 @@
-"""Inside a Slurm allocation: an ``srun --mpi=pmix`` line from the allocation (pure)."""
+"""Inside a Slurm allocation: which launcher works here, and the ``srun --mpi=pmix`` line.
+
+Slurm can start the ranks itself (``srun --mpi=pmix``, "direct launch") only when its
+PMIx plugin loads on the node: ``srun --mpi=list`` must list ``pmix``, and even then
+the plugin can fail at init when the PMIx library it was built against is missing
+(Debian's ``slurm-wlm`` without ``libpmix``: "Couldn't load specified plugin name for
+mpi/pmix: Plugin init() callback failed"). So :func:`probe_pmix` checks the list and
+then runs one cheap step, ``srun --mpi=pmix -N1 -n1 printenv PMIX_RANK``, which must
+print the rank Slurm's PMIx server gave it. When the plugin is unusable, ``mpirun``
+run inside the allocation reads the nodes and slots from Slurm's environment and
+starts its daemons with Slurm's own tools (Open MPI's recommended way under Slurm).
+
+``python -m hvps.runner.slurm_command`` prints the choice (``srun`` or ``mpirun``) on
+stdout and the reason on stderr, for batch scripts (jobs/common.sh).
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
+import re
 import shlex
-from typing import Mapping, Optional
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence
 
 from . import hosts as hostlib
 from .errors import LaunchError
 from .mpi_command import rank_environment
-from .settings import LaunchSettings
+from .settings import LAUNCHERS, LaunchSettings
+
+#: seconds each probe command may take (a step normally starts in well under a second)
+PMIX_PROBE_TIMEOUT = 30.0
+#: the probe step: one task under the pmix plugin, printing the PMIx rank Slurm's server assigned
+PMIX_PROBE_STEP = ("--mpi=pmix", "-N1", "-n1", "--quiet", "printenv", "PMIX_RANK")
+
+_SRUN_ERROR = re.compile(r"^srun: (?:error|fatal):\s*")
 
 
 def in_slurm_allocation(env: Mapping[str, str]) -> bool:
     """Whether we run inside a Slurm job (batch script or salloc shell)."""
     return bool(env.get("SLURM_JOB_ID"))
+
+
+@dataclass(frozen=True)
+class PmixProbe:
+    """Whether ``srun --mpi=pmix`` can start ranks here, and one line saying why."""
+
+    usable: bool
+    reason: str
+
+
+def listed_mpi_plugins(output: str) -> tuple:
+    """The plugin names in ``srun --mpi=list`` output.
+
+    Slurm >= 21.08 prints ``MPI plugin types are...`` then one indented name per line;
+    older releases print ``srun: MPI types are...`` then ``srun: <name>`` lines.
+    """
+    names = []
+    for line in output.splitlines():
+        word = line.strip()
+        if word.startswith("srun:"):
+            word = word[len("srun:"):].strip()
+        if re.fullmatch(r"[A-Za-z0-9_.-]+", word):
+            names.append(word)
+    return tuple(names)
+
+
+def srun_failure(output: str, returncode: Optional[int]) -> str:
+    """The most telling line of a failed srun: its first error about a plugin, else its first error."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [_SRUN_ERROR.sub("", line) for line in lines if _SRUN_ERROR.match(line)] or lines
+    about_plugin = [line for line in errors if "plugin" in line.lower()]
+    if about_plugin or errors:
+        return (about_plugin or errors)[0]
+    return f"exit status {returncode}"
+
+
+def list_verdict(returncode: int, output: str) -> Optional[PmixProbe]:
+    """From ``srun --mpi=list``: a failed probe when pmix is not listed, None to go on probing."""
+    if returncode != 0:
+        return PmixProbe(False, f"srun --mpi=list failed: {srun_failure(output, returncode)}")
+    plugins = listed_mpi_plugins(output)
+    if not any(name == "pmix" or name.startswith("pmix_") for name in plugins):
+        return PmixProbe(False, f"srun --mpi=list does not list pmix (it lists: {', '.join(plugins) or 'nothing'})")
+    return None
+
+
+def step_verdict(returncode: int, stdout: str, stderr: str) -> PmixProbe:
+    """From the probe step (:data:`PMIX_PROBE_STEP`): usable only when it printed PMIx rank 0."""
+    if returncode == 0 and stdout.strip() == "0":
+        return PmixProbe(True, "srun --mpi=list lists pmix and a probe step got PMIx rank 0")
+    if returncode == 0 or not (stdout + stderr).strip():
+        return PmixProbe(False, "a probe step under --mpi=pmix ran without a PMIx environment (PMIX_RANK unset)")
+    return PmixProbe(False, f"a probe step failed: {srun_failure(stderr + stdout, returncode)}")
+
+
+def _run(run: Callable, argv: list, env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess:
+    return run(argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+               text=True, timeout=timeout)
+
+
+def probe_pmix(env: Mapping[str, str], run: Callable = subprocess.run,
+               timeout: float = PMIX_PROBE_TIMEOUT) -> PmixProbe:
+    """Can ``srun --mpi=pmix`` start ranks in this allocation? ``srun --mpi=list``, then one probe step.
+
+    ``run`` has :func:`subprocess.run`'s signature (injectable for tests); each command
+    gets ``timeout`` seconds.
+    """
+    srun = shutil.which("srun", path=env.get("PATH"))
+    if srun is None:
+        return PmixProbe(False, "srun is not on PATH")
+    try:
+        listed = _run(run, [srun, "--mpi=list"], env, timeout)
+        verdict = list_verdict(listed.returncode, (listed.stdout or "") + (listed.stderr or ""))
+        if verdict is not None:
+            return verdict
+        step = _run(run, [srun, *PMIX_PROBE_STEP], env, timeout)
+    except subprocess.TimeoutExpired as exc:
+        shown = shlex.join(["srun", *list(exc.cmd)[1:]])
+        return PmixProbe(False, f"'{shown}' did not finish within {timeout:g} s")
+    except OSError as exc:
+        return PmixProbe(False, f"cannot run {srun}: {exc.strerror or exc}")
+    return step_verdict(step.returncode, step.stdout or "", step.stderr or "")
+
+
+def decide_slurm_launcher(requested: str, env: Mapping[str, str],
+                          probe: Callable[[Mapping[str, str]], PmixProbe] = probe_pmix) -> tuple:
+    """``('srun' | 'mpirun', line)`` inside a Slurm allocation; ``line`` says which and why, for the job log.
+
+    ``requested`` is hvpsrun's ``--launcher``: ``srun`` and ``mpirun`` are taken as given,
+    ``auto`` takes srun only when :func:`probe_pmix` finds the pmix plugin usable.
+    """
+    job = f"Slurm job {env.get('SLURM_JOB_ID')}"
+    if requested == "srun":
+        return "srun", f"{job}: srun --mpi=pmix (--launcher srun; pmix not probed)"
+    if requested == "mpirun":
+        return "mpirun", f"{job}: mpirun inside the allocation (--launcher mpirun)"
+    result = probe(env)
+    if result.usable:
+        return "srun", f"{job}: srun --mpi=pmix ({result.reason})"
+    return "mpirun", (f"{job}: srun's pmix plugin is unusable here ({result.reason}); "
+                      "launching with mpirun inside the allocation")
 
 
 def _int(env: Mapping[str, str], name: str) -> Optional[int]:
@@ -70,3 +199,26 @@ def srun_environment(settings: LaunchSettings, env: Mapping[str, str], num_proc:
         full.setdefault("OMPI_MCA_btl_tcp_if_include", nics)
         full.setdefault("OMPI_MCA_oob_tcp_if_include", nics)
     return full
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m hvps.runner.slurm_command [--launcher auto|srun|mpirun]``: ``srun`` or ``mpirun`` on stdout."""
+    parser = argparse.ArgumentParser(
+        prog="python -m hvps.runner.slurm_command",
+        description="Inside a Slurm allocation, print the launcher for the ranks (srun or mpirun) on stdout "
+                    "and one line on stderr saying why: srun --mpi=pmix when its plugin works here, "
+                    "mpirun inside the allocation otherwise.")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="auto",
+                        help="auto (default): probe pmix; srun or mpirun: take that one")
+    args = parser.parse_args(argv)
+    if not in_slurm_allocation(os.environ):
+        print("hvps: not inside a Slurm allocation (SLURM_JOB_ID is unset)", file=sys.stderr)
+        return 2
+    launcher, line = decide_slurm_launcher(args.launcher, os.environ)
+    print(f"hvps: {line}", file=sys.stderr, flush=True)
+    print(launcher)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
