@@ -4,6 +4,7 @@
 # RESULTS_DIR   where JSON results go (default: $HVPS_REPO/results)
 # BENCH_ARGS    harness flags (default: a CPU-sized ResNet-50 run of a few minutes)
 # HARNESS       the training script (default: benchmarks/pytorch_synthetic_benchmark.py)
+# LAUNCHER      inside Slurm, for scripts that start ranks themselves: auto (default), srun or mpirun
 if [ -z "${HVPS_REPO:-}" ]; then
     if [ -n "${SLURM_SUBMIT_DIR:-}" ] && [ -d "$SLURM_SUBMIT_DIR/benchmarks" ]; then
         HVPS_REPO=$SLURM_SUBMIT_DIR
@@ -34,5 +35,22 @@ ompi_local_flags() {  # ompi_local_flags NP
 checkpoint_args() {  # checkpoint_args DIR
     if [ -n "$1" ] && "$HVPS_PYTHON" "$HARNESS" --help 2>/dev/null | grep -q -- "--checkpoint-dir"; then
         echo "--checkpoint-dir $1 --resume"
+    fi
+}
+
+# Inside a Slurm allocation: the command prefix that starts the ranks, in the array LAUNCH.
+# 'srun --mpi=pmix' when srun's pmix plugin works on this node, else hvpsrun's mpirun inside
+# the allocation (Open MPI reads the nodes and slots from Slurm). The rule is hvpsrun's own
+# (python -m hvps.runner.slurm_command: 'srun --mpi=list', then one probe step); it prints
+# one line saying which path and why. LAUNCHER=srun|mpirun forces one. Extra flags:
+# SRUN_ARGS on the srun path, HVPSRUN_ARGS on the mpirun path.
+slurm_launch_prefix() {  # slurm_launch_prefix NP
+    local launcher
+    launcher=$("$HVPS_PYTHON" -m hvps.runner.slurm_command --launcher "${LAUNCHER:-auto}")
+    # shellcheck disable=SC2206
+    if [ "$launcher" = srun ]; then
+        LAUNCH=(srun --mpi=pmix --cpu-bind=none --kill-on-bad-exit=1 ${SRUN_ARGS:-})
+    else
+        LAUNCH=($HVPSRUN --launcher mpirun -np "$1" ${HVPSRUN_ARGS:-})
     fi
 }
