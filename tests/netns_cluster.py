@@ -142,14 +142,22 @@ class NetnsCluster:
 
     def ompi_env(self) -> dict:
         """Open MPI settings as environment variables, for launchers that cannot take flags:
-        the default hostfile, the rsh agent and TCP-only transports on the bridge subnet."""
+        the default hostfile, the rsh agent and TCP-only transports on the bridge subnet.
+        Open MPI 4 reads its runtime's settings as OMPI_MCA_orte_*/plm/oob; Open MPI 5's
+        runtime (PRRTE) reads PRTE_MCA_*, so both spellings are given."""
         net = f"{self.subnet}.0/24"
+        hostfile, agent = str(self.hostfile), str(self.agent)
         return {
-            "OMPI_MCA_orte_default_hostfile": str(self.hostfile),
-            "OMPI_MCA_plm_rsh_agent": str(self.agent),
             "OMPI_MCA_btl": "tcp,self",
             "OMPI_MCA_btl_tcp_if_include": net,
+            # Open MPI 4 (ORTE)
+            "OMPI_MCA_orte_default_hostfile": hostfile,
+            "OMPI_MCA_plm_rsh_agent": agent,
             "OMPI_MCA_oob_tcp_if_include": net,
+            # Open MPI 5 (PRRTE), where the rsh agent is called the ssh agent
+            "PRTE_MCA_prte_default_hostfile": hostfile,
+            "PRTE_MCA_plm_ssh_agent": agent,
+            "PRTE_MCA_oob_tcp_if_include": net,
         }
 
     # -- faults and links -----------------------------------------------------------

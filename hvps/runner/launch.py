@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
 import sys
-from typing import Mapping, Optional, Sequence
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence
 
 from . import hosts as hostlib
 from .check_build import check_build
 from .errors import LaunchError
-from .mpi_command import (
-    MISSING_MPI,
-    build_mpirun_command,
-    default_num_proc,
-    detect_mpi_implementation,
-    launch_environment,
-)
+from .mpi_command import build_mpirun_command, default_num_proc, launch_environment, split_mpi_args
+from .mpi_discovery import MpiImpl, find_mpirun
 from .settings import LaunchSettings, parse_args
-from .slurm_command import allocation_num_proc, build_srun_command, in_slurm_allocation, srun_environment
+from .slurm_command import (
+    PmixProbe,
+    allocation_num_proc,
+    build_srun_command,
+    decide_slurm_launcher,
+    in_slurm_allocation,
+    probe_pmix,
+    srun_environment,
+)
 from .supervisor import RESTART_ENV, Supervisor, exit_status
 
 _PYTHON_FLAGS_WITH_VALUE = {"-W", "-X", "-Q"}
@@ -54,18 +60,50 @@ def check_command(command: Sequence[str], cwd: Optional[str] = None) -> None:
         raise LaunchError(f"script '{program}' not found; check the path")
 
 
-def choose_launcher(settings: LaunchSettings, env: Mapping[str, str]) -> str:
-    if settings.launcher != "auto":
-        return settings.launcher
-    if in_slurm_allocation(env) and shutil.which("srun"):
-        return "srun"
-    return "mpirun"
+def choose_launcher(settings: LaunchSettings, env: Mapping[str, str],
+                    probe: Callable[[Mapping[str, str]], PmixProbe] = probe_pmix) -> str:
+    """``srun`` or ``mpirun``. Outside Slurm: mpirun unless --launcher says otherwise. Inside a
+    Slurm allocation, auto takes ``srun --mpi=pmix`` only when ``probe`` finds its plugin usable,
+    else mpirun inside the allocation; one line on stderr says which and why (for the job log)."""
+    if not in_slurm_allocation(env):
+        return "mpirun" if settings.launcher == "auto" else settings.launcher
+    launcher, line = decide_slurm_launcher(settings.launcher, env, probe)
+    print(f"hvpsrun: {line}", file=sys.stderr, flush=True)
+    return launcher
 
 
-def prepare(settings: LaunchSettings, env: Mapping[str, str], cpu_count: Optional[int] = None) -> tuple:
-    """Check the input and return ``(argv, launch_env)``; raises LaunchError for bad input."""
+@dataclass
+class Launch:
+    """What to run: the launcher's argv and environment, and what hvpsrun set in it."""
+
+    argv: list
+    env: dict
+    assigned: dict = field(default_factory=dict)  # variables hvpsrun set for the ranks (shown by --dry-run)
+    note: str = ""  # one line on which launcher was taken, for --verbose and --check-build
+    temp_files: list = field(default_factory=list)
+
+    def shell_line(self) -> str:
+        """The command as a shell line: ``VAR=value ... mpirun ...``."""
+        return shlex.join([f"{k}={v}" for k, v in sorted(self.assigned.items())] + self.argv)
+
+    def cleanup(self) -> None:
+        for path in self.temp_files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _ipv6_hostfile(hosts: list) -> str:
+    fd, path = tempfile.mkstemp(prefix="hvpsrun-hosts-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(hostlib.hostfile_text(hosts))
+    return path
+
+
+def prepare(settings: LaunchSettings, env: Mapping[str, str], cpu_count: Optional[int] = None) -> Launch:
+    """Check the input and work out what to run; raises LaunchError for bad input."""
     cpu_count = cpu_count or os.cpu_count() or 1
     check_command(settings.command, os.getcwd())
+    split_mpi_args(settings.mpi_args)
     env = dict(env)
     env.setdefault(RESTART_ENV, "0")  # forwarded by name, so each restart's value reaches the ranks
     launcher = choose_launcher(settings, env)
@@ -76,14 +114,17 @@ def prepare(settings: LaunchSettings, env: Mapping[str, str], cpu_count: Optiona
             raise LaunchError("--launcher srun: srun is not on PATH; run inside a Slurm installation")
         cmd = build_srun_command(settings, env, cpu_count=cpu_count)
         num_proc = settings.num_proc or allocation_num_proc(env) or 1
-        return cmd, srun_environment(settings, env, num_proc, cpu_count)
-    mpirun = shutil.which(settings.mpirun)
-    if mpirun is None:
-        raise LaunchError(MISSING_MPI.format(mpirun=settings.mpirun))
-    impl = detect_mpi_implementation(settings.mpirun)
-    cmd = build_mpirun_command(settings, env, impl=impl, hosts=hosts, cpu_count=cpu_count)
+        full = srun_environment(settings, env, num_proc, cpu_count)
+        return Launch(cmd, full, {k: v for k, v in full.items() if env.get(k) != v}, "srun")
+    mpi = find_mpirun(settings.mpirun, env)
     num_proc = default_num_proc(settings, hosts)
-    return cmd, launch_environment(settings, env, num_proc, hosts, cpu_count)
+    temp_files = []
+    if mpi.impl is MpiImpl.OPEN_MPI and any(h.is_ipv6 for h in hosts):
+        temp_files.append(_ipv6_hostfile(hosts))
+    cmd = build_mpirun_command(settings, env, mpi=mpi, hosts=hosts, cpu_count=cpu_count,
+                               hostfile=temp_files[0] if temp_files else None)
+    full = launch_environment(settings, env, num_proc, hosts, cpu_count)
+    return Launch(cmd, full, {k: v for k, v in full.items() if env.get(k) != v}, mpi.describe(), temp_files)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -92,22 +133,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if settings.check_build:
             sys.stdout.write(check_build(settings.mpirun))
             return 0
-        cmd, env = prepare(settings, os.environ)
+        launch = prepare(settings, os.environ)
     except LaunchError as exc:
         print(f"hvpsrun: error: {exc}", file=sys.stderr)
         return exc.exit_code
     if settings.dry_run:
-        print(shlex.join(cmd))
+        print(launch.shell_line())
         return 0
     if settings.verbose:
-        print(f"hvpsrun: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    supervisor = Supervisor(cmd, env, max_restarts=settings.max_restarts, checkpoint_dir=settings.checkpoint_dir,
-                            verbose=settings.verbose)
+        print(f"hvpsrun: {launch.note}", file=sys.stderr, flush=True)
+    supervisor = Supervisor(launch.argv, launch.env, max_restarts=settings.max_restarts,
+                            checkpoint_dir=settings.checkpoint_dir, verbose=settings.verbose)
     try:
         rc = supervisor.run()
     except OSError as exc:
-        print(f"hvpsrun: error: cannot start {cmd[0]}: {exc.strerror}", file=sys.stderr)
+        print(f"hvpsrun: error: cannot start {launch.argv[0]}: {exc.strerror}", file=sys.stderr)
         return 2
+    finally:
+        launch.cleanup()
     return exit_status(rc)
 
 

@@ -29,7 +29,8 @@ DEFAULT_LAUNCHER = MpiLauncher("mpirun", "PATH", MpiImpl.OPEN_MPI)
 
 #: variables forwarded to every rank when set: exact names and prefixes
 FORWARD_PREFIXES = ("HVPS_", "NCCL_")
-FORWARD_NAMES = ("OMP_NUM_THREADS", "PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
+FORWARD_NAMES = ("OMP_NUM_THREADS", "PATH", "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER",
+                 "LD_LIBRARY_PATH", "VIRTUAL_ENV")
 #: Open MPI 4.1 and 5.0 (prterun) both take the double-dash forms; 5.0 rejects '-bind-to'.
 OPEN_MPI_NO_BINDING = ["--bind-to", "none", "--map-by", "slot"]
 HYDRA_NO_BINDING = ["-bind-to", "none", "-map-by", "slot"]
