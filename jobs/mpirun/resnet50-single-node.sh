@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # ResNet-50 synthetic benchmark on one node with plain mpirun.
 #   NP=2 jobs/mpirun/resnet50-single-node.sh
-# Environment (defaults): NP=2 ranks; MPIRUN=mpirun; MPI_ARGS='' extra mpirun flags;
+# Environment (defaults): NP=2 ranks; MPIRUN=hvpsrun's choice (python -m hvps.runner.mpi_discovery); MPI_ARGS='' extra mpirun flags;
 # plus HVPS_REPO, HVPS_PYTHON, RESULTS_DIR, BENCH_ARGS, HARNESS (see jobs/common.sh).
 # Result: $RESULTS_DIR/resnet50-mpirun-np$NP.json
 set -euo pipefail
 source "$(dirname "$0")/../common.sh"
 NP=${NP:-2}
-MPIRUN=${MPIRUN:-mpirun}
+MPIRUN=${MPIRUN:-$("$HVPS_PYTHON" -m hvps.runner.mpi_discovery)}
 MPI_ARGS=${MPI_ARGS:-}
 # shellcheck disable=SC2046,SC2086
-exec "$MPIRUN" -np "$NP" $(ompi_local_flags "$NP") -bind-to none -map-by slot \
+exec "$MPIRUN" -np "$NP" $(ompi_local_flags "$NP") --bind-to none --map-by slot \
     -x PYTHONPATH -x PATH -x OMP_NUM_THREADS=1 $MPI_ARGS \
     "$HVPS_PYTHON" "$HARNESS" $BENCH_ARGS --json "$RESULTS_DIR/resnet50-mpirun-np$NP.json"
