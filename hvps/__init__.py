@@ -17,9 +17,10 @@ from .build_info import (
     rocm_built,
 )
 from .dtypes import ReduceOp
-from .errors import HvpsError
+from .errors import DuplicateNameError, HorovodInternalError, HvpsError
 from .handle import Handle
 from .ops import (
+    Adasum,
     Average,
     Max,
     Min,
@@ -28,6 +29,10 @@ from .ops import (
     allgather,
     allgather_async,
     allgather_object,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
     allreduce,
     allreduce_async,
     alltoall,
@@ -42,6 +47,7 @@ from .ops import (
     reducescatter,
     reducescatter_async,
 )
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .runtime import (
     cross_rank,
     cross_size,
@@ -52,13 +58,24 @@ from .runtime import (
     rank,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from .version import __version__
 
 __all__ = [
     "__version__",
     "HvpsError",
+    "HorovodInternalError",
+    "DuplicateNameError",
     "Handle",
+    "ProcessSet",
+    "global_process_set",
+    "add_process_set",
+    "remove_process_set",
+    "start_timeline",
+    "stop_timeline",
+    "Adasum",
     "ReduceOp",
     "Average",
     "Sum",
@@ -80,6 +97,10 @@ __all__ = [
     "grouped_allreduce_async",
     "allgather",
     "allgather_async",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "broadcast",
     "broadcast_async",
     "alltoall",

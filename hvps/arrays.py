@@ -85,7 +85,7 @@ def scale(array: Any, factor: float) -> None:
 
 
 def divide(array: Any, divisor: int) -> None:
-    """Average's last step in place: floor division for integers, true division otherwise."""
+    """Average's last step in place: integers round toward zero, floats divide exactly (as ``dtypes.divide``)."""
     if is_numpy(array):
         dtypes.divide(array, divisor)
         return
@@ -96,7 +96,7 @@ def divide(array: Any, divisor: int) -> None:
     elif array.dtype.is_floating_point:
         array.copy_(array.float() / divisor)
     else:
-        array.floor_divide_(divisor)
+        array.div_(divisor, rounding_mode="trunc")
 
 
 def is_tensor(array: Any) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import arrays
+from .adasum import adasum_allreduce
 from .buffers import FusionBuffer
 from .dtypes import ReduceOp
 from .handle import Handle
@@ -36,13 +37,15 @@ class Entry:
 
 
 class Context:
-    """What executors need: the backend, this rank, the world size, the fusion buffer."""
+    """What executors need on one process set: its backend, this rank's index in it, its size, its
+    global ranks (in set order) and the fusion buffer (shared by every set: one runs at a time)."""
 
-    def __init__(self, backend, rank: int, size: int) -> None:
+    def __init__(self, backend, rank: int, size: int, ranks: tuple = (), fusion: FusionBuffer = None) -> None:
         self.backend = backend
         self.rank = rank
         self.size = size
-        self.fusion = FusionBuffer()
+        self.ranks = tuple(ranks) or tuple(range(size))
+        self.fusion = fusion if fusion is not None else FusionBuffer()
 
 
 def _finish(ctx: Context, array, op: ReduceOp, postscale: float) -> None:
@@ -79,6 +82,8 @@ def _zeros_for(req: Request) -> list:
 def run_allreduce(ctx: Context, response, entries: list) -> list:
     first = response.requests[0]
     op = ReduceOp(first.op)
+    if op is ReduceOp.Adasum:
+        return run_adasum(ctx, response, entries)
     wire_op = ReduceOp.Sum if op is ReduceOp.Average else op
     ins, outs = [], []
     for entry, req in zip(entries, response.requests):
@@ -139,10 +144,11 @@ def run_allgather(ctx: Context, response, entries: list) -> list:
 def run_broadcast(ctx: Context, response, entries: list) -> list:
     (entry,) = entries
     src, out = entry.inputs[0], entry.outputs[0]
-    if out is not src and ctx.rank == entry.request.root:
+    root = ctx.ranks.index(entry.request.root)  # the request names the root's global rank
+    if out is not src and ctx.rank == root:
         out[...] = src
     if arrays.numel(out):
-        ctx.backend.broadcast(out.reshape(-1), entry.request.root)
+        ctx.backend.broadcast(out.reshape(-1), root)
     return [out]
 
 
@@ -178,6 +184,25 @@ def run_reducescatter(ctx: Context, response, entries: list) -> list:
                               ReduceOp.Sum if op is ReduceOp.Average else op)
     _finish(ctx, out, op, req.postscale)
     return [out]
+
+
+def run_adasum(ctx: Context, response, entries: list) -> list:
+    """Adasum of one tensor (never fused: its coefficients are per tensor), see ``adasum.py``."""
+    (entry,) = entries
+    req = response.requests[0]
+    if entry is None:  # joined: contribute zeros, keep nothing
+        src = out = _zeros_for(req)[0]
+    else:
+        src, out = entry.inputs[0], entry.outputs[0]
+    if out is not src:
+        out[...] = src
+    arrays.scale(out, req.prescale)
+    if arrays.numel(out):
+        adasum_allreduce(ctx.backend, out.reshape(-1), ctx.rank, ctx.size)
+    arrays.scale(out, req.postscale)
+    if entry is None:
+        return [None]
+    return [list(entry.outputs) if entry.grouped else out]
 
 
 def run_barrier(ctx: Context, response, entries: list) -> list:

@@ -16,6 +16,8 @@ SUPPORTED = {
     bfloat16: "bfloat16",
     np.dtype(np.float32): "float32",
     np.dtype(np.float64): "float64",
+    np.dtype(np.int8): "int8",
+    np.dtype(np.int16): "int16",
     np.dtype(np.int32): "int32",
     np.dtype(np.int64): "int64",
     np.dtype(np.uint8): "uint8",
@@ -34,6 +36,8 @@ class ReduceOp(enum.Enum):
     Min = "min"
     Max = "max"
     Product = "product"
+    #: Adaptive summation (Maleki et al., MLSys 2021); floating-point allreduce only, see ``adasum.py``
+    Adasum = "adasum"
 
 
 _UFUNC = {
@@ -65,6 +69,8 @@ def check_reducible(dtype: np.dtype, op: ReduceOp) -> None:
     check_dtype(dtype)
     if dtype == np.bool_ and op is ReduceOp.Average:
         raise TypeError("Average is not defined for bool tensors; use Sum (logical or) or Min (logical and)")
+    if op is ReduceOp.Adasum and dtype.kind != "f" and dtype != bfloat16:
+        raise TypeError(f"Adasum combines floating-point tensors only, not {SUPPORTED[dtype]}")
 
 
 def combine(op: ReduceOp, dtype: np.dtype):
@@ -142,11 +148,15 @@ def scale(array: np.ndarray, factor: float) -> None:
 
 
 def divide(array: np.ndarray, divisor: int) -> None:
-    """Average's final step: floor division for integers (as Horovod), true division otherwise."""
+    """Average's final step: integers divide rounding toward zero (as Horovod's scaling by 1/size casts),
+    floats divide exactly."""
     if divisor == 1 or array.size == 0:
         return
     if np.issubdtype(array.dtype, np.integer):
+        negative = array < 0
+        np.abs(array, out=array)
         np.floor_divide(array, divisor, out=array)
+        np.negative(array, out=array, where=negative)
     elif array.dtype in (np.float16, bfloat16):
         array[...] = (array.astype(np.float32) / np.float32(divisor)).astype(array.dtype)
     else:

@@ -16,12 +16,13 @@ import time
 from collections import deque
 from typing import Optional
 
+from .buffers import FusionBuffer
 from .collectives import EXECUTORS, Context, Entry
 from .control import ControlPlane
-from .errors import HvpsError
+from .errors import DuplicateNameError, HvpsError
 from .handle import Handle
+from .negotiation import ADD_SET, GLOBAL_SET, JOIN, REMOVE_SET, SHUTDOWN, Coordinator, Request, Response, to_wire
 from .timeline import Timeline
-from .negotiation import JOIN, SHUTDOWN, Coordinator, Request, Response, to_wire
 
 log = logging.getLogger("hvps")
 
@@ -37,7 +38,8 @@ class Engine:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.settings = settings
         self.backend = backend
-        self.context = Context(backend, self.rank, self.size)
+        #: process set id -> Context, for the sets this rank belongs to
+        self.contexts = {GLOBAL_SET: Context(backend, self.rank, self.size, fusion=FusionBuffer())}
         self.control = ControlPlane(comm)
         self.coordinator = (
             Coordinator(self.size, settings.fusion_threshold, settings.stall_check_seconds)
@@ -57,29 +59,37 @@ class Engine:
         self._pending: dict[str, Entry] = {}
         self._failure: Optional[BaseException] = None
         self._stopping = False
-        self.timeline = Timeline(settings.timeline) if settings.timeline and self.rank == 0 else None
+        self.timeline = None
+        if settings.timeline and settings.timeline != "DYNAMIC":  # DYNAMIC: start_timeline() later
+            self.start_timeline(settings.timeline)
         self._thread = threading.Thread(target=self._run, name="hvps-engine", daemon=True)
         self._thread.start()
 
     # -- called from user threads -------------------------------------------------
     def submit(self, entry: Entry) -> Handle:
         """Queue ``entry`` and return its handle."""
+        return self.submit_all([entry])[0]
+
+    def submit_all(self, entries: list) -> list:
+        """Queue every entry, or none of them (a name in flight raises first); returns their handles."""
         with self._lock:
             if self._failure is not None:
                 raise HvpsError(f"the hvps engine stopped: {self._failure}") from self._failure
             if self._stopping:
                 raise HvpsError("hvps is shutting down: call hvps.init() again")
-            name = entry.request.name
-            if name in self._pending or name in self._queued_names:
-                raise HvpsError(
-                    f"a collective named '{name}' is already in flight on rank {self.rank}; "
-                    "names must be unique among outstanding operations"
-                )
-            # join() waits for ranks still training, for as long as they train: no watchdog.
-            patience = math.inf if entry.request.kind == JOIN else self.settings.stall_check_seconds
-            entry.handle = Handle(name, (entry.inputs, entry.outputs), patience)
-            self._queue.append(entry)
-            self._queued_names.add(name)
+            names = [entry.request.name for entry in entries]
+            for name in names:
+                if name in self._pending or name in self._queued_names or names.count(name) > 1:
+                    raise DuplicateNameError(
+                        f"a collective named '{name}' is already in flight on rank {self.rank}; "
+                        "names must be unique among outstanding operations"
+                    )
+            for entry in entries:
+                # join() waits for ranks still training, for as long as they train: no watchdog.
+                patience = math.inf if entry.request.kind == JOIN else self.settings.stall_check_seconds
+                entry.handle = Handle(entry.request.name, (entry.inputs, entry.outputs), patience)
+                self._queue.append(entry)
+                self._queued_names.add(entry.request.name)
             # A wake-up costs the submitting (training) thread a syscall, a context
             # switch and the GIL (~150 us). Backward hooks submit in bursts, so while
             # the engine is active it polls its queue every cycle instead (as
@@ -88,7 +98,21 @@ class Engine:
             self._wake_pending = self._wake_pending or wake
         if wake:
             self.control.wake()
-        return entry.handle
+        return [entry.handle for entry in entries]
+
+    def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
+        """Write the timeline to ``path`` from now on (rank 0 writes; other ranks keep none)."""
+        if self.rank != 0:
+            return
+        old, self.timeline = self.timeline, Timeline(path, mark_cycles)
+        if old is not None:
+            old.close()
+
+    def stop_timeline(self) -> None:
+        """Stop writing the timeline and close its file."""
+        old, self.timeline = self.timeline, None
+        if old is not None:
+            old.close()
 
     def shutdown(self) -> bool:
         """Agree with the other ranks to stop, then stop the thread.
@@ -110,8 +134,7 @@ class Engine:
         self._fail_all(HvpsError("hvps was shut down before this collective completed"))
         if not stuck:
             self.control.close()
-        if self.timeline is not None:
-            self.timeline.close()
+        self.stop_timeline()
         return not stuck and self._failure is None
 
     # -- the engine thread ----------------------------------------------------------
@@ -209,6 +232,8 @@ class Engine:
             entries = [self._pending.pop(name, None) for name in response.names]
             if response.error:
                 self._report_error(response, entries)
+            elif response.kind in (ADD_SET, REMOVE_SET):
+                self._change_sets(response, entries)
             elif response.kind in (JOIN, SHUTDOWN):
                 self._stopping = self._stopping or response.kind == SHUTDOWN
                 for entry in entries:
@@ -217,14 +242,39 @@ class Engine:
             else:
                 self._run_collective(response, entries)
 
+    def _change_sets(self, response, entries: list) -> None:
+        """Build (or free) the data plane of an agreed process set, on its members only."""
+        req = response.requests[0]
+        try:
+            if response.kind == ADD_SET and self.rank in req.splits:
+                ranks = tuple(req.splits)
+                backend = self.backend if len(ranks) == self.size else self.backend.subset(ranks)
+                self.contexts[req.root] = Context(backend, ranks.index(self.rank), len(ranks), ranks,
+                                                  self.contexts[GLOBAL_SET].fusion)
+            elif response.kind == REMOVE_SET:
+                context = self.contexts.pop(req.root, None)
+                if context is not None and context.backend is not self.backend:
+                    context.backend.close()
+        except Exception as exc:
+            for entry in entries:
+                if entry is not None:
+                    entry.handle.set_error(exc)
+            raise
+        for entry in entries:
+            if entry is not None:
+                entry.handle.set_result(req.root)
+
     def _run_collective(self, response, entries: list) -> None:
+        context = self.contexts.get(response.requests[0].process_set)
+        if context is None:  # a set this rank is not in: its members run it
+            return
         started = time.monotonic()
         for entry in entries:
             if entry is not None:
                 entry.handle.mark_started()
         try:
-            with self.backend.ordered(entries):
-                results = EXECUTORS[response.kind](self.context, response, entries)
+            with context.backend.ordered(entries):
+                results = EXECUTORS[response.kind](context, response, entries)
         except Exception as exc:
             # Ranks may now disagree on which messages are in flight: nothing after
             # this can be trusted, so the engine stops (see _run) and says why.
@@ -232,19 +282,21 @@ class Engine:
                 if entry is not None:
                     entry.handle.set_error(exc)
             raise
-        if self.timeline is not None:
-            self._trace(response, entries, started)
+        timeline = self.timeline
+        if timeline is not None:
+            self._trace(timeline, response, entries, started)
         for entry, result in zip(entries, results):
             if entry is not None:
                 entry.handle.set_result(result)
 
-    def _trace(self, response, entries: list, started: float) -> None:
+    @staticmethod
+    def _trace(timeline, response, entries: list, started: float) -> None:
         ended = time.monotonic()
         for entry in entries:
             if entry is not None:
                 name = entry.request.name
-                self.timeline.span(name, "NEGOTIATE", entry.handle.submitted_at, started)
-                self.timeline.span(name, response.kind.upper(), started, ended,
+                timeline.span(name, "NEGOTIATE", entry.handle.submitted_at, started)
+                timeline.span(name, response.kind.upper(), started, ended,
                                    {"fused": len(response.names), "dtype": entry.request.dtype})
 
     def _report_error(self, response, entries: list) -> None:

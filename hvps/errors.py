@@ -5,4 +5,15 @@ class HvpsError(RuntimeError):
     """A collective failed: not initialized, mismatched submissions, a stalled rank."""
 
 
+#: Horovod's name for a failed collective (what elastic training catches); the same class here.
+HorovodInternalError = HvpsError
+
+
+class DuplicateNameError(HvpsError, ValueError):
+    """A collective was submitted under a name that is still in flight on this rank.
+
+    A ValueError too, as Horovod raises for this argument error; nothing was submitted.
+    """
+
+
 NOT_INITIALIZED = "hvps is not initialized: call hvps.init()"

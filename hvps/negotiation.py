@@ -25,6 +25,11 @@ ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, SHUTDOW
     "join",
     "shutdown",
 )
+#: process-set bookkeeping, negotiated on the global set like a collective: the new set's id
+#: travels in ``root`` and its ranks in ``splits``
+ADD_SET, REMOVE_SET = "add_process_set", "remove_process_set"
+#: the global process set's id
+GLOBAL_SET = 0
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,8 @@ class Request:
     splits: tuple = ()
     #: where the data lives: "cpu" (numpy arrays, CPU tensors) or "cuda"
     device: str = "cpu"
+    #: the process set the collective runs on (0: every rank)
+    process_set: int = GLOBAL_SET
 
     @property
     def nbytes(self) -> int:
@@ -51,6 +58,8 @@ class Request:
         """The fields every rank must agree on; allgather and alltoall may differ in dim 0."""
         if self.kind in (ALLGATHER, ALLTOALL):
             return (self.kind, self.dtype, tuple(s[1:] for s in self.shapes), len(self.shapes[0]), self.device)
+        if self.kind in (ADD_SET, REMOVE_SET):
+            return (self.kind, self.root, self.splits)
         return (self.kind, self.dtype, self.shapes, self.op, self.root, self.prescale, self.postscale, self.device)
 
     @classmethod
@@ -64,6 +73,8 @@ class Request:
     def describe(self) -> str:
         shapes = ", ".join(str(tuple(s)) for s in self.shapes)
         extra = f" root={self.root}" if self.kind == BROADCAST else ""
+        if self.kind in (ADD_SET, REMOVE_SET):
+            return f"{self.kind} id={self.root} ranks={list(self.splits)}"
         op = f" op={self.op}" if self.op else ""
         return f"{self.kind} {self.dtype} [{shapes}]{op}{extra} on {self.device}"
 
@@ -112,6 +123,8 @@ class Coordinator:
         self._joined: list[int] = []
         self._shutdown: set[int] = set()
         self._dead: dict[int, str] = {}
+        #: process set id -> its ranks (the global set, then those added since)
+        self.sets: dict[int, tuple] = {GLOBAL_SET: tuple(range(size))}
 
     @property
     def busy(self) -> bool:
@@ -148,18 +161,27 @@ class Coordinator:
         joined = set(self._joined)
         for name in list(self._table):
             pending = self._table[name]
-            present = set(pending.by_rank) | joined
-            if len(present) < self.size:
-                dead = sorted(set(self._dead) - present)
+            set_id = next(iter(pending.by_rank.values())).process_set
+            members = self.sets.get(set_id)
+            if members is None:
+                del self._table[name]
+                ready.append(self._unknown_set(name, pending, set_id))
+                continue
+            # join() only excuses ranks from collectives on the global set
+            present = set(pending.by_rank) | (joined if set_id == GLOBAL_SET else set())
+            if not present.issuperset(members):
+                dead = sorted(set(self._dead).intersection(members) - present)
                 if dead:
                     ready.append(self._lost(name, pending, dead))
                     del self._table[name]
                 elif now - pending.first_seen >= self.stall_seconds:
-                    ready.append(self._stalled(name, pending, present))
+                    ready.append(self._stalled(name, pending, present, members))
                     del self._table[name]
                 continue
             del self._table[name]
-            ready.append(self._check(name, pending.by_rank, joined))
+            response = self._check(name, pending.by_rank, joined if set_id == GLOBAL_SET else set(), members)
+            self._track_sets(response)
+            ready.append(response)
         if len(self._joined) == self.size and not self._table:
             ready.append(Response(JOIN, ["join"], last_joined=self._joined[-1]))
             self._joined.clear()
@@ -168,8 +190,24 @@ class Coordinator:
             self._shutdown.clear()
         return self._fuse(ready)
 
-    def _stalled(self, name: str, pending: _Pending, present: set) -> Response:
-        missing = sorted(set(range(self.size)) - present)
+    def _track_sets(self, response: Response) -> None:
+        """Apply an agreed process-set change, so requests for the new set are matched from now on."""
+        if response.error or response.kind not in (ADD_SET, REMOVE_SET):
+            return
+        req = response.requests[0]
+        if response.kind == ADD_SET:
+            self.sets[req.root] = tuple(req.splits)
+        else:
+            self.sets.pop(req.root, None)
+
+    def _unknown_set(self, name: str, pending: _Pending, set_id: int) -> Response:
+        kind = next(iter(pending.by_rank.values())).kind
+        return Response(kind, [name], error=(
+            f"hvps: {kind} '{name}' names process set {set_id}, which is not registered (removed, or never added "
+            "on every rank)"))
+
+    def _stalled(self, name: str, pending: _Pending, present: set, members: tuple) -> Response:
+        missing = sorted(set(members) - present)
         submitted = sorted(pending.by_rank)
         kind = next(iter(pending.by_rank.values())).kind
         return Response(
@@ -195,7 +233,7 @@ class Coordinator:
             ),
         )
 
-    def _check(self, name: str, by_rank: dict, joined: set) -> Response:
+    def _check(self, name: str, by_rank: dict, joined: set, members: tuple) -> Response:
         reference = next(iter(by_rank.values()))
         groups: dict[tuple, list[int]] = {}
         for rank in sorted(by_rank):
@@ -218,11 +256,11 @@ class Coordinator:
                     "called join(); only allreduce continues after join"
                 ),
             )
-        per_rank: list = []
+        per_rank: list = []  # in the set's rank order
         if reference.kind == ALLGATHER:
-            per_rank = [by_rank[r].shapes[0][0] for r in range(self.size)]
+            per_rank = [by_rank[r].shapes[0][0] for r in members]
         elif reference.kind == ALLTOALL:
-            per_rank = [list(by_rank[r].splits) for r in range(self.size)]
+            per_rank = [list(by_rank[r].splits) for r in members]
         return Response(reference.kind, [name], requests=[reference], per_rank=per_rank)
 
     def _fuse(self, responses: list) -> list:
@@ -250,4 +288,6 @@ class Coordinator:
 
 
 def _fusion_key(req: Request) -> tuple:
-    return (req.dtype, req.op, req.prescale, req.postscale, req.device)
+    # Adasum combines each tensor with coefficients of its own: never fused (the name keeps keys apart)
+    return (req.dtype, req.op, req.prescale, req.postscale, req.device, req.process_set,
+            req.name if req.op == "adasum" else "")

@@ -1,4 +1,10 @@
-"""Collectives on numpy buffers, each synchronous and asynchronous (``*_async`` returns a Handle)."""
+"""Collectives on numpy buffers, each synchronous and asynchronous (``*_async`` returns a Handle).
+
+Every argument is checked before anything is submitted, the same way on every rank, and a
+call submits all of its collectives or none: an argument error never leaves one rank a
+collective ahead of the others, so the automatic names of unnamed collectives (numbered per
+process set and kind) stay in step across ranks.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +16,27 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from . import arrays, dtypes, runtime
-from .collectives import Entry
+from .adasum import is_power_of_two
+from .collectives import Entry, reducescatter_rows
 from .dtypes import ReduceOp
 from .errors import HvpsError
 from .handle import Handle
-from .negotiation import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER, Request
+from .negotiation import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, GLOBAL_SET, JOIN, REDUCESCATTER, Request
+from .process_sets import ProcessSet, resolve
 
-Average, Sum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
+Average, Sum, Min, Max, Product, Adasum = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max,
+                                           ReduceOp.Product, ReduceOp.Adasum)
 
 _counters: dict = defaultdict(itertools.count)
 
 
-def _name(kind: str, name: Optional[str]) -> str:
-    """User names are namespaced by kind; unnamed ops are numbered in submission order."""
-    return f"{kind}.{name}" if name else f"{kind}.noname.{next(_counters[kind])}"
+def _name(kind: str, name: Optional[str], set_id: int = GLOBAL_SET) -> str:
+    """User names are namespaced by kind (and set); unnamed ops are numbered per set and kind.
+
+    Call it only once every argument has been checked: the counter must advance on every rank alike.
+    """
+    scope = kind if set_id == GLOBAL_SET else f"{kind}.set{set_id}"
+    return f"{scope}.{name}" if name else f"{scope}.noname.{next(_counters[scope])}"
 
 
 def _prepare(array: Any):
@@ -61,14 +74,17 @@ def _check_out(out: Any, like: Any) -> Any:
     return out
 
 
-def _describe(array: Any) -> dict:
-    """The request fields that come from the array itself."""
-    return {"dtype": arrays.dtype_name(array), "shapes": (tuple(array.shape),), "device": arrays.device_of(array)}
+def _describe(array: Any, set_id: int) -> dict:
+    """The request fields that come from the array itself (and the set it runs on)."""
+    return {"dtype": arrays.dtype_name(array), "shapes": (tuple(array.shape),), "device": arrays.device_of(array),
+            "process_set": set_id}
 
 
-def _submit(request: Request, inputs: list, outputs: list = (), grouped: bool = False) -> Handle:
-    entry = Entry(request, list(inputs), list(outputs), grouped=grouped, ready_event=arrays.ready_event(inputs))
-    return runtime.engine().submit(entry)
+def _submit_all(pairs: list, grouped: bool = False) -> list:
+    """Submit ``(request, inputs, outputs)`` triples as one unit: all of them or, on an error, none."""
+    entries = [Entry(request, list(inputs), list(outputs), grouped=grouped, ready_event=arrays.ready_event(inputs))
+               for request, inputs, outputs in pairs]
+    return runtime.engine().submit_all(entries)
 
 
 def _as_op(op: Any) -> ReduceOp:
@@ -80,50 +96,16 @@ def _as_op(op: Any) -> ReduceOp:
         raise ValueError(f"unknown reduce op {op!r}; use one of {[o.name for o in ReduceOp]}") from None
 
 
-# -- allreduce ------------------------------------------------------------------
-def grouped_allreduce_async(
-    arrays: Sequence[Any],
-    op: Any = Average,
-    name: Optional[str] = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    outs: Optional[Sequence[np.ndarray]] = None,
-) -> Handle:
-    """Reduce several arrays as one collective per dtype; the handle yields a list in input order."""
-    return _allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs, grouped=True)
-
-
-def _allreduce_async(values, op, name, prescale_factor, postscale_factor, outs, grouped: bool) -> Handle:
-    op = _as_op(op)
-    runtime.engine()
-    inputs = [_prepare(a) for a in values]
-    if not inputs:
-        raise ValueError("grouped_allreduce needs at least one array")
-    by_kind: dict = {}  # one collective per (dtype, device)
-    for index, array in enumerate(inputs):
-        by_kind.setdefault((arrays.dtype_name(array), arrays.device_of(array)), []).append(index)
-    for dtype, _ in by_kind:
-        dtypes.check_reducible(dtypes.BY_NAME[dtype], op)
-    outputs = ([_check_out(o, a) for o, a in zip(outs, inputs)] if outs is not None
-               else [arrays.empty(a, tuple(a.shape)) for a in inputs])
-    base = _name(ALLREDUCE, name)
-    handles = []
-    for (dtype, device), indices in by_kind.items():
-        suffix = dtype if device == "cpu" else f"{dtype}.{device}"
-        request = Request(
-            base if len(by_kind) == 1 else f"{base}.{suffix}", ALLREDUCE,
-            dtype, tuple(tuple(inputs[i].shape) for i in indices), op.value,
-            prescale=float(prescale_factor), postscale=float(postscale_factor), device=device,
-        )
-        handles.append((indices, _submit(request, [inputs[i] for i in indices], [outputs[i] for i in indices],
-                                         grouped)))
-    if len(handles) == 1:
-        return handles[0][1]
-    return GroupHandle(base, handles, len(inputs))
+def _check_adasum(set_id: int, size: int) -> None:
+    """Horovod's rules for Adasum: the global set only, and a power-of-two number of ranks."""
+    if set_id != GLOBAL_SET:
+        raise NotImplementedError("Adasum does not support non-global process sets")
+    if not is_power_of_two(size):
+        raise NotImplementedError(f"Adasum needs a power-of-two number of ranks, not {size}")
 
 
 class GroupHandle(Handle):
-    """Several per-dtype collectives of one grouped allreduce, seen as one handle."""
+    """Several collectives submitted together, seen as one handle yielding a list in input order."""
 
     __slots__ = ("_parts", "_count")
 
@@ -135,121 +117,260 @@ class GroupHandle(Handle):
     def poll(self) -> bool:
         return all(handle.poll() for _, handle in self._parts)
 
+    done = poll
+
     def wait(self, timeout: Optional[float] = None) -> list:
         results: list = [None] * self._count
         for indices, handle in self._parts:
             outputs = handle.wait(timeout)
+            if len(indices) == 1 and not isinstance(outputs, list):
+                outputs = [outputs]
             for index, output in zip(indices, outputs):
                 results[index] = output
         return results
 
 
-def allreduce_async(
-    array: Any,
+# -- allreduce ------------------------------------------------------------------
+def grouped_allreduce_async(
+    arrays: Sequence[Any],
     op: Any = Average,
     name: Optional[str] = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    out: Optional[np.ndarray] = None,
+    outs: Optional[Sequence[Any]] = None,
+    process_set: Optional[ProcessSet] = None,
 ) -> Handle:
-    """Start reducing ``array`` over all ranks; pass ``out=array`` to reduce in place."""
+    """Reduce several arrays as one collective per dtype; the handle yields a list in input order."""
+    return _allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs, process_set, grouped=True)
+
+
+def _allreduce_async(values, op, name, prescale_factor, postscale_factor, outs, process_set, grouped: bool) -> Handle:
+    op = _as_op(op)
+    runtime.engine()
+    set_id, ranks = resolve(process_set)
+    inputs = [_prepare(a) for a in values]
+    if not inputs:
+        raise ValueError("grouped_allreduce needs at least one array")
+    if outs is not None and len(outs) != len(inputs):
+        raise ValueError(f"{len(outs)} outputs given for {len(inputs)} inputs")
+    by_kind: dict = {}  # one collective per (dtype, device)
+    for index, array in enumerate(inputs):
+        by_kind.setdefault((arrays.dtype_name(array), arrays.device_of(array)), []).append(index)
+    for dtype, _ in by_kind:
+        dtypes.check_reducible(dtypes.BY_NAME[dtype], op)
+    if op is ReduceOp.Adasum:
+        _check_adasum(set_id, len(ranks))
+    outputs = ([_check_out(o, a) for o, a in zip(outs, inputs)] if outs is not None
+               else [arrays.empty(a, tuple(a.shape)) for a in inputs])
+    base = _name(ALLREDUCE, name, set_id)
+    parts, plan = [], []
+    for (dtype, device), indices in by_kind.items():
+        suffix = dtype if device == "cpu" else f"{dtype}.{device}"
+        # Adasum combines each tensor with its own coefficients: one collective per tensor
+        groups = [[i] for i in indices] if op is ReduceOp.Adasum and len(indices) > 1 else [indices]
+        for number, group in enumerate(groups):
+            label = base if len(by_kind) == 1 else f"{base}.{suffix}"
+            label = label if len(groups) == 1 else f"{label}.{number}"
+            request = Request(label, ALLREDUCE, dtype, tuple(tuple(inputs[i].shape) for i in group), op.value,
+                              prescale=float(prescale_factor), postscale=float(postscale_factor), device=device,
+                              process_set=set_id)
+            parts.append((request, [inputs[i] for i in group], [outputs[i] for i in group]))
+            plan.append(group)
+    handles = _submit_all(parts, grouped)
+    if len(handles) == 1:
+        return handles[0]
+    return GroupHandle(base, list(zip(plan, handles)), len(inputs))
+
+
+def allreduce_async(array: Any, op: Any = Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0, out: Optional[Any] = None,
+                    process_set: Optional[ProcessSet] = None) -> Handle:
+    """Start reducing ``array`` over the set's ranks; pass ``out=array`` to reduce in place."""
     outs = None if out is None else [out]
-    return _allreduce_async([array], op, name, prescale_factor, postscale_factor, outs, grouped=False)
+    return _allreduce_async([array], op, name, prescale_factor, postscale_factor, outs, process_set, grouped=False)
 
 
 def allreduce(array: Any, op: Any = Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, out: Optional[np.ndarray] = None) -> np.ndarray:
-    """Reduce ``array`` over all ranks: ``postscale * op(prescale * array)``."""
-    return allreduce_async(array, op, name, prescale_factor, postscale_factor, out).wait()
+              postscale_factor: float = 1.0, out: Optional[Any] = None,
+              process_set: Optional[ProcessSet] = None) -> Any:
+    """Reduce ``array`` over the set's ranks: ``postscale * op(prescale * array)``."""
+    return allreduce_async(array, op, name, prescale_factor, postscale_factor, out, process_set).wait()
 
 
 def grouped_allreduce(arrays: Sequence[Any], op: Any = Average, name: Optional[str] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      outs: Optional[Sequence[np.ndarray]] = None) -> list:
+                      outs: Optional[Sequence[Any]] = None, process_set: Optional[ProcessSet] = None) -> list:
     """Reduce several arrays in one fused collective."""
-    return grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs).wait()
+    return grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs, process_set).wait()
 
 
-# -- allgather, broadcast, alltoall, reducescatter ------------------------------
-def allgather_async(array: Any, name: Optional[str] = None) -> Handle:
-    """Start concatenating every rank's ``array`` along dim 0 (dim 0 may differ by rank)."""
-    runtime.engine()
+# -- allgather ----------------------------------------------------------------------
+def _gather_source(array: Any) -> Any:
     src = _prepare(array)
-    if src.ndim == 0:
-        src = src.reshape(1)
-    request = Request(_name(ALLGATHER, name), ALLGATHER, **_describe(src))
-    return _submit(request, [src])
+    return src.reshape(1) if src.ndim == 0 else src
 
 
-def allgather(array: Any, name: Optional[str] = None) -> np.ndarray:
-    """Concatenate every rank's ``array`` along dim 0."""
-    return allgather_async(array, name).wait()
-
-
-def broadcast_async(array: Any, root_rank: int, name: Optional[str] = None,
-                    out: Optional[np.ndarray] = None) -> Handle:
-    """Start copying the root's ``array`` to every rank; pass ``out=array`` for in place."""
+def grouped_allgather_async(values: Sequence[Any], name: Optional[str] = None,
+                            process_set: Optional[ProcessSet] = None) -> Handle:
+    """Start allgathering several arrays together; the handle yields a list in input order."""
     runtime.engine()
+    set_id, _ = resolve(process_set)
+    sources = [_gather_source(a) for a in values]
+    if not sources:
+        raise ValueError("grouped_allgather needs at least one array")
+    base = _name(ALLGATHER, name, set_id)
+    parts = [(Request(f"{base}.{i}", ALLGATHER, **_describe(src, set_id)), [src], []) for i, src in enumerate(sources)]
+    handles = _submit_all(parts)
+    return GroupHandle(base, [([i], h) for i, h in enumerate(handles)], len(sources))
+
+
+def allgather_async(array: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
+    """Start concatenating every member's ``array`` along dim 0 (dim 0 may differ by rank)."""
+    runtime.engine()
+    set_id, _ = resolve(process_set)
+    src = _gather_source(array)
+    request = Request(_name(ALLGATHER, name, set_id), ALLGATHER, **_describe(src, set_id))
+    return _submit_all([(request, [src], [])])[0]
+
+
+def allgather(array: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Any:
+    """Concatenate every member's ``array`` along dim 0."""
+    return allgather_async(array, name, process_set).wait()
+
+
+def grouped_allgather(values: Sequence[Any], name: Optional[str] = None,
+                      process_set: Optional[ProcessSet] = None) -> list:
+    """Allgather several arrays together."""
+    return grouped_allgather_async(values, name, process_set).wait()
+
+
+# -- broadcast ------------------------------------------------------------------------
+def broadcast_async(array: Any, root_rank: int, name: Optional[str] = None, out: Optional[Any] = None,
+                    process_set: Optional[ProcessSet] = None) -> Handle:
+    """Start copying the root's ``array`` to every member; ``root_rank`` is a global rank; ``out=array``
+    for in place."""
+    runtime.engine()
+    set_id, ranks = resolve(process_set)
     src = _prepare(array)
-    if not 0 <= root_rank < runtime.size():
-        raise ValueError(f"root_rank {root_rank} is out of range for {runtime.size()} ranks")
+    if int(root_rank) not in ranks:
+        raise ValueError(f"root_rank {root_rank} is not one of the ranks {list(ranks)} of the process set")
     output = _check_out(out, src) if out is not None else arrays.empty(src, tuple(src.shape))
-    request = Request(_name(BROADCAST, name), BROADCAST, root=int(root_rank), **_describe(src))
-    return _submit(request, [src], [output])
+    request = Request(_name(BROADCAST, name, set_id), BROADCAST, root=int(root_rank), **_describe(src, set_id))
+    return _submit_all([(request, [src], [output])])[0]
 
 
-def broadcast(array: Any, root_rank: int, name: Optional[str] = None, out: Optional[np.ndarray] = None) -> np.ndarray:
-    """Copy the root's ``array`` to every rank."""
-    return broadcast_async(array, root_rank, name, out).wait()
+def broadcast(array: Any, root_rank: int, name: Optional[str] = None, out: Optional[Any] = None,
+              process_set: Optional[ProcessSet] = None) -> Any:
+    """Copy the root's ``array`` to every member."""
+    return broadcast_async(array, root_rank, name, out, process_set).wait()
 
 
-def alltoall_async(array: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Handle:
-    """Start sending ``splits[r]`` rows of ``array`` to rank r; yields ``(output, received_splits)``."""
+# -- alltoall ---------------------------------------------------------------------------
+def _check_splits(splits: Any, rows: int, members: int) -> list:
+    if splits is None:
+        if rows % members:
+            raise ValueError(f"alltoall without splits needs dim 0 ({rows}) divisible by the set size ({members})")
+        return [rows // members] * members
+    values = np.asarray(splits)
+    if values.dtype.kind not in "iu":
+        raise ValueError(f"alltoall splits must be integers, not {values.dtype}")
+    values = [int(s) for s in values.reshape(-1)]
+    if len(values) != members or min(values) < 0 or sum(values) != rows:
+        raise ValueError(f"splits {values} must have {members} non-negative entries summing to dim 0 ({rows})")
+    return values
+
+
+def alltoall_async(array: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
+                   process_set: Optional[ProcessSet] = None) -> Handle:
+    """Start sending ``splits[i]`` rows of ``array`` to the set's i-th rank; yields ``(output, received_splits)``."""
     runtime.engine()
+    set_id, ranks = resolve(process_set)
     src = _prepare(array)
     if src.ndim == 0:
         raise ValueError("alltoall needs an array with at least one dimension")
-    world = runtime.size()
-    if splits is None:
-        if src.shape[0] % world:
-            raise ValueError(f"alltoall without splits needs dim 0 ({src.shape[0]}) divisible by size ({world})")
-        splits = [src.shape[0] // world] * world
-    splits = [int(s) for s in np.asarray(splits).reshape(-1)]
-    if len(splits) != world or min(splits) < 0 or sum(splits) != src.shape[0]:
-        raise ValueError(f"splits {splits} must have {world} non-negative entries summing to dim 0 ({src.shape[0]})")
-    request = Request(_name(ALLTOALL, name), ALLTOALL, splits=tuple(splits), **_describe(src))
-    return _submit(request, [src])
+    splits = _check_splits(splits, src.shape[0], len(ranks))
+    request = Request(_name(ALLTOALL, name, set_id), ALLTOALL, splits=tuple(splits), **_describe(src, set_id))
+    return _submit_all([(request, [src], [])])[0]
 
 
-def alltoall(array: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> tuple:
-    """Scatter rows of ``array`` to all ranks and gather theirs: ``(output, received_splits)``."""
-    return alltoall_async(array, splits, name).wait()
+def alltoall(array: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
+             process_set: Optional[ProcessSet] = None) -> tuple:
+    """Scatter rows of ``array`` to the set's ranks and gather theirs: ``(output, received_splits)``."""
+    return alltoall_async(array, splits, name, process_set).wait()
+
+
+# -- reducescatter ------------------------------------------------------------------------
+def _scatter_source(array: Any, op: ReduceOp) -> Any:
+    src = _prepare(array)
+    if src.ndim == 0:
+        raise ValueError("reducescatter needs arrays with at least one dimension, not a scalar")
+    dtypes.check_reducible(dtypes.BY_NAME[arrays.dtype_name(src)], op)
+    return src
+
+
+def _scatter_op(op: Any) -> ReduceOp:
+    op = _as_op(op)
+    if op is ReduceOp.Adasum:
+        raise NotImplementedError("reducescatter does not support Adasum; use Sum or Average")
+    return op
+
+
+def grouped_reducescatter_async(values: Sequence[Any], op: Any = Average, name: Optional[str] = None,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                                process_set: Optional[ProcessSet] = None) -> Handle:
+    """Start reducescattering several arrays together; the handle yields a list in input order."""
+    op = _scatter_op(op)
+    runtime.engine()
+    set_id, _ = resolve(process_set)
+    sources = [_scatter_source(a, op) for a in values]
+    if not sources:
+        raise ValueError("grouped_reducescatter needs at least one array")
+    base = _name(REDUCESCATTER, name, set_id)
+    parts = [(Request(f"{base}.{i}", REDUCESCATTER, op=op.value, prescale=float(prescale_factor),
+                      postscale=float(postscale_factor), **_describe(src, set_id)), [src], [])
+             for i, src in enumerate(sources)]
+    handles = _submit_all(parts)
+    return GroupHandle(base, [([i], h) for i, h in enumerate(handles)], len(sources))
 
 
 def reducescatter_async(array: Any, op: Any = Average, name: Optional[str] = None,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        process_set: Optional[ProcessSet] = None) -> Handle:
     """Start reducing ``array`` and keeping this rank's block of dim 0 (first ranks get the remainder)."""
-    op = _as_op(op)
+    op = _scatter_op(op)
     runtime.engine()
-    src = _prepare(array)
-    if src.ndim == 0:
-        raise ValueError("reducescatter needs an array with at least one dimension")
-    dtypes.check_reducible(dtypes.BY_NAME[arrays.dtype_name(src)], op)
-    request = Request(_name(REDUCESCATTER, name), REDUCESCATTER, op=op.value, prescale=float(prescale_factor),
-                      postscale=float(postscale_factor), **_describe(src))
-    return _submit(request, [src])
+    set_id, _ = resolve(process_set)
+    src = _scatter_source(array, op)
+    request = Request(_name(REDUCESCATTER, name, set_id), REDUCESCATTER, op=op.value,
+                      prescale=float(prescale_factor), postscale=float(postscale_factor), **_describe(src, set_id))
+    return _submit_all([(request, [src], [])])[0]
 
 
-def reducescatter(array: Any, op: Any = Average, name: Optional[str] = None,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
-    """Reduce ``array`` over ranks and return this rank's block of dim 0."""
-    return reducescatter_async(array, op, name, prescale_factor, postscale_factor).wait()
+def reducescatter(array: Any, op: Any = Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0, process_set: Optional[ProcessSet] = None) -> Any:
+    """Reduce ``array`` over the set's ranks and return this rank's block of dim 0."""
+    return reducescatter_async(array, op, name, prescale_factor, postscale_factor, process_set).wait()
+
+
+def grouped_reducescatter(values: Sequence[Any], op: Any = Average, name: Optional[str] = None,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          process_set: Optional[ProcessSet] = None) -> list:
+    """Reducescatter several arrays together."""
+    return grouped_reducescatter_async(values, op, name, prescale_factor, postscale_factor, process_set).wait()
+
+
+def scattered_rows(rows: int, process_set: Optional[ProcessSet] = None) -> list:
+    """Rows of dim 0 each member keeps after a reducescatter of ``rows`` rows, in set order."""
+    _, ranks = resolve(process_set)
+    return reducescatter_rows(rows, len(ranks))
 
 
 # -- synchronisation and objects -------------------------------------------------
-def barrier() -> None:
-    """Return once every rank has called barrier()."""
-    _submit(Request(_name(BARRIER, None), BARRIER), []).wait()
+def barrier(process_set: Optional[ProcessSet] = None) -> None:
+    """Return once every member of the set has called barrier()."""
+    runtime.engine()
+    set_id, _ = resolve(process_set)
+    _submit_all([(Request(_name(BARRIER, None, set_id), BARRIER, process_set=set_id), [], [])])[0].wait()
 
 
 def join() -> int:
@@ -257,31 +378,41 @@ def join() -> int:
 
     Returns the rank that joined last, once every rank has joined.
     """
-    return _submit(Request("join", JOIN), []).wait()
+    runtime.engine()
+    return _submit_all([(Request("join", JOIN), [], [])])[0].wait()
 
 
-def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = None) -> Any:
-    """Pickle ``obj`` on the root and return a copy of it on every rank."""
-    name = _name("object", name)
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: Optional[ProcessSet] = None) -> Any:
+    """Pickle ``obj`` on the root and return a copy of it on every member."""
+    set_id, ranks = resolve(process_set)
+    if root_rank not in ranks:
+        raise ValueError(f"root_rank {root_rank} is not one of the ranks {list(ranks)} of the process set")
+    name = _name("object", name, set_id)
     payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if runtime.rank() == root_rank else None
-    length = broadcast(np.array([0 if payload is None else payload.size], dtype=np.int64), root_rank, f"{name}.len")
-    data = broadcast(payload if payload is not None else np.empty(int(length[0]), np.uint8), root_rank, f"{name}.data")
+    length = broadcast(np.array([0 if payload is None else payload.size], dtype=np.int64), root_rank, f"{name}.len",
+                       process_set=process_set)
+    data = broadcast(payload if payload is not None else np.empty(int(length[0]), np.uint8), root_rank,
+                     f"{name}.data", process_set=process_set)
     return pickle.loads(data.tobytes()) if runtime.rank() != root_rank else obj
 
 
-def allgather_object(obj: Any, name: Optional[str] = None) -> list:
-    """Pickle ``obj`` on every rank and return the list of all ranks' objects, in rank order."""
-    name = _name("object", name)
+def allgather_object(obj: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> list:
+    """Pickle ``obj`` on every member and return the list of all members' objects, in rank order."""
+    set_id, _ = resolve(process_set)
+    name = _name("object", name, set_id)
     payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-    lengths = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len")
-    data = allgather(payload, f"{name}.data").tobytes()
+    lengths = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len", process_set)
+    data = allgather(payload, f"{name}.data", process_set).tobytes()
     bounds = np.concatenate(([0], np.cumsum(lengths)))
     return [pickle.loads(data[bounds[i] : bounds[i + 1]]) for i in range(len(lengths))]
 
 
 __all__ = [
-    "Average", "Sum", "Min", "Max", "Product", "HvpsError",
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "HvpsError",
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
-    "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
-    "reducescatter", "reducescatter_async", "barrier", "join", "broadcast_object", "allgather_object",
+    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
+    "broadcast", "broadcast_async", "alltoall", "alltoall_async",
+    "reducescatter", "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
+    "barrier", "join", "broadcast_object", "allgather_object",
 ]

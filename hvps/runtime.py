@@ -62,41 +62,53 @@ def _topology(comm, local, cross) -> Topology:
                     cross.Get_rank(), cross.Get_size())
 
 
-def init(comm=None) -> None:
+def init(comm=None, process_sets=None) -> None:
     """Start hvps on ``comm`` (default: MPI.COMM_WORLD). Calling it again is a no-op.
 
     Reads ``HVPS_*`` settings from the environment and starts the engine thread.
+    ``process_sets`` (ProcessSets or lists of ranks) are registered on every rank, in order.
     """
     with _state.lock:
         if _state.engine is not None:
             return
-        mpi_defaults(os.environ)  # before MPI initialises: HOME for Open MPI 5, no spinning waits
-        from mpi4py import MPI
+        _start(comm)
+    from . import process_sets as sets
 
-        from . import backends
-        from .engine import Engine
+    sets.setup(process_sets)
 
-        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
-            raise HvpsError(
-                "MPI was initialized without thread support; hvps needs MPI_THREAD_SERIALIZED or better "
-                "(do not set mpi4py.rc.thread_level below 'serialized')"
-            )
-        comm = MPI.COMM_WORLD if comm is None else comm
-        local, cross = _node_comms(comm)
-        topology = _topology(comm, local, cross)
-        settings = Settings.from_env().resolved(single_host=topology.local_size == topology.size)
-        try:
-            backend = backends.build(settings, comm, local, cross)
-        finally:
-            local.Free()
-            cross.Free()
-        _state.topology = topology
-        _state.settings = settings
-        _state.engine = Engine(comm, backend, settings)
+
+def _start(comm) -> None:
+    """Build the topology, settings, backend and engine (under the state lock)."""
+    mpi_defaults(os.environ)  # before MPI initialises: HOME for Open MPI 5, no spinning waits
+    from mpi4py import MPI
+
+    from . import backends
+    from .engine import Engine
+
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        raise HvpsError(
+            "MPI was initialized without thread support; hvps needs MPI_THREAD_SERIALIZED or better "
+            "(do not set mpi4py.rc.thread_level below 'serialized')"
+        )
+    comm = MPI.COMM_WORLD if comm is None else comm
+    local, cross = _node_comms(comm)
+    topology = _topology(comm, local, cross)
+    settings = Settings.from_env().resolved(single_host=topology.local_size == topology.size)
+    try:
+        backend = backends.build(settings, comm, local, cross)
+    finally:
+        local.Free()
+        cross.Free()
+    _state.topology = topology
+    _state.settings = settings
+    _state.engine = Engine(comm, backend, settings)
 
 
 def shutdown() -> None:
     """Stop the engine on every rank (collective). Safe to call when not initialized."""
+    from . import process_sets
+
+    process_sets.reset()
     with _state.lock:
         engine, _state.engine = _state.engine, None
         if engine is None:
@@ -170,3 +182,19 @@ def cross_rank() -> int:
 def cross_size() -> int:
     """The number of nodes (processes that share this local rank)."""
     return topology().cross_size
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a Chrome-trace timeline to ``file_path`` (rank 0 writes it; Horovod's API)."""
+    engine().start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop writing the timeline started by ``start_timeline`` (or ``HVPS_TIMELINE``)."""
+    engine().stop_timeline()
+
+
+def is_homogeneous() -> bool:
+    """Whether every node runs the same number of ranks (judged from this rank's view of the topology)."""
+    current = topology()
+    return current.local_size * current.cross_size == current.size

@@ -17,7 +17,9 @@ from typing import Optional
 class Timeline:
     """Appends trace events to ``path``; each tensor name gets its own row."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, mark_cycles: bool = False) -> None:
+        #: accepted for Horovod's ``start_timeline(path, mark_cycles)``; hvps's engine marks no cycles
+        self.mark_cycles = mark_cycles
         self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._file.write("[\n")
         self._lock = threading.Lock()
@@ -37,6 +39,8 @@ class Timeline:
     def span(self, name: str, phase: str, start: float, end: float, args: Optional[dict] = None) -> None:
         """One completed phase of collective ``name`` between two ``time.monotonic()`` readings."""
         with self._lock:
+            if self._file.closed:  # stop_timeline() raced with a collective finishing
+                return
             event = {"name": phase, "ph": "X", "pid": 0, "tid": self._row(name),
                      "ts": round((start - self._origin) * 1e6, 1), "dur": round((end - start) * 1e6, 1)}
             if args:
@@ -45,5 +49,7 @@ class Timeline:
 
     def close(self) -> None:
         with self._lock:
+            if self._file.closed:
+                return
             self._file.write("{}]\n")
             self._file.close()

@@ -1,13 +1,22 @@
-"""PyTorch adapter with Horovod's API: ``import hvps.adapters.torch as hvd``."""
+"""PyTorch adapter with Horovod's API: ``import hvps.adapters.torch as hvd``.
+
+Exports every name ``horovod.torch`` does (``elastic`` raises NotImplementedError on use),
+plus hvps's HDF5 checkpoints.
+"""
 
 from hvps import (
+    DuplicateNameError,
+    HorovodInternalError,
     HvpsError,
+    ProcessSet,
     ReduceOp,
+    add_process_set,
     ccl_built,
     cross_rank,
     cross_size,
     cuda_built,
     ddl_built,
+    global_process_set,
     gloo_built,
     gloo_enabled,
     init,
@@ -19,14 +28,20 @@ from hvps import (
     mpi_threads_supported,
     nccl_built,
     rank,
+    remove_process_set,
     rocm_built,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
+from hvps.runtime import is_homogeneous
 
+from . import elastic
 from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .mpi_ops import (
+    Adasum,
     Average,
     Max,
     Min,
@@ -45,30 +60,42 @@ from .mpi_ops import (
     broadcast_,
     broadcast_async,
     broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
     join,
     poll,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
-    "cuda_built", "rocm_built", "ddl_built", "ccl_built",
-    "HvpsError", "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Compression",
+    "cuda_built", "rocm_built", "ddl_built", "ccl_built", "is_homogeneous",
+    "HvpsError", "HorovodInternalError", "DuplicateNameError", "ReduceOp",
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+    "start_timeline", "stop_timeline",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-    "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "sparse_allreduce_async",
+    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter", "grouped_reducescatter_async",
     "synchronize", "poll", "join", "barrier",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
-    "DistributedOptimizer",
+    "DistributedOptimizer", "SyncBatchNorm", "elastic",
     "CheckpointManager", "CheckpointError",
 ]
 

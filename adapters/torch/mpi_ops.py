@@ -1,4 +1,9 @@
-"""Horovod's tensor collectives for PyTorch: ``op``, ``op_``, ``op_async``, ``op_async_``."""
+"""Horovod's tensor collectives for PyTorch: ``op``, ``op_``, ``op_async``, ``op_async_``.
+
+Every function takes ``process_set=`` (default: every rank). The differentiable ones
+(``allreduce``, ``grouped_allreduce``, ``allgather``, ``grouped_allgather``, ``broadcast``,
+``alltoall``, ``reducescatter``, ``grouped_reducescatter``) have Horovod's gradients.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 import hvps
-from hvps import ReduceOp
+from hvps import ProcessSet, ReduceOp, global_process_set
 
 from .compression import Compression, compress_tensor, decompress_tensor
 from .tensors import core_buffer, core_input, from_core
 
-Average, Sum, Min, Max, Product = hvps.Average, hvps.Sum, hvps.Min, hvps.Max, hvps.Product
+Average, Sum, Min, Max, Product, Adasum = hvps.Average, hvps.Sum, hvps.Min, hvps.Max, hvps.Product, hvps.Adasum
 
 
 class TorchHandle:
@@ -36,6 +41,10 @@ class TorchHandle:
             self._finished = True
         return self._output
 
+    def then(self, finish: Callable[[Any], Any]) -> "TorchHandle":
+        """A handle on the same collective whose output is ``finish(this handle's output)``."""
+        return TorchHandle(self._core, lambda result: finish(self._finish(result)))
+
 
 def synchronize(handle: TorchHandle) -> Any:
     """Wait for an asynchronous collective and return its output."""
@@ -55,9 +64,12 @@ def _resolve_op(average: Optional[bool], op: Optional[ReduceOp]) -> ReduceOp:
     return Sum if average is False else Average
 
 
-def _check_process_set(process_set: Any) -> None:
-    if process_set is not None:
-        raise NotImplementedError("hvps runs collectives on the global process set only; pass process_set=None")
+def _set_size(process_set: ProcessSet) -> int:
+    return hvps.size() if process_set is None else process_set.size()
+
+
+def _set_rank(process_set: ProcessSet) -> int:
+    return hvps.rank() if process_set is None else process_set.rank()
 
 
 def _writeback(target: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
@@ -67,207 +79,328 @@ def _writeback(target: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
     return target
 
 
+def _outputs(tensors: Sequence[torch.Tensor]) -> Callable[[list], list]:
+    return lambda outs: [from_core(o, t.device) for o, t in zip(outs, tensors)]
+
+
 # -- allreduce ----------------------------------------------------------------
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Optional[ReduceOp] = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: Any = None) -> TorchHandle:
+                             process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Reduce ``tensors`` in place as one fused collective."""
-    _check_process_set(process_set)
-    arrays, buffers = zip(*[core_buffer(t) for t in tensors]) if tensors else ((), ())
-    core = hvps.grouped_allreduce_async(list(arrays), _resolve_op(average, op), name, prescale_factor,
-                                        postscale_factor, outs=list(arrays))
-    return TorchHandle(core, lambda _: [_writeback(t, b) for t, b in zip(tensors, buffers)])
+    pairs = [core_buffer(t) for t in tensors]
+    arrays = [array for array, _ in pairs]
+    core = hvps.grouped_allreduce_async(arrays, _resolve_op(average, op), name, prescale_factor,
+                                        postscale_factor, outs=arrays, process_set=process_set)
+    return TorchHandle(core, lambda _: [_writeback(t, buffer) for t, (_, buffer) in zip(tensors, pairs)])
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Optional[ReduceOp] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: Any = None) -> TorchHandle:
+                            process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Reduce ``tensors`` as one fused collective into new tensors."""
-    _check_process_set(process_set)
-    arrays = [core_input(t) for t in tensors]
-    core = hvps.grouped_allreduce_async(arrays, _resolve_op(average, op), name, prescale_factor, postscale_factor)
-    return TorchHandle(core, lambda outs: [from_core(o, t.device) for o, t in zip(outs, tensors)])
+    core = hvps.grouped_allreduce_async([core_input(t) for t in tensors], _resolve_op(average, op), name,
+                                        prescale_factor, postscale_factor, process_set=process_set)
+    return TorchHandle(core, _outputs(tensors))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: Any = None) -> TorchHandle:
-    """Start reducing ``tensor`` in place over all ranks."""
-    handle = grouped_allreduce_async_([tensor], average, name, op, prescale_factor, postscale_factor, process_set)
-    return TorchHandle(handle._core, lambda result: handle._finish(result)[0])
+                     process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start reducing ``tensor`` in place over the set's ranks."""
+    return grouped_allreduce_async_([tensor], average, name, op, prescale_factor, postscale_factor,
+                                    process_set).then(lambda outs: outs[0])
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: Any = None) -> TorchHandle:
-    """Start reducing ``tensor`` over all ranks into a new tensor."""
-    handle = grouped_allreduce_async([tensor], average, name, op, prescale_factor, postscale_factor, process_set)
-    return TorchHandle(handle._core, lambda result: handle._finish(result)[0])
+                    process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start reducing ``tensor`` over the set's ranks into a new tensor."""
+    core = hvps.allreduce_async(core_input(tensor), _resolve_op(average, op), name, prescale_factor,
+                                postscale_factor, process_set=process_set)
+    return TorchHandle(core, lambda out: from_core(out, tensor.device))
 
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale_factor, postscale_factor
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
         return allreduce_async(tensor, name=name, op=op, prescale_factor=prescale_factor,
-                               postscale_factor=postscale_factor).wait()
+                               postscale_factor=postscale_factor, process_set=process_set).wait()
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = allreduce_async(grad_output.contiguous(), op=ctx.op, prescale_factor=ctx.prescale,
-                               postscale_factor=ctx.postscale).wait()
-        return grad, None, None, None, None
+        op, pre, post, process_set = ctx.args
+        grad = allreduce_async(grad_output.contiguous(), op=op, prescale_factor=pre, postscale_factor=post,
+                               process_set=process_set).wait()
+        return grad, None, None, None, None, None
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
               compression=Compression.none, op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks (differentiable); ``compression`` applies on the wire."""
-    _check_process_set(process_set)
+              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` over the set's ranks (differentiable); ``compression`` applies on the wire."""
+    op = _resolve_op(average, op)
     compressed, ctx = compress_tensor(compression, tensor)
-    summed = _Allreduce.apply(compressed, name, _resolve_op(average, op), prescale_factor, postscale_factor)
+    summed = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
     return decompress_tensor(compression, summed, ctx)
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               process_set: Any = None) -> torch.Tensor:
-    """Reduce ``tensor`` in place over all ranks."""
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` in place over the set's ranks."""
     return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set).wait()
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        return tuple(grouped_allreduce_async(list(tensors), name=name, op=op, prescale_factor=prescale_factor,
+                                             postscale_factor=postscale_factor, process_set=process_set).wait())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, pre, post, process_set = ctx.args
+        reduced = grouped_allreduce_async([g.contiguous() for g in grads], op=op, prescale_factor=pre,
+                                          postscale_factor=post, process_set=process_set).wait()
+        return (None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                       compression=Compression.none, op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0, process_set: Any = None) -> list:
-    """Reduce several tensors as one fused collective."""
+                      postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> list:
+    """Reduce several tensors as one fused collective (differentiable)."""
+    op = _resolve_op(average, op)
     pairs = [compress_tensor(compression, t) for t in tensors]
-    outs = grouped_allreduce_async([p[0] for p in pairs], average, name, op, prescale_factor, postscale_factor,
-                                   process_set).wait()
+    outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set, *[c for c, _ in pairs])
     return [decompress_tensor(compression, o, ctx) for o, (_, ctx) in zip(outs, pairs)]
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                        op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: Any = None) -> list:
+                       process_set: ProcessSet = global_process_set) -> list:
     """Reduce several tensors in place as one fused collective."""
     return grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
                                     process_set).wait()
 
 
-# -- allgather, broadcast, alltoall, reducescatter ---------------------------------
-def allgather_async(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any = None) -> TorchHandle:
-    """Start concatenating every rank's tensor along dim 0."""
-    _check_process_set(process_set)
-    core = hvps.allgather_async(core_input(tensor), name)
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp,
+                           process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:
+    """Start reducing a sparse COO tensor by allgathering its indices and values.
+
+    Returns a function that waits and yields the reduced sparse tensor (Horovod's interface).
+    """
+    sparse = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    indices = allgather_async(sparse._indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
+    values = allgather_async(sparse._values().contiguous(), name=f"{name}.values", process_set=process_set)
+    size = _set_size(process_set)
+
+    def result() -> torch.Tensor:
+        gathered_values = values.wait()
+        gathered_indices = indices.wait()
+        if op is Average:
+            gathered_values = gathered_values / size
+        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape)
+
+    return result
+
+
+# -- allgather ------------------------------------------------------------------------
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start concatenating every member's tensor along dim 0."""
+    core = hvps.allgather_async(core_input(tensor), name, process_set)
     return TorchHandle(core, lambda out: from_core(out, tensor.device))
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start allgathering several tensors together."""
+    core = hvps.grouped_allgather_async([core_input(t) for t in tensors], name, process_set)
+    return TorchHandle(core, _outputs(tensors))
+
+
+def _own_rows(grads: Sequence[torch.Tensor], rows: Sequence[int], process_set: ProcessSet) -> list:
+    """The gradients of allgather inputs: each member's block of the averaged output gradients."""
+    reduced = grouped_allreduce_async([g.contiguous() for g in grads], op=Average, process_set=process_set).wait()
+    counts = allgather_async(torch.tensor([list(rows)], dtype=torch.int64), process_set=process_set).wait()
+    before = counts[: _set_rank(process_set)].sum(dim=0).tolist()
+    return [g.narrow(0, int(offset), n) for g, offset, n in zip(reduced, before, rows)]
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name):
-        ctx.rows = tensor.shape[0] if tensor.dim() else 1
-        return allgather_async(tensor, name).wait()
+    def forward(ctx, name, process_set, *tensors):
+        ctx.process_set = process_set
+        ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
+        return tuple(grouped_allgather_async(list(tensors), name, process_set).wait())
 
     @staticmethod
-    def backward(ctx, grad_output):
-        summed = allreduce_async(grad_output.contiguous(), op=Sum).wait()
-        rows = hvps.allgather(torch.tensor([ctx.rows], dtype=torch.int64).numpy())
-        offset = int(rows[: hvps.rank()].sum())
-        return summed.narrow(0, offset, ctx.rows), None
+    def backward(ctx, *grads):
+        return (None, None, *_own_rows(grads, ctx.rows, ctx.process_set))
 
 
-def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any = None) -> torch.Tensor:
-    """Concatenate every rank's tensor along dim 0 (differentiable)."""
-    _check_process_set(process_set)
-    return _Allgather.apply(tensor, name)
+def allgather(tensor: torch.Tensor, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Concatenate every member's tensor along dim 0 (differentiable)."""
+    return _Allgather.apply(name, process_set, tensor)[0]
 
 
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> list:
+    """Allgather several tensors together (differentiable)."""
+    return list(_Allgather.apply(name, process_set, *tensors))
+
+
+# -- broadcast ------------------------------------------------------------------------
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-                    process_set: Any = None) -> TorchHandle:
-    """Start copying the root's tensor to a new tensor on every rank."""
-    _check_process_set(process_set)
-    core = hvps.broadcast_async(core_input(tensor), root_rank, name)
+                    process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start copying the root's tensor to a new tensor on every member."""
+    core = hvps.broadcast_async(core_input(tensor), root_rank, name, process_set=process_set)
     return TorchHandle(core, lambda out: from_core(out, tensor.device))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-                     process_set: Any = None) -> TorchHandle:
+                     process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start overwriting ``tensor`` in place with the root's."""
-    _check_process_set(process_set)
     array, buffer = core_buffer(tensor)
-    core = hvps.broadcast_async(array, root_rank, name, out=array)
+    core = hvps.broadcast_async(array, root_rank, name, out=array, process_set=process_set)
     return TorchHandle(core, lambda _: _writeback(tensor, buffer))
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):
-        ctx.root_rank = root_rank
-        return broadcast_async(tensor, root_rank, name).wait()
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return broadcast_async(tensor, root_rank, name, process_set).wait()
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = allreduce_async(grad_output.contiguous(), op=Sum).wait()
+        grad = allreduce_async(grad_output.contiguous(), op=Average, process_set=ctx.process_set).wait()
         if hvps.rank() != ctx.root_rank:
             grad = torch.zeros_like(grad)
-        return grad, None, None
+        return grad, None, None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-              process_set: Any = None) -> torch.Tensor:
-    """Return the root's tensor on every rank (differentiable)."""
-    _check_process_set(process_set)
-    return _Broadcast.apply(tensor, root_rank, name)
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Return the root's tensor on every member (differentiable)."""
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-               process_set: Any = None) -> torch.Tensor:
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` in place with the root's."""
     return broadcast_async_(tensor, root_rank, name, process_set).wait()
 
 
-def alltoall_async(tensor: torch.Tensor, splits: Optional[Any] = None, name: Optional[str] = None,
-                   process_set: Any = None) -> TorchHandle:
-    """Start sending ``splits[r]`` rows to rank r; yields ``(output, received_splits)``."""
-    _check_process_set(process_set)
+# -- alltoall -------------------------------------------------------------------------
+def _splits_list(splits: Any) -> Any:
     if isinstance(splits, torch.Tensor):
-        splits = splits.tolist()
-    core = hvps.alltoall_async(core_input(tensor), splits, name)
-    return TorchHandle(core, lambda res: (from_core(res[0], tensor.device), from_core(res[1], torch.device("cpu"))))
+        if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype == torch.bool:
+            raise ValueError(f"alltoall splits must be a tensor of integers, not {splits.dtype}")
+        return splits.tolist()
+    return splits
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Optional[Any] = None, name: Optional[str] = None,
+                   process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start sending ``splits[i]`` rows to the set's i-th rank; yields ``(output, received_splits)``."""
+    core = hvps.alltoall_async(core_input(tensor), _splits_list(splits), name, process_set)
+    splits_device = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
+    return TorchHandle(core, lambda res: (from_core(res[0], tensor.device),
+                                          torch.as_tensor(res[1], dtype=torch.int32).to(splits_device)))
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received = alltoall_async(tensor, splits, name, process_set).wait()
+        ctx.received, ctx.process_set = received, process_set
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad_output, _unused):
+        grad, _ = alltoall_async(grad_output.contiguous(), ctx.received, process_set=ctx.process_set).wait()
+        return grad, None, None, None
 
 
 def alltoall(tensor: torch.Tensor, splits: Optional[Any] = None, name: Optional[str] = None,
-             process_set: Any = None) -> tuple:
-    """Exchange rows with every rank: returns ``(output, received_splits)``."""
-    return alltoall_async(tensor, splits, name, process_set).wait()
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Exchange rows with every member (differentiable).
+
+    Returns the gathered tensor, or ``(tensor, received_splits)`` when ``splits`` is given.
+    """
+    output, received = _Alltoall.apply(tensor, splits, name, process_set)
+    return output if splits is None else (output, received)
 
 
+# -- reducescatter ----------------------------------------------------------------------
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: ReduceOp = Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                        process_set: Any = None) -> TorchHandle:
+                        process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start reducing ``tensor`` and keeping this rank's block of dim 0."""
-    _check_process_set(process_set)
-    core = hvps.reducescatter_async(core_input(tensor), op, name, prescale_factor, postscale_factor)
+    core = hvps.reducescatter_async(core_input(tensor), op, name, prescale_factor, postscale_factor, process_set)
     return TorchHandle(core, lambda out: from_core(out, tensor.device))
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None, op: ReduceOp = Average,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                                process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start reducescattering several tensors together."""
+    core = hvps.grouped_reducescatter_async([core_input(t) for t in tensors], op, name, prescale_factor,
+                                            postscale_factor, process_set)
+    return TorchHandle(core, _outputs(tensors))
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        # Horovod's gradient: the members' output gradients gathered back, scaled as the forward
+        # pass scaled (a Sum counts every member's contribution)
+        ctx.process_set = process_set
+        ctx.factor = prescale_factor * postscale_factor * (_set_size(process_set) if op is Sum else 1)
+        return tuple(grouped_reducescatter_async(list(tensors), name, op, prescale_factor, postscale_factor,
+                                                 process_set).wait())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        gathered = grouped_allgather_async([g.contiguous() for g in grads], process_set=ctx.process_set).wait()
+        return (None, None, None, None, None, *[g * ctx.factor if ctx.factor != 1 else g for g in gathered])
 
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=Compression.none,
                   op: ReduceOp = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                  process_set: Any = None) -> torch.Tensor:
-    """Reduce ``tensor`` over ranks and return this rank's block of dim 0."""
+                  process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` over the set's ranks and return this rank's block of dim 0 (differentiable)."""
     compressed, ctx = compress_tensor(compression, tensor)
-    out = reducescatter_async(compressed, name, op, prescale_factor, postscale_factor, process_set).wait()
+    out = _Reducescatter.apply(name, op, prescale_factor, postscale_factor, process_set, compressed)[0]
     return decompress_tensor(compression, out, ctx)
 
 
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None, compression=Compression.none,
+                          op: ReduceOp = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          process_set: ProcessSet = global_process_set) -> list:
+    """Reducescatter several tensors together (differentiable)."""
+    pairs = [compress_tensor(compression, t) for t in tensors]
+    outs = _Reducescatter.apply(name, op, prescale_factor, postscale_factor, process_set, *[c for c, _ in pairs])
+    return [decompress_tensor(compression, o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+
+
+# -- synchronisation --------------------------------------------------------------------
 def join(device: int = -1) -> int:
-    """Stop contributing; other ranks' allreduces proceed with zeros. Returns the last rank to join."""
+    """Stop contributing; other ranks' allreduces proceed with zeros. Returns the last rank to join.
+
+    ``device`` (Horovod's GPU for the zeros) is accepted; hvps makes zeros where each tensor lives.
+    """
     return hvps.join()
 
 
-def barrier(process_set: Any = None) -> None:
-    """Return once every rank has called barrier()."""
-    _check_process_set(process_set)
-    hvps.barrier()
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Return once every member of the set has called barrier()."""
+    hvps.barrier(process_set)

@@ -14,10 +14,10 @@ from typing import Any, Iterable, Optional
 import torch
 
 import hvps
-from hvps import HvpsError
+from hvps import HvpsError, ProcessSet, global_process_set
 
 from .compression import as_gradient_compression, compress_tensor, decompress_tensor
-from .mpi_ops import Average, Sum, allgather_async, grouped_allreduce_async_
+from .mpi_ops import Adasum, Average, Sum, allgather_async, grouped_allreduce_async_
 from .tensors import from_numpy, host_buffer, takes_tensor, to_numpy
 
 
@@ -26,18 +26,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Shares ``param_groups`` and ``state`` with the wrapped optimizer, so LR
     schedulers and checkpoints see one optimizer.
+
+    With ``process_set``, gradients are averaged over that set's ranks; on ranks outside it
+    the optimizer steps on local gradients. With ``op=Adasum`` (Horovod's delta optimizer),
+    each rank steps locally and the parameter updates are combined by Adasum.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
                  compression: Any = None, backward_passes_per_step: int = 1, op=Average,
                  gradient_predivide_factor: float = 1.0, groups: Any = None, sparse_as_dense: bool = False,
-                 process_set: Any = None) -> None:
-        if process_set is not None:
-            raise NotImplementedError("hvps runs collectives on the global process set only; pass process_set=None")
+                 process_set: ProcessSet = global_process_set) -> None:
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
-        if op not in (Average, Sum):
-            raise ValueError(f"DistributedOptimizer reduces gradients with Average or Sum, not {op}")
+        if op not in (Average, Sum, Adasum):
+            raise ValueError(f"DistributedOptimizer reduces gradients with Average, Sum or Adasum, not {op}")
         if gradient_predivide_factor != 1.0 and op is not Average:
             raise ValueError("gradient_predivide_factor is only defined for op=Average")
         hvps.size()  # raises HvpsError before init
@@ -46,13 +48,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.compression = as_gradient_compression(compression)
+        self.process_set = process_set
+        if process_set is not global_process_set and not self.compression.summable:
+            raise ValueError(f"process sets need a summable compression (none, fp16, bf16), not {self.compression!r}")
         if groups is not None and not self.compression.summable:
             raise ValueError(f"groups needs a summable compression (none, fp16, bf16), not {self.compression!r}")
         self._op = op
         self._predivide = gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
+        #: parameters whose sparse gradient travels dense this step (made sparse again once reduced)
+        self._densified: set = set()
         self.backward_passes_per_step = backward_passes_per_step
-        self._names = self._parameter_names(named_parameters)
+        #: parameter -> its name (Horovod's attribute name)
+        self._parameter_names = self._name_parameters(named_parameters)
         self._groups = self._group_map(groups)
         self._delay: dict = {}
         self._handles: dict = {}
@@ -60,16 +68,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hooks: list = []
         self._synchronized = False
         self._should_synchronize = True
+        #: whether this rank takes part (not: it steps on its local gradients, as Horovod)
+        self._included = process_set is global_process_set or process_set.included()
         for p in self._params():
             self._delay[p] = backward_passes_per_step
-            if p.requires_grad:
+            if p.requires_grad and self._communicates:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     # -- setup --------------------------------------------------------------------
     def _params(self) -> list:
         return [p for group in self.param_groups for p in group["params"]]
 
-    def _parameter_names(self, named_parameters: Optional[Iterable]) -> dict:
+    @property
+    def _communicates(self) -> bool:
+        """Whether gradients are reduced as backward runs (not outside the set, not for Adasum's deltas)."""
+        return self._included and self._op is not Adasum
+
+    def _name_parameters(self, named_parameters: Optional[Iterable]) -> dict:
         params = self._params()
         if named_parameters is None:
             return {p: f"param.{i}" for i, p in enumerate(params)}
@@ -140,16 +155,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             p.grad = torch.zeros_like(p)
         if p.grad.is_sparse and self._sparse_as_dense:
             p.grad = p.grad.to_dense()
+            self._densified.add(p)
         return p.grad
 
     def _allreduce_grad_async(self, p: torch.Tensor):
         grad = self._prepare_grad(p)
-        name = f"grad.{self._names[p]}"
+        name = f"grad.{self._parameter_names[p]}"
         if grad.is_sparse:
             grad = grad.coalesce()
-            return ("sparse", allgather_async(grad._indices().t().contiguous(), f"{name}.indices"),
-                    allgather_async(grad._values(), f"{name}.values"))
-        if self.compression.summable and takes_tensor(grad):
+            return ("sparse", allgather_async(grad._indices().t().contiguous(), f"{name}.indices", self.process_set),
+                    allgather_async(grad._values(), f"{name}.values", self.process_set))
+        if self.compression.summable and (takes_tensor(grad) or self.process_set is not global_process_set):
             # The backend moves tensors (NCCL, gloo): casts run as torch ops where the gradient lives.
             return self._allreduce_group_async((p,))
         buffer = host_buffer(grad)
@@ -162,15 +178,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         grads = [self._prepare_grad(p) for p in group]
         pairs = [compress_tensor(self.compression, g) for g in grads]
         self.compression.record(sum(g.nbytes for g in grads), [c for c, _ in pairs])
-        name = "grad.group." + "+".join(self._names[p] for p in group[:1]) + f".{len(group)}"
+        name = "grad.group." + "+".join(self._parameter_names[p] for p in group[:1]) + f".{len(group)}"
         pre, post = (1.0 / self._predivide, self._predivide) if self._op is Average else (1.0, 1.0)
         handle = grouped_allreduce_async_([c for c, _ in pairs], name=name, op=self._op,
-                                          prescale_factor=pre, postscale_factor=post)
+                                          prescale_factor=pre, postscale_factor=post, process_set=self.process_set)
         return ("group", handle, [ctx for _, ctx in pairs], group)
 
     # -- synchronisation ---------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce (starting any not yet started) and install the averages."""
+        if not self._communicates:
+            self._synchronized = True
+            return
         for p in self._params():  # start what backward did not: unused or still-accumulating gradients
             if p.requires_grad and self._handles.get(p) is None:
                 self._start(p)
@@ -193,7 +212,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     if self._predivide != 1.0:
                         result *= result.dtype.type(self._predivide)
                     self._install(p, from_numpy(result).view(buffer.shape))
+            for p in self._densified:  # the optimizer expects the layout its gradients had (SparseAdam)
+                p.grad = p.grad.to_sparse()
         finally:
+            self._densified.clear()
             self._handles.clear()
             self._group_ready.clear()
             for p in self._delay:
@@ -208,7 +230,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _install_sparse(self, p: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
         summed = torch.sparse_coo_tensor(indices.t(), values, p.grad.shape).coalesce()
         if self._op is Average:
-            summed = summed / hvps.size()
+            summed = summed / self.process_set.size()
         p.grad = summed
 
     def compression_stats(self) -> dict:
@@ -242,7 +264,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self.synchronize()
         self._synchronized = False
+        if self._op is Adasum and self._included:
+            return self._adasum_step(closure)
         return self._inner.step(closure)
+
+    def _adasum_step(self, closure=None):
+        """Step locally, then replace every parameter's update by the Adasum of all ranks' updates."""
+        params = [p for p in self._params() if p.requires_grad]
+        starts = [p.detach().clone() for p in params]
+        loss = self._inner.step(closure)
+        deltas = [(p.detach() - start).contiguous() for p, start in zip(params, starts)]
+        handles = [grouped_allreduce_async_([d], name=f"delta.{self._parameter_names[p]}", op=Adasum)
+                   for p, d in zip(params, deltas)]
+        with torch.no_grad():
+            for p, start, handle in zip(params, starts, handles):
+                (delta,) = handle.wait()
+                p.copy_(start + delta)
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; refused while allreduces are in flight (their results would be lost)."""
@@ -267,9 +305,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return super().add_param_group(param_group)
         self._inner.add_param_group(param_group)
         for p in param_group["params"] if isinstance(param_group["params"], list) else [param_group["params"]]:
-            self._names.setdefault(p, f"param.{len(self._names)}")
+            self._parameter_names.setdefault(p, f"param.{len(self._parameter_names)}")
             self._delay[p] = self.backward_passes_per_step
-            if p.requires_grad:
+            if p.requires_grad and self._communicates:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def __repr__(self) -> str:

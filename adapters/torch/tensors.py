@@ -22,6 +22,8 @@ _TO_NUMPY = {
     torch.float16: np.dtype(np.float16),
     torch.float32: np.dtype(np.float32),
     torch.float64: np.dtype(np.float64),
+    torch.int8: np.dtype(np.int8),
+    torch.int16: np.dtype(np.int16),
     torch.int32: np.dtype(np.int32),
     torch.int64: np.dtype(np.int64),
     torch.uint8: np.dtype(np.uint8),

@@ -47,5 +47,15 @@ class Backend(abc.ABC):
     def reducescatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, counts: list, op: ReduceOp) -> None:
         """Reduce ``sendbuf`` over ranks; rank r keeps the ``counts[r]`` elements of block r."""
 
+    def sendrecv(self, sendbuf: np.ndarray, dest: int, recvbuf: np.ndarray, source: int) -> None:
+        """Send ``sendbuf`` to rank ``dest`` while receiving ``recvbuf`` from rank ``source``
+        (point to point, for algorithms such as Adasum)."""
+        raise NotImplementedError(f"the {self.name} data plane has no point-to-point transfers (Adasum needs them)")
+
+    def subset(self, ranks: tuple) -> "Backend":
+        """The same data plane over ``ranks`` only (a process set); called by exactly those ranks,
+        in the same order on each."""
+        raise NotImplementedError(f"the {self.name} data plane does not support process sets")
+
     def close(self) -> None:
         """Release resources (communicators, process groups)."""

@@ -56,6 +56,12 @@ class HierarchicalBackend(Backend):
     def reducescatter(self, sendbuf, recvbuf, counts, op):
         self.flat.reducescatter(sendbuf, recvbuf, counts, op)
 
+    def sendrecv(self, sendbuf, dest, recvbuf, source):
+        self.flat.sendrecv(sendbuf, dest, recvbuf, source)
+
+    def subset(self, ranks):
+        return self.flat.subset(ranks)  # a process set reduces flat
+
     def close(self):
         for backend in (self.local, self.cross, self.flat):
             backend.close()

@@ -27,6 +27,8 @@ from .device import cuda_order
 _WIRE = {
     np.dtype(np.float32): (np.float32, MPI.FLOAT),
     np.dtype(np.float64): (np.float64, MPI.DOUBLE),
+    np.dtype(np.int8): (np.int8, MPI.INT8_T),
+    np.dtype(np.int16): (np.int16, MPI.INT16_T),
     np.dtype(np.int32): (np.int32, MPI.INT32_T),
     np.dtype(np.int64): (np.int64, MPI.INT64_T),
     np.dtype(np.uint8): (np.uint8, MPI.UINT8_T),
@@ -89,8 +91,10 @@ class MPIBackend(Backend):
 
     name = "mpi"
 
-    def __init__(self, comm: MPI.Comm, settings) -> None:
-        self.comm = comm.Dup()
+    def __init__(self, comm: MPI.Comm, settings, owned: bool = False) -> None:
+        """On a duplicate of ``comm``, or on ``comm`` itself when ``owned`` (a communicator made for it)."""
+        self.settings = settings
+        self.comm = comm if owned else comm.Dup()
         self.algorithm = settings.algorithm
         self.ring_chunk_bytes = settings.ring_chunk_bytes
         self.timeout = settings.stall_check_seconds
@@ -132,6 +136,19 @@ class MPIBackend(Backend):
         carrier, datatype = wire(recvbuf)
         self.comm.Reduce_scatter(wire(sendbuf), [carrier, datatype], recvcounts=counts,
                                  op=mpi_op(_dtype(recvbuf), op))
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source):
+        self.comm.Sendrecv(wire(sendbuf), dest, recvbuf=wire(recvbuf), source=source)
+
+    def subset(self, ranks):
+        group = self.comm.Get_group()
+        members = group.Incl(list(ranks))
+        try:  # collective over the members only: other ranks carry on with their own work
+            comm = self.comm.Create_group(members)
+        finally:
+            members.Free()
+            group.Free()
+        return MPIBackend(comm, self.settings, owned=True)
 
     def close(self):
         self.comm.Free()

@@ -39,6 +39,12 @@ class DeviceRouter(Backend):
     def reducescatter(self, sendbuf, recvbuf, counts, op):
         self._for(recvbuf).reducescatter(sendbuf, recvbuf, counts, op)
 
+    def sendrecv(self, sendbuf, dest, recvbuf, source):
+        self._for(recvbuf).sendrecv(sendbuf, dest, recvbuf, source)
+
+    def subset(self, ranks):
+        return DeviceRouter(self.host.subset(ranks), self.device.subset(ranks))
+
     def close(self):
         self.host.close()
         self.device.close()

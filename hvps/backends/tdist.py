@@ -58,13 +58,14 @@ class TorchDistBackend(Backend):
 
     name = "tdist"
 
-    def __init__(self, comm, settings) -> None:
+    def __init__(self, comm, settings, owned: bool = False) -> None:
         import torch.distributed as dist
 
         if not dist.is_available():
             raise HvpsError("HVPS_BACKEND=tdist needs a PyTorch build with torch.distributed")
         self.dist = dist
-        self.comm = comm.Dup()
+        self.settings = settings
+        self.comm = comm if owned else comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.timeout = datetime.timedelta(seconds=max(1.0, settings.stall_check_seconds))
         self._groups: dict = {}
@@ -177,6 +178,26 @@ class TorchDistBackend(Backend):
         wire_send = send.view(wire_recv.dtype)
         blocks = list(wire_send.split([int(c) for c in counts]))
         self._run("reducescatter", recv, lambda group: group.reduce_scatter([wire_recv], [blocks], options))
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source):
+        send, recv = _as_tensor(sendbuf), _as_tensor(recvbuf)
+        group = self._group(recv.device.type)
+        sending = group.send([send], dest, 0)
+        try:
+            group.recv([recv], source, 0).wait()
+            sending.wait()
+        except RuntimeError as exc:
+            raise HvpsError(f"torch.distributed send/recv failed on rank {self.rank}: {exc}") from exc
+
+    def subset(self, ranks):
+        group = self.comm.Get_group()
+        members = group.Incl(list(ranks))
+        try:  # the set's own store and process groups, bootstrapped over a sub-communicator
+            comm = self.comm.Create_group(members)
+        finally:
+            members.Free()
+            group.Free()
+        return TorchDistBackend(comm, self.settings, owned=True)
 
     def close(self):
         for group in self._groups.values():

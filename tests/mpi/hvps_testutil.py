@@ -122,7 +122,7 @@ def ref_allreduce(arrays, op, size, prescale=1.0, postscale=1.0):
         if op in ("Sum", "Average"):
             res = np.add.reduce(st, axis=0, dtype=dt)
             if op == "Average":
-                res = np.floor_divide(res, np.asarray(size, dtype=dt)).astype(dt)
+                res = (np.sign(res) * (np.abs(res) // size)).astype(dt)  # toward zero, as Horovod
         elif op == "Min":
             res = st.min(axis=0)
         elif op == "Max":
