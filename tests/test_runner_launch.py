@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -122,13 +124,18 @@ exec /bin/sh -c "$*"
 def test_ipv6_host_literal_real_launch(tmp_path):
     """-H [::1]:2 reaches mpirun as a hostfile line '::1 slots=2' (its -H cannot carry IPv6); an rsh agent
     that runs locally stands in for ssh to the address."""
-    agent = tmp_path / "local-rsh"
+    # Open MPI splits its agent setting at spaces ("ssh -x"), so the agent must not live in a TMPDIR with one
+    agent_dir = Path(tempfile.mkdtemp(prefix="hvps-rsh-", dir="/tmp"))
+    agent = agent_dir / "local-rsh"
     agent.write_text(LOCAL_RSH_AGENT)
     agent.chmod(0o755)
     code = ("import hvps, numpy as np; hvps.init(); "
             "print('RANK', hvps.rank(), int(hvps.allreduce(np.array([hvps.rank() + 1.0]), op=hvps.Sum)[0]))")
-    proc = run(["-np", "2", "-H", "[::1]:2", "--verbose", "--mpi-args", f"--mca plm_rsh_agent {agent}",
-                sys.executable, "-c", code])
+    try:
+        proc = run(["-np", "2", "-H", "[::1]:2", "--verbose", "--mpi-args", f"--mca plm_rsh_agent {agent}",
+                    sys.executable, "-c", code])
+    finally:
+        shutil.rmtree(agent_dir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "--hostfile" in proc.stderr and "RANK 0 3" in proc.stdout and "RANK 1 3" in proc.stdout, proc.stdout
 

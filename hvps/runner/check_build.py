@@ -31,7 +31,10 @@ def _mpi4py_library() -> Optional[str]:
     if not _present("mpi4py"):
         return None
     try:
-        from mpi4py import MPI  # initialises nothing until used; Get_library_version is allowed before Init
+        import mpi4py
+
+        mpi4py.rc.initialize = False  # Get_library_version needs no MPI_Init (which needs HOME on Open MPI 5)
+        from mpi4py import MPI
 
         return MPI.Get_library_version().strip().splitlines()[0]
     except Exception as exc:  # noqa: BLE001 - reported, never fatal
