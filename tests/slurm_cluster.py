@@ -46,6 +46,13 @@ def ensure_installed() -> Optional[str]:
     return f"installed {PACKAGES} but {missing} are still missing" if missing else None
 
 
+def unusable_reason() -> Optional[str]:
+    """Why this cluster cannot run here (installing the packages first when missing), or None."""
+    if os.geteuid() != 0:
+        return "the test cluster's daemons run as root (SlurmUser=root) and this user is not root"
+    return ensure_installed()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -23,14 +23,14 @@ import pytest
 
 from conftest import REPO_ROOT
 from hvps.runner.slurm_command import PmixProbe, decide_slurm_launcher
-from slurm_cluster import SlurmCluster, ensure_installed
+from slurm_cluster import SlurmCluster, unusable_reason
 
 JOBS = REPO_ROOT / "jobs" / "slurm"
 TINY_BENCH = ("--batch-size 2 --image-size 32 --num-warmup-batches 1 --num-batches-per-iter 1 --num-iters 2 "
               "--threads-per-rank 1")
 
-_REASON = ensure_installed()
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no Slurm here: {_REASON}")
+_REASON = unusable_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no Slurm cluster here: {_REASON}")
 
 
 @pytest.fixture(scope="module")
