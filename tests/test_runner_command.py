@@ -15,12 +15,12 @@ LOCAL = {"localhost", "127.0.0.1", "thisbox"}
 CMD = ("python", "train.py")
 
 
-def build(argv, env=None, impl=MpiImpl.OPEN_MPI, **kw):
+def build(argv, env=None, impl=MpiImpl.OPEN_MPI, version=(5, 0, 11), **kw):
     settings = parse_args(argv)
     kw.setdefault("cpu_count", 8)
     kw.setdefault("euid", 1000)
     kw.setdefault("local_names", LOCAL)
-    return build_mpirun_command(settings, env or {}, mpi=MpiLauncher("mpirun", "PATH", impl), **kw)
+    return build_mpirun_command(settings, env or {}, mpi=MpiLauncher("mpirun", "PATH", impl, version), **kw)
 
 
 def rank_env(argv, env=None, cpu_count=8):
@@ -134,6 +134,13 @@ def test_ipv6_hosts():
         build(["-np", "3", "-H", "[::1]:2,b:1", "python", "train.py"])
     with pytest.raises(LaunchError, match="IPv6"):
         build(["-np", "3", "-H", "[::1]:2,b:1", "python", "train.py"], impl=MpiImpl.MPICH)
+    with pytest.raises(LaunchError, match="Open MPI 4.1.4 cannot address hosts by IPv6"):  # ORTE: names only
+        build(["-np", "3", "-H", "[::1]:2,b:1", "python", "train.py"], version=(4, 1, 4), hostfile="/tmp/h")
+
+
+def test_open_mpi_4_and_5_get_the_same_line():
+    argv = ["-np", "2", "-H", "a:1,b:1", "--network-interface", "eth0", "python", "train.py"]
+    assert build(argv, version=(4, 1, 4)) == build(argv, version=(5, 0, 11))
 
 
 def test_hostfile(tmp_path):

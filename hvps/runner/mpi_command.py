@@ -3,7 +3,7 @@
 Per MPI implementation (detected from ``mpirun --version``, as horovodrun does):
 
 * Open MPI 4.1 and 5.x: ``--bind-to none --map-by slot``, ``-H host:slots`` (a
-  hostfile for IPv6 literals), ``-x VAR`` forwards the environment,
+  hostfile for IPv6 literals, which only 5.x can address), ``-x VAR`` forwards the environment,
   ``--tag-output``; ``--allow-run-as-root`` for root and ``--oversubscribe`` when a
   localhost-only run has more ranks than cores. 5.x's prterun rejects the single-dash
   ``-bind-to`` that 4.1 also took, so only the double-dash forms are used.
@@ -25,7 +25,7 @@ from .mpi_discovery import MpiImpl, MpiLauncher
 from .settings import LaunchSettings
 
 #: what build_mpirun_command assumes when not told (unit tests, docs)
-DEFAULT_LAUNCHER = MpiLauncher("mpirun", "PATH", MpiImpl.OPEN_MPI)
+DEFAULT_LAUNCHER = MpiLauncher("mpirun", "PATH", MpiImpl.OPEN_MPI, (5, 0))
 
 #: variables forwarded to every rank when set: exact names and prefixes
 FORWARD_PREFIXES = ("HVPS_", "NCCL_")
@@ -132,6 +132,9 @@ def build_mpirun_command(settings: LaunchSettings, env: Mapping[str, str], *,
         if local_only and not in_allocation and num_proc > cpu_count:
             cmd.append("--oversubscribe")
         cmd.append("--tag-output")
+        if any(h.is_ipv6 for h in hosts) and mpi.version[:1] < (5,):
+            raise LaunchError(f"Open MPI {mpi.version_text} cannot address hosts by IPv6 address (its runtime takes "
+                              "only host names); name them in /etc/hosts or DNS, or use Open MPI 5")
         if hostfile:
             cmd += ["--hostfile", hostfile]
         elif hosts:
