@@ -39,6 +39,25 @@ def _as_tensor(array):
     return torch.from_numpy(array)
 
 
+def _widened(tensor):
+    """An int32 copy of an int16 tensor (gloo and NCCL cannot reduce 16-bit integers), else None.
+
+    Reduced as int32 and narrowed back, sums and products wrap modulo 2**16 as int16 arithmetic would.
+    """
+    import torch
+
+    return tensor.to(torch.int32) if tensor.dtype == torch.int16 else None
+
+
+def _moved(array):
+    """``_as_tensor(array)``, int16 seen as float16: gloo and NCCL have no 16-bit integers, and
+    moving bytes needs only a carrier of the same width (nothing is computed on it)."""
+    import torch
+
+    tensor = _as_tensor(array)
+    return tensor.view(torch.float16) if tensor.dtype == torch.int16 else tensor
+
+
 def _reachable(addresses: list, port: int, timeout: float = 2.0):
     """The first of rank 0's ``addresses`` that accepts a connection, and this host's address towards it."""
     for address in addresses:
@@ -137,13 +156,18 @@ class TorchDistBackend(Backend):
 
     def allreduce(self, sendbuf, recvbuf, op):
         send, recv = _as_tensor(sendbuf), _as_tensor(recvbuf)
+        wide = _widened(send)
+        if wide is not None:
+            self.allreduce(wide, wide, op)
+            recv.copy_(wide)
+            return
         if send.data_ptr() != recv.data_ptr():
             recv.copy_(send)
         options, wire = self._reduce_options(self.dist.AllreduceOptions(), recv, op)
         self._run("allreduce", recv, lambda group: group.allreduce([wire], options))
 
     def allgatherv(self, sendbuf, recvbuf, counts):
-        send, recv = _as_tensor(sendbuf), _as_tensor(recvbuf)
+        send, recv = _moved(sendbuf), _moved(recvbuf)
         widest = max(counts, default=0)
         if widest == 0:
             return
@@ -161,26 +185,31 @@ class TorchDistBackend(Backend):
             offset += count
 
     def broadcast(self, buf, root):
-        tensor = _as_tensor(buf)
+        tensor = _moved(buf)
         options = self.dist.BroadcastOptions()
         options.rootRank = root
         self._run("broadcast", tensor, lambda group: group.broadcast([tensor], options))
 
     def alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
-        send, recv = _as_tensor(sendbuf), _as_tensor(recvbuf)
+        send, recv = _moved(sendbuf), _moved(recvbuf)
         options = self.dist.AllToAllOptions()
         self._run("alltoall", recv, lambda group: group.alltoall_base(
             recv, send, list(recvcounts), list(sendcounts), options))
 
     def reducescatter(self, sendbuf, recvbuf, counts, op):
         send, recv = _as_tensor(sendbuf), _as_tensor(recvbuf)
+        wide = _widened(recv)
+        if wide is not None:
+            self.reducescatter(_widened(send), wide, counts, op)
+            recv.copy_(wide)
+            return
         options, wire_recv = self._reduce_options(self.dist.ReduceScatterOptions(), recv, op)
         wire_send = send.view(wire_recv.dtype)
         blocks = list(wire_send.split([int(c) for c in counts]))
         self._run("reducescatter", recv, lambda group: group.reduce_scatter([wire_recv], [blocks], options))
 
     def sendrecv(self, sendbuf, dest, recvbuf, source):
-        send, recv = _as_tensor(sendbuf), _as_tensor(recvbuf)
+        send, recv = _moved(sendbuf), _moved(recvbuf)
         group = self._group(recv.device.type)
         sending = group.send([send], dest, 0)
         try:

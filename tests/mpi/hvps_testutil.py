@@ -26,7 +26,7 @@ DTYPES = {
 DTYPE_NAMES = list(DTYPES)
 FLOAT_NAMES = ["float16", "bfloat16", "float32", "float64"]
 INT_NAMES = ["int32", "int64", "uint8"]
-UNSUPPORTED = [np.complex64, np.int16, np.uint32]
+UNSUPPORTED = [np.complex64, np.uint16, np.uint32]
 
 OP_NAMES = ["Sum", "Average", "Min", "Max", "Product"]
 

@@ -1,0 +1,154 @@
+"""Inner multi-rank tests: process sets, and argument errors that leave every rank in step."""
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # before hvps reads it, as Horovod's own tests do
+
+import hvps  # noqa: E402
+from hvps_testutil import all_inputs, assert_exact, check_allreduce_result, random_array  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    hvps.init()
+    yield
+
+
+@pytest.fixture
+def halves():
+    """Two sets registered on every rank: the even ranks and the odd ranks (this rank's first)."""
+    size, rank = hvps.size(), hvps.rank()
+    even = hvps.add_process_set([r for r in range(size) if r % 2 == 0])
+    odd = hvps.add_process_set([r for r in range(size) if r % 2 == 1])
+    mine, other = (even, odd) if rank % 2 == 0 else (odd, even)
+    yield mine, other
+    assert hvps.remove_process_set(odd)
+    assert hvps.remove_process_set(even)
+
+
+def test_set_queries(halves):
+    mine, other = halves
+    assert mine.included() and not other.included()
+    assert mine.ranks[mine.rank()] == hvps.rank()
+    assert other.rank() == -1
+    assert mine.size() == len(mine.ranks)
+    assert mine != other and mine == mine
+    assert hvps.global_process_set.size() == hvps.size()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int8", "int16", "int32", "float16"])
+@pytest.mark.parametrize("op", ["Sum", "Average", "Max"])
+def test_allreduce_on_set(halves, dtype, op, request):
+    mine, _ = halves
+    key = request.node.name
+    inputs = all_inputs(dtype, (5, 3), key, hvps.size(), op) if dtype not in ("int8", "int16") else \
+        [(random_array(np.int32, (5, 3), key, r) // 64).astype(dtype) for r in range(hvps.size())]
+    result = hvps.allreduce(inputs[hvps.rank()].copy(), op=getattr(hvps, op), process_set=mine)
+    check_allreduce_result(result, [inputs[r] for r in mine.ranks], op, mine.size())
+
+
+def test_allgather_broadcast_alltoall_reducescatter_on_set(halves, request):
+    mine, _ = halves
+    key, me, members = request.node.name, hvps.rank(), mine.ranks
+    rows = {r: r + 1 for r in members}
+    gathered = [random_array(np.float64, (rows[r], 2), key + "g", r) for r in members]
+    assert_exact(hvps.allgather(gathered[mine.rank()], process_set=mine), np.concatenate(gathered))
+    for root in members:
+        data = random_array(np.float32, (4,), key + f"b{root}", root)
+        mine_in = data if me == root else np.zeros(4, np.float32)
+        assert_exact(hvps.broadcast(mine_in, root, process_set=mine), data)
+    splits = {r: [1 + (r + i) % 2 for i in range(len(members))] for r in members}
+    sent = {r: random_array(np.int64, (sum(splits[r]), 3), key + "a", r) for r in members}
+    out, received = hvps.alltoall(sent[me], splits=splits[me], process_set=mine)
+    i = mine.rank()
+    expect = [sent[r][sum(splits[r][:i]): sum(splits[r][:i + 1])] for r in members]
+    assert_exact(out, np.concatenate(expect))
+    assert list(received) == [splits[r][i] for r in members]
+    blocks = [random_array(np.float64, (2 * len(members), 3), key + "r", r) for r in members]
+    total = np.sum(blocks, axis=0)
+    np.testing.assert_allclose(hvps.reducescatter(blocks[i], op=hvps.Sum, process_set=mine),
+                               total[2 * i: 2 * i + 2], rtol=1e-12)
+
+
+def test_sets_run_side_by_side_with_global_ops(halves, request):
+    """Interleaved collectives on both sets and the global set, asynchronous, all correct."""
+    mine, _ = halves
+    key, size, me = request.node.name, hvps.size(), hvps.rank()
+    xs = all_inputs(np.float64, (64,), key, size)
+    handles = [(hvps.allreduce_async(xs[me].copy(), op=hvps.Sum, process_set=mine), mine.ranks),
+               (hvps.allreduce_async(xs[me].copy(), op=hvps.Sum), list(range(size))),
+               (hvps.allreduce_async(2 * xs[me], op=hvps.Sum, process_set=mine), mine.ranks)]
+    for number, (handle, ranks) in enumerate(handles):
+        factor = 2 if number == 2 else 1
+        check_allreduce_result(handle.wait(), [factor * xs[r] for r in ranks], "Sum", len(ranks))
+    hvps.barrier(process_set=mine)
+    hvps.barrier()
+
+
+def test_outside_rank_gets_value_error_and_stays_in_step(halves, request):
+    _, other = halves
+    with pytest.raises(ValueError):
+        hvps.allreduce(np.ones(3), process_set=other)
+    with pytest.raises(ValueError):
+        hvps.barrier(process_set=other)
+    # nothing was submitted: the next unnamed global collective matches on every rank
+    xs = all_inputs(np.float32, (7,), request.node.name, hvps.size())
+    check_allreduce_result(hvps.allreduce(xs[hvps.rank()], op=hvps.Sum), xs, "Sum", hvps.size())
+
+
+def test_broadcast_root_outside_set_is_refused(halves):
+    mine, other = halves
+    with pytest.raises(ValueError):
+        hvps.broadcast(np.ones(2), other.ranks[0] if other.ranks else hvps.size(), process_set=mine)
+
+
+def test_objects_on_set(halves):
+    mine, _ = halves
+    root = mine.ranks[-1]
+    got = hvps.broadcast_object({"root": hvps.rank()} if hvps.rank() == root else None, root, process_set=mine)
+    assert got == {"root": root}
+    assert hvps.allgather_object(hvps.rank(), process_set=mine) == mine.ranks
+
+
+def test_removed_set_is_refused():
+    ps = hvps.add_process_set(list(range(hvps.size())))
+    assert hvps.remove_process_set(ps)
+    assert not hvps.remove_process_set(ps)
+    with pytest.raises(ValueError):
+        hvps.allreduce(np.ones(2), process_set=ps)
+
+
+def test_argument_errors_leave_every_rank_in_step(request):
+    """Each refused call raises on every rank before submitting; unnamed names stay aligned."""
+    size, me = hvps.size(), hvps.rank()
+    with pytest.raises(ValueError):
+        hvps.alltoall(np.ones(size + 1))  # dim 0 not divisible
+    with pytest.raises(ValueError):
+        hvps.alltoall(np.ones(size), splits=np.ones(size, dtype=np.float32))  # float splits
+    with pytest.raises(ValueError):
+        hvps.reducescatter(np.float32(1.0))  # scalar
+    with pytest.raises(NotImplementedError):
+        hvps.reducescatter(np.ones(4), op=hvps.Adasum)
+    with pytest.raises(TypeError):
+        hvps.grouped_allreduce([np.ones(2), np.ones(2, dtype=np.uint16)])  # the second is refused: none sent
+    xs = all_inputs(np.float64, (3,), request.node.name, size)
+    check_allreduce_result(hvps.grouped_allreduce([xs[me]], op=hvps.Sum)[0], xs, "Sum", size)
+
+
+def test_duplicate_name_is_a_value_error_and_submits_nothing():
+    size = hvps.size()
+    first = hvps.allreduce_async(np.ones(4), name="dup", op=hvps.Sum)
+    with pytest.raises(ValueError):
+        hvps.allreduce_async(np.ones(4), name="dup")
+    # a grouped call that collides in its second part submits none of its parts
+    other = hvps.allgather_async(np.ones(1), name="grp.1")
+    with pytest.raises(ValueError):
+        hvps.grouped_allgather([np.ones(1), np.ones(1)], name="grp")
+    assert_exact(first.wait(), np.full(4, float(size)))
+    other.wait()
+    assert_exact(hvps.grouped_allgather([np.ones(1), np.zeros(1)], name="grp")[1], np.zeros(size))
