@@ -1,0 +1,73 @@
+"""The coordinator's bookkeeping for process sets, without MPI: membership, stalls, set changes."""
+
+from hvps.negotiation import ADD_SET, ALLGATHER, ALLREDUCE, REMOVE_SET, Coordinator, Request
+
+
+def on_set(name, set_id, kind=ALLREDUCE, rows=4):
+    return Request(name, kind, "float32", ((rows, 2),), "sum" if kind == ALLREDUCE else "", process_set=set_id)
+
+
+def add(set_id, ranks):
+    return Request(f"{ADD_SET}.{set_id}", ADD_SET, root=set_id, splits=tuple(ranks))
+
+
+def registered(coordinator, set_id, ranks, size):
+    for rank in range(size):
+        coordinator.submit(rank, [add(set_id, ranks)], 0)
+    (response,) = coordinator.poll(0)
+    assert response.kind == ADD_SET and not response.error
+    assert coordinator.sets[set_id] == tuple(ranks)
+
+
+def test_a_set_collective_waits_for_its_members_only():
+    c = Coordinator(size=3, fusion_threshold=0, stall_seconds=10)
+    registered(c, 1, [0, 2], 3)
+    c.submit(0, [on_set("x", 1)], 1)
+    assert c.poll(1) == []
+    c.submit(2, [on_set("x", 1)], 1)
+    (response,) = c.poll(1)
+    assert response.names == ["x"] and not response.error
+
+
+def test_allgather_rows_are_in_set_order():
+    c = Coordinator(size=4, fusion_threshold=0, stall_seconds=10)
+    registered(c, 5, [1, 3], 4)
+    c.submit(3, [on_set("g", 5, ALLGATHER, rows=7)], 0)
+    c.submit(1, [on_set("g", 5, ALLGATHER, rows=2)], 0)
+    (response,) = c.poll(0)
+    assert response.per_rank == [2, 7]
+
+
+def test_stall_names_the_missing_members_only():
+    c = Coordinator(size=4, fusion_threshold=0, stall_seconds=5)
+    registered(c, 1, [1, 2, 3], 4)
+    c.submit(1, [on_set("late", 1)], 0)
+    (response,) = c.poll(6)
+    assert "ranks [2, 3]" in response.error and "[0" not in response.error.split("but")[1]
+
+
+def test_sets_do_not_fuse_with_each_other():
+    c = Coordinator(size=2, fusion_threshold=1 << 20, stall_seconds=10)
+    registered(c, 1, [0, 1], 2)
+    for rank in range(2):
+        c.submit(rank, [on_set("a", 0), on_set("b", 1)], 0)
+    assert [r.names for r in c.poll(0)] == [["a"], ["b"]]
+
+
+def test_removed_or_unknown_set_is_an_error():
+    c = Coordinator(size=2, fusion_threshold=0, stall_seconds=10)
+    registered(c, 1, [0, 1], 2)
+    for rank in range(2):
+        c.submit(rank, [Request(f"{REMOVE_SET}.1", REMOVE_SET, root=1, splits=(0, 1))], 0)
+    assert not c.poll(0)[0].error and 1 not in c.sets
+    c.submit(0, [on_set("gone", 1)], 0)
+    (response,) = c.poll(0)
+    assert "not registered" in response.error
+
+
+def test_ranks_must_agree_on_a_new_set():
+    c = Coordinator(size=2, fusion_threshold=0, stall_seconds=10)
+    c.submit(0, [add(1, [0])], 0)
+    c.submit(1, [add(1, [1])], 0)
+    (response,) = c.poll(0)
+    assert "mismatch" in response.error and 1 not in c.sets
