@@ -23,11 +23,12 @@ TEST_EXTRAS ?= torch,tensorflow,dev
 PYTEST_ARGS ?=
 RESULTS ?= results
 # Sized to finish in about 3 minutes on a 2-core machine; a real cluster wants Horovod's defaults.
-# FRAMEWORK=tensorflow runs the Keras ResNet-50 harness instead.
+# FRAMEWORK=tensorflow runs the Keras ResNet-50 harness instead. Rank 0 logs one line per iteration:
+# hvpsrun tags output by rank (as horovodrun does), which holds back a tqdm bar's redraws until the end.
 FRAMEWORK ?= torch
 BENCH_SCRIPT := $(if $(filter tensorflow,$(FRAMEWORK)),benchmarks/tf_resnet50.py,benchmarks/pytorch_synthetic_benchmark.py)
 BENCH_ARGS ?= --batch-size 8 --image-size 128 --num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 5 \
-	--threads-per-rank 1 --baseline --progress
+	--threads-per-rank 1 --baseline
 
 # mpirun refuses root unless told; CI and our machines run as root.
 ifeq ($(shell id -u),0)
