@@ -113,8 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "with the next epoch")
     p.add_argument("--keep-last", type=int, default=3, help="checkpoint versions kept (default: %(default)s)")
     p.add_argument("--json", default="", help="write the results to this JSON file (rank 0)")
-    p.add_argument("--progress", action="store_true", help="tqdm progress bar on rank 0 (for a terminal: a launcher that tags output by rank, "
-                        "such as hvpsrun, shows it only at the end; without it rank 0 logs a line per iteration)")
+    p.add_argument("--progress", action="store_true",
+                   help="tqdm progress bar on rank 0 (for a terminal: a launcher that tags output by rank, such as "
+                        "hvpsrun, shows it only at the end; without it rank 0 logs a line per iteration)")
     args = p.parse_args(argv)
     if sum((args.no_comm, args.compare_no_comm, args.compare_plain)) > 1:
         p.error("--no-comm, --compare-no-comm and --compare-plain exclude each other")
