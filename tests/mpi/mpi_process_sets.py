@@ -152,3 +152,20 @@ def test_duplicate_name_is_a_value_error_and_submits_nothing():
     assert_exact(first.wait(), np.full(4, float(size)))
     other.wait()
     assert_exact(hvps.grouped_allgather([np.ones(1), np.zeros(1)], name="grp")[1], np.zeros(size))
+
+
+def test_static_sets_given_to_init(request):
+    """Last in this module: re-initialises hvps with sets registered at init."""
+    size, me = hvps.size(), hvps.rank()
+    hvps.shutdown()
+    first = hvps.ProcessSet([0])
+    hvps.init(process_sets=[first, list(range(size))])
+    try:
+        assert first.process_set_id is not None and first.included() == (me == 0)
+        xs = all_inputs(np.float64, (3,), request.node.name, size)
+        if me == 0:
+            assert_exact(hvps.allreduce(xs[0], op=hvps.Sum, process_set=first), xs[0])
+        check_allreduce_result(hvps.allreduce(xs[me], op=hvps.Sum), xs, "Sum", size)
+    finally:
+        hvps.shutdown()
+        hvps.init()
