@@ -1,0 +1,132 @@
+"""Moving ids, rows and gradients between members with hvps's alltoall (any backend).
+
+The two directions of a parameter-server round trip (ps-lite's pull and push, TorchRec's
+input and output distribution), without a server: every member is the owner of one shard.
+
+* :meth:`Exchange.pull` sends each distinct id to its owner and the owner's row back.
+* :meth:`Exchange.push` sends gradient rows to the owners, which combine the rows of one id
+  and hand the result to the optimizer.
+
+Every id message starts each destination's segment with a status word, so when one member's
+input is invalid all members learn it from the same collective and raise together instead of
+leaving the others blocked in the next alltoall.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from hvps.adapters.torch import alltoall_async
+from hvps.errors import HvpsError
+from hvps.process_sets import ProcessSet
+
+from .table import ShardedTable
+
+OK, BAD = 0, 1
+
+
+def combine(inverse: torch.Tensor, grads: torch.Tensor, count: int,
+            weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sum ``grads`` rows (each scaled by ``weights``) into ``count`` rows by ``inverse``, in order.
+
+    Runs torch's own embedding-bag backward (one bag per gradient row), so the rows of one id are
+    added in their order with torch's arithmetic: the combined gradient of a global batch has
+    the same bits as ``nn.EmbeddingBag``'s.
+    """
+    if not inverse.numel():
+        return torch.zeros(count, grads.shape[1], dtype=grads.dtype, device=grads.device)
+    table = torch.zeros(count, grads.shape[1], dtype=grads.dtype, device=grads.device, requires_grad=True)
+    offsets = torch.arange(inverse.numel(), device=inverse.device)
+    with torch.enable_grad():
+        pooled = F.embedding_bag(inverse, table, offsets, mode="sum", per_sample_weights=weights)
+        (grad,) = torch.autograd.grad(pooled, table, grads)
+    return grad
+
+
+class Exchange:
+    """Pull and push for one table over ``process_set``."""
+
+    def __init__(self, table: ShardedTable, process_set: ProcessSet) -> None:
+        self.table = table
+        self.process_set = process_set
+        self.members = table.partition.parts
+        self.bytes_sent = 0  # payload bytes this member put on the wire
+
+    def _alltoall(self, tensor: torch.Tensor, splits: list, tag: str) -> tuple:
+        self.bytes_sent += tensor.numel() * tensor.element_size() - self._own_bytes(tensor, splits)
+        out, received = alltoall_async(tensor.contiguous(), splits, name=f"store.{self.table.name}.{tag}",
+                                       process_set=self.process_set).wait()
+        return out, [int(s) for s in received.tolist()]
+
+    def _own_bytes(self, tensor: torch.Tensor, splits: list) -> int:
+        """Bytes a member sends to itself never cross the wire."""
+        row_bytes = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
+        return splits[self.table.member] * row_bytes
+
+    def _route(self, ids: torch.Tensor) -> tuple:
+        owners = self.table.partition.owner(ids)
+        order = torch.argsort(owners, stable=True)
+        splits = torch.bincount(owners, minlength=self.members).tolist()
+        return order, splits
+
+    def _send_ids(self, ids: torch.Tensor, splits: list, tag: str, error: Optional[str]) -> tuple:
+        """Alltoall of ids grouped by owner, each segment led by a status word."""
+        status = torch.tensor([BAD if error else OK], dtype=torch.int64)
+        if error:
+            ids, splits = ids[:0], [0] * self.members
+        parts = torch.split(ids.to(torch.int64).cpu(), splits)
+        message = torch.cat([t for part in parts for t in (status, part)])
+        received, counts = self._alltoall(message, [s + 1 for s in splits], tag)
+        starts = torch.tensor([0] + counts[:-1]).cumsum(0)
+        bad = [m for m, start in enumerate(starts.tolist()) if int(received[start]) != OK]
+        if error:
+            raise ValueError(error)
+        if bad:
+            raise ValueError(f"table {self.table.name!r}: member(s) {bad} of the process set passed invalid ids "
+                             "(their error says which)")
+        keep = torch.ones(received.numel(), dtype=torch.bool)
+        keep[starts] = False
+        return received[keep], [c - 1 for c in counts]
+
+    def pull(self, ids: torch.Tensor, error: Optional[str] = None) -> torch.Tensor:
+        """The current rows of distinct ``ids`` ([len(ids), dim], on the cache's device)."""
+        order, splits = self._route(ids)
+        wanted, counts = self._send_ids(ids[order], splits, "pull.ids", error)
+        rows = self.table.lookup(self.table.partition.slot(wanted))
+        back, _ = self._alltoall(rows, counts, "pull.rows")
+        out = torch.empty_like(back)
+        out[order] = back
+        return out
+
+    def push(self, ids: torch.Tensor, grads: torch.Tensor, weights: Optional[torch.Tensor] = None) -> None:
+        """Send gradient rows of ``ids`` (repeats allowed, in batch order) to their owners and step.
+
+        ``weights`` scale each row (the 1 / bag size of a mean bag); the owner adds the rows of
+        one id in member order, then in each member's order: the global batch's order.
+        """
+        order, splits = self._route(ids)
+        payload = grads[order]
+        if weights is not None:
+            payload = torch.cat([payload, weights[order].view(-1, 1)], dim=1)
+        received_ids, counts = self._send_ids(ids[order], splits, "push.ids", None)
+        received, _ = self._alltoall(payload.cpu(), splits, "push.grads")
+        scale = received[:, -1].contiguous() if weights is not None else None
+        received = received[:, : self.table.dim]
+        distinct, inverse = torch.unique(self.table.partition.slot(received_ids), return_inverse=True)
+        self.table.apply(distinct, combine(inverse, received, distinct.numel(), scale))
+
+
+def check_same_everywhere(description: dict, name: str, process_set: ProcessSet) -> None:
+    """Raise HvpsError on every member unless all members describe table ``name`` alike."""
+    from hvps import allgather_object
+
+    seen = allgather_object(description, name=f"store.{name}.config", process_set=process_set)
+    differing = sorted({key for other in seen for key in set(other) | set(description)
+                        if other.get(key) != seen[0].get(key)})
+    if differing:
+        values = {key: [d.get(key) for d in seen] for key in differing}
+        raise HvpsError(f"table {name!r} is configured differently across the process set's members: "
+                        f"{values} (one value per member); construct it with the same arguments everywhere")

@@ -1,0 +1,218 @@
+"""``ShardedEmbeddingBag`` and ``ShardedEmbedding``: torch modules over a sharded table.
+
+Forward (TorchRec's row-wise sharding, with hvps's alltoall): deduplicate the batch's ids,
+pull each distinct row from its owner, then pool (bag) or index (embedding) locally with
+torch's own kernels.  Backward: push gradient rows to the owners, which combine them and
+step the row-wise optimizer in place (so a backward *is* the table's optimizer step; the
+table has no ``nn.Parameter`` and no ``state_dict`` entries, and dense optimizers never see
+it).  Every member of the process set must run each forward and backward, in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hvps.process_sets import ProcessSet, global_process_set
+
+from .exchange import Exchange, check_same_everywhere, combine
+from .optim import RowOptimizer, make_optimizer
+from .stale import StaleRows
+from .table import Initializer, ShardedTable, StoreOptions
+
+COMBINES = ("ordered", "local")
+
+
+@dataclass
+class _Batch:
+    """One forward's ids and how they map onto the output."""
+
+    ids: torch.Tensor  # flat int64
+    shape: tuple  # the input's shape
+    offsets: Optional[torch.Tensor] = None  # bags: start of each bag
+    bag: Optional[torch.Tensor] = None  # bags: the bag of each id
+    weights: Optional[torch.Tensor] = None  # mean bags: 1 / bag size per id
+    error: Optional[str] = None
+    distinct: Optional[torch.Tensor] = None
+    inverse: Optional[torch.Tensor] = None
+
+
+def check_ids(name: str, ids: Any, num_embeddings: int) -> Optional[str]:
+    """Why ``ids`` cannot index table ``name`` (None when they can)."""
+    if not isinstance(ids, torch.Tensor):
+        return f"table {name!r}: ids must be a torch tensor of integers, got {type(ids).__name__}"
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        return f"table {name!r}: ids must be integers, got dtype {ids.dtype}"
+    if ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= num_embeddings:
+            bad = ids[(ids < 0) | (ids >= num_embeddings)].flatten()[:5].tolist()
+            return (f"table {name!r}: ids must lie in [0, {num_embeddings}), got {bad} "
+                    f"(range seen {low}..{high})")
+    return None
+
+
+class _Lookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, module: "_ShardedBase", batch: _Batch, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.module, ctx.batch = module, batch
+        return module._lookup(batch)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.module._push(ctx.batch, grad)
+        return None, None, None
+
+
+class _ShardedBase(nn.Module):
+    """Shared construction, pull and push of the two modules."""
+
+    kind = ""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, name: str,
+                 optimizer: Union[str, RowOptimizer, Mapping[str, Any]] = "sgd", lr: float = 0.01,
+                 process_set: ProcessSet = global_process_set, partition: str = "hash", tier: str = "host",
+                 disk_dir: Optional[Union[str, os.PathLike]] = None, cache_rows: int = 0, cache_bytes: int = 0,
+                 cache_policy: str = "lru", staleness: int = 0, combine: str = "local", seed: int = 0,
+                 initializer: Optional[Initializer] = None, device: Optional[str] = None, mode: str = "") -> None:
+        super().__init__()
+        if num_embeddings < 1 or embedding_dim < 1:
+            raise ValueError(f"table {name!r}: num_embeddings and embedding_dim must be >= 1")
+        if combine not in COMBINES:
+            raise ValueError(f"table {name!r}: combine must be one of {COMBINES}, got {combine!r}")
+        if staleness < 0:
+            raise ValueError(f"table {name!r}: staleness must be >= 0, got {staleness}")
+        if not process_set.included():
+            raise ValueError(f"table {name!r}: this rank is not a member of {process_set}")
+        self.name = name
+        self.mode = mode
+        self.process_set = process_set
+        self.options = StoreOptions(partition=partition, tier=tier, disk_dir=disk_dir, cache_rows=cache_rows,
+                                    cache_bytes=cache_bytes, cache_policy=cache_policy, staleness=staleness,
+                                    combine=combine, seed=seed, device=device)
+        row_optimizer = make_optimizer(optimizer, lr)
+        check_same_everywhere({"module": self.kind, "mode": mode, "num_embeddings": int(num_embeddings),
+                               "embedding_dim": int(embedding_dim), "optimizer": row_optimizer.state_dict(),
+                               "initializer": initializer is None, **self.options.describe()},
+                              name, process_set)
+        self.table = ShardedTable(name, num_embeddings, embedding_dim, row_optimizer, self.options,
+                                  process_set.rank(), process_set.size(), initializer)
+        self.exchange = Exchange(self.table, process_set)
+        self.stale = StaleRows(staleness) if staleness else None
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.table.num_embeddings
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.table.dim
+
+    # ------------------------------------------------------------------ the round trip
+    def _pull(self, distinct: torch.Tensor, error: Optional[str]) -> torch.Tensor:
+        if self.stale is None or not self.training:
+            return self.exchange.pull(distinct, error)
+        self.stale.advance()
+        known, kept = self.stale.find(distinct)
+        fetched = self.exchange.pull(distinct[~known], error)
+        self.stale.remember(distinct[~known], fetched)
+        rows = fetched.new_empty(distinct.numel(), self.table.dim)
+        rows[known] = kept.to(rows.device)
+        rows[~known] = fetched
+        return rows
+
+    def _lookup(self, batch: _Batch) -> torch.Tensor:
+        batch.distinct, batch.inverse = torch.unique(batch.ids, return_inverse=True)
+        rows = self._pull(batch.distinct, batch.error)
+        return self._assemble(rows, batch.inverse, batch)
+
+    def _assemble(self, rows: torch.Tensor, inverse: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _push(self, batch: _Batch, grad: torch.Tensor) -> None:
+        grad = grad.contiguous()
+        rows = grad[batch.bag] if batch.bag is not None else grad.reshape(-1, self.table.dim)
+        if self.options.combine == "ordered":
+            self.exchange.push(batch.ids, rows, batch.weights)
+        else:
+            local = combine(batch.inverse, rows, batch.distinct.numel(), batch.weights)
+            self.exchange.push(batch.distinct, local)
+
+    def _run(self, batch: _Batch) -> torch.Tensor:
+        anchor = torch.zeros((), requires_grad=self.training and torch.is_grad_enabled())
+        return _Lookup.apply(self, batch, anchor)
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict:
+        """Counters: cache hits/misses/evictions/bytes, bytes this rank sent, memory held."""
+        out = {"bytes_sent": self.exchange.bytes_sent, **self.table.memory()}
+        if self.table.cache is not None:
+            out.update(self.table.cache.stats.as_dict())
+        if self.stale is not None:
+            out.update(stale_reused=self.stale.reused, stale_pulled=self.stale.pulled)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"{self.table.num_embeddings}, {self.table.dim}, name={self.name!r}, "
+                f"members={self.table.partition.parts}, optimizer={self.table.optimizer.name}")
+
+
+class ShardedEmbeddingBag(_ShardedBase):
+    """Like ``nn.EmbeddingBag`` (modes "sum" and "mean"), with rows sharded over ``process_set``.
+
+    ``forward(input, offsets=None)``: ``input`` is [B, L] (fixed bags) or 1-D with ``offsets``.
+    See :class:`_ShardedBase` for the storage arguments (``tier``, ``cache_rows``, ...).
+    """
+
+    kind = "bag"
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "mean", **kwargs: Any) -> None:
+        if mode not in ("sum", "mean"):
+            raise ValueError(f"table {kwargs.get('name')!r}: mode must be 'sum' or 'mean', got {mode!r}")
+        super().__init__(num_embeddings, embedding_dim, mode=mode, **kwargs)
+
+    def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._run(self._bags(input, offsets))
+
+    def _bags(self, input: Any, offsets: Optional[torch.Tensor]) -> _Batch:
+        error = check_ids(self.name, input, self.table.num_embeddings)
+        if error is None and not (input.dim() == 2 and offsets is None or input.dim() == 1 and offsets is not None):
+            error = f"table {self.name!r}: input must be 2-D, or 1-D with offsets (got {input.dim()}-D)"
+        if error is not None:
+            return _Batch(torch.empty(0, dtype=torch.int64), (0,), error=error)
+        ids = input.reshape(-1).to(torch.int64)
+        if offsets is None:
+            bags, length = input.shape
+            offsets = torch.arange(0, bags * length, length, dtype=torch.int64, device=ids.device)
+        offsets = offsets.to(torch.int64)
+        bag = torch.bucketize(torch.arange(ids.numel(), device=ids.device), offsets, right=True) - 1
+        weights = None
+        if self.mode == "mean":
+            sizes = torch.diff(offsets, append=torch.tensor([ids.numel()], device=offsets.device))
+            weights = (1.0 / sizes.clamp(min=1).double()).float()[bag]
+        return _Batch(ids, tuple(input.shape), offsets=offsets, bag=bag, weights=weights)
+
+    def _assemble(self, rows: torch.Tensor, inverse: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        if len(batch.shape) == 2:
+            return F.embedding_bag(inverse.view(batch.shape), rows, mode=self.mode)
+        return F.embedding_bag(inverse, rows, batch.offsets, mode=self.mode)
+
+
+class ShardedEmbedding(_ShardedBase):
+    """Like ``nn.Embedding``: ``forward(ids)`` returns ``ids.shape + (embedding_dim,)``."""
+
+    kind = "embedding"
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        error = check_ids(self.name, input, self.table.num_embeddings)
+        if error is not None:
+            return self._run(_Batch(torch.empty(0, dtype=torch.int64), (0,), error=error))
+        return self._run(_Batch(input.reshape(-1).to(torch.int64), tuple(input.shape)))
+
+    def _assemble(self, rows: torch.Tensor, inverse: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        return F.embedding(inverse.view(batch.shape), rows)

@@ -1,0 +1,122 @@
+"""Where a shard's rows live: host memory or a memory-mapped file on local disk.
+
+A tier stores one *record* per row: the embedding followed by the row's optimizer state,
+so the cache above it and checkpoints move a row and its state together (HugeCTR's
+hierarchical parameter server keeps the same split between a fast embedding cache and
+host-memory / SSD databases behind it).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import numpy as np
+import torch
+
+Init = Callable[[int, int], torch.Tensor]  # (start, stop) -> records of those slots
+
+
+class Tier(ABC):
+    """``rows`` records of ``width`` float32 values, read and written by slot."""
+
+    kind = ""
+
+    def __init__(self, rows: int, width: int) -> None:
+        self.rows = int(rows)
+        self.width = int(width)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.width * 4
+
+    @abstractmethod
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """The records at ``slots`` (a new tensor)."""
+
+    @abstractmethod
+    def write(self, slots: torch.Tensor, records: torch.Tensor) -> None:
+        """Overwrite the records at ``slots``."""
+
+    @abstractmethod
+    def view(self, start: int, stop: int) -> torch.Tensor:
+        """Records ``start:stop`` (may alias the storage); for checkpoints and initialisation."""
+
+    def fill(self, init: Init, chunk_rows: int = 1 << 16) -> None:
+        """Initialise every record from ``init``, a chunk at a time."""
+        for start in range(0, self.rows, chunk_rows):
+            stop = min(self.rows, start + chunk_rows)
+            self.view(start, stop).copy_(init(start, stop))
+
+    def trim(self) -> None:
+        """Give resident pages back to the OS where the tier can (disk tier only)."""
+
+
+class HostTier(Tier):
+    """The shard as one torch tensor in host memory."""
+
+    kind = "host"
+
+    def __init__(self, rows: int, width: int) -> None:
+        super().__init__(rows, width)
+        self.data = torch.zeros(self.rows, self.width)
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.data.index_select(0, slots)
+
+    def write(self, slots: torch.Tensor, records: torch.Tensor) -> None:
+        self.data.index_copy_(0, slots, records)
+
+    def view(self, start: int, stop: int) -> torch.Tensor:
+        return self.data[start:stop]
+
+
+class DiskTier(Tier):
+    """The shard in a memory-mapped file (for shards larger than the memory budget).
+
+    Pages are brought in by the kernel on access; :meth:`trim` drops this process's resident
+    pages (dirty ones stay in the page cache and reach the file).
+    """
+
+    kind = "disk"
+
+    def __init__(self, rows: int, width: int, path: Union[str, os.PathLike]) -> None:
+        super().__init__(rows, width)
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        shape = (max(1, self.rows), self.width)
+        self.array = np.memmap(self.path, dtype=np.float32, mode="w+", shape=shape)
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.array[slots.numpy()])
+
+    def write(self, slots: torch.Tensor, records: torch.Tensor) -> None:
+        self.array[slots.numpy()] = records.numpy()
+
+    def view(self, start: int, stop: int) -> torch.Tensor:
+        return torch.from_numpy(self.array[start:stop])
+
+    def trim(self) -> None:
+        mapped = getattr(self.array, "_mmap", None)
+        if mapped is not None and hasattr(mapped, "madvise"):
+            mapped.flush()
+            mapped.madvise(mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        """Unmap and delete the file."""
+        del self.array
+        self.path.unlink(missing_ok=True)
+
+
+def make_tier(kind: str, rows: int, width: int, path: Optional[Union[str, os.PathLike]] = None) -> Tier:
+    """A "host" or "disk" tier; "disk" needs ``path``."""
+    if kind == "host":
+        return HostTier(rows, width)
+    if kind == "disk":
+        if path is None:
+            raise ValueError("the disk tier needs a file path (disk_dir=...)")
+        return DiskTier(rows, width, path)
+    raise ValueError(f"unknown tier {kind!r}; choose 'host' or 'disk'")
