@@ -56,8 +56,12 @@ def adasum_allreduce(backend, buffer, rank: int, size: int) -> None:
     """Replace the 1-D floating-point ``buffer`` on every rank by the Adasum of all ranks' buffers."""
     if not is_power_of_two(size):
         raise ValueError(f"Adasum needs a power-of-two number of ranks, not {size}")
-    host = buffer if arrays.is_numpy(buffer) else buffer.detach().cpu().numpy()
-    work = host.astype(np.float64)
+    if arrays.is_numpy(buffer):
+        work = buffer.astype(np.float64)
+    else:  # a tensor the backend moves as it is (tdist): the arithmetic runs on a float64 host copy
+        import torch
+
+        work = buffer.detach().to("cpu", torch.float64).numpy().copy()
     start, end = 0, work.size
     steps = []
     level = 0
@@ -79,13 +83,10 @@ def adasum_allreduce(backend, buffer, rank: int, size: int) -> None:
         level += 1
     for partner, keep, give in reversed(steps):
         backend.sendrecv(work[keep[0]:keep[1]], partner, work[give[0]:give[1]], partner)
-    result = work.astype(host.dtype) if host.dtype != np.float64 else work
     if arrays.is_numpy(buffer):
-        buffer[...] = result
-    else:  # a tensor the backend moves as it is (tdist): the arithmetic above ran on a host copy
-        import torch
-
-        buffer.copy_(torch.from_numpy(np.ascontiguousarray(result)).to(buffer.device))
+        buffer[...] = work.astype(buffer.dtype)
+    else:
+        buffer.copy_(torch.from_numpy(work))  # copy_ casts to the tensor's dtype and device
 
 
 def reference(vectors: list) -> np.ndarray:

@@ -137,6 +137,10 @@ def register(process_set: Any) -> ProcessSet:
         process_set = ProcessSet(process_set)
     if process_set.process_set_id is not None:
         raise ValueError(f"{process_set!r} is already registered")
+    backend = runtime.engine().backend
+    if not backend.supports_process_sets:  # refused alike on every rank, before negotiating
+        raise NotImplementedError(f"the {backend.name} data plane does not support process sets; "
+                                  "use HVPS_BACKEND=mpi or tdist")
     size = runtime.size()
     ranks = process_set.ranks
     if not ranks or ranks[0] < 0 or ranks[-1] >= size:

@@ -52,6 +52,9 @@ class Backend(abc.ABC):
         (point to point, for algorithms such as Adasum)."""
         raise NotImplementedError(f"the {self.name} data plane has no point-to-point transfers (Adasum needs them)")
 
+    #: whether ``subset`` builds process sets on this data plane
+    supports_process_sets: bool = False
+
     def subset(self, ranks: tuple) -> "Backend":
         """The same data plane over ``ranks`` only (a process set); called by exactly those ranks,
         in the same order on each."""

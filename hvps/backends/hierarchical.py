@@ -30,6 +30,10 @@ class HierarchicalBackend(Backend):
         self.workspace = FusionBuffer()  # the node's partial sums, reused across calls
         self.name = f"hierarchical-{flat.name}"
 
+    @property
+    def supports_process_sets(self) -> bool:
+        return self.flat.supports_process_sets
+
     def takes(self, device, dtype):
         return self.flat.takes(device, dtype) and self.local.takes(device, dtype)
 

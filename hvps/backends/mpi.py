@@ -90,6 +90,7 @@ class MPIBackend(Backend):
     """Collectives through mpi4py's buffer methods on a private duplicate communicator."""
 
     name = "mpi"
+    supports_process_sets = True
 
     def __init__(self, comm: MPI.Comm, settings, owned: bool = False) -> None:
         """On a duplicate of ``comm``, or on ``comm`` itself when ``owned`` (a communicator made for it)."""

@@ -18,6 +18,10 @@ class DeviceRouter(Backend):
     def _for(self, buffer) -> Backend:
         return self.host if arrays.device_of(buffer) == "cpu" else self.device
 
+    @property
+    def supports_process_sets(self) -> bool:
+        return self.host.supports_process_sets and self.device.supports_process_sets
+
     def takes(self, device, dtype):
         return device != "cpu" and self.device.takes(device, dtype)
 

@@ -76,6 +76,7 @@ class TorchDistBackend(Backend):
     """Collectives on private torch.distributed process groups (gloo on CPU, NCCL on CUDA)."""
 
     name = "tdist"
+    supports_process_sets = True
 
     def __init__(self, comm, settings, owned: bool = False) -> None:
         import torch.distributed as dist
