@@ -195,13 +195,13 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp,
     Returns a function that waits and yields the reduced sparse tensor (Horovod's interface).
     """
     sparse = tensor.coalesce() if not tensor.is_coalesced() else tensor
-    indices = allgather_async(sparse._indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
-    values = allgather_async(sparse._values().contiguous(), name=f"{name}.values", process_set=process_set)
+    # indices and values travel as one grouped allgather: both are submitted, or neither
+    handle = grouped_allgather_async([sparse._indices().t().contiguous(), sparse._values().contiguous()],
+                                     name=f"sparse.{name}", process_set=process_set)
     size = _set_size(process_set)
 
     def result() -> torch.Tensor:
-        gathered_values = values.wait()
-        gathered_indices = indices.wait()
+        gathered_indices, gathered_values = handle.wait()
         if op is Average:
             gathered_values = gathered_values / size
         return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape)

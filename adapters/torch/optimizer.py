@@ -17,7 +17,7 @@ import hvps
 from hvps import HvpsError, ProcessSet, global_process_set
 
 from .compression import as_gradient_compression, compress_tensor, decompress_tensor
-from .mpi_ops import Adasum, Average, Sum, allgather_async, grouped_allreduce_async_
+from .mpi_ops import Adasum, Average, Sum, grouped_allreduce_async_, sparse_allreduce_async
 from .tensors import from_numpy, host_buffer, takes_tensor, to_numpy
 
 
@@ -163,8 +163,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         name = f"grad.{self._parameter_names[p]}"
         if grad.is_sparse:
             grad = grad.coalesce()
-            return ("sparse", allgather_async(grad._indices().t().contiguous(), f"{name}.indices", self.process_set),
-                    allgather_async(grad._values(), f"{name}.values", self.process_set))
+            return ("sparse", sparse_allreduce_async(grad, name, self._op, self.process_set))
         if self.compression.summable and (takes_tensor(grad) or self.process_set is not global_process_set):
             # The backend moves tensors (NCCL, gloo): casts run as torch ops where the gradient lives.
             return self._allreduce_group_async((p,))
@@ -205,7 +204,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     for member, out, ctx in zip(group, outputs, ctxs):
                         self._install(member, decompress_tensor(self.compression, out, ctx))
                 elif pending[0] == "sparse":
-                    self._install_sparse(p, pending[1].wait(), pending[2].wait())
+                    p.grad = pending[1]().coalesce()
                 else:
                     _, exchange, buffer = pending
                     result = self.compression.finish(exchange)
@@ -226,12 +225,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _install(p: torch.Tensor, grad: torch.Tensor) -> None:
         if grad.data_ptr() != p.grad.data_ptr() or grad.device != p.grad.device:
             p.grad.copy_(grad)
-
-    def _install_sparse(self, p: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
-        summed = torch.sparse_coo_tensor(indices.t(), values, p.grad.shape).coalesce()
-        if self._op is Average:
-            summed = summed / self.process_set.size()
-        p.grad = summed
 
     def compression_stats(self) -> dict:
         """Bytes sent and received, compression ratio and (de)compression time since the last reset."""
