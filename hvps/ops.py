@@ -153,7 +153,10 @@ def _allreduce_async(values, op, name, prescale_factor, postscale_factor, outs, 
         raise ValueError("grouped_allreduce needs at least one array")
     if outs is not None and len(outs) != len(inputs):
         raise ValueError(f"{len(outs)} outputs given for {len(inputs)} inputs")
-    by_kind: dict = {}  # one collective per (dtype, device)
+    devices = {arrays.device_of(array) for array in inputs}
+    if len(devices) > 1:  # Horovod refuses a group that mixes host and device tensors (a RuntimeError)
+        raise HvpsError(f"grouped_allreduce needs all tensors on one device, got {sorted(devices)}")
+    by_kind: dict = {}  # one collective per dtype
     for index, array in enumerate(inputs):
         by_kind.setdefault((arrays.dtype_name(array), arrays.device_of(array)), []).append(index)
     for dtype, _ in by_kind:
