@@ -4,26 +4,40 @@ MPI offers no way to wait for a message without spinning a core, so the engine
 negotiates over plain sockets instead: its thread blocks in ``select`` until a
 message, a local submission or a deadline arrives, costing no CPU while it
 waits and answering within microseconds. A closed connection tells at once
-that a rank has died. Messages are JSON, never pickle, and a connection must
-present the job's random token before it is trusted.
+that a rank has died. Messages are JSON, never pickle.
+
+Rank 0's port is open to the network while ``init`` runs, so anything may connect.
+A connection is trusted only after a mutual challenge-response proves it holds the
+job's key (``control_handshake.py``), and every later frame carries an HMAC
+(``control_wire.py``). Strangers are dropped and logged, one at a time and each
+within its own deadline, so that none of them can stop, stall or bloat the job.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
+import logging
 import os
 import secrets
 import selectors
 import socket
 import struct
+import threading
 import time
 from typing import Optional
 
+from .control_handshake import ServerHandshake, client_handshake
+from .control_wire import MAX_AUTHENTICATED, FrameReader, ProtocolError, Session
 from .errors import HvpsError
 
-_HEADER = struct.Struct("!I")
+log = logging.getLogger("hvps")
 _SIOCGIFADDR = 0x8915
+#: each connection must finish its handshake within this many seconds of connecting
+HANDSHAKE_SECONDS = 5.0
+#: connections rank 0 keeps in handshake at once; more are refused until some finish
+_MAX_PENDING = 64
+_REQUESTS = frozenset({"requests"})
+_RESPONSES = frozenset({"responses"})
 
 
 def interface_address(name: str) -> Optional[str]:
@@ -54,30 +68,34 @@ def candidate_addresses() -> list:
     return sorted(set(found), key=lambda a: (a.startswith("127."), a))
 
 
+def listen_address() -> str:
+    """Where rank 0 listens: the address of ``HVPS_NETWORK_INTERFACE`` when set, else every interface."""
+    return candidate_addresses()[0] if os.environ.get("HVPS_NETWORK_INTERFACE") else ""
+
+
 class ConnectionClosed(Exception):
     """The peer closed its end (it exited or its host went away)."""
 
 
 class _Peer:
-    """One non-blocking connection with length-prefixed JSON framing in both directions."""
+    """One authenticated, non-blocking connection."""
 
-    def __init__(self, sock: socket.socket, rank: int) -> None:
-        self.sock = sock
-        self.rank = rank
-        self.inbox = bytearray()
+    def __init__(self, sock: socket.socket, rank: int, session: Session, reader: FrameReader,
+                 accepts: frozenset) -> None:
+        self.sock, self.rank, self.session, self.reader = sock, rank, session, reader
+        self.accepts = accepts
+        self.reader.limit = MAX_AUTHENTICATED
         self.outbox = bytearray()
 
-    def queue(self, message: dict) -> None:
-        data = json.dumps(message, separators=(",", ":")).encode()
-        self.outbox += _HEADER.pack(len(data)) + data
-
     def flush(self) -> None:
+        """Send what the socket takes now (never blocks)."""
         while self.outbox:
             try:
                 sent = self.sock.send(self.outbox)
             except BlockingIOError:
                 return
             except OSError as exc:
+                self.outbox.clear()
                 raise ConnectionClosed(str(exc)) from exc
             del self.outbox[:sent]
 
@@ -90,34 +108,53 @@ class _Peer:
             raise ConnectionClosed(str(exc)) from exc
         if not data:
             raise ConnectionClosed("connection closed")
-        self.inbox += data
-        messages = []
-        while len(self.inbox) >= _HEADER.size:
-            (length,) = _HEADER.unpack_from(self.inbox)
-            if len(self.inbox) < _HEADER.size + length:
-                break
-            messages.append(json.loads(self.inbox[_HEADER.size : _HEADER.size + length]))
-            del self.inbox[: _HEADER.size + length]
-        return messages
+        try:
+            return [self.session.open(payload, self.accepts) for payload in self.reader.feed(data)]
+        except ProtocolError as exc:
+            log.error("hvps control plane: dropping rank %d: %s", self.rank, exc)
+            raise ConnectionClosed(str(exc)) from exc
 
 
-def _send_blocking(sock: socket.socket, message: dict) -> None:
-    data = json.dumps(message).encode()
-    sock.sendall(_HEADER.pack(len(data)) + data)
+class _Writer(threading.Thread):
+    """Sends what the engine thread could not send at once, so that a large reply never
+    waits for the engine (which may be inside a collective the receiver also needs)."""
 
+    def __init__(self, peers: dict) -> None:
+        super().__init__(name="hvps-control-writer", daemon=True)
+        self.peers = peers
+        self.lock = threading.Condition()
+        self.stopping = False
 
-def _recv_blocking(sock: socket.socket) -> dict:
-    def exactly(n: int) -> bytes:
-        chunks = bytearray()
-        while len(chunks) < n:
-            chunk = sock.recv(n - len(chunks))
-            if not chunk:
-                raise ConnectionClosed("connection closed during handshake")
-            chunks += chunk
-        return bytes(chunks)
+    def run(self) -> None:
+        drain_until = None
+        while True:
+            with self.lock:
+                while not self.stopping and not any(p.outbox for p in list(self.peers.values())):
+                    self.lock.wait()
+                busy = [p for p in list(self.peers.values()) if p.outbox and p.sock.fileno() >= 0]
+                if self.stopping:
+                    drain_until = drain_until or time.monotonic() + 2.0
+                    if not busy or time.monotonic() > drain_until:
+                        return
+            with selectors.DefaultSelector() as selector:
+                for peer in busy:
+                    selector.register(peer.sock, selectors.EVENT_WRITE, peer)
+                try:
+                    ready = [key.data for key, _ in selector.select(0.5)]
+                except (OSError, ValueError):
+                    ready = []  # a socket was closed meanwhile: look again
+            with self.lock:
+                for peer in ready:
+                    try:
+                        peer.flush()
+                    except ConnectionClosed:
+                        pass  # the engine's poll sees the closed connection
 
-    (length,) = _HEADER.unpack(exactly(_HEADER.size))
-    return json.loads(exactly(length))
+    def stop(self) -> None:
+        with self.lock:
+            self.stopping = True
+            self.lock.notify()
+        self.join(timeout=3)
 
 
 class ControlPlane:
@@ -132,17 +169,18 @@ class ControlPlane:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self.peers: dict[int, _Peer] = {}
         listener = None
-        if self.rank == 0:
-            listener = socket.create_server(("", 0), backlog=max(self.size, 16))
-            offer = (candidate_addresses(), listener.getsockname()[1], secrets.token_hex(16))
+        if self.rank == 0 and self.size > 1:
+            listener = socket.create_server((listen_address(), 0), backlog=max(self.size, 16) + _MAX_PENDING)
+            # The key travels over MPI only, never over the control connection.
+            offer = (candidate_addresses(), listener.getsockname()[1], secrets.token_bytes(32))
         else:
             offer = None
-        addresses, port, token = comm.bcast(offer, root=0)
+        addresses, port, key = comm.bcast(offer, root=0) if self.size > 1 else (None, 0, b"")
         try:
-            if self.rank == 0:
-                self._accept(listener, token, connect_timeout)
+            if self.rank == 0 and listener is not None:
+                self._accept(listener, key, connect_timeout)
             elif self.size > 1:
-                self._connect(addresses, port, token, connect_timeout)
+                self._connect(addresses, port, key, connect_timeout)
         finally:
             if listener is not None:
                 listener.close()
@@ -151,32 +189,87 @@ class ControlPlane:
             peer.sock.setblocking(False)
             peer.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._selector.register(peer.sock, selectors.EVENT_READ, peer)
+        self._writer = _Writer(self.peers)
+        self._writer.start()
 
-    def _accept(self, listener: socket.socket, token: str, timeout: float) -> None:
+    def _accept(self, listener: socket.socket, key: bytes, timeout: float) -> None:
+        """Run handshakes side by side until every other rank has proved itself."""
         deadline = time.monotonic() + timeout
-        while len(self.peers) < self.size - 1:
-            listener.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                sock, _ = listener.accept()
-            except socket.timeout:
-                missing = sorted(set(range(1, self.size)) - set(self.peers))
-                raise HvpsError(
-                    f"rank 0 heard nothing from ranks {missing} within {timeout:g} s on port "
-                    f"{listener.getsockname()[1]}; set HVPS_NETWORK_INTERFACE (hvpsrun --network-interface) "
-                    "to an interface every host can reach"
-                ) from None
-            sock.settimeout(5)
-            try:
-                hello = _recv_blocking(sock)
-            except (OSError, ConnectionClosed, ValueError):
-                sock.close()
-                continue
-            if hello.get("token") != token or not isinstance(hello.get("rank"), int):
-                sock.close()  # not one of ours
-                continue
-            self.peers[hello["rank"]] = _Peer(sock, hello["rank"])
+        listener.setblocking(False)
+        selector = selectors.DefaultSelector()
+        selector.register(listener, selectors.EVENT_READ, None)
+        pending: dict = {}  # socket -> (ServerHandshake, expiry, address)
+        try:
+            while len(self.peers) < self.size - 1:
+                now = time.monotonic()
+                if now >= deadline:
+                    missing = sorted(set(range(1, self.size)) - set(self.peers))
+                    raise HvpsError(
+                        f"rank 0 heard nothing from ranks {missing} within {timeout:g} s on port "
+                        f"{listener.getsockname()[1]}; set HVPS_NETWORK_INTERFACE (hvpsrun --network-interface) "
+                        "to an interface every host can reach")
+                wait = min([deadline] + [expiry for _, expiry, _ in pending.values()]) - now
+                for event, _ in selector.select(max(0.0, wait)):
+                    if event.data is None:
+                        self._admit(listener, key, selector, pending)
+                    else:
+                        self._advance(event.fileobj, selector, pending)
+                now = time.monotonic()
+                for sock, (_, expiry, _) in list(pending.items()):
+                    if now >= expiry:
+                        self._refuse(sock, selector, pending, f"no handshake within {HANDSHAKE_SECONDS:g} s")
+        finally:
+            for sock in list(pending):
+                self._refuse(sock, selector, pending, None)
+            selector.close()
 
-    def _connect(self, addresses: list, port: int, token: str, timeout: float) -> None:
+    def _admit(self, listener: socket.socket, key: bytes, selector, pending: dict) -> None:
+        try:
+            sock, address = listener.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        if len(pending) >= _MAX_PENDING:
+            log.warning("hvps control plane: refused %s: %d handshakes already open", address[0], _MAX_PENDING)
+            sock.close()
+            return
+        sock.setblocking(False)
+        handshake = ServerHandshake(key, self.size, taken=self.peers)
+        pending[sock] = (handshake, time.monotonic() + HANDSHAKE_SECONDS, address[0])
+        selector.register(sock, selectors.EVENT_READ, handshake)
+
+    def _advance(self, sock: socket.socket, selector, pending: dict) -> None:
+        handshake, _, _ = pending[sock]
+        try:
+            data = sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._refuse(sock, selector, pending, str(exc))
+            return
+        if not data:
+            self._refuse(sock, selector, pending, "closed the connection")
+            return
+        try:
+            reply = handshake.feed(data)
+            if reply and sock.send(reply) != len(reply):  # a real peer waits for it: its buffer has room
+                raise ProtocolError("does not read its replies")
+        except (ProtocolError, OSError) as exc:
+            self._refuse(sock, selector, pending, str(exc))
+            return
+        if handshake.session is not None:
+            selector.unregister(sock)
+            del pending[sock]
+            self.peers[handshake.rank] = _Peer(sock, handshake.rank, handshake.session, handshake.reader, _REQUESTS)
+
+    @staticmethod
+    def _refuse(sock: socket.socket, selector, pending: dict, reason: Optional[str]) -> None:
+        _, _, address = pending.pop(sock)
+        if reason is not None:
+            log.warning("hvps control plane: dropped a connection from %s: %s", address, reason)
+        selector.unregister(sock)
+        sock.close()
+
+    def _connect(self, addresses: list, port: int, key: bytes, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         errors = {}
         while time.monotonic() < deadline:
@@ -186,8 +279,14 @@ class ControlPlane:
                 except OSError as exc:
                     errors[address] = exc
                     continue
-                _send_blocking(sock, {"rank": self.rank, "token": token})
-                self.peers[0] = _Peer(sock, 0)
+                try:
+                    session = client_handshake(sock, key, self.rank,
+                                               min(deadline, time.monotonic() + 2 * HANDSHAKE_SECONDS))
+                except (ProtocolError, OSError) as exc:
+                    errors[address] = exc
+                    sock.close()
+                    continue
+                self.peers[0] = _Peer(sock, 0, session, FrameReader(MAX_AUTHENTICATED), _RESPONSES)
                 return
             time.sleep(0.2)
         tried = ", ".join(f"{a}:{port} ({e})" for a, e in errors.items())
@@ -204,17 +303,20 @@ class ControlPlane:
             pass  # already awake, or closing
 
     def send(self, rank: int, message: dict) -> None:
-        """Queue ``message`` for ``rank`` and send what the socket takes now."""
+        """Queue ``message`` for ``rank``; send what the socket takes now, the rest from the writer thread."""
         peer = self.peers.get(rank)
         if peer is None:
             return
-        peer.queue(message)
-        try:
-            peer.flush()
-        except ConnectionClosed:
-            pass  # reported by the next poll
-        if peer.outbox:
-            self._selector.modify(peer.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, peer)
+        with self._writer.lock:
+            idle = not peer.outbox
+            peer.outbox += peer.session.seal(message)
+            if idle:
+                try:
+                    peer.flush()
+                except ConnectionClosed:
+                    return  # reported by the next poll
+            if peer.outbox:
+                self._writer.lock.notify()
 
     def poll(self, timeout: Optional[float]) -> tuple:
         """Wait up to ``timeout`` s (None: until something happens).
@@ -223,7 +325,7 @@ class ControlPlane:
         whose connection closed.
         """
         messages, closed = [], []
-        for key, events in self._selector.select(timeout):
+        for key, _ in self._selector.select(timeout):
             peer = key.data
             if peer is None:
                 try:
@@ -233,12 +335,7 @@ class ControlPlane:
                     pass
                 continue
             try:
-                if events & selectors.EVENT_WRITE:
-                    peer.flush()
-                    if not peer.outbox:
-                        self._selector.modify(peer.sock, selectors.EVENT_READ, peer)
-                if events & selectors.EVENT_READ:
-                    messages.extend((peer.rank, m) for m in peer.receive())
+                messages.extend((peer.rank, m) for m in peer.receive())
             except ConnectionClosed:
                 closed.append(peer.rank)
                 self._drop(peer)
@@ -246,19 +343,14 @@ class ControlPlane:
 
     def _drop(self, peer: _Peer) -> None:
         self._selector.unregister(peer.sock)
-        peer.sock.close()
-        self.peers.pop(peer.rank, None)
+        with self._writer.lock:
+            self.peers.pop(peer.rank, None)
+            peer.sock.close()
 
     def close(self) -> None:
-        """Flush what is queued (briefly) and close every socket."""
-        deadline = time.monotonic() + 2
+        """Send what is queued (for up to 2 s) and close every socket."""
+        self._writer.stop()
         for peer in list(self.peers.values()):
-            peer.sock.setblocking(True)
-            peer.sock.settimeout(max(0.05, deadline - time.monotonic()))
-            try:
-                peer.sock.sendall(peer.outbox)
-            except OSError:
-                pass
             self._drop(peer)
         self._selector.close()
         self._wake_r.close()
