@@ -25,7 +25,7 @@ import secrets
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import h5py
 import numpy as np
@@ -162,14 +162,13 @@ def _version_problems(manager: Any, epoch: int, modules: list) -> list:
             manager.verify(epoch)
         except CheckpointError as exc:
             problems.append(f"epoch {epoch}: dense checkpoint: {exc}")
-    shards = []
     for m in modules:
-        table = manifest["tables"].get(m.name)
-        if table is None:
+        if m.name not in manifest["tables"]:
             problems.append(f"epoch {epoch}: table {m.name!r} is not in the manifest")
-            continue
+    shards = []
+    for name, table in manifest["tables"].items():
         if len(table["shards"]) != table["members"]:
-            problems.append(f"epoch {epoch}: table {m.name!r} has {len(table['shards'])} of {table['members']} shards")
+            problems.append(f"epoch {epoch}: table {name!r} has {len(table['shards'])} of {table['members']} shards")
         shards.extend(table["shards"])
     for k, shard in enumerate(sorted(shards, key=lambda s: s["file"])):
         if k % hvps.size() == hvps.rank():

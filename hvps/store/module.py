@@ -103,7 +103,7 @@ class _ShardedBase(nn.Module):
         self.table = ShardedTable(name, num_embeddings, embedding_dim, row_optimizer, self.options,
                                   process_set.rank(), process_set.size(), initializer)
         self.exchange = Exchange(self.table, process_set)
-        self.stale = StaleRows(staleness) if staleness else None
+        self.stale = StaleRows(staleness, int(embedding_dim)) if staleness else None
 
     @property
     def num_embeddings(self) -> int:

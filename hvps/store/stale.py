@@ -14,13 +14,13 @@ import torch
 class StaleRows:
     """Rows pulled within the last ``staleness`` steps, by id."""
 
-    def __init__(self, staleness: int) -> None:
+    def __init__(self, staleness: int, dim: int) -> None:
         if staleness < 1:
             raise ValueError(f"staleness must be >= 1 to keep rows, got {staleness}")
         self.staleness = int(staleness)
         self.step = 0
         self.ids = torch.empty(0, dtype=torch.int64)
-        self.rows = torch.empty(0, 0)
+        self.rows = torch.empty(0, dim)
         self.born = torch.empty(0, dtype=torch.int64)
         self.reused = 0
         self.pulled = 0
@@ -43,8 +43,7 @@ class StaleRows:
     def remember(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Keep freshly pulled ``rows`` of ``ids`` (not already known)."""
         self.pulled += int(ids.numel())
-        if not self.rows.numel():
-            self.rows = rows.new_empty(0, rows.shape[1])
+        self.rows = self.rows.to(rows.device)
         ids = torch.cat([self.ids, ids])
         order = torch.argsort(ids)
         self.ids = ids[order]

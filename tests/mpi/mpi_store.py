@@ -1,0 +1,275 @@
+"""Inner multi-rank tests of hvps.store: the sharded tables against single-process torch on the
+global batch (every rank regenerates every rank's data and computes the reference itself).
+
+Bit-for-bit comparisons draw the upstream gradients from a dyadic grid (multiples of 1/64 in
+[-1, 1)): torch's CPU embedding-bag backward adds one id's gradient rows in the order of an
+*unstable* sort of the whole global batch, which no sharded implementation can know, and on
+that grid every order gives the same sum.  Everything else (weights, pooling, routing, dedup,
+the optimizer's arithmetic) is full precision.  Full-precision gradients are compared with
+``combine="ordered"`` against batch-order accumulation (bit-for-bit) and with the default
+combine against torch within float tolerance.
+"""
+
+import os
+import warnings
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hvps
+import hvps.adapters.torch as hvd
+from hvps.checkpoint import CheckpointManager
+from hvps.store import ShardedEmbedding, ShardedEmbeddingBag, load_stores, save_stores
+
+pytestmark = pytest.mark.timeout(120)
+
+N, D, LR, STEPS = 61, 16, 0.5, 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    hvd.init()
+    torch.set_num_threads(1)
+    yield
+
+
+def _initial():
+    return torch.randn(N, D, generator=torch.Generator().manual_seed(5))
+
+
+def _from(weight):
+    return lambda ids, dim: weight[ids]
+
+
+def _grads(g, rows, dyadic):
+    if dyadic:
+        return torch.randint(-64, 64, (rows, D), generator=g).float() / 64
+    return torch.randn(rows, D, generator=g)
+
+
+def _rank_batch(g, rank, mode, dyadic):
+    """(input, offsets, upstream gradient) of one rank: skewed ids, uneven batch sizes."""
+    bags = 2 + rank
+    if mode == "mean":  # fixed bags of 4: the mean's 1/4 is exact
+        ids = (torch.randint(0, N, (bags, 4), generator=g) ** 2) % N
+        return ids, None, _grads(g, bags, dyadic)
+    sizes = torch.randint(0, 5, (bags,), generator=g)  # empty bags included
+    ids = (torch.randint(0, N, (int(sizes.sum()),), generator=g) ** 2) % N
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)[:-1]])
+    return ids, offsets, _grads(g, bags, dyadic)
+
+
+def _global(batches):
+    """The concatenation of every rank's batch, as one single-process batch."""
+    ids = torch.cat([b[0] for b in batches])
+    grads = torch.cat([b[2] for b in batches])
+    if batches[0][1] is None:
+        return ids, None, grads
+    offsets, base = [], 0
+    for b in batches:
+        offsets.append(b[1] + base)
+        base += b[0].numel()
+    return ids, torch.cat(offsets), grads
+
+
+def _step_data(step, mode, dyadic, salt=0):
+    g = torch.Generator().manual_seed(1000 * salt + 17 * step + hvd.size())
+    batches = [_rank_batch(g, r, mode, dyadic) for r in range(hvd.size())]
+    return batches[hvd.rank()], _global(batches)
+
+
+def _full_table(module):
+    """The whole table assembled from every member's shard (small tables only)."""
+    t = module.table
+    t.flush()
+    ids = t.partition.global_ids(t.member, torch.arange(t.tier.rows))
+    weights = t.records(0, t.tier.rows)[:, : t.dim].clone()
+    all_ids = hvd.allgather(ids, process_set=module.process_set)
+    all_weights = hvd.allgather(weights, process_set=module.process_set)
+    full = torch.full((t.num_embeddings, t.dim), float("nan"))
+    full[all_ids] = all_weights
+    return full
+
+
+def _local_slice(global_out, mine_rows):
+    before = sum(2 + r for r in range(hvd.rank()))
+    return global_out[before: before + mine_rows]
+
+
+def _train_pair(module, reference, ref_opt, mode, dyadic, salt=0, steps=STEPS):
+    """Train both side by side; returns the largest forward difference seen."""
+    worst = 0.0
+    for step in range(steps):
+        (ids, offsets, grad), (gids, goffsets, ggrad) = _step_data(step, mode, dyadic, salt)
+        out = module(ids, offsets) if offsets is not None else module(ids)
+        ref_out = reference(gids, goffsets) if goffsets is not None else reference(gids)
+        mine = _local_slice(ref_out, ids.shape[0] if offsets is None else offsets.numel())
+        worst = max(worst, float((out - mine).detach().abs().max()) if out.numel() else 0.0)
+        (out * grad).sum().backward()
+        (ref_out * ggrad).sum().backward()
+        if ref_opt is not None:
+            ref_opt.step()
+            ref_opt.zero_grad()
+    return worst
+
+
+CASES = [  # mode, partition, cache rows, cache policy, tier
+    ("sum", "hash", 0, "lru", "host"),
+    ("sum", "range", 5, "lru", "host"),
+    ("mean", "hash", 5, "lfu", "disk"),
+    ("mean", "range", 0, "lru", "host"),
+]
+
+
+@pytest.mark.parametrize("mode,partition,cache_rows,policy,tier", CASES)
+def test_bag_sgd_is_bit_exact(mode, partition, cache_rows, policy, tier, tmp_path):
+    w0 = _initial()
+    name = f"bag_{mode}_{partition}_{cache_rows}_{tier}"
+    module = ShardedEmbeddingBag(N, D, mode=mode, name=name, lr=LR, partition=partition, cache_rows=cache_rows,
+                                 cache_policy=policy, tier=tier, disk_dir=tmp_path, initializer=_from(w0))
+    reference = nn.EmbeddingBag(N, D, mode=mode, _weight=w0.clone())
+    worst = _train_pair(module, reference, torch.optim.SGD(reference.parameters(), lr=LR), mode, dyadic=True)
+    assert worst == 0.0
+    assert torch.equal(_full_table(module), reference.weight.detach())
+
+
+def test_embedding_sgd_is_bit_exact():
+    w0 = _initial()
+    module = ShardedEmbedding(N, D, name="emb", lr=LR, cache_rows=7, initializer=_from(w0))
+    reference = nn.Embedding(N, D, _weight=w0.clone())
+    opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        ids = [(torch.randint(0, N, (2 + r, 3), generator=g) ** 2) % N for r in range(hvd.size())]
+        grads = [_grads(g, 2 + r, True).unsqueeze(1).expand(-1, 3, -1) for r in range(hvd.size())]
+        out = module(ids[hvd.rank()])
+        ref_out = reference(torch.cat(ids))
+        assert torch.equal(out, _local_slice(ref_out, ids[hvd.rank()].shape[0]))
+        (out * grads[hvd.rank()]).sum().backward()
+        (ref_out * torch.cat(grads)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(_full_table(module), reference.weight.detach())
+
+
+def test_ordered_combine_follows_the_global_batch_order():
+    """Full-precision gradients: the owners add each id's rows in global batch order."""
+    w0 = _initial()
+    module = ShardedEmbeddingBag(N, D, mode="sum", name="ordered", lr=LR, combine="ordered", initializer=_from(w0))
+    weight = w0.clone()
+    for step in range(STEPS):
+        (ids, offsets, grad), (gids, goffsets, ggrad) = _step_data(step, "sum", dyadic=False, salt=3)
+        out = module(ids, offsets)
+        assert torch.equal(out, _local_slice(F.embedding_bag(gids, weight, goffsets, mode="sum"), offsets.numel()))
+        out.mul(grad).sum().backward()
+        bag = torch.bucketize(torch.arange(gids.numel()), goffsets, right=True) - 1
+        weight.add_(torch.zeros(N, D).index_add_(0, gids, ggrad[bag]), alpha=-LR)
+    assert torch.equal(_full_table(module), weight)
+
+
+def test_local_combine_with_full_precision_gradients_is_close():
+    w0 = _initial()
+    module = ShardedEmbeddingBag(N, D, mode="sum", name="local_fp", lr=LR, cache_rows=9, initializer=_from(w0))
+    reference = nn.EmbeddingBag(N, D, mode="sum", _weight=w0.clone())
+    _train_pair(module, reference, torch.optim.SGD(reference.parameters(), lr=LR), "sum", dyadic=False, salt=4)
+    torch.testing.assert_close(_full_table(module), reference.weight.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_row_optimizers_match_torch(optimizer):
+    w0 = _initial()
+    module = ShardedEmbeddingBag(N, D, mode="mean", name=f"opt_{optimizer}", optimizer=optimizer, lr=0.1,
+                                 cache_rows=6, initializer=_from(w0))
+    reference = nn.EmbeddingBag(N, D, mode="mean", sparse=optimizer == "adam", _weight=w0.clone())
+    ref_opt = (torch.optim.Adagrad(reference.parameters(), lr=0.1) if optimizer == "adagrad"
+               else torch.optim.SparseAdam(list(reference.parameters()), lr=0.1))
+    worst = _train_pair(module, reference, ref_opt, "mean", dyadic=False, salt=5, steps=6)
+    assert worst < 1e-5
+    torch.testing.assert_close(_full_table(module), reference.weight.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_staleness_reuses_rows_for_k_steps():
+    """staleness=1: a row pulled at step s serves step s+1 unchanged, and is pulled again at s+2."""
+    w0 = _initial()
+    module = ShardedEmbeddingBag(N, D, mode="sum", name="stale", lr=LR, staleness=1, initializer=_from(w0))
+    ids = torch.tensor([[1, 2], [3, 4]])
+    outs = []
+    for _ in range(3):
+        out = module(ids)
+        outs.append(out.detach().clone())
+        out.sum().backward()
+    assert torch.equal(outs[0], outs[1])  # stale: step 1's update not seen
+    assert not torch.equal(outs[1], outs[2])  # refreshed: both updates seen
+    stats = module.stats()
+    assert stats["stale_reused"] == 4 and stats["stale_pulled"] == 8
+
+
+@pytest.mark.parametrize("bad", ["float", "negative", "too_large", "bool"])
+def test_bad_ids_raise_value_error_on_every_rank(bad):
+    module = ShardedEmbeddingBag(N, D, mode="sum", name="strict", lr=LR)
+    good = torch.tensor([[0, 1], [2, 3]])
+    ids = good
+    if hvd.rank() == hvd.size() - 1:
+        ids = {"float": good.float(), "negative": good - 1, "too_large": good + N - 1, "bool": good > 1}[bad]
+    with pytest.raises(ValueError, match="strict"):
+        module(ids)
+    module(good).sum().backward()  # every rank is still in step
+
+
+def test_mismatched_configs_raise_hvps_error():
+    with pytest.raises(hvps.HvpsError, match="configured differently"):
+        ShardedEmbeddingBag(N, D + hvd.rank(), name="mismatch")
+    with pytest.raises(hvps.HvpsError, match="configured differently"):
+        ShardedEmbeddingBag(N, D, name="mismatch_lr", lr=0.1 * (1 + hvd.rank()))
+
+
+def _shared_dir(name):
+    base = Path(os.environ.get("HVPS_TEST_SHARED_DIR") or "/tmp")
+    path = base / name
+    if hvd.rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    hvd.barrier()
+    return path
+
+
+def test_checkpoint_reshards_and_falls_back():
+    """Save on every rank, load on a process set of another size (re-sharding), then reject a
+    version whose shard is corrupt and one whose shard is missing, falling back each time."""
+    size, rank = hvd.size(), hvd.rank()
+    subset = hvps.add_process_set(list(range(size - 1)) if size > 2 else [0])
+    try:
+        directory = _shared_dir("store-ckpt")
+        manager = CheckpointManager(directory, keep_last=None, fsync=False)
+        module = ShardedEmbeddingBag(N, D, mode="sum", name="ckpt", optimizer="adagrad", lr=0.1, cache_rows=5)
+        expected = []
+        for epoch in range(3):
+            _train_pair(module, nn.EmbeddingBag(N, D, mode="sum"), None, "sum", dyadic=True, salt=epoch, steps=2)
+            expected.append(_full_table(module))
+            save_stores(manager, epoch, [module], model={"w": torch.ones(2).numpy()})
+        hvd.barrier()
+        if rank == 0:
+            folder = directory / "store-epoch-000002"
+            shard = sorted(folder.glob("ckpt.*.h5"))[0]
+            with h5py.File(shard, "r+") as f:  # one flipped value, the file still well-formed
+                f["records"][3, 1] += 1.0
+            sorted((directory / "store-epoch-000001").glob("ckpt.*.h5"))[-1].unlink()
+        hvd.barrier()
+        if subset.included():
+            target = ShardedEmbeddingBag(N, D, mode="sum", name="ckpt", optimizer="adagrad", lr=0.1,
+                                         process_set=subset, partition="range")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            start = load_stores(manager, [target] if subset.included() else [])
+        assert start == 1
+        assert sum("skipping checkpoint epoch" in str(w.message) for w in caught) == 2
+        if subset.included():
+            assert target.table.partition.parts == subset.size() != size
+            assert torch.equal(_full_table(target), expected[0])
+            assert target.table.optimizer.steps == module.table.optimizer.steps - 4
+    finally:
+        hvd.barrier()
+        hvps.remove_process_set(subset)
