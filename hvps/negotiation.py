@@ -159,6 +159,8 @@ class Coordinator:
         """Responses that are ready now, in the order all ranks must execute them."""
         ready: list[Response] = []
         joined = set(self._joined)
+        #: ranks that were waiting in a collective reported as stalled in this poll
+        released: set = set()
         for name in list(self._table):
             pending = self._table[name]
             set_id = next(iter(pending.by_rank.values())).process_set
@@ -174,14 +176,19 @@ class Coordinator:
                 if dead:
                     ready.append(self._lost(name, pending, dead))
                     del self._table[name]
+                elif (set(members) - present) & released:
+                    pending.first_seen = now
                 elif now - pending.first_seen >= self.stall_seconds:
                     ready.append(self._stalled(name, pending, present, members))
                     del self._table[name]
+                    released.update(pending.by_rank)
                 continue
             del self._table[name]
             response = self._check(name, pending.by_rank, joined if set_id == GLOBAL_SET else set(), members)
             self._track_sets(response)
             ready.append(response)
+        if released:
+            self._restart_clocks(released, joined, now)
         if len(self._joined) == self.size and not self._table:
             ready.append(Response(JOIN, ["join"], last_joined=self._joined[-1]))
             self._joined.clear()
@@ -189,6 +196,20 @@ class Coordinator:
             ready.append(Response(SHUTDOWN, ["shutdown"]))
             self._shutdown.clear()
         return self._fuse(ready)
+
+    def _restart_clocks(self, released: set, joined: set, now: float) -> None:
+        """Give every collective still waiting for a ``released`` rank a full stall window from now.
+
+        Those ranks were blocked in a collective that has just been reported as stalled, so they
+        could not submit anything else; without this, a rank held up for one stall window arrives
+        just too late for the next collective of the others, and the stall passes back and forth.
+        """
+        for pending in self._table.values():
+            set_id = next(iter(pending.by_rank.values())).process_set
+            members = set(self.sets.get(set_id, ()))
+            present = set(pending.by_rank) | (joined if set_id == GLOBAL_SET else set())
+            if (members - present) & released:
+                pending.first_seen = now
 
     def _track_sets(self, response: Response) -> None:
         """Apply an agreed process-set change, so requests for the new set are matched from now on."""

@@ -71,3 +71,26 @@ def test_ranks_must_agree_on_a_new_set():
     c.submit(1, [add(1, [1])], 0)
     (response,) = c.poll(0)
     assert "mismatch" in response.error and 1 not in c.sets
+
+
+def test_a_stall_restarts_the_clock_of_collectives_waiting_for_the_ranks_it_held():
+    """Rank 1 waits in 'a' (which stalls); 'b', submitted by the others, waits for rank 1 and must
+    get a full window once rank 1 is released instead of stalling just before it arrives."""
+    c = Coordinator(size=3, fusion_threshold=0, stall_seconds=10)
+    c.submit(1, [on_set("a", 0)], 0)
+    c.submit(0, [on_set("b", 0)], 1)
+    c.submit(2, [on_set("b", 0)], 1)
+    (stalled,) = c.poll(10)
+    assert stalled.names == ["a"] and stalled.error
+    assert c.poll(10.5) == [] and c.poll(19.5) == []  # b's clock restarted at 10
+    c.submit(1, [on_set("b", 0)], 19.6)
+    (response,) = c.poll(19.6)
+    assert response.names == ["b"] and not response.error
+
+
+def test_collectives_not_waiting_for_released_ranks_still_stall_on_time():
+    c = Coordinator(size=2, fusion_threshold=0, stall_seconds=10)
+    c.submit(0, [on_set("a", 0)], 0)
+    c.submit(0, [on_set("b", 0)], 1)
+    assert [r.names for r in c.poll(10)] == [["a"]]
+    assert [r.names for r in c.poll(11)] == [["b"]]  # rank 1 was never held by 'a'
