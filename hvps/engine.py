@@ -77,13 +77,14 @@ class Engine:
                 raise HvpsError(f"the hvps engine stopped: {self._failure}") from self._failure
             if self._stopping:
                 raise HvpsError("hvps is shutting down: call hvps.init() again")
-            names = [entry.request.name for entry in entries]
-            for name in names:
-                if name in self._pending or name in self._queued_names or names.count(name) > 1:
+            seen: set = set()
+            for name in (entry.request.name for entry in entries):
+                if name in self._pending or name in self._queued_names or name in seen:
                     raise DuplicateNameError(
                         f"a collective named '{name}' is already in flight on rank {self.rank}; "
                         "names must be unique among outstanding operations"
                     )
+                seen.add(name)
             for entry in entries:
                 # join() waits for ranks still training, for as long as they train: no watchdog.
                 patience = math.inf if entry.request.kind == JOIN else self.settings.stall_check_seconds

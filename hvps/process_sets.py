@@ -174,9 +174,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     set_id = process_set.process_set_id
     if set_id is None or set_id == GLOBAL_SET or set_id not in _registry.sets:
         return False
+    _negotiate(REMOVE_SET, set_id, process_set.ranks)
     del _registry.sets[set_id]
     process_set.process_set_id = None
-    _negotiate(REMOVE_SET, set_id, process_set.ranks)
     return True
 
 
