@@ -220,7 +220,7 @@ class ControlPlane:
                         self._refuse(sock, selector, pending, f"no handshake within {HANDSHAKE_SECONDS:g} s")
         finally:
             for sock in list(pending):
-                self._refuse(sock, selector, pending, None)
+                self._refuse(sock, selector, pending, "still in its handshake when every rank had joined")
             selector.close()
 
     def _admit(self, listener: socket.socket, key: bytes, selector, pending: dict) -> None:
@@ -262,10 +262,9 @@ class ControlPlane:
             self.peers[handshake.rank] = _Peer(sock, handshake.rank, handshake.session, handshake.reader, _REQUESTS)
 
     @staticmethod
-    def _refuse(sock: socket.socket, selector, pending: dict, reason: Optional[str]) -> None:
+    def _refuse(sock: socket.socket, selector, pending: dict, reason: str) -> None:
         _, _, address = pending.pop(sock)
-        if reason is not None:
-            log.warning("hvps control plane: dropped a connection from %s: %s", address, reason)
+        log.warning("hvps control plane: dropped a connection from %s: %s", address, reason)
         selector.unregister(sock)
         sock.close()
 
