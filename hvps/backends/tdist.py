@@ -21,7 +21,7 @@ import socket
 import numpy as np
 
 from .. import arrays, dtypes
-from ..control import candidate_addresses
+from ..control import candidate_addresses, listen_address
 from ..dtypes import ReduceOp
 from ..errors import HvpsError
 from .base import Backend
@@ -91,7 +91,10 @@ class TorchDistBackend(Backend):
         self._groups: dict = {}
         store = None
         if self.rank == 0:
-            store = dist.TCPStore("0.0.0.0", 0, self.size, True, self.timeout, wait_for_workers=False)
+            # Bound to HVPS_NETWORK_INTERFACE when set; torch's store has no authentication (SECURITY.md).
+            self._listener = socket.create_server((listen_address(), 0), backlog=max(self.size, 128))
+            store = dist.TCPStore("0.0.0.0", self._listener.getsockname()[1], self.size, True, self.timeout,
+                                  wait_for_workers=False, master_listen_fd=self._listener.fileno())
             offer = (candidate_addresses(), store.port)
         else:
             offer = None
