@@ -57,6 +57,7 @@ def _atomic_write(path: Path, write) -> None:
 
 
 def _write_shard(path: Path, module: _ShardedBase) -> dict:
+    module.synchronize()
     table = module.table
     table.flush()
     rows, width = table.tier.rows, table.width
@@ -179,6 +180,7 @@ def _version_problems(manager: Any, epoch: int, modules: list) -> list:
 
 
 def _load_table(folder: Path, module: _ShardedBase, saved: dict) -> None:
+    module.synchronize()
     table = module.table
     table.drop_cache()
     if saved["table"]["embedding_dim"] != table.dim or saved["table"]["num_embeddings"] != table.num_embeddings:

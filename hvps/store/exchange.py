@@ -5,7 +5,8 @@ input and output distribution), without a server: every member is the owner of o
 
 * :meth:`Exchange.pull` sends each distinct id to its owner and the owner's row back.
 * :meth:`Exchange.push` sends gradient rows to the owners, which combine the rows of one id
-  and hand the result to the optimizer.
+  and hand the result to the optimizer; it returns while the rows travel, and the step is
+  finished before the next pull (so lookups still see every update of the previous step).
 
 Every id message starts each destination's segment with a status word, so when one member's
 input is invalid all members learn it from the same collective and raise together instead of
@@ -14,7 +15,7 @@ leaving the others blocked in the next alltoall.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -55,11 +56,19 @@ class Exchange:
         self.members = table.partition.parts
         self.bytes_sent = 0  # payload bytes this member put on the wire
 
-    def _alltoall(self, tensor: torch.Tensor, splits: list, tag: str) -> tuple:
+    def _alltoall_async(self, tensor: torch.Tensor, splits: list, tag: str) -> Callable[[], tuple]:
         self.bytes_sent += tensor.numel() * tensor.element_size() - self._own_bytes(tensor, splits)
-        out, received = alltoall_async(tensor.contiguous(), splits, name=f"store.{self.table.name}.{tag}",
-                                       process_set=self.process_set).wait()
-        return out, [int(s) for s in received.tolist()]
+        handle = alltoall_async(tensor.contiguous(), splits, name=f"store.{self.table.name}.{tag}",
+                                process_set=self.process_set)
+
+        def wait() -> tuple:
+            out, received = handle.wait()
+            return out, [int(n) for n in received.tolist()]
+
+        return wait
+
+    def _alltoall(self, tensor: torch.Tensor, splits: list, tag: str) -> tuple:
+        return self._alltoall_async(tensor, splits, tag)()
 
     def _own_bytes(self, tensor: torch.Tensor, splits: list) -> int:
         """Bytes a member sends to itself never cross the wire."""
@@ -101,22 +110,30 @@ class Exchange:
         out[order] = back
         return out
 
-    def push(self, ids: torch.Tensor, grads: torch.Tensor, weights: Optional[torch.Tensor] = None) -> None:
-        """Send gradient rows of ``ids`` (repeats allowed, in batch order) to their owners and step.
+    def push(self, ids: torch.Tensor, grads: torch.Tensor,
+             weights: Optional[torch.Tensor] = None) -> Callable[[], None]:
+        """Start sending gradient rows of ``ids`` (repeats allowed, in batch order) to their owners.
 
-        ``weights`` scale each row (the 1 / bag size of a mean bag); the owner adds the rows of
-        one id in member order, then in each member's order: the global batch's order.
+        Returns ``finish()``, which waits and makes the owner's optimizer step.  ``weights`` scale
+        each row (the 1 / bag size of a mean bag).  The owner adds the rows of one id in member
+        order, then in each member's order: the global batch's order.  The ids travel in the
+        same message as the gradients, their int64 bits carried in two float32 columns.
         """
         order, splits = self._route(ids)
-        payload = grads[order]
+        columns = [grads[order].cpu(), ids[order].to(torch.int64).cpu().view(torch.float32).view(-1, 2)]
         if weights is not None:
-            payload = torch.cat([payload, weights[order].view(-1, 1)], dim=1)
-        received_ids, counts = self._send_ids(ids[order], splits, "push.ids", None)
-        received, _ = self._alltoall(payload.cpu(), splits, "push.grads")
-        scale = received[:, -1].contiguous() if weights is not None else None
-        received = received[:, : self.table.dim]
-        distinct, inverse = torch.unique(self.table.partition.slot(received_ids), return_inverse=True)
-        self.table.apply(distinct, combine(inverse, received, distinct.numel(), scale))
+            columns.append(weights[order].cpu().view(-1, 1))
+        wait = self._alltoall_async(torch.cat(columns, dim=1), splits, "push")
+        dim = self.table.dim
+
+        def finish() -> None:
+            received, _ = wait()
+            received_ids = received[:, dim: dim + 2].reshape(-1).clone().view(torch.int64)
+            scale = received[:, dim + 2].contiguous() if weights is not None else None
+            distinct, inverse = torch.unique(self.table.partition.slot(received_ids), return_inverse=True)
+            self.table.apply(distinct, combine(inverse, received[:, :dim], distinct.numel(), scale))
+
+        return finish
 
 
 def check_same_everywhere(description: dict, name: str, process_set: ProcessSet) -> None:

@@ -16,17 +16,15 @@ def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
 def hash_uniform(ids: torch.Tensor, dim: int, seed: int, low: float, high: float) -> torch.Tensor:
     """A [len(ids), dim] tensor of uniform values in [low, high), a pure function of (seed, id, column).
 
-    Counter-based (xorshift-multiply mixing, int64 arithmetic wraps), so every rank can
+    Counter-based (multiply, xorshift, multiply; int64 arithmetic wraps), so every rank can
     initialise exactly its own rows and a re-sharded table starts from the same values.
     """
+    offset = (int(seed) * _GOLDEN + 1) % (1 << 64)
     x = ids.to(torch.int64).view(-1, 1) * dim + torch.arange(dim, dtype=torch.int64).view(1, -1)
-    x = x + (seed * _GOLDEN + 1)
-    for mult in (_M1, _M2):
-        x = x ^ _logical_shift(x, 31)
-        x = x * mult
-    x = x ^ _logical_shift(x, 29)
-    unit = _logical_shift(x, 40).to(torch.float64) / float(1 << 24)
-    return (low + (high - low) * unit).to(torch.float32)
+    x.add_(offset - (1 << 64) if offset >= 1 << 63 else offset).mul_(_M2)
+    x.bitwise_xor_(_logical_shift(x, 29)).mul_(_M1 | 1)
+    unit = _logical_shift(x, 40).to(torch.float32).mul_(1.0 / (1 << 24))
+    return unit.mul_(high - low).add_(low)
 
 
 def default_bound(num_embeddings: int) -> float:

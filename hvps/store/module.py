@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +104,7 @@ class _ShardedBase(nn.Module):
                                   process_set.rank(), process_set.size(), initializer)
         self.exchange = Exchange(self.table, process_set)
         self.stale = StaleRows(staleness, int(embedding_dim)) if staleness else None
+        self._pending: Optional[Callable[[], None]] = None
 
     @property
     def num_embeddings(self) -> int:
@@ -126,7 +127,14 @@ class _ShardedBase(nn.Module):
         rows[~known] = fetched
         return rows
 
+    def synchronize(self) -> None:
+        """Finish the last backward's optimizer step (the next forward does it anyway)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending()
+
     def _lookup(self, batch: _Batch) -> torch.Tensor:
+        self.synchronize()
         batch.distinct, batch.inverse = torch.unique(batch.ids, return_inverse=True)
         rows = self._pull(batch.distinct, batch.error)
         return self._assemble(rows, batch.inverse, batch)
@@ -137,11 +145,12 @@ class _ShardedBase(nn.Module):
     def _push(self, batch: _Batch, grad: torch.Tensor) -> None:
         grad = grad.contiguous()
         rows = grad[batch.bag] if batch.bag is not None else grad.reshape(-1, self.table.dim)
+        self.synchronize()
         if self.options.combine == "ordered":
-            self.exchange.push(batch.ids, rows, batch.weights)
+            self._pending = self.exchange.push(batch.ids, rows, batch.weights)
         else:
             local = combine(batch.inverse, rows, batch.distinct.numel(), batch.weights)
-            self.exchange.push(batch.distinct, local)
+            self._pending = self.exchange.push(batch.distinct, local)
 
     def _run(self, batch: _Batch) -> torch.Tensor:
         anchor = torch.zeros((), requires_grad=self.training and torch.is_grad_enabled())
@@ -150,6 +159,7 @@ class _ShardedBase(nn.Module):
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict:
         """Counters: cache hits/misses/evictions/bytes, bytes this rank sent, memory held."""
+        self.synchronize()
         out = {"bytes_sent": self.exchange.bytes_sent, **self.table.memory()}
         if self.table.cache is not None:
             out.update(self.table.cache.stats.as_dict())

@@ -84,6 +84,7 @@ def _step_data(step, mode, dyadic, salt=0):
 
 def _full_table(module):
     """The whole table assembled from every member's shard (small tables only)."""
+    module.synchronize()
     t = module.table
     t.flush()
     ids = t.partition.global_ids(t.member, torch.arange(t.tier.rows))
