@@ -34,8 +34,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
                  compression: Any = None, backward_passes_per_step: int = 1, op=Average,
-                 gradient_predivide_factor: float = 1.0, groups: Any = None, sparse_as_dense: bool = False,
-                 process_set: ProcessSet = global_process_set) -> None:
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
+                 sparse_as_dense: bool = False, process_set: ProcessSet = global_process_set) -> None:
+        if num_groups and groups is None:  # Horovod's deprecated spelling of groups=<int>
+            groups = num_groups
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
         if op not in (Average, Sum, Adasum):
