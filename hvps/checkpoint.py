@@ -30,9 +30,11 @@ unlinked in a background thread (freeing a large file's blocks takes a while); t
 save, or the end of the process, waits for that thread, and leftovers of a crash are
 removed by the next save.
 
-**Verification**: every dataset's SHA-256 is in a manifest authenticated by a root
-attribute; :meth:`CheckpointManager.latest` and ``load("latest")`` skip (with a warning)
-versions that fail and fall back to the newest good one.
+**Verification**: every dataset's SHA-256 is in a manifest whose own SHA-256 is a root
+attribute: a checksum against damage, and with ``HVPS_CHECKPOINT_KEY`` an HMAC signature
+against tampering (``checkpoint_safety.py``, which also refuses storage, dtypes and manifests
+that are unsafe to read); :meth:`CheckpointManager.latest` and ``load("latest")`` skip (with
+a warning on every rank) versions that fail and fall back to the newest good one.
 
 ``list``, ``latest``, ``verify``, ``rollback`` and ``undo_rollback`` are local file
 operations: call them on one process (the ``hvps ckpt`` command line uses them).
@@ -434,7 +436,7 @@ class CheckpointManager:
                     raise CheckpointError(f"no checkpoint for epoch {version}", self.path_of(int(version)))
                 return None
             if kind in ("skip", "error"):
-                if group.is_root and kind == "skip":
+                if kind == "skip":  # every rank says why it falls back
                     warnings.warn(f"skipping checkpoint: {payload}", RuntimeWarning, stacklevel=2)
                 if kind == "error":
                     raise status if group.is_root else IncompatibleCheckpointError(payload) \
@@ -443,7 +445,7 @@ class CheckpointManager:
             ok, checkpoint = self._transfer(group, payload, reader, attempt, drop_compression_state)
             if ok is True:
                 return checkpoint
-            if group.is_root and latest:
+            if latest:
                 warnings.warn(f"skipping checkpoint: {ok}", RuntimeWarning, stacklevel=2)
             if not latest:
                 raise ok if isinstance(ok, CheckpointError) else CheckpointError(str(ok))

@@ -44,6 +44,8 @@ from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
 
+from .checkpoint_safety import (MAX_MANIFEST_BYTES, SIGNATURE_ATTR, Defect, check_manifest, check_signature,
+                                check_storage, checkpoint_key, sign)
 from .errors import HvpsError
 from .version import __version__
 
@@ -445,6 +447,9 @@ def write_file(path: os.PathLike, sections: Mapping[str, Mapping], root_attrs: M
             for k, v in attrs.items():
                 f.attrs[k] = v if isinstance(v, (int, float, str)) and not isinstance(v, bool) else _dumps(v)
             f.attrs["manifest_sha256"] = hashlib.sha256(blob.tobytes()).hexdigest()
+            signature = sign(blob.tobytes(), checkpoint_key())
+            if signature is not None:
+                f.attrs[SIGNATURE_ATTR] = signature
         if fsync:
             os.fsync(fd)  # HDF5 wrote its metadata through its own descriptor, now closed
     finally:
@@ -484,9 +489,10 @@ def _root_value(v: Any) -> Any:
 
 
 def read_header(path: os.PathLike) -> Header:
-    """Open ``path``, check format name and version, read and authenticate the manifest
-    against ``manifest_sha256`` and compare it with the file's structure.  Reads no tensor
-    data.  Raises CheckpointError naming the file."""
+    """Open ``path``, check format name and version, read the manifest, check it against
+    ``manifest_sha256`` (and its signature when HVPS_CHECKPOINT_KEY is set) and its schema,
+    and compare it with the file's structure and storage (checkpoint_safety.py).  Reads no
+    tensor data.  Raises CheckpointError naming the file for any defect."""
     import h5py
 
     path = Path(path)
@@ -497,7 +503,9 @@ def read_header(path: os.PathLike) -> Header:
         raise
     except FileNotFoundError:
         raise CheckpointError("no such checkpoint file", path) from None
-    except (OSError, KeyError, ValueError, RuntimeError) as exc:
+    except Defect as exc:
+        raise CheckpointError(str(exc), path) from None
+    except (OSError, KeyError, ValueError, RuntimeError, TypeError, AttributeError, RecursionError) as exc:
         size = path.stat().st_size if path.exists() else 0
         raise CheckpointError(f"unreadable HDF5 file ({size} bytes; truncated or not a checkpoint): {exc}", path) from exc
 
@@ -516,11 +524,17 @@ def _read_header(path: Path, f) -> Header:
             "upgrade hvps to load it", path)
     if MANIFEST not in f or "manifest_sha256" not in root:
         raise CheckpointError("the manifest is missing (file incomplete)", path)
-    blob = f[MANIFEST][()]
-    digest = hashlib.sha256(blob.tobytes()).hexdigest()
+    file_size = path.stat().st_size
+    blob = _read_manifest(f[MANIFEST], file_size)
+    digest = hashlib.sha256(blob).hexdigest()
     if digest != root["manifest_sha256"]:
         raise CheckpointError(f"manifest checksum mismatch (sha256 {digest} != {root['manifest_sha256']})", path)
-    manifest = json.loads(blob.tobytes().decode())
+    check_signature(blob, root.get(SIGNATURE_ATTR), checkpoint_key())
+    try:
+        manifest = json.loads(blob.decode())
+    except (ValueError, RecursionError) as exc:
+        raise Defect(f"the manifest is not JSON: {exc}") from None
+    check_manifest(manifest, version)
     attrs = manifest["root"]
     problems = []
     for k, v in attrs.items():
@@ -552,8 +566,9 @@ def _read_header(path: Path, f) -> Header:
             if dsid.dtype.str != e.storage or tuple(dsid.shape) != e.shape:
                 problems.append(f"dataset {e.path}: file has {dsid.dtype.str}{tuple(dsid.shape)}, "
                                 f"manifest says {e.storage}{e.shape}")
-            contiguous = dsid.get_create_plist().get_layout() == h5d.CONTIGUOUS
-            offsets[e.path] = dsid.get_offset() if contiguous else None
+            offsets[e.path] = check_storage(dsid, e.nbytes, file_size)
+        except Defect as exc:
+            problems.append(f"dataset {e.path} {exc}")
         finally:
             dsid.close()
     for gpath, gattrs in manifest["groups"].items():
@@ -569,6 +584,18 @@ def _read_header(path: Path, f) -> Header:
     header = Header(path, attrs, entries, manifest["groups"], offsets=offsets)
     header.total_bytes = _layout(entries)
     return header
+
+
+def _read_manifest(dataset, file_size: int) -> bytes:
+    """The manifest's bytes, once its dataset proves to be a modest uint8 vector stored in this file."""
+    import h5py
+
+    if not isinstance(dataset, h5py.Dataset) or dataset.dtype != np.uint8 or dataset.ndim != 1:
+        raise Defect("the manifest is not a uint8 vector")
+    if dataset.size > MAX_MANIFEST_BYTES:
+        raise Defect(f"the manifest declares {dataset.size} bytes (more than {MAX_MANIFEST_BYTES})")
+    check_storage(dataset.id, int(dataset.size), file_size)
+    return dataset[()].tobytes()
 
 
 def chunk_bounds(entries: list, chunk_bytes: int) -> list:
@@ -661,7 +688,7 @@ class Reader:
         except CheckpointError:
             self._close()
             raise
-        except (OSError, KeyError, ValueError, RuntimeError) as exc:
+        except (OSError, KeyError, ValueError, RuntimeError, TypeError) as exc:
             self._close()
             raise CheckpointError(f"unreadable data (truncated or damaged file): {exc}", self.path) from exc
         finally:

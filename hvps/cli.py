@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -67,11 +68,20 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
+_CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character but newline escaped (a checkpoint's strings
+    are someone else's: escape sequences must not reach the terminal)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def _emit(args, obj, text_lines: list) -> None:
-    if args.json:
+    if args.json:  # json.dumps escapes control characters itself
         print(json.dumps(obj, indent=2, sort_keys=False, default=str))
     else:
-        print("\n".join(text_lines))
+        print(printable("\n".join(text_lines)))
 
 
 def _ckpt_list(args) -> int:
@@ -150,7 +160,7 @@ def _fail(args, exc) -> int:
     if args.json:
         print(json.dumps({"ok": False, "error": str(exc), "problems": getattr(exc, "problems", [])}, indent=2))
     else:
-        print(f"error: {exc}", file=sys.stderr)
+        print(printable(f"error: {exc}"), file=sys.stderr)
     return 1
 
 
