@@ -84,7 +84,6 @@ def _rss() -> dict:
 
 def _teacher_logit(ids_per_table, x):
     """The hidden click model: a fixed score per id plus a linear term on the dense features."""
-    import torch
 
     from hvps.store.init import hash_uniform
 
@@ -187,7 +186,6 @@ def worker(args) -> None:
 def _count_resident(tables, ids, access, hvd) -> None:
     """Access-weighted hit rate: of every id occurrence in the global batch, how many find their
     row already in the owner's cache (benchmark-only side channel, outside the timed region)."""
-    import torch
 
     for table, local in zip(tables, ids):
         cache = table.table.cache

@@ -64,6 +64,7 @@ class RowCache:
         self.freq = torch.zeros(self.capacity, dtype=torch.int64)
         self.dirty = torch.zeros(self.capacity, dtype=torch.bool)
         self.tick = 0
+        self.filled = 0  # lines below this have held a row (lines are reused only by eviction)
         self.stats = CacheStats()
         self._record_bytes = tier.width * 4
 
@@ -72,22 +73,29 @@ class RowCache:
         """Bytes of the cached records (the fast tier)."""
         return self.data.numel() * 4
 
-    def fetch(self, slots: torch.Tensor) -> torch.Tensor:
-        """The records of ``slots`` (distinct tier slots), admitting misses into the cache."""
+    def fetch(self, slots: torch.Tensor, count: bool = True) -> torch.Tensor:
+        """The records of ``slots`` (distinct tier slots), admitting misses into the cache.
+
+        ``count=False``: not a lookup (the owner re-reading rows to update them); the
+        hit and miss counters stay as they are.
+        """
         self.tick += 1
         lines = self.slot_of[slots].to(torch.int64)
         hit = lines >= 0
-        hit_lines = lines[hit]
-        self.last[hit_lines] = self.tick
-        self.freq[hit_lines] += 1
-        self.stats.hits += int(hit_lines.numel())
-        missing = slots[~hit]
-        self.stats.misses += int(missing.numel())
-        if missing.numel():
-            self._admit(missing)
-            lines = self.slot_of[slots].to(torch.int64)
-        out = torch.empty(slots.numel(), self.tier.width, device=self.device)
+        hits = int(hit.sum())
+        if count:
+            self.stats.hits += hits
+            self.stats.misses += slots.numel() - hits
+        if hits == slots.numel():  # the common case once warm: no masks
+            self.last[lines] = self.tick
+            self.freq[lines] += 1
+            return self.data.index_select(0, lines)
+        self.last[lines[hit]] = self.tick
+        self.freq[lines[hit]] += 1
+        self._admit(slots[~hit])
+        lines = self.slot_of[slots].to(torch.int64)
         cached = lines >= 0
+        out = torch.empty(slots.numel(), self.tier.width, device=self.device)
         out[cached] = self.data[lines[cached]]
         if not bool(cached.all()):
             rest = slots[~cached]
@@ -118,26 +126,31 @@ class RowCache:
             self.dirty[lines] = False
             self.stats.bytes_to_tier += int(lines.numel()) * self._record_bytes
 
-    def _evict(self, count: int) -> None:
-        used = self.row_of >= 0
-        evictable = used & (self.last < self.tick)
-        count = min(count, int(evictable.sum()))
+    def _evict(self, count: int) -> torch.Tensor:
+        """Free up to ``count`` lines not touched by the current lookup; returns them."""
+        untouched = self.last < self.tick
+        count = min(count, int(untouched.sum()))
         if count <= 0:
-            return
-        key = self.last if self.policy == "lru" else self.freq * (1 << 40) + self.last
-        key = torch.where(evictable, key, torch.iinfo(torch.int64).max)
-        victims = torch.topk(key, count, largest=False).indices
+            return self.row_of.new_empty(0)
+        if self.policy == "lru":  # touched lines hold the largest stamp: never among the smallest
+            key = self.last
+        else:
+            key = torch.where(untouched, self.freq * (1 << 40) + self.last, torch.iinfo(torch.int64).max)
+        victims = torch.topk(key, count, largest=False, sorted=False).indices
         self._write_back(victims)
         self.slot_of[self.row_of[victims]] = -1
         self.row_of[victims] = -1
         self.stats.evictions += count
+        return victims
 
     def _admit(self, missing: torch.Tensor) -> None:
-        free = (self.row_of < 0).nonzero().flatten()
-        if free.numel() < missing.numel():
-            self._evict(int(missing.numel() - free.numel()))
-            free = (self.row_of < 0).nonzero().flatten()
-        lines = free[: missing.numel()]
+        """Load ``missing`` rows into never-used lines, then into evicted ones, as far as they go."""
+        fresh = min(missing.numel(), self.capacity - self.filled)
+        lines = torch.arange(self.filled, self.filled + fresh)
+        self.filled += fresh
+        self.last[lines] = self.tick  # taken by this lookup: not eviction candidates
+        if fresh < missing.numel():
+            lines = torch.cat([lines, self._evict(missing.numel() - fresh)])
         rows = missing[: lines.numel()]
         if not rows.numel():
             return

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from hvps.adapters.torch import alltoall_async
 from hvps.errors import HvpsError
@@ -31,20 +30,15 @@ OK, BAD = 0, 1
 
 def combine(inverse: torch.Tensor, grads: torch.Tensor, count: int,
             weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Sum ``grads`` rows (each scaled by ``weights``) into ``count`` rows by ``inverse``, in order.
+    """Sum ``grads`` rows (each scaled by ``weights``) into ``count`` rows by ``inverse``.
 
-    Runs torch's own embedding-bag backward (one bag per gradient row), so the rows of one id are
-    added in their order with torch's arithmetic: the combined gradient of a global batch has
-    the same bits as ``nn.EmbeddingBag``'s.
+    On CPU ``index_add_`` adds the rows in their order (a serial loop), so with the rows in
+    global batch order the result does not depend on how many members there are.
     """
-    if not inverse.numel():
-        return torch.zeros(count, grads.shape[1], dtype=grads.dtype, device=grads.device)
-    table = torch.zeros(count, grads.shape[1], dtype=grads.dtype, device=grads.device, requires_grad=True)
-    offsets = torch.arange(inverse.numel(), device=inverse.device)
-    with torch.enable_grad():
-        pooled = F.embedding_bag(inverse, table, offsets, mode="sum", per_sample_weights=weights)
-        (grad,) = torch.autograd.grad(pooled, table, grads)
-    return grad
+    if weights is not None:
+        grads = grads * weights.view(-1, 1)
+    out = torch.zeros(count, grads.shape[1], dtype=grads.dtype, device=grads.device)
+    return out.index_add_(0, inverse, grads)
 
 
 class Exchange:
@@ -81,29 +75,46 @@ class Exchange:
         splits = torch.bincount(owners, minlength=self.members).tolist()
         return order, splits
 
-    def _send_ids(self, ids: torch.Tensor, splits: list, tag: str, error: Optional[str]) -> tuple:
-        """Alltoall of ids grouped by owner, each segment led by a status word."""
+    def _send_ids(self, ids: torch.Tensor, splits: list, tag: str, error: Optional[str]) -> Callable[[], tuple]:
+        """Start an alltoall of ids grouped by owner, each segment led by a status word.
+
+        Returns ``wait() -> (received ids, counts per member)``, which raises ValueError on every
+        member when any member's status says its input was invalid.
+        """
         status = torch.tensor([BAD if error else OK], dtype=torch.int64)
         if error:
             ids, splits = ids[:0], [0] * self.members
         parts = torch.split(ids.to(torch.int64).cpu(), splits)
         message = torch.cat([t for part in parts for t in (status, part)])
-        received, counts = self._alltoall(message, [s + 1 for s in splits], tag)
-        starts = torch.tensor([0] + counts[:-1]).cumsum(0)
-        bad = [m for m, start in enumerate(starts.tolist()) if int(received[start]) != OK]
-        if error:
-            raise ValueError(error)
-        if bad:
-            raise ValueError(f"table {self.table.name!r}: member(s) {bad} of the process set passed invalid ids "
-                             "(their error says which)")
-        keep = torch.ones(received.numel(), dtype=torch.bool)
-        keep[starts] = False
-        return received[keep], [c - 1 for c in counts]
+        pending = self._alltoall_async(message, [s + 1 for s in splits], tag)
 
-    def pull(self, ids: torch.Tensor, error: Optional[str] = None) -> torch.Tensor:
-        """The current rows of distinct ``ids`` ([len(ids), dim], on the cache's device)."""
+        def wait() -> tuple:
+            received, counts = pending()
+            starts = torch.tensor([0] + counts[:-1]).cumsum(0)
+            bad = [m for m, start in enumerate(starts.tolist()) if int(received[start]) != OK]
+            if error:
+                raise ValueError(error)
+            if bad:
+                raise ValueError(f"table {self.table.name!r}: member(s) {bad} of the process set passed invalid "
+                                 "ids (their error says which)")
+            keep = torch.ones(received.numel(), dtype=torch.bool)
+            keep[starts] = False
+            return received[keep], [c - 1 for c in counts]
+
+        return wait
+
+    def pull(self, ids: torch.Tensor, error: Optional[str] = None,
+             meanwhile: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """The current rows of distinct ``ids`` ([len(ids), dim], on the cache's device).
+
+        ``meanwhile`` runs while the ids travel and before the owners read their rows (the
+        module finishes the previous step's updates there).
+        """
         order, splits = self._route(ids)
-        wanted, counts = self._send_ids(ids[order], splits, "pull.ids", error)
+        wait = self._send_ids(ids[order], splits, "pull.ids", error)
+        if meanwhile is not None:
+            meanwhile()
+        wanted, counts = wait()
         rows = self.table.lookup(self.table.partition.slot(wanted))
         back, _ = self._alltoall(rows, counts, "pull.rows")
         out = torch.empty_like(back)

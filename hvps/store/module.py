@@ -117,10 +117,10 @@ class _ShardedBase(nn.Module):
     # ------------------------------------------------------------------ the round trip
     def _pull(self, distinct: torch.Tensor, error: Optional[str]) -> torch.Tensor:
         if self.stale is None or not self.training:
-            return self.exchange.pull(distinct, error)
+            return self.exchange.pull(distinct, error, meanwhile=self.synchronize)
         self.stale.advance()
         known, kept = self.stale.find(distinct)
-        fetched = self.exchange.pull(distinct[~known], error)
+        fetched = self.exchange.pull(distinct[~known], error, meanwhile=self.synchronize)
         self.stale.remember(distinct[~known], fetched)
         rows = fetched.new_empty(distinct.numel(), self.table.dim)
         rows[known] = kept.to(rows.device)
@@ -134,7 +134,6 @@ class _ShardedBase(nn.Module):
             pending()
 
     def _lookup(self, batch: _Batch) -> torch.Tensor:
-        self.synchronize()
         batch.distinct, batch.inverse = torch.unique(batch.ids, return_inverse=True)
         rows = self._pull(batch.distinct, batch.error)
         return self._assemble(rows, batch.inverse, batch)

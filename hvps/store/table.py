@@ -105,15 +105,8 @@ class ShardedTable:
         self.optimizer.begin_step()
         if not slots.numel():
             return
-        records = self.read(slots) if self.cache is None else self._read_quietly(slots)
+        records = self.tier.read(slots) if self.cache is None else self.cache.fetch(slots, count=False)
         self.write(slots, self.optimizer.step(records, grads.to(records.device), self.dim))
-
-    def _read_quietly(self, slots: torch.Tensor) -> torch.Tensor:
-        stats = self.cache.stats
-        hits, misses = stats.hits, stats.misses
-        records = self.cache.fetch(slots)
-        stats.hits, stats.misses = hits, misses  # updates are not lookups
-        return records
 
     # -------------------------------------------------------------- whole-shard access
     def flush(self) -> None:
