@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import threading
 from collections import defaultdict
 from typing import Any, Optional, Sequence
 
@@ -28,6 +29,42 @@ Average, Sum, Min, Max, Product, Adasum = (ReduceOp.Average, ReduceOp.Sum, Reduc
                                            ReduceOp.Product, ReduceOp.Adasum)
 
 _counters: dict = defaultdict(itertools.count)
+#: the thread numbering unnamed ops, and its unnamed ops not yet finished: automatic
+#: names follow each rank's submission order, which is the same on every rank only while
+#: one thread at a time submits them
+_unnamed: dict = {"owner": None, "handles": []}
+_unnamed_lock = threading.Lock()
+
+
+def _check_unnamed_thread(kind: str) -> None:
+    """Refuse an unnamed op from a second thread while another thread's unnamed ops are in
+    flight (its automatic name could silently pair it with a different op on another rank).
+    Handing over in turn, as TensorFlow's executor threads do, stays allowed."""
+    me = threading.current_thread()
+    with _unnamed_lock:
+        owner = _unnamed["owner"]
+        if owner is not me:
+            _unnamed["handles"] = [h for h in _unnamed["handles"] if not h.poll()]
+            if owner is not None and owner.is_alive() and _unnamed["handles"]:
+                owner = owner.name
+            else:
+                _unnamed["owner"], owner = me, None
+        else:
+            owner = None
+    if owner is None:
+        return
+    raise HvpsError(
+        f"an unnamed {kind} was submitted from thread {me.name!r} while unnamed collectives of thread "
+        f"{owner!r} are in flight: automatic names follow each rank's submission order, which "
+        "concurrent threads make differ between ranks; pass name=... (the same on every rank) to every "
+        "collective submitted from more than one thread")
+
+
+def _track_unnamed(handles: list) -> None:
+    with _unnamed_lock:
+        _unnamed["handles"].extend(h for h in handles if ".noname." in h.name)
+        if len(_unnamed["handles"]) > 4096:  # forget finished ones now and then
+            _unnamed["handles"] = [h for h in _unnamed["handles"] if not h.poll()]
 
 
 def _name(kind: str, name: Optional[str], set_id: int = GLOBAL_SET) -> str:
@@ -36,7 +73,10 @@ def _name(kind: str, name: Optional[str], set_id: int = GLOBAL_SET) -> str:
     Call it only once every argument has been checked: the counter must advance on every rank alike.
     """
     scope = kind if set_id == GLOBAL_SET else f"{kind}.set{set_id}"
-    return f"{scope}.{name}" if name else f"{scope}.noname.{next(_counters[scope])}"
+    if name:
+        return f"{scope}.{name}"
+    _check_unnamed_thread(kind)
+    return f"{scope}.noname.{next(_counters[scope])}"
 
 
 def _prepare(array: Any):
@@ -84,7 +124,9 @@ def _submit_all(pairs: list, grouped: bool = False) -> list:
     """Submit ``(request, inputs, outputs)`` triples as one unit: all of them or, on an error, none."""
     entries = [Entry(request, list(inputs), list(outputs), grouped=grouped, ready_event=arrays.ready_event(inputs))
                for request, inputs, outputs in pairs]
-    return runtime.engine().submit_all(entries)
+    handles = runtime.engine().submit_all(entries)
+    _track_unnamed(handles)
+    return handles
 
 
 def _as_op(op: Any) -> ReduceOp:
