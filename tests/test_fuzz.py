@@ -1,0 +1,57 @@
+"""A bounded fuzz run over checkpoint reading (tests/fuzz/fuzz_checkpoint.py): mutated
+real checkpoints, 0 crashes. HVPS_FUZZ_SECONDS sets the budget (30 s by default);
+atheris when installed, random byte mutation otherwise."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckpt_forge import make_versions
+from hvps.checkpoint import CheckpointManager
+
+FUZZER = Path(__file__).parent / "fuzz" / "fuzz_checkpoint.py"
+SECONDS = float(os.environ.get("HVPS_FUZZ_SECONDS", "30"))
+
+
+def _corpus(tmp_path: Path) -> Path:
+    """Seeds: real checkpoints, plain and lzf-compressed, with every section kind."""
+    make_versions(tmp_path / "plain", epochs=(1,))
+    mgr = CheckpointManager(tmp_path / "lzf", compress=True)
+    mgr.save(1, model={"w": np.arange(300, dtype=np.float32)}, optimizer={"state": {"0": {"m": np.ones(5)}}},
+             extra={"t": (1, 2)})
+    mgr.wait_for_retention()
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, f in enumerate(sorted(tmp_path.glob("*/ckpt-epoch-*.h5"))):
+        (corpus / f"seed{i}").write_bytes(f.read_bytes())
+    return corpus
+
+
+@pytest.mark.timeout(SECONDS + 120)
+def test_fuzz_checkpoint_reading(tmp_path):
+    corpus = _corpus(tmp_path)
+    wrapper = tmp_path / "fuzz.sh"  # libFuzzer's -fork mode executes argv[0] itself
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FUZZER}" "$@"\n')
+    wrapper.chmod(0o755)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), HVPS_FUZZ_SELF=str(wrapper))
+    if importlib.util.find_spec("atheris") is not None:
+        max_len = max(f.stat().st_size for f in corpus.iterdir()) + 256
+        cmd = [sys.executable, str(FUZZER), str(corpus), f"-max_total_time={SECONDS:g}", f"-max_len={max_len}",
+               "-rss_limit_mb=4096", "-timeout=10", "-fork=1", "-ignore_timeouts=1", "-ignore_ooms=0",
+               "-ignore_crashes=0", f"-artifact_prefix={tmp_path}/"]
+    else:
+        cmd = [sys.executable, str(FUZZER), "--random", str(corpus), f"{SECONDS:g}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SECONDS + 100)
+    out = proc.stdout + proc.stderr
+    runs = re.findall(r"#(\d+): cov: .* oom/timeout/crash: (\d+)/(\d+)/(\d+)", out) or \
+        re.findall(r"fuzz: (\d+) inputs, \d+ crashes", out)
+    print(f"fuzz: {runs[-1] if runs else out[-2000:]} (inputs, ooms, timeouts, crashes)")
+    assert proc.returncode == 0 and runs, out[-4000:]
+    if len(runs[-1]) == 4:
+        assert runs[-1][1] == runs[-1][3] == "0", out[-4000:]  # no OOM, no crash (HDF5 hangs: SECURITY.md)
