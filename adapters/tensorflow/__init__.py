@@ -1,18 +1,25 @@
 """TensorFlow 2 adapter with Horovod's API: ``import hvps.adapters.tensorflow as hvd``.
 
-Importing this module imports TensorFlow (the core and the torch adapter never
-do). Collectives take and return ``tf.Tensor`` and work eagerly and inside
+Exports every name ``horovod.tensorflow`` does except its TF1-only session hook
+(``BroadcastGlobalVariablesHook``) and ``PartialDistributedGradientTape``; ``elastic`` raises
+NotImplementedError on use. Importing this module imports TensorFlow (the core and the torch
+adapter never do). Collectives take and return ``tf.Tensor`` and work eagerly and inside
 ``tf.function``; Keras 3 users ``import hvps.adapters.tensorflow.keras as hvd``.
 """
 
 from hvps import (
+    DuplicateNameError,
+    HorovodInternalError,
     HvpsError,
+    ProcessSet,
     ReduceOp,
+    add_process_set,
     ccl_built,
     cross_rank,
     cross_size,
     cuda_built,
     ddl_built,
+    global_process_set,
     gloo_built,
     gloo_enabled,
     init,
@@ -24,15 +31,22 @@ from hvps import (
     mpi_threads_supported,
     nccl_built,
     rank,
+    remove_process_set,
     rocm_built,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
+from hvps.runtime import is_homogeneous
 
+from . import elastic
+from .basics import local_rank_op, local_size_op, process_set_included_op, rank_op, size_op
 from .compression import Compression
-from .functions import allgather_object, broadcast_object, broadcast_variables
+from .functions import allgather_object, broadcast_object, broadcast_object_fn, broadcast_variables
 from .gradients import allreduce_gradients
 from .mpi_ops import (
+    Adasum,
     Average,
     Max,
     Min,
@@ -40,24 +54,31 @@ from .mpi_ops import (
     Sum,
     allgather,
     allreduce,
-    alltoall,
     barrier,
     broadcast,
     broadcast_,
+    grouped_allgather,
     grouped_allreduce,
     join,
-    reducescatter,
 )
+from .optimizer import DistributedOptimizer, broadcast_global_variables
+from .scatter_ops import alltoall, grouped_reducescatter, reducescatter
+from .sync_batch_norm import SyncBatchNormalization
 from .tape import DistributedGradientTape
 from .threads import set_threads
 
 __all__ = [
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
-    "cuda_built", "rocm_built", "ddl_built", "ccl_built",
-    "HvpsError", "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Compression",
+    "cuda_built", "rocm_built", "ddl_built", "ccl_built", "is_homogeneous",
+    "HvpsError", "HorovodInternalError", "DuplicateNameError", "ReduceOp",
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
-    "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_", "alltoall", "reducescatter",
-    "join", "barrier",
-    "broadcast_variables", "broadcast_object", "allgather_object", "allreduce_gradients",
-    "DistributedGradientTape", "set_threads",
+    "rank_op", "size_op", "local_rank_op", "local_size_op", "process_set_included_op",
+    "start_timeline", "stop_timeline",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",
+    "reducescatter", "grouped_reducescatter", "join", "barrier",
+    "broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
+    "allgather_object", "allreduce_gradients",
+    "DistributedGradientTape", "DistributedOptimizer", "SyncBatchNormalization", "elastic", "set_threads",
 ]

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import hvps
+from hvps import ProcessSet, global_process_set
 
 from .mpi_ops import broadcast_
 
-allgather_object = hvps.allgather_object
 
-
-def broadcast_variables(variables: Iterable[Any], root_rank: int = 0, process_set: Any = None,
-                        inplace: bool = True) -> Any:
+def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
+                        process_set: ProcessSet = global_process_set, inplace: bool = True) -> Any:
     """Overwrite ``variables`` (tf.Variables or Keras 3 Variables) with the root's values.
 
-    Every rank must pass the same number of variables, in the same order, with
+    Every member must pass the same number of variables, in the same order, with
     the same shapes and dtypes (``model.variables``, ``optimizer.variables``);
     all of them travel as one batch of broadcasts. Works eagerly and in a tf.function.
     """
@@ -25,8 +24,22 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0, process_se
     return broadcast_(var_list, root_rank, name="broadcast_variables", process_set=process_set)
 
 
-def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = None, process_set: Any = None) -> Any:
-    """Return the root's picklable ``obj`` on every rank."""
-    if process_set is not None:
-        raise NotImplementedError("hvps runs collectives on the global process set only; pass process_set=None")
-    return hvps.broadcast_object(obj, root_rank=root_rank, name=name)
+def broadcast_object(obj: Any = None, root_rank: int = 0, session: Any = None, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Return the root's picklable ``obj`` on every member (``session`` is TF1's, ignored)."""
+    return hvps.broadcast_object(obj, root_rank=root_rank, name=name, process_set=process_set)
+
+
+def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: Optional[str] = None,
+                        process_set: ProcessSet = global_process_set) -> Callable[[Any], Any]:
+    """A function ``f(obj)`` that broadcasts ``obj`` from the root, as :func:`broadcast_object`."""
+    def broadcast_fn(obj: Any) -> Any:
+        return broadcast_object(obj, root_rank, name=name, process_set=process_set)
+
+    return broadcast_fn
+
+
+def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> list:
+    """Every member's picklable ``obj``, in rank order (``session`` is TF1's, ignored)."""
+    return hvps.allgather_object(obj, name=name, process_set=process_set)

@@ -30,7 +30,7 @@ from hvps import ReduceOp
 from hvps.compression import GradientCompression
 
 from .compression import as_gradient_compression, compress_tensor, decompress_tensor, is_fusable
-from .mpi_ops import Average, _grouped_allreduce, _resolve_op, _sparse_allreduce
+from .mpi_ops import Average, _check_process_set, _grouped_allreduce, _resolve_op, _sparse_allreduce
 from .tensors import run
 
 
@@ -73,18 +73,25 @@ def variable_name(variable: Any, fallback: str = "tensor") -> str:
 
 def allreduce_gradients(grads: Sequence[Any], op: ReduceOp = Average, compression: Any = None,
                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
-                        name: Optional[str] = None, names: Optional[Sequence[str]] = None) -> list:
-    """Reduce ``grads`` (tensors, IndexedSlices or None) over all ranks; same structure back.
+                        name: Optional[str] = None, names: Optional[Sequence[str]] = None,
+                        process_set: Any = None) -> list:
+    """Reduce ``grads`` (tensors, IndexedSlices or None) over the set's ranks; same structure back.
 
     ``names[i]`` names gradient i (its variable's path): the key of compression state
     (error feedback) and of the exchanges; give the same names on every rank and step.
+    Ranks outside ``process_set`` get their gradients back unreduced, as in Horovod.
     """
     op, pipeline, prescale, postscale = gradient_options(op, gradient_predivide_factor, compression)
     fused = is_fusable(pipeline)
+    if not fused:
+        _check_process_set(process_set)
     grads = list(grads)
     if names is not None and len(names) != len(grads):
         raise ValueError(f"{len(names)} names for {len(grads)} gradients")
-    if hvps.size() == 1 and fused and prescale == postscale == 1.0:
+    if process_set is not None and not process_set.included():
+        return grads
+    set_size = hvps.size() if process_set is None else process_set.size()
+    if set_size == 1 and fused and prescale == postscale == 1.0:
         return grads  # every op is the identity on one rank
     out: list = [None] * len(grads)
     dense_index, dense = [], []
@@ -95,13 +102,13 @@ def allreduce_gradients(grads: Sequence[Any], op: ReduceOp = Average, compressio
             if sparse_as_dense:
                 g = tf.convert_to_tensor(g)
             else:
-                out[i] = _sparse_allreduce(g, op, None if name is None else f"{name}.sparse.{i}")
+                out[i] = _sparse_allreduce(g, op, None if name is None else f"{name}.sparse.{i}", process_set)
                 continue
         dense_index.append(i)
         dense.append(tf.convert_to_tensor(g))
     if dense:
         if fused:
-            reduced = _fused_allreduce(dense, pipeline, op, prescale, postscale, name)
+            reduced = _fused_allreduce(dense, pipeline, op, prescale, postscale, name, process_set)
         else:
             prefix = name or "grad"
             labels = [f"{prefix}.{i}.{names[i] if names is not None else 'tensor'}" for i in dense_index]
@@ -112,9 +119,9 @@ def allreduce_gradients(grads: Sequence[Any], op: ReduceOp = Average, compressio
 
 
 def _fused_allreduce(dense: list, pipeline: GradientCompression, op: ReduceOp, prescale: float,
-                     postscale: float, name: Optional[str]) -> list:
+                     postscale: float, name: Optional[str], process_set: Any = None) -> list:
     """Summable compression as TensorFlow ops around one grouped allreduce (differentiable)."""
-    size = hvps.size()
+    size = hvps.size() if process_set is None else process_set.size()
     factor = pipeline.compressor.prescale(size) if op is ReduceOp.Average else 1.0
     after = 1.0
     if factor != 1.0 and all(g.dtype.is_floating for g in dense):
@@ -128,7 +135,7 @@ def _fused_allreduce(dense: list, pipeline: GradientCompression, op: ReduceOp, p
         for array, itemsize in zip(arrays, dense_itemsizes):
             pipeline.record(array.size * itemsize, [array])
 
-    reduced = _grouped_allreduce([c for c, _ in pairs], op, name, prescale, postscale, observe)
+    reduced = _grouped_allreduce([c for c, _ in pairs], op, name, prescale, postscale, observe, process_set)
     out = [decompress_tensor(pipeline, r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
     if after != 1.0:
         out = [o * tf.cast(after, o.dtype) for o in out]

@@ -9,6 +9,9 @@ import tensorflow as tf
 import hvps
 
 from .gradients import allreduce_gradients, gradient_options, variable_name
+from hvps import ProcessSet, global_process_set
+
+from .compression import is_fusable
 from .mpi_ops import Average, _check_process_set
 
 
@@ -16,7 +19,7 @@ class _DistributedGradientTape(tf.GradientTape):
     """Shares the recorded tape of the wrapped one; only ``gradient`` differs."""
 
     def __init__(self, tape: tf.GradientTape, compression, sparse_as_dense: bool, op,
-                 gradient_predivide_factor: float, name: Optional[str]) -> None:
+                 gradient_predivide_factor: float, name: Optional[str], process_set: Any = None) -> None:
         # Take over the wrapped tape's state (recorded operations, watched variables,
         # persistence), whether it is still recording or already closed.
         self.__dict__.update(tape.__dict__)
@@ -25,6 +28,7 @@ class _DistributedGradientTape(tf.GradientTape):
         self._hvps_op = op
         self._hvps_predivide = gradient_predivide_factor
         self._hvps_name = name
+        self._hvps_process_set = process_set
 
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE) -> Any:
@@ -35,7 +39,7 @@ class _DistributedGradientTape(tf.GradientTape):
         if len(names) != len(flat):
             names = None
         reduced = allreduce_gradients(flat, self._hvps_op, self.compression, self._hvps_sparse_as_dense,
-                                      self._hvps_predivide, self._hvps_name, names)
+                                      self._hvps_predivide, self._hvps_name, names, self._hvps_process_set)
         return tf.nest.pack_sequence_as(grads, reduced)
 
     def compression_stats(self) -> dict:
@@ -52,7 +56,8 @@ class _DistributedGradientTape(tf.GradientTape):
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
                             compression: Any = None, sparse_as_dense: bool = False, op=Average,
                             gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-                            process_set: Any = None, name: Optional[str] = None) -> tf.GradientTape:
+                            process_set: Any = global_process_set, scale_local_gradients: bool = True,
+                            name: Optional[str] = None) -> tf.GradientTape:
     """Wrap ``gradtape`` so that ``gradient()`` returns gradients reduced over all ranks.
 
     Use it around a tape that has recorded the forward pass (or wrap a fresh
@@ -69,9 +74,18 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
     warm-up. ``tf.IndexedSlices`` are allgathered uncompressed unless
     ``sparse_as_dense``. ``device_*``, ``num_groups`` and ``groups`` are
     accepted for Horovod compatibility: hvps always fuses all dense gradients
-    of one call.
+    of one call. ``process_set``: gradients are averaged over its members
+    (summable compressions only); other ranks get their own gradients back.
+    ``scale_local_gradients`` is accepted (it concerns PartialDistributedGradientTape).
     """
-    _check_process_set(process_set)
     op, pipeline, _, _ = gradient_options(op, gradient_predivide_factor, compression)
     hvps.size()  # raises HvpsError before hvps.init()
-    return _DistributedGradientTape(gradtape, pipeline, sparse_as_dense, op, gradient_predivide_factor, name)
+    if process_set is global_process_set:
+        process_set = None
+    if process_set is not None:
+        if not isinstance(process_set, ProcessSet):
+            raise TypeError(f"process_set must be a ProcessSet, not {type(process_set).__name__}")
+        if not is_fusable(pipeline):
+            _check_process_set(process_set)
+    return _DistributedGradientTape(gradtape, pipeline, sparse_as_dense, op, gradient_predivide_factor, name,
+                                    process_set)

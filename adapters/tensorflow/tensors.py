@@ -17,11 +17,12 @@ import numpy as np
 import tensorflow as tf
 
 #: TensorFlow dtypes the core can move (bfloat16 numpy arrays are ml_dtypes', as the core's).
-SUPPORTED = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64, tf.uint8, tf.bool)
+SUPPORTED = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.int16, tf.int32, tf.int64, tf.uint8,
+             tf.bool)
 
 
 def check_dtype(tensor: Any, what: str = "tensor") -> None:
-    """Raise TypeError for tensors the core cannot move (strings, complex, int16, ...)."""
+    """Raise TypeError for tensors the core cannot move (strings, complex, uint16, ...)."""
     dtype = tensor.dtype
     if dtype not in SUPPORTED:
         names = ", ".join(d.name for d in SUPPORTED)

@@ -30,6 +30,9 @@ import hvps
 
 from hvps.compression.horovod import from_name
 
+from hvps import global_process_set
+
+from ..compression import is_fusable
 from ..gradients import allreduce_gradients, gradient_options, variable_name
 from ..mpi_ops import Average, _check_process_set
 
@@ -54,15 +57,17 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                  device_sparse: str = "", compression: Any = None, sparse_as_dense: bool = False,
                  backward_passes_per_step: int = 1, op=Average, gradient_predivide_factor: float = 1.0,
                  average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
-                 process_set: Any = None, scale_local_gradients: bool = True) -> None:
+                 process_set: Any = global_process_set, scale_local_gradients: bool = True) -> None:
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a Keras 3 keras.optimizers.Optimizer, got {type(optimizer)}")
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("the optimizer is already a DistributedOptimizer")
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
-        _check_process_set(process_set)
         op, compression, _, _ = gradient_options(op, gradient_predivide_factor, compression)
+        process_set = None if process_set is global_process_set else process_set
+        if process_set is not None and not is_fusable(compression):
+            _check_process_set(process_set)
         hvps.size()  # raises HvpsError before hvps.init()
         super().__init__(learning_rate=0.0, name=name or f"Distributed{type(optimizer).__name__}")
         self.inner_optimizer = optimizer
@@ -72,6 +77,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.op = op
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.average_aggregated_gradients = bool(average_aggregated_gradients)
+        self.process_set = process_set
 
     # -- state -------------------------------------------------------------------------------
     def build(self, var_list):
@@ -115,7 +121,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def _reduce(self, grads: list, variables: list) -> list:
         return allreduce_gradients(grads, self.op, self.compression, self.sparse_as_dense,
                                    self.gradient_predivide_factor,
-                                   names=[variable_name(v, f"variable{i}") for i, v in enumerate(variables)])
+                                   names=[variable_name(v, f"variable{i}") for i, v in enumerate(variables)],
+                                   process_set=self.process_set)
 
     def compression_stats(self) -> dict:
         """Bytes sent and received, compression ratio and (de)compression time of this rank since

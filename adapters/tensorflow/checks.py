@@ -1,0 +1,52 @@
+"""Argument checks made while a collective is being built (eagerly or while tracing a tf.function).
+
+Horovod raises argument errors before anything is submitted, the same way on every rank; inside a
+graph that means at trace time, in Python, rather than from the stateful op when it runs. These
+helpers make the core's own checks early: process-set membership, the reduce op, dtype and op
+together, Adasum's rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import tensorflow as tf
+
+import hvps
+from hvps import ReduceOp, dtypes
+from hvps.ops import _as_op, _check_adasum
+from hvps.process_sets import resolve
+
+from .tensors import check_dtype
+
+
+def members(process_set: Any) -> tuple:
+    """``(set size, this rank's index in the set)``; raises if the set is unknown or excludes this rank."""
+    _, ranks = resolve(process_set)
+    return len(ranks), ranks.index(hvps.rank())
+
+
+def reduce_op(average: Optional[bool], op: Any) -> ReduceOp:
+    """Horovod's ``average`` (deprecated) / ``op`` pair as one ReduceOp (default Average)."""
+    if average is not None and op is not None:
+        raise ValueError("give either average (deprecated) or op, not both")
+    if op is not None:
+        return _as_op(op)
+    return ReduceOp.Sum if average is False else ReduceOp.Average
+
+
+def check_reduce(tensor: tf.Tensor, op: ReduceOp, process_set: Any) -> None:
+    """Raise TypeError/ValueError/NotImplementedError where the core would refuse this reduction."""
+    check_dtype(tensor)
+    dtypes.check_reducible(np.dtype(tensor.dtype.as_numpy_dtype), op)
+    set_id, ranks = resolve(process_set)
+    if op is ReduceOp.Adasum:
+        _check_adasum(set_id, len(ranks))
+
+
+def check_rows(tensor: tf.Tensor, what: str) -> None:
+    """Collectives along dim 0 need at least one dimension."""
+    check_dtype(tensor)
+    if tensor.shape.rank == 0:
+        raise ValueError(f"{what} needs a tensor with at least one dimension")

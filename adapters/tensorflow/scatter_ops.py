@@ -1,0 +1,124 @@
+"""Horovod's alltoall, reducescatter and grouped_reducescatter on tf.Tensors, with their gradients.
+
+Like ``mpi_ops``: the core's collective in one stateful op, ``process_set=`` on each, argument
+errors raised while the op is built. Gradients (Horovod's):
+
+- alltoall: the output gradient sent back with the received splits;
+- reducescatter: the members' output gradients allgathered, scaled as the forward pass scaled
+  (prescale, postscale, and the set size for Sum), as the PyTorch adapter does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+import hvps
+from hvps import ProcessSet, ReduceOp, global_process_set
+from hvps.ops import _scatter_op
+
+from .checks import check_reduce, check_rows, members
+from .compression import Compression, compress_tensor, decompress_tensor
+from .mpi_ops import Average, _rows_known, _zeros_if_none, grouped_allgather
+from .tensors import as_tensor, run
+
+
+# -- alltoall ----------------------------------------------------------------------------------
+def _splits_tensor(splits: Any) -> tf.Tensor:
+    splits = as_tensor(splits)
+    if not splits.dtype.is_integer:
+        raise ValueError(f"alltoall splits must be a tensor of integers, not {splits.dtype.name}")
+    return tf.cast(tf.reshape(splits, [-1]), tf.int64)
+
+
+def _alltoall_raw(tensor: tf.Tensor, splits: Optional[tf.Tensor], name: Optional[str],
+                  process_set: Optional[ProcessSet]) -> tuple:
+    set_size = members(process_set)[0]
+
+    def exchange(a, *s):
+        chosen = [int(x) for x in s[0]] if s else None
+        out, received = hvps.alltoall(a, chosen, name=name, process_set=process_set)
+        return [out, np.asarray(received, dtype=np.int32)]
+
+    inputs = [tensor] if splits is None else [tensor, splits]
+    out, received = run(exchange, inputs, [tensor.dtype, tf.int32], name="HvpsAlltoall")
+    _rows_known([out], [tensor])
+    received.set_shape([set_size])
+    return out, received
+
+
+def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore_name_scope: bool = False,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Send ``splits[i]`` rows to the set's i-th rank (equal blocks without splits); differentiable.
+
+    Returns the gathered tensor, or ``(tensor, received_splits)`` (int32) when ``splits`` is given.
+    """
+    tensor = as_tensor(tensor)
+    check_rows(tensor, "alltoall")
+    split_tensor = None if splits is None else _splits_tensor(splits)
+
+    @tf.custom_gradient
+    def forward(x):
+        out, received = _alltoall_raw(x, split_tensor, name, process_set)
+
+        def grad(dy, _unused=None):
+            back, _ = _alltoall_raw(_zeros_if_none(dy, out), tf.cast(received, tf.int64), None, process_set)
+            return back
+
+        return (out, received), grad
+
+    out, received = forward(tensor)
+    return out if splits is None else (out, tf.stop_gradient(received))
+
+
+# -- reducescatter -----------------------------------------------------------------------------
+def _grouped_reducescatter(tensors: Sequence[tf.Tensor], op: ReduceOp, name: Optional[str],
+                           prescale_factor: float, postscale_factor: float,
+                           process_set: Optional[ProcessSet]) -> list:
+    op = _scatter_op(op)
+    for t in tensors:
+        check_rows(t, "reducescatter")
+        check_reduce(t, op, process_set)
+    set_size = members(process_set)[0]
+    factor = prescale_factor * postscale_factor * (set_size if op is ReduceOp.Sum else 1)
+
+    @tf.custom_gradient
+    def forward(*xs):
+        ys = run(lambda *arrays: hvps.grouped_reducescatter(list(arrays), op=op, name=name,
+                                                            prescale_factor=prescale_factor,
+                                                            postscale_factor=postscale_factor,
+                                                            process_set=process_set),
+                 xs, [x.dtype for x in xs], name="HvpsReducescatter")
+        _rows_known(ys, xs)
+
+        def grad(*dys):
+            gathered = grouped_allgather([_zeros_if_none(dy, y) for dy, y in zip(dys, ys)], process_set=process_set)
+            return [g * tf.cast(factor, g.dtype) if factor != 1 else g for g in gathered]
+
+        return ys, grad
+
+    return list(forward(*tensors))
+
+
+def reducescatter(tensor: Any, device_dense: str = "", compression=Compression.none, op: ReduceOp = Average,
+                  name: Optional[str] = None, process_set: ProcessSet = global_process_set,
+                  ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> tf.Tensor:
+    """Reduce ``tensor`` over the set's ranks and return this rank's block of dim 0 (first ranks get the
+    remainder); differentiable."""
+    compressed, ctx = compress_tensor(compression, as_tensor(tensor))
+    (out,) = _grouped_reducescatter([compressed], op, name, prescale_factor, postscale_factor, process_set)
+    return decompress_tensor(compression, out, ctx)
+
+
+def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compression=Compression.none,
+                          op: ReduceOp = Average, process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    """Reducescatter several tensors together (differentiable)."""
+    if not tensors:
+        return list(tensors)
+    pairs = [compress_tensor(compression, as_tensor(t)) for t in tensors]
+    outs = _grouped_reducescatter([c for c, _ in pairs], op, None, prescale_factor, postscale_factor, process_set)
+    return [decompress_tensor(compression, o, ctx) for o, (_, ctx) in zip(outs, pairs)]
