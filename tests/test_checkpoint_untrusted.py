@@ -4,7 +4,6 @@ nothing raw."""
 
 import os
 import resource
-import warnings
 
 import h5py
 import numpy as np
@@ -92,7 +91,7 @@ def test_latest_falls_back_with_the_reason(versions, tmp_path, capsys):
 
 def test_keyed_signature(tmp_path, monkeypatch):
     monkeypatch.setenv("HVPS_CHECKPOINT_KEY", "k" * 32)
-    mgr = make_versions(tmp_path, epochs=(1,))
+    make_versions(tmp_path, epochs=(1,))
     verify_file(path_of(tmp_path, 1))
     monkeypatch.setenv("HVPS_CHECKPOINT_KEY", "another key")
     _refused(path_of(tmp_path, 1), "signature does not match")

@@ -43,7 +43,7 @@ def test_fuzz_checkpoint_reading(tmp_path):
     if importlib.util.find_spec("atheris") is not None:
         max_len = max(f.stat().st_size for f in corpus.iterdir()) + 256
         cmd = [sys.executable, str(FUZZER), str(corpus), f"-max_total_time={SECONDS:g}", f"-max_len={max_len}",
-               "-rss_limit_mb=4096", "-timeout=10", "-fork=1", "-ignore_timeouts=1", "-ignore_ooms=0",
+               "-rss_limit_mb=4096", "-timeout=5", "-fork=1", "-ignore_timeouts=1", "-ignore_ooms=0",
                "-ignore_crashes=0", f"-artifact_prefix={tmp_path}/"]
     else:
         cmd = [sys.executable, str(FUZZER), "--random", str(corpus), f"{SECONDS:g}"]
@@ -52,6 +52,8 @@ def test_fuzz_checkpoint_reading(tmp_path):
     runs = re.findall(r"#(\d+): cov: .* oom/timeout/crash: (\d+)/(\d+)/(\d+)", out) or \
         re.findall(r"fuzz: (\d+) inputs, \d+ crashes", out)
     print(f"fuzz: {runs[-1] if runs else out[-2000:]} (inputs, ooms, timeouts, crashes)")
-    assert proc.returncode == 0 and runs, out[-4000:]
-    if len(runs[-1]) == 4:
-        assert runs[-1][1] == runs[-1][3] == "0", out[-4000:]  # no OOM, no crash (HDF5 hangs: SECURITY.md)
+    assert runs, out[-4000:]
+    if len(runs[-1]) == 4:  # libFuzzer: exit 70 says a timeout happened (HDF5 hangs: SECURITY.md)
+        assert proc.returncode in (0, 70) and runs[-1][1] == runs[-1][3] == "0", out[-4000:]  # no OOM, no crash
+    else:
+        assert proc.returncode == 0, out[-4000:]
