@@ -31,6 +31,7 @@ broadcasting live in :mod:`hvps.checkpoint`.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -69,6 +70,7 @@ class CheckpointError(HvpsError):
     def __init__(self, message: str, path: Optional[os.PathLike] = None, problems: Optional[list] = None) -> None:
         self.path = Path(path) if path is not None else None
         self.problems = list(problems or [])
+        self.reason = message
         text = f"{path}: {message}" if path is not None else message
         if self.problems:
             text += "\n  " + "\n  ".join(str(p) for p in self.problems)
@@ -492,7 +494,17 @@ def read_header(path: os.PathLike) -> Header:
     """Open ``path``, check format name and version, read the manifest, check it against
     ``manifest_sha256`` (and its signature when HVPS_CHECKPOINT_KEY is set) and its schema,
     and compare it with the file's structure and storage (checkpoint_safety.py).  Reads no
-    tensor data.  Raises CheckpointError naming the file for any defect."""
+    tensor data.  Raises CheckpointError naming the file for any defect.
+
+    All of this runs in a helper process under a deadline (checkpoint_inspect.py), so that
+    a file that makes libhdf5 hang or crash ends in a CheckpointError too."""
+    from .checkpoint_inspect import inspect_header
+
+    return inspect_header(Path(path))
+
+
+def read_header_local(path: os.PathLike) -> Header:
+    """:func:`read_header` in this process, without a deadline (the helper process runs it)."""
     import h5py
 
     path = Path(path)
@@ -648,10 +660,13 @@ class Reader:
             raise CheckpointError(f"cannot open: {exc}", self.path) from exc
         try:
             file_size = os.fstat(fd).st_size
-            with h5py.File(self.path, "r", locking=False) as f:
+            known = header.offsets or {}
+            # HDF5 is opened only for datasets whose offset the header does not give
+            # (chunked ones): a plain file is read with preadv alone.
+            needs_h5 = any(e.nbytes and known.get(e.path) is None for e in header.entries)
+            with h5py.File(self.path, "r", locking=False) if needs_h5 else contextlib.nullcontext() as f:
                 # Where each dataset's bytes are: one pass over the metadata first.
                 plan = []
-                known = header.offsets or {}
                 for e in sorted(header.entries, key=lambda e: e.start):
                     offset = None
                     if e.nbytes and e.path in known:
