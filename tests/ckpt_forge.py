@@ -52,3 +52,22 @@ def replace_dataset(path: Path, name: str, shape, dtype, **create) -> None:
             return m
 
         rewrite_manifest(f, edit)
+
+
+def corrupt_global_heap(path: Path) -> None:
+    """Make libhdf5 loop forever reading ``path``'s string attributes: the free-space
+    object (index 0) of its global heap (GCOL) gets size 0, so the heap parser never
+    advances (H5HG cache deserialize; found by the fuzzer, HDF5 1.14)."""
+    data = bytearray(Path(path).read_bytes())
+    heap = data.find(b"GCOL")
+    assert heap >= 0, "no global heap (no variable-length string attribute)"
+    size = int.from_bytes(data[heap + 8:heap + 16], "little")
+    at = heap + 16
+    while at + 16 <= heap + size:
+        index, nbytes = int.from_bytes(data[at:at + 2], "little"), int.from_bytes(data[at + 8:at + 16], "little")
+        if index == 0:
+            data[at + 8:at + 16] = bytes(8)
+            Path(path).write_bytes(data)
+            return
+        at += 16 + (nbytes + 7) // 8 * 8
+    raise AssertionError("global heap has no free-space object")
