@@ -19,6 +19,10 @@ time after a barrier); target ratio <= 1.3.  The ranks run with Open MPI's
 busy threads, a rank busy-polling inside MPI_Bcast otherwise takes a core from the root's
 read and hash threads (measured: np2 0.9-1.2 s instead of 0.40 s, single 0.38 s).
 
+Inspect (``--mode inspect``): the same load in one process with the file's metadata
+inspected in-process, by the warm helper process and by a freshly started one
+(hvps/checkpoint_inspect.py), back to back in every round.
+
   python benchmarks/checkpoint_io.py --runs 5 --json out/checkpoint_io.json
 """
 from __future__ import annotations
@@ -171,9 +175,51 @@ def bench_load(args) -> dict:
             "targets": {"ratio <= 1.3": ratio <= 1.3}}
 
 
+def bench_inspect(args) -> dict:
+    """One process: ``load`` of the ResNet-50 checkpoint with its metadata inspected in this
+    process (HVPS_CHECKPOINT_INSPECT_TIMEOUT=0, no protection), by the running helper
+    (warm: every load after a process's first) and by a freshly started one (cold: the
+    first load of a process), back to back in every round."""
+    import hvps.adapters.torch as hvd
+    from hvps import checkpoint_inspect
+
+    work = Path(tempfile.mkdtemp(prefix="hvps-ckpt-bench-", dir=args.dir))
+    model, opt = build()
+    mgr = hvd.CheckpointManager(work)
+    mgr.save(0, model=model, optimizer=opt, rng=False)
+    previous = os.environ.get(checkpoint_inspect.TIMEOUT_ENV)
+
+    def load(timeout: str, cold: bool) -> float:
+        os.environ[checkpoint_inspect.TIMEOUT_ENV] = timeout
+        if cold:
+            checkpoint_inspect.stop_helper()
+        t0 = time.perf_counter()
+        mgr.load(model=model, optimizer=opt, restore_rng=False)
+        return time.perf_counter() - t0
+
+    cases = {"in-process": ("0", False), "helper warm": ("10", False), "helper cold": ("10", True)}
+    times = {k: [] for k in cases}
+    for r in range(args.warmup + args.runs):
+        for name, (timeout, cold) in cases.items():
+            dt = load(timeout, cold)
+            if r >= args.warmup:
+                times[name].append(dt)
+    if previous is None:
+        os.environ.pop(checkpoint_inspect.TIMEOUT_ENV, None)
+    else:
+        os.environ[checkpoint_inspect.TIMEOUT_ENV] = previous
+    size = next(work.glob("ckpt-*.h5")).stat().st_size
+    shutil.rmtree(work, ignore_errors=True)
+    med = {k: median(v) for k, v in times.items()}
+    return {"file_bytes": size, "runs": args.runs, "times_s": times, "median_s": med,
+            "overhead_s": {k: med[k] - med["in-process"] for k in ("helper warm", "helper cold")},
+            "median_of_round_overheads_s": {k: median([a - b for a, b in zip(times[k], times["in-process"])])
+                                            for k in ("helper warm", "helper cold")}}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["all", "save", "load", "load-worker"], default="all",
+    p.add_argument("--mode", choices=["all", "save", "load", "inspect", "load-worker"], default="all",
                    help="what to measure (load-worker: internal, run under mpirun by --mode load)")
     p.add_argument("--runs", type=int, default=5, help="timed repetitions per case (medians are reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
@@ -201,6 +247,8 @@ def main(argv=None) -> int:
         out["save"] = bench_save(args)
     if args.mode in ("all", "load"):
         out["load"] = bench_load(args)
+    if args.mode in ("all", "inspect"):
+        out["inspect"] = bench_inspect(args)
     out["machine"]["loadavg_after"] = os.getloadavg()
     write_json(args.json, out)
     print(json.dumps(out, indent=2, default=float))

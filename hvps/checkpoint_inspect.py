@@ -38,6 +38,7 @@ from .settings import _env_number
 TIMEOUT_ENV = "HVPS_CHECKPOINT_INSPECT_TIMEOUT"
 DEFAULT_TIMEOUT = 10.0
 PER_GIB = 1.0  # extra seconds per GiB of file
+MEMORY_LIMIT = 1 << 30  # heap the helper may add after start-up (the manifest is at most 64 MiB)
 START_TIMEOUT = 120.0  # importing h5py on a loaded node (not the file's fault)
 # The helper imports hvps' checkpoint modules without hvps/__init__ (numpy and h5py only).
 _BOOT = ("import sys, types\n"
@@ -74,10 +75,25 @@ def _answer(path: str) -> dict:
         return {"bug": f"{type(exc).__name__}: {exc}"}
 
 
+def _limit_memory(resource) -> None:
+    """Cap the helper's data segment at what it uses now + MEMORY_LIMIT (Linux), so that a
+    file whose metadata makes libhdf5 allocate gigabytes fails instead."""
+    try:
+        with open("/proc/self/status") as f:
+            used = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmData:"))
+    except (OSError, StopIteration, ValueError):
+        return
+    limit = used + MEMORY_LIMIT
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
 def serve(out_fd: int) -> None:
     """The helper's loop: one JSON request per line on stdin, one answer per line on ``out_fd``."""
+    import resource
+
     import h5py  # noqa: F401 - imported before "ready", so requests are timed without it
 
+    _limit_memory(resource)
     out = os.fdopen(out_fd, "wb")
     out.write(b'{"ready": true}\n')
     out.flush()
@@ -197,6 +213,10 @@ def inspect_header(path: Path) -> Header:
 
 
 @atexit.register
-def _stop_helper() -> None:
-    if _helper is not None and _helper.pid == os.getpid():
-        _helper.stop()
+def stop_helper() -> None:
+    """Stop this process's helper (the next inspection starts a new one)."""
+    global _helper
+    with _lock:
+        if _helper is not None and _helper.pid == os.getpid():
+            _helper.stop()
+        _helper = None
