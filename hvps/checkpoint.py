@@ -54,6 +54,7 @@ from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 
+from .checkpoint_inspect import prestart
 from .checkpoint_format import (
     CheckpointError,
     Entry,
@@ -235,6 +236,12 @@ class CheckpointManager:
         self.fsync = fsync
         self.loaded: Optional[Checkpoint] = None
         self._deleter: Optional[threading.Thread] = None
+        try:
+            root = _Group(root_rank).is_root
+        except ValueError:  # raised again by save and load
+            root = False
+        if root:  # the root will inspect files: its helper starts meanwhile
+            prestart()
 
     # ------------------------------------------------------------------ framework hooks
     def framework_version(self) -> str:

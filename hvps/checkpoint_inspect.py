@@ -83,8 +83,9 @@ def _limit_memory(resource) -> None:
             used = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmData:"))
     except (OSError, StopIteration, ValueError):
         return
-    limit = used + MEMORY_LIMIT
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = used + MEMORY_LIMIT if hard == resource.RLIM_INFINITY else min(used + MEMORY_LIMIT, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
 
 
 def serve(out_fd: int) -> None:
@@ -122,11 +123,19 @@ class _Helper:
             raise HvpsError(f"cannot start the checkpoint inspection helper ({sys.executable}): {exc}") from exc
         finally:
             os.close(wfd)
-        self.fd, self.pid, self.buf = rfd, os.getpid(), b""
-        if self.read_line(time.monotonic() + START_TIMEOUT) is None:
+        self.fd, self.pid, self.buf, self.ready = rfd, os.getpid(), b"", False
+
+    def wait_ready(self) -> None:
+        """Wait until the helper has imported h5py (HvpsError if it cannot)."""
+        try:
+            line = self.read_line(time.monotonic() + START_TIMEOUT)
+        except TimeoutError:
+            line = None
+        if line is None:
             code = self.stop()
-            raise HvpsError(f"the checkpoint inspection helper did not start (exit status {code}; "
+            raise HvpsError(f"the checkpoint inspection helper did not start ({_describe(code)}; "
                             "its error, if any, is on stderr above)")
+        self.ready = True
 
     def read_line(self, deadline: float) -> Optional[bytes]:
         """The next answer line; None at end of file; TimeoutError past ``deadline``."""
@@ -170,14 +179,32 @@ def _describe(code: Optional[int]) -> str:
     return f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
 
 
+def _current() -> _Helper:
+    """This process's helper, started if needed (call with _lock held)."""
+    global _helper
+    if _helper is not None and (_helper.pid != os.getpid() or _helper.proc.poll() is not None):
+        _helper = None  # inherited over a fork, or gone since the last request
+    if _helper is None:
+        _helper = _Helper()
+    return _helper
+
+
+def prestart() -> None:
+    """Start the helper now, without waiting for it (it imports h5py while the caller goes
+    on), unless inspection runs in-process."""
+    if _env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT) != 0:
+        with _lock:
+            _current()
+
+
 def _ask(path: Path, timeout: float) -> dict:
     global _helper
     with _lock:
-        if _helper is not None and (_helper.pid != os.getpid() or _helper.proc.poll() is not None):
-            _helper = None  # inherited over a fork, or gone since the last request
-        if _helper is None:
-            _helper = _Helper()
-        helper = _helper
+        helper = _current()
+        if not helper.ready:
+            _helper = None
+            helper.wait_ready()
+            _helper = helper
         try:
             answer = helper.ask(path, timeout)
         except TimeoutError:

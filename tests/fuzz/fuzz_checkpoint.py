@@ -3,6 +3,12 @@ verify. Anything but a CheckpointError (or a clean load) is a crash.
 
     python tests/fuzz/fuzz_checkpoint.py CORPUS_DIR -max_total_time=30     (atheris / libFuzzer)
     python tests/fuzz/fuzz_checkpoint.py --random CORPUS_DIR SECONDS        (byte mutation, no atheris)
+    python tests/fuzz/fuzz_checkpoint.py --replay DEADLINE FILE...          (through the helper)
+
+Fuzzing inspects metadata in this process (HVPS_CHECKPOINT_INSPECT_TIMEOUT=0), so that
+atheris sees the code it runs; a libhdf5 hang or memory blow-up then shows as a libFuzzer
+timeout or OOM, which ``--replay`` feeds through the real path (the helper process with a
+deadline and a memory cap): each must end in a CheckpointError (``replay: NAME error``).
 
 Prints ``fuzz: N inputs, C crashes`` at the end (atheris prints its own ``Done N runs``).
 """
@@ -13,13 +19,10 @@ import sys
 import tempfile
 import time
 
-# In this process (no helper): atheris sees the code it runs, and a libhdf5 hang shows as a
-# libFuzzer timeout, which tests/test_fuzz.py then replays through the helper.
-os.environ["HVPS_CHECKPOINT_INSPECT_TIMEOUT"] = "0"
 _PATH = os.path.join(tempfile.mkdtemp(prefix="hvps-fuzz-"), "ckpt-epoch-000001.h5")
 
 
-def one_input(data: bytes) -> None:
+def one_input(data: bytes):
     """Write ``data`` as a checkpoint file and read it every way hvps does."""
     from hvps.checkpoint_format import CheckpointError, Reader
 
@@ -29,8 +32,9 @@ def one_input(data: bytes) -> None:
         reader = Reader(_PATH)
         reader.read()
         reader.verify()
-    except CheckpointError:
-        pass
+    except CheckpointError as exc:
+        return str(exc)
+    return None
 
 
 def _mutate(rnd: random.Random, data: bytes) -> bytes:
@@ -75,7 +79,26 @@ def atheris_mode(argv: list) -> None:
     atheris.Fuzz()
 
 
+def replay(deadline: str, files: list) -> int:
+    """Read each file the way load() does, helper included; 1 if any escapes as a crash."""
+    os.environ["HVPS_CHECKPOINT_INSPECT_TIMEOUT"] = deadline
+    crashes = 0
+    for name in files:
+        try:
+            with open(name, "rb") as f:
+                error = one_input(f.read())
+            outcome = "ok" if error is None else "error " + error.replace("\n", " ")[:300]
+        except Exception as exc:  # noqa: BLE001 - a crash is what we look for
+            crashes += 1
+            outcome = f"crash {type(exc).__name__}: {exc}"
+        print(f"replay: {os.path.basename(name)} {outcome}", flush=True)
+    return 1 if crashes else 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--replay":
+        sys.exit(replay(sys.argv[2], sys.argv[3:]))
+    os.environ["HVPS_CHECKPOINT_INSPECT_TIMEOUT"] = "0"
     if sys.argv[1] == "--random":
         sys.exit(random_mode(sys.argv[2], float(sys.argv[3])))
     atheris_mode(sys.argv)
