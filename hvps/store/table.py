@@ -25,7 +25,7 @@ Initializer = Callable[[torch.Tensor, int], torch.Tensor]  # (global ids, dim) -
 
 @dataclass
 class StoreOptions:
-    """Where a table's shard lives and how it is cached (may differ between ranks? no: checked)."""
+    """Where a table's shard lives, how it is cached and synchronised (the same on every member: checked)."""
 
     partition: str = "hash"
     tier: str = "host"  # "host" or "disk"

@@ -47,9 +47,13 @@ class Tier(ABC):
 
     def fill(self, init: Init, chunk_rows: int = 1 << 16) -> None:
         """Initialise every record from ``init``, a chunk at a time."""
-        for start in range(0, self.rows, chunk_rows):
+        for k, start in enumerate(range(0, self.rows, chunk_rows)):
             stop = min(self.rows, start + chunk_rows)
             self.view(start, stop).copy_(init(start, stop))
+            self._filled(k, stop == self.rows)
+
+    def _filled(self, chunk: int, last: bool) -> None:
+        """Called after each chunk :meth:`fill` wrote."""
 
     def trim(self) -> None:
         """Give resident pages back to the OS where the tier can (disk tier only)."""
@@ -89,6 +93,12 @@ class DiskTier(Tier):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         shape = (max(1, self.rows), self.width)
         self.array = np.memmap(self.path, dtype=np.float32, mode="w+", shape=shape)
+        self._advise(mmap.MADV_RANDOM)  # rows are read one by one: no read-ahead
+
+    def _advise(self, option: int) -> None:
+        mapped = getattr(self.array, "_mmap", None)
+        if mapped is not None and hasattr(mapped, "madvise"):
+            mapped.madvise(option)
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self.array[slots.numpy()])
@@ -99,11 +109,13 @@ class DiskTier(Tier):
     def view(self, start: int, stop: int) -> torch.Tensor:
         return torch.from_numpy(self.array[start:stop])
 
+    def _filled(self, chunk: int, last: bool) -> None:
+        if last or chunk % 8 == 7:  # initialising must not make the whole shard resident
+            self.trim()
+
     def trim(self) -> None:
-        mapped = getattr(self.array, "_mmap", None)
-        if mapped is not None and hasattr(mapped, "madvise"):
-            mapped.flush()
-            mapped.madvise(mmap.MADV_DONTNEED)
+        self.array.flush()
+        self._advise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
         """Unmap and delete the file."""
