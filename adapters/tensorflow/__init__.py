@@ -1,7 +1,7 @@
 """TensorFlow 2 adapter with Horovod's API: ``import hvps.adapters.tensorflow as hvd``.
 
 Exports every name ``horovod.tensorflow`` does except its TF1-only session hook
-(``BroadcastGlobalVariablesHook``) and ``PartialDistributedGradientTape``; ``elastic`` raises
+(``BroadcastGlobalVariablesHook``); ``elastic`` raises
 NotImplementedError on use. Importing this module imports TensorFlow (the core and the torch
 adapter never do). Collectives take and return ``tf.Tensor`` and work eagerly and inside
 ``tf.function``; Keras 3 users ``import hvps.adapters.tensorflow.keras as hvd``.
@@ -64,7 +64,7 @@ from .mpi_ops import (
 from .optimizer import DistributedOptimizer, broadcast_global_variables
 from .scatter_ops import alltoall, grouped_reducescatter, reducescatter
 from .sync_batch_norm import SyncBatchNormalization
-from .tape import DistributedGradientTape
+from .tape import DistributedGradientTape, PartialDistributedGradientTape
 from .threads import set_threads
 
 __all__ = [
@@ -80,5 +80,6 @@ __all__ = [
     "reducescatter", "grouped_reducescatter", "join", "barrier",
     "broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
     "allgather_object", "allreduce_gradients",
-    "DistributedGradientTape", "DistributedOptimizer", "SyncBatchNormalization", "elastic", "set_threads",
+    "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer", "SyncBatchNormalization",
+    "elastic", "set_threads",
 ]

@@ -71,6 +71,36 @@ def variable_name(variable: Any, fallback: str = "tensor") -> str:
     return fallback
 
 
+def reduce_shared_gradients(grads: Sequence[Any], variables: Sequence[Any], local: set, reduce: Any,
+                            scale_local: bool, process_set: Any = None) -> list:
+    """``reduce(grads, variables)`` for the shared variables only; the gradients of ``local`` ones
+    (a set of :func:`variable_key`) stay on this rank, divided by the set size when ``scale_local``
+    (Horovod's PartialDistributedGradientTape / PartialDistributedOptimizer)."""
+    grads, variables = list(grads), list(variables)
+    is_local = [v is not None and variable_key(v) in local for v in variables]
+    if not any(is_local):
+        return reduce(grads, variables)
+    shared = [i for i, here in enumerate(is_local) if not here]
+    out = list(grads)
+    for i, g in zip(shared, reduce([grads[i] for i in shared], [variables[i] for i in shared])):
+        out[i] = g
+    if scale_local:
+        set_size = hvps.size() if process_set is None else process_set.size()
+        out = [_divided(g, set_size) if here and g is not None else g for g, here in zip(out, is_local)]
+    return out
+
+
+def variable_key(variable: Any) -> Any:
+    """A hashable identity for a tf.Variable (its ``ref()``) or a Keras 3 variable (the object)."""
+    return variable.ref() if hasattr(variable, "ref") else id(variable)
+
+
+def _divided(grad: Any, divisor: int) -> Any:
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / tf.cast(divisor, grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad / tf.cast(divisor, grad.dtype)
+
+
 def allreduce_gradients(grads: Sequence[Any], op: ReduceOp = Average, compression: Any = None,
                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
                         name: Optional[str] = None, names: Optional[Sequence[str]] = None,

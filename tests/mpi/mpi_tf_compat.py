@@ -4,7 +4,8 @@ Every dtype Horovod supports on CPU through every collective, process sets (memb
 non-members), Adasum against the paper's formula, the gradients of grouped_allgather, alltoall and
 reducescatter against central differences, SyncBatchNormalization against BatchNormalization on the
 global batch (uneven per-rank batches), argument errors raised on every rank before submission,
-the rank_op family, elastic's refusal and the exported names, eagerly and inside tf.function.
+the rank_op family, elastic's refusal and the exported names, eagerly and inside tf.function; the
+Partial* tape and optimizer (local layers' gradients stay local, scaled by 1/size) and load_model.
 """
 
 import os
@@ -28,19 +29,20 @@ DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "fl
 SETS = {}
 
 # horovod.tensorflow's and horovod.tensorflow.keras's exported names (their __init__ imports and defs),
-# less the TF1-only session hook, PartialDistributedGradientTape/Optimizer and keras's load_model
+# less the TF1-only session hook
 HOROVOD_TF = """elastic Compression allgather_object broadcast_object broadcast_object_fn broadcast_variables
 allgather grouped_allgather broadcast broadcast_ alltoall init shutdown is_initialized start_timeline stop_timeline
 size local_size cross_size rank local_rank cross_rank is_homogeneous rank_op local_rank_op size_op local_size_op
 process_set_included_op mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built nccl_built ddl_built
 ccl_built cuda_built rocm_built ProcessSet global_process_set add_process_set remove_process_set Average Sum Adasum
 Min Max Product join SyncBatchNormalization allreduce reducescatter grouped_allreduce grouped_reducescatter
-broadcast_global_variables DistributedOptimizer DistributedGradientTape HorovodInternalError""".split()
+broadcast_global_variables DistributedOptimizer DistributedGradientTape PartialDistributedGradientTape
+HorovodInternalError""".split()
 HOROVOD_KERAS = """init shutdown is_initialized start_timeline stop_timeline size local_size cross_size rank local_rank
 cross_rank mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built nccl_built ddl_built ccl_built
 cuda_built rocm_built ProcessSet global_process_set add_process_set remove_process_set Average Sum Adasum Min Max
-Product Compression callbacks elastic DistributedOptimizer broadcast_global_variables allreduce allgather broadcast
-reducescatter""".split()
+Product Compression callbacks elastic DistributedOptimizer PartialDistributedOptimizer load_model
+broadcast_global_variables allreduce allgather broadcast reducescatter""".split()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -290,3 +292,73 @@ def test_names_basics_and_elastic():
             thing()
     value = hk.allreduce(np.float64(hvd.rank()), name="keras.value", op=hvd.Sum)
     assert float(value.numpy()) == sum(range(hvd.size()))
+
+
+# ---------------------------------------------------------------------------- local layers, load_model
+def _two_layers():
+    """A shared and a local Dense layer with the same weights on every rank."""
+    shared, local = keras.layers.Dense(3), keras.layers.Dense(2)
+    shared.build((None, 4))
+    local.build((None, 3))
+    init = np.random.default_rng(7)
+    for layer in (shared, local):
+        layer.set_weights([init.standard_normal(w.shape).astype("float32") for w in layer.get_weights()])
+    return shared, local
+
+
+def _local_grads(shared, local, x):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(local(shared(x)) ** 2)
+    return [g.numpy() for g in tape.gradient(loss, shared.trainable_weights + local.trainable_weights)]
+
+
+def _partial_expectation(shared, local):
+    """(this rank's input, the gradients Horovod's Partial* give it: shared ones averaged over the ranks,
+    local ones this rank's own divided by the size), computed from every rank's input."""
+    size, rank = hvd.size(), hvd.rank()
+    xs = [rng_for("partial", r).standard_normal((5, 4)).astype("float32") for r in range(size)]
+    per_rank = [_local_grads(shared, local, tf.constant(x)) for x in xs]
+    n = len(shared.trainable_weights)
+    expected = [np.mean([p[i] for p in per_rank], axis=0) for i in range(n)]
+    return xs[rank], per_rank[rank], expected + [g / size for g in per_rank[rank][n:]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_partial_distributed_gradient_tape(mode):
+    shared, local = _two_layers()
+    x, _, expected = _partial_expectation(shared, local)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(local(shared(x)) ** 2)
+        tape = hvd.PartialDistributedGradientTape(tape, local_layers=local)
+        return tape.gradient(loss, shared.trainable_weights + local.trainable_weights)
+
+    for got, want in zip(call(mode, step, tf.constant(x)), expected):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="Keras layers"):
+        hvd.PartialDistributedGradientTape(tf.GradientTape(), local_layers=["not a layer"])
+
+
+def test_partial_distributed_optimizer():
+    shared, local = _two_layers()
+    _, own, expected = _partial_expectation(shared, local)
+    variables = shared.trainable_weights + local.trainable_weights
+    before = [v.numpy() for v in variables]
+    opt = hk.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), local_layers=[local])
+    opt.apply([tf.constant(g) for g in own], variables)
+    for v, b, want in zip(variables, before, expected):
+        np.testing.assert_allclose(v.numpy(), b - want, rtol=1e-5, atol=1e-5)
+
+
+def test_load_model_wraps_the_optimizer(tmp_path):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    path = tmp_path / f"model-{hvd.rank()}.keras"
+    model.save(path)
+    loaded = hk.load_model(str(path), compression=hvd.Compression.fp16)
+    assert isinstance(loaded.optimizer, hk.DistributedOptimizer)
+    assert type(loaded.optimizer.inner_optimizer).__name__ == "SGD"
+    assert loaded.optimizer.compression.name == "fp16"
+    x = rng_for("load_model", hvd.rank()).standard_normal((8, 4)).astype("float32")
+    loaded.train_on_batch(x, np.zeros((8, 2), "float32"))  # one step through the wrapped optimizer

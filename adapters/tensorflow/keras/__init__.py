@@ -1,7 +1,6 @@
 """Keras 3 adapter with Horovod's API: ``import hvps.adapters.tensorflow.keras as hvd``.
 
-Every name ``horovod.tensorflow.keras`` exports except ``load_model`` and
-``PartialDistributedOptimizer`` (``elastic`` raises NotImplementedError on use): the basics of
+Every name ``horovod.tensorflow.keras`` exports (``elastic`` raises NotImplementedError on use): the basics of
 ``hvps.adapters.tensorflow``, value-level ``allreduce``/``allgather``/``broadcast``/``reducescatter``
 with Keras's signatures, the ``DistributedOptimizer`` and the callbacks
 (``hvd.callbacks.BroadcastGlobalVariablesCallback(0)``, ...).
@@ -66,7 +65,7 @@ from .callbacks import (
     MetricAverageCallback,
 )
 from .functions import allgather, allreduce, broadcast, reducescatter
-from .optimizer import DistributedOptimizer
+from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 
 __all__ = [
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
@@ -77,7 +76,8 @@ __all__ = [
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "join", "barrier",
     "broadcast_variables", "broadcast_global_variables", "broadcast_object", "allgather_object", "set_threads",
-    "DistributedOptimizer", "SyncBatchNormalization", "callbacks", "elastic",
+    "DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "SyncBatchNormalization", "callbacks",
+    "elastic",
     "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
     "LearningRateScheduleCallback", "CheckpointCallback", "CompressionEpochCallback",
 ]

@@ -33,7 +33,7 @@ from hvps.compression.horovod import from_name
 from hvps import global_process_set
 
 from ..compression import is_fusable
-from ..gradients import allreduce_gradients, gradient_options, variable_name
+from ..gradients import allreduce_gradients, gradient_options, reduce_shared_gradients, variable_key, variable_name
 from ..mpi_ops import Average, _check_process_set
 
 
@@ -78,6 +78,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.average_aggregated_gradients = bool(average_aggregated_gradients)
         self.process_set = process_set
+        self.scale_local_gradients = bool(scale_local_gradients)
+        self._local_vars: set = set()
+
+    def register_local_var(self, var: tf.Variable) -> None:
+        """Keep ``var``'s gradient on this rank: never reduced, only divided by the set size when
+        ``scale_local_gradients`` (Horovod's PartialDistributedOptimizer)."""
+        self._local_vars.add(variable_key(var))
 
     # -- state -------------------------------------------------------------------------------
     def build(self, var_list):
@@ -119,10 +126,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     # -- the hook ------------------------------------------------------------------------------
     def _reduce(self, grads: list, variables: list) -> list:
-        return allreduce_gradients(grads, self.op, self.compression, self.sparse_as_dense,
-                                   self.gradient_predivide_factor,
-                                   names=[variable_name(v, f"variable{i}") for i, v in enumerate(variables)],
-                                   process_set=self.process_set)
+        def reduce(gs: list, vs: list) -> list:
+            return allreduce_gradients(gs, self.op, self.compression, self.sparse_as_dense,
+                                       self.gradient_predivide_factor,
+                                       names=[variable_name(v, f"variable{i}") for i, v in enumerate(vs)],
+                                       process_set=self.process_set)
+
+        return reduce_shared_gradients(grads, variables, self._local_vars, reduce, self.scale_local_gradients,
+                                       self.process_set)
 
     def compression_stats(self) -> dict:
         """Bytes sent and received, compression ratio and (de)compression time of this rank since
@@ -180,6 +191,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "op": self.op.name,
             "gradient_predivide_factor": self.gradient_predivide_factor,
             "average_aggregated_gradients": self.average_aggregated_gradients,
+            "scale_local_gradients": self.scale_local_gradients,
         }
 
     @classmethod
@@ -189,6 +201,48 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         config["compression"] = _compression_from_config(config.get("compression", "none"))
         config["op"] = getattr(hvps.ReduceOp, config.get("op", "Average"))
         return cls(inner, **config)
+
+
+def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
+                                device_dense: str = "", device_sparse: str = "", compression: Any = None,
+                                sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0, op=Average,
+                                backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                                groups: Any = None, process_set: Any = global_process_set, local_layers: Any = None,
+                                scale_local_gradients: bool = True) -> DistributedOptimizer:
+    """A DistributedOptimizer that leaves the gradients of ``local_layers`` (Keras layers) on this rank:
+    not reduced, only divided by the set size when ``scale_local_gradients``."""
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ValueError("local_layers must be Keras layers (keras.layers.Layer)")
+    opt = DistributedOptimizer(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+                               compression=compression, sparse_as_dense=sparse_as_dense,
+                               backward_passes_per_step=backward_passes_per_step, op=op,
+                               gradient_predivide_factor=gradient_predivide_factor,
+                               average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+                               process_set=process_set, scale_local_gradients=scale_local_gradients)
+    for layer in local_layers:
+        for var in layer.trainable_weights:
+            opt.register_local_var(var)
+    return opt
+
+
+def load_model(filepath: str, custom_optimizers: Any = None, custom_objects: Optional[dict] = None,
+               compression: Any = None) -> keras.Model:
+    """``keras.models.load_model`` whose model comes back with its optimizer wrapped in a
+    DistributedOptimizer (with ``compression``), its loaded state kept, as Horovod's does.
+
+    ``custom_optimizers``: optimizer classes the file may name beyond Keras's own.
+    """
+    objects = {"DistributedOptimizer": DistributedOptimizer, **(custom_objects or {})}
+    objects.update({cls.__name__: cls for cls in (custom_optimizers or [])})
+    model = keras.models.load_model(filepath, custom_objects=objects)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not isinstance(optimizer, DistributedOptimizer):
+        model.optimizer = DistributedOptimizer(optimizer, compression=compression)
+    return model
 
 
 def _compression_from_config(name: str):
