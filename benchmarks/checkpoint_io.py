@@ -181,7 +181,7 @@ def bench_inspect(args) -> dict:
     (warm: every load after a process's first) and by a freshly started one (cold: the
     first load of a process), back to back in every round."""
     import hvps.adapters.torch as hvd
-    from hvps import checkpoint_inspect
+    from hvps import checkpoint_format, checkpoint_inspect
 
     work = Path(tempfile.mkdtemp(prefix="hvps-ckpt-bench-", dir=args.dir))
     model, opt = build()
@@ -204,15 +204,24 @@ def bench_inspect(args) -> dict:
             dt = load(timeout, cold)
             if r >= args.warmup:
                 times[name].append(dt)
+    path = next(work.glob("ckpt-*.h5"))
+    header = {"in-process": [], "helper warm": []}  # read_header alone, 3x the runs
+    for r in range(3 * args.runs):
+        for name, timeout in (("in-process", "0"), ("helper warm", "10")):
+            os.environ[checkpoint_inspect.TIMEOUT_ENV] = timeout
+            t0 = time.perf_counter()
+            checkpoint_format.read_header(path)
+            header[name].append(time.perf_counter() - t0)
     if previous is None:
         os.environ.pop(checkpoint_inspect.TIMEOUT_ENV, None)
     else:
         os.environ[checkpoint_inspect.TIMEOUT_ENV] = previous
-    size = next(work.glob("ckpt-*.h5")).stat().st_size
+    size = path.stat().st_size
     shutil.rmtree(work, ignore_errors=True)
     med = {k: median(v) for k, v in times.items()}
     return {"file_bytes": size, "runs": args.runs, "times_s": times, "median_s": med,
             "overhead_s": {k: med[k] - med["in-process"] for k in ("helper warm", "helper cold")},
+            "read_header_median_s": {k: median(v) for k, v in header.items()},
             "median_of_round_overheads_s": {k: median([a - b for a, b in zip(times[k], times["in-process"])])
                                             for k in ("helper warm", "helper cold")}}
 
