@@ -10,7 +10,10 @@ deadline is killed, one that dies is reaped, and either becomes a CheckpointErro
 the file, so ``load("latest")`` falls back and ``hvps ckpt verify`` reports it as bad.
 
 The helper imports h5py once and then serves one request per line (JSON both ways: no
-pickle crosses the pipe), so only the first inspection of a process pays its start-up.
+pickle crosses the pipe), so only the first inspection of a process pays its start-up;
+:func:`prestart` (called when a CheckpointManager is created on the root) begins that
+start-up early.  Its heap may grow by MEMORY_LIMIT at most, so a file that makes libhdf5
+allocate gigabytes fails too.
 
 ``HVPS_CHECKPOINT_INSPECT_TIMEOUT`` (seconds, default 10) plus 1 s per GiB of file is
 the deadline; 0 inspects in this process without one (for files you trust).
