@@ -70,7 +70,18 @@ class _Lookup(torch.autograd.Function):
 
 
 class _ShardedBase(nn.Module):
-    """Shared construction, pull and push of the two modules."""
+    """Shared construction, pull and push of the two modules.
+
+    Arguments (keyword-only after the shape): ``name`` (unique per table; names its collectives,
+    files and errors), ``optimizer`` ("sgd", "adagrad", "adam", a dict of hyper-parameters or a
+    :class:`RowOptimizer`) and ``lr``, ``process_set`` (whose members share the table),
+    ``partition`` ("hash" or "range"), ``tier`` ("host" or "disk" with ``disk_dir``),
+    ``cache_rows`` / ``cache_bytes`` (0: no cache) and ``cache_policy`` ("lru", "lfu"),
+    ``staleness`` (k >= 0), ``combine`` ("local" or "ordered"), ``seed`` / ``initializer``
+    (``f(global_ids, dim) -> rows``; default uniform +-sqrt(1/num_embeddings) by id) and
+    ``device`` (the cache's; default cuda when available).  Construction is collective and
+    raises HvpsError when the members' arguments differ.
+    """
 
     kind = ""
 
