@@ -82,7 +82,8 @@ class DiskTier(Tier):
     """The shard in a memory-mapped file (for shards larger than the memory budget).
 
     Pages are brought in by the kernel on access; :meth:`trim` drops this process's resident
-    pages (dirty ones stay in the page cache and reach the file).
+    pages (dirty ones stay in the page cache and reach the file).  The file is unlinked as soon
+    as it is mapped, so no shard file outlives its process (checkpoints are separate files).
     """
 
     kind = "disk"
@@ -93,6 +94,7 @@ class DiskTier(Tier):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         shape = (max(1, self.rows), self.width)
         self.array = np.memmap(self.path, dtype=np.float32, mode="w+", shape=shape)
+        self.path.unlink()  # the mapping keeps the file alive; its blocks go when the process does
         self._advise(mmap.MADV_RANDOM)  # rows are read one by one: no read-ahead
 
     def _advise(self, option: int) -> None:
@@ -118,9 +120,8 @@ class DiskTier(Tier):
         self._advise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
-        """Unmap and delete the file."""
+        """Unmap the (already unlinked) file, freeing its blocks."""
         del self.array
-        self.path.unlink(missing_ok=True)
 
 
 def make_tier(kind: str, rows: int, width: int, path: Optional[Union[str, os.PathLike]] = None) -> Tier:
