@@ -6,7 +6,8 @@ import pytest
 
 from hvps.runner import hosts as hostlib
 from hvps.runner.errors import LaunchError
-from hvps.runner.mpi_command import build_mpirun_command, cores_per_rank, launch_environment, split_mpi_args
+from hvps.runner.mpi_command import (build_mpirun_command, cores_per_rank, default_num_proc, launch_environment,
+                                     split_mpi_args)
 from hvps.runner.mpi_discovery import MpiImpl, MpiLauncher, classify_mpi_version, parse_mpi_version
 from hvps.runner.settings import LaunchSettings, build_parser, parse_args
 from hvps.runner.slurm_command import build_srun_command, in_slurm_allocation, srun_environment
@@ -26,10 +27,8 @@ def build(argv, env=None, impl=MpiImpl.OPEN_MPI, version=(5, 0, 11), **kw):
 def rank_env(argv, env=None, cpu_count=8):
     """The environment the launcher runs with (what ``-x NAME`` forwards)."""
     settings = parse_args(argv)
-    from hvps.runner import hosts as h
-    hosts = h.resolve_hosts(settings.hosts, settings.hostfile)
-    return launch_environment(settings, env or {}, settings.num_proc or sum(x.slots for x in hosts), hosts,
-                              cpu_count)
+    hosts = hostlib.resolve_hosts(settings.hosts, settings.hostfile)
+    return launch_environment(settings, env or {}, default_num_proc(settings, hosts), hosts, cpu_count)
 
 
 def pairs(cmd, flag):

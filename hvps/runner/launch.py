@@ -81,7 +81,7 @@ class Launch:
     argv: list
     env: dict
     assigned: dict = field(default_factory=dict)  # variables hvpsrun set for the ranks (shown by --dry-run)
-    note: str = ""  # one line on which launcher was taken, for --verbose and --check-build
+    note: str = ""  # one line on which launcher was taken, for --verbose
     temp_files: list = field(default_factory=list)
 
     def shell_line(self) -> str:
@@ -92,6 +92,11 @@ class Launch:
         for path in self.temp_files:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+def _assigned(full: Mapping[str, str], env: Mapping[str, str]) -> dict:
+    """The variables of ``full`` that hvpsrun added or changed relative to the caller's ``env``."""
+    return {k: v for k, v in full.items() if env.get(k) != v}
 
 
 def _ipv6_hostfile(hosts: list) -> str:
@@ -117,7 +122,7 @@ def prepare(settings: LaunchSettings, env: Mapping[str, str], cpu_count: Optiona
         cmd = build_srun_command(settings, env, cpu_count=cpu_count)
         num_proc = settings.num_proc or allocation_num_proc(env) or 1
         full = srun_environment(settings, env, num_proc, cpu_count)
-        return Launch(cmd, full, {k: v for k, v in full.items() if env.get(k) != v}, "srun")
+        return Launch(cmd, full, _assigned(full, env), "srun")
     mpi = find_mpirun(settings.mpirun, env)
     in_allocation = in_slurm_allocation(env) and not hosts
     if in_allocation:  # mpirun reads the nodes and slots from Slurm's environment
@@ -132,7 +137,7 @@ def prepare(settings: LaunchSettings, env: Mapping[str, str], cpu_count: Optiona
         full = dict(mpi_defaults(srun_environment(settings, env, num_proc, cpu_count)))
     else:
         full = launch_environment(settings, env, num_proc, hosts, cpu_count)
-    return Launch(cmd, full, {k: v for k, v in full.items() if env.get(k) != v}, mpi.describe(), temp_files)
+    return Launch(cmd, full, _assigned(full, env), mpi.describe(), temp_files)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
