@@ -10,23 +10,21 @@ export is here; using any of them raises NotImplementedError saying so.
 
 from __future__ import annotations
 
-from typing import Any
+from hvps.unavailable import Unavailable, refusing
 
 MESSAGE = ("hvps does not implement elastic training (hvd.elastic); restart the job instead: save checkpoints "
            "each epoch (hvd.callbacks.CheckpointCallback with Keras) and resume from the latest after a restart "
            "(hvpsrun --max-restarts N, or a Slurm requeue)")
 
 
-def run(*_: Any, **__: Any) -> Any:
-    """Horovod's elastic ``run`` decorator (unavailable)."""
-    raise NotImplementedError(MESSAGE)
+#: Horovod's elastic ``run`` decorator (unavailable)
+run = refusing(MESSAGE)
 
 
-class _Unavailable:
+class _Unavailable(Unavailable):
     """Any use raises NotImplementedError naming the restart alternative."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(MESSAGE)
+    message = MESSAGE
 
 
 class State(_Unavailable):

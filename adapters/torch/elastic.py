@@ -8,25 +8,20 @@ versioned checkpoints (``hvd.CheckpointManager``) and let the launcher restart i
 
 from __future__ import annotations
 
-from typing import Any
+from hvps.unavailable import Unavailable, refusing
 
 MESSAGE = ("hvps does not implement elastic training (hvd.elastic) yet; restart the job instead: save "
            "checkpoints with hvd.CheckpointManager each epoch and resume from the latest after a restart "
            "(hvpsrun --max-restarts N, or a Slurm requeue)")
 
 
-def _unavailable(*_: Any, **__: Any) -> Any:
-    raise NotImplementedError(MESSAGE)
-
-
-class _Unavailable:
+class _Unavailable(Unavailable):
     """Any use raises NotImplementedError naming the restart alternative."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _unavailable()
+    message = MESSAGE
 
 
-run = _unavailable
+run = refusing(MESSAGE)
 
 
 class State(_Unavailable):
