@@ -8,31 +8,11 @@ NVML's view (which counts every process on the GPU and the CUDA context).
 """
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 from typing import Any
 
-MiB = 1 << 20
-
-
-def _nvml_handle(pynvml: Any, cuda_index: int) -> Any:
-    """NVML handle of CUDA device ``cuda_index`` (NVML numbers all GPUs and ignores
-    CUDA_VISIBLE_DEVICES, so match by UUID first)."""
-    try:
-        import torch
-
-        uuid = str(torch.cuda.get_device_properties(cuda_index).uuid)
-        return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}")
-    except Exception:  # no uuid attribute, or NVML does not know it: fall back to the index
-        pass
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if not visible:
-        return pynvml.nvmlDeviceGetHandleByIndex(cuda_index)
-    entry = visible[cuda_index]
-    if entry.isdigit():
-        return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
-    return pynvml.nvmlDeviceGetHandleByUUID(entry)
+from hvps.nvml import MiB, close_nvml, device_handle, open_nvml, text
 
 
 class NvmlSampler:
@@ -50,17 +30,13 @@ class NvmlSampler:
         self.name: str | None = None
         self._nvml = self._handle = self._thread = None
         self._stop = threading.Event()
-        try:
-            import pynvml
-        except ImportError as exc:
-            self.reason = f"pynvml not importable ({exc}); install nvidia-ml-py (the gpu extra)"
+        pynvml, self.reason = open_nvml()
+        if pynvml is None:
             return
+        self._nvml = pynvml
         try:
-            pynvml.nvmlInit()
-            self._nvml = pynvml
-            self._handle = _nvml_handle(pynvml, cuda_index)
-            name = pynvml.nvmlDeviceGetName(self._handle)
-            self.name = name.decode() if isinstance(name, bytes) else str(name)
+            self._handle = device_handle(pynvml, cuda_index)
+            self.name = text(pynvml.nvmlDeviceGetName(self._handle))
             self.total_mib = pynvml.nvmlDeviceGetMemoryInfo(self._handle).total / MiB
         except Exception as exc:  # pynvml.NVMLError and its subclasses, IndexError
             self.reason = f"NVML: {type(exc).__name__}: {exc}"
@@ -89,12 +65,8 @@ class NvmlSampler:
             self._thread.join()
             self._thread = None
             self._sample()  # the last period, just before the run's end
-        if self._nvml is not None:
-            try:
-                self._nvml.nvmlShutdown()
-            except Exception:
-                pass
-            self._nvml = None
+        close_nvml(self._nvml)
+        self._nvml = None
         ok = bool(self.util)
         return {"nvml_name": self.name,
                 "memory_used_mib": max(self.mem_used) if self.mem_used else None,
