@@ -255,6 +255,8 @@ def _register_ckpt(sub) -> None:
     q.set_defaults(func=_ckpt_rollback)
 
 
+from .doctor import cli as _doctor_cli  # noqa: E402,F401  (registers ``hvps doctor``)
+
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
