@@ -140,12 +140,36 @@ def prepare(settings: LaunchSettings, env: Mapping[str, str], cpu_count: Optiona
     return Launch(cmd, full, _assigned(full, env), mpi.describe(), temp_files)
 
 
+#: what ``hvpsrun --doctor`` runs on every rank
+DOCTOR_COMMAND = (sys.executable, "-m", "hvps.doctor", "--all-ranks")
+
+
+def run_doctor(settings: LaunchSettings) -> int:
+    """``hvps doctor --all-ranks`` with the job's launcher, hosts and rank count; its exit status."""
+    launch = prepare(dataclasses.replace(settings, command=DOCTOR_COMMAND, max_restarts=0), os.environ)
+    if settings.dry_run:
+        print(launch.shell_line())
+        return 0
+    try:
+        rc = exit_status(Supervisor(launch.argv, launch.env, verbose=settings.verbose).run())
+    finally:
+        launch.cleanup()
+    if rc and settings.command:
+        print("hvpsrun: hvps doctor reported failures (exit status 1 means a check failed); not starting the job. "
+              "Fix them, or run without --doctor", file=sys.stderr)
+    return rc
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         settings = parse_args(argv)
         if settings.check_build:
             sys.stdout.write(check_build(settings.mpirun))
             return 0
+        if settings.doctor:
+            rc = run_doctor(settings)
+            if rc or not settings.command:
+                return rc
         launch = prepare(settings, os.environ)
     except LaunchError as exc:
         print(f"hvpsrun: error: {exc}", file=sys.stderr)

@@ -51,6 +51,7 @@ class LaunchSettings:
     hierarchical_allreduce: bool = False
     backend: Optional[str] = None
     check_build: bool = False
+    doctor: bool = False
     verbose: bool = False
     dry_run: bool = False
     max_restarts: int = 0
@@ -138,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(NCCL for CUDA tensors when available, MPI otherwise) (sets HVPS_BACKEND; default auto)")
     p.add_argument("--check-build", action="store_true",
                    help="list the frameworks, controllers and tensor operations available here, then exit")
+    p.add_argument("--doctor", action="store_true",
+                   help="first run 'hvps doctor --all-ranks' on every rank with the same launcher and hosts (rank 0 "
+                        "prints one table of node checks and flags differences between ranks); then start the "
+                        "command only if no check failed. Without a command: the check only")
     p.add_argument("--verbose", action="store_true", help="print the command line and restarts to stderr")
     p.add_argument("--dry-run", action="store_true", help="print the launch command line and exit without running it")
     p.add_argument("--max-restarts", type=_non_negative(int), default=0, metavar="N",
@@ -181,6 +186,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchSettings:
         hierarchical_allreduce=args.hierarchical_allreduce,
         backend=args.backend,
         check_build=args.check_build,
+        doctor=args.doctor,
         verbose=args.verbose,
         dry_run=args.dry_run,
         max_restarts=args.max_restarts,
