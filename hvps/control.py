@@ -36,7 +36,7 @@ _SIOCGIFADDR = 0x8915
 HANDSHAKE_SECONDS = 5.0
 #: connections rank 0 keeps in handshake at once; more are refused until some finish
 _MAX_PENDING = 64
-_REQUESTS = frozenset({"requests"})
+_REQUESTS = frozenset({"requests", "epoch"})
 _RESPONSES = frozenset({"responses"})
 
 

@@ -21,7 +21,8 @@ from .collectives import EXECUTORS, Context, Entry
 from .control import ControlPlane
 from .errors import DuplicateNameError, HvpsError
 from .handle import Handle
-from .negotiation import ADD_SET, GLOBAL_SET, JOIN, REMOVE_SET, SHUTDOWN, Coordinator, Request, Response, to_wire
+from .negotiation import ADD_SET, GLOBAL_SET, JOIN, REMOVE_SET, SHUTDOWN, Coordinator, Request
+from .response_cache import ResponseCache
 from .timeline import Timeline
 
 log = logging.getLogger("hvps")
@@ -46,6 +47,7 @@ class Engine:
             if self.rank == 0
             else None
         )
+        self.cache = ResponseCache(settings.cache_capacity, self.size)
         self._lock = threading.Lock()
         self._queue: deque = deque()
         self._queued_names: set = set()
@@ -209,12 +211,12 @@ class Engine:
         now = time.monotonic()
         self.coordinator.submit(0, self._due_announcements(), now)
         for source, message in messages:
-            self.coordinator.submit(source, [Request.from_wire(r) for r in message["requests"]], now)
+            self.coordinator.submit(source, self.cache.resolve(source, message), now)
         for rank in closed:
             self.coordinator.rank_died(rank, "its control connection closed (the process exited or was killed)")
         responses = self.coordinator.poll(time.monotonic())
         if responses:
-            wire = {"responses": [to_wire(r) for r in responses]}
+            wire = {"responses": self.cache.encode_responses(responses)}
             for worker in range(1, self.size):
                 self.control.send(worker, wire)
             self._execute(responses)
@@ -222,9 +224,9 @@ class Engine:
     def _work(self, messages: list, closed: list) -> None:
         due = self._due_announcements()
         if due:
-            self.control.send(0, {"requests": [to_wire(r) for r in due]})
+            self.control.send(0, self.cache.announce(due))
         for _, message in messages:
-            self._execute([Response.from_wire(r) for r in message["responses"]])
+            self._execute(self.cache.decode_responses(message["responses"]))
         if closed and not self._stopping:
             raise HvpsError("lost the connection to rank 0 (the coordinator): it exited or its host is unreachable")
 

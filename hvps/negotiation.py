@@ -102,8 +102,12 @@ class Response:
 
 
 def to_wire(message) -> dict:
-    """The JSON-ready form of a Request or Response."""
-    return dataclasses.asdict(message)
+    """The JSON-ready form of a Request or Response (shallow: ``dataclasses.asdict`` deep-copies
+    every shape tuple, which cost rank 0 a sixth of its engine thread at 161 tensors a step)."""
+    wire = {f: getattr(message, f) for f in _FIELDS[type(message)]}
+    if isinstance(message, Response):
+        wire["requests"] = [to_wire(r) for r in message.requests]
+    return wire
 
 
 @dataclass
@@ -257,8 +261,10 @@ class Coordinator:
     def _check(self, name: str, by_rank: dict, joined: set, members: tuple) -> Response:
         reference = next(iter(by_rank.values()))
         groups: dict[tuple, list[int]] = {}
-        for rank in sorted(by_rank):
-            groups.setdefault(by_rank[rank].signature(), []).append(rank)
+        # requests named by a response-cache bit are one object on every rank: equal by construction
+        if any(request is not reference for request in by_rank.values()):
+            for rank in sorted(by_rank):
+                groups.setdefault(by_rank[rank].signature(), []).append(rank)
         if len(groups) > 1:
             detail = "; ".join(
                 f"ranks {ranks}: {by_rank[ranks[0]].describe()}" for ranks in groups.values()
@@ -306,6 +312,9 @@ class Coordinator:
             fused.append(resp)
             size_of_last = resp.requests[0].nbytes if resp.requests else 0
         return fused
+
+
+_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in (Request, Response)}
 
 
 def _fusion_key(req: Request) -> tuple:

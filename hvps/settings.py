@@ -47,6 +47,8 @@ class Settings:
     backend: str = "auto"
     #: allreduce within each node, then across nodes, then within the node again
     hierarchical: bool = False
+    #: requests every rank has agreed on, named by a bit from then on (0: off); see response_cache.py
+    cache_capacity: int = 1024
 
     def resolved(self, single_host: bool) -> "Settings":
         """``auto`` made concrete: hvps's ring within one host (shared memory), MPI's Allreduce across hosts.
@@ -65,6 +67,7 @@ class Settings:
         return cls(
             backend=_env_choice("HVPS_BACKEND", cls.backend, BACKENDS),
             hierarchical=_env_choice("HVPS_HIERARCHICAL_ALLREDUCE", "0", ("0", "1")) == "1",
+            cache_capacity=int(_env_number("HVPS_CACHE_CAPACITY", cls.cache_capacity, int)),
             fusion_threshold=int(_env_number("HVPS_FUSION_THRESHOLD", cls.fusion_threshold, int)),
             cycle_time_ms=_env_number("HVPS_CYCLE_TIME", cls.cycle_time_ms),
             stall_check_seconds=_env_number("HVPS_STALL_CHECK_TIME_SECONDS", cls.stall_check_seconds),

@@ -156,3 +156,15 @@ def test_async_submissions_from_a_loop_of_iterations(request):
         for i, (h, x) in enumerate(zip(hs, ins)):
             check_allreduce_result(np.asarray(h.wait()), x, "Average", size,
                                    what=f"iteration {it} param {i}")
+
+
+def test_more_names_than_the_response_cache_holds(request):
+    """1,100 names a step (HVPS_CACHE_CAPACITY defaults to 1,024): every step evicts requests
+    that ranks then announce again in full, and every result still matches numpy's."""
+    size, rank = hvps.size(), hvps.rank()
+    names = [f"evict.{i}" for i in range(1100)]
+    for it in range(3):
+        ins = [all_inputs(np.float32, (3,), f"{request.node.name}/{it}/{i}", size) for i in range(len(names))]
+        hs = [hvps.allreduce_async(x[rank].copy(), op=hvps.Sum, name=n) for n, x in zip(names, ins)]
+        for n, h, x in zip(names, hs, ins):
+            check_allreduce_result(np.asarray(h.wait()), x, "Sum", size, what=f"iteration {it} {n}")

@@ -69,6 +69,22 @@ def test_mismatched_shape():
     _healthy("after-shape")
 
 
+def test_mismatch_after_the_request_is_cached(request):
+    """Once a request is in the response cache, ranks name it by a bit; a rank whose shape then
+    changes announces the new request in full, and the mismatch is still caught and named."""
+    size, rank = hvps.size(), hvps.rank()
+    bad, name = size - 1, "err.cached_then_changed"
+    for step in range(3):  # steady state: from the second step on, every rank sends a bit
+        xs = all_inputs(np.float32, (4,), f"{request.node.name}/{step}", size)
+        check_allreduce_result(np.asarray(hvps.allreduce(xs[rank], op=hvps.Sum, name=name)), xs, "Sum", size,
+                               what=f"step {step}")
+    x = random_array(np.float32, (5,) if rank == bad else (4,), "cached-mm", rank)
+    with pytest.raises(hvps.HvpsError) as ei:
+        hvps.allreduce(x, op=hvps.Sum, name=name)
+    _assert_names(str(ei.value), name, [bad])
+    _healthy("after-cached-mismatch")
+
+
 def test_mismatched_dtype_async():
     size, rank = hvps.size(), hvps.rank()
     bad = size - 1

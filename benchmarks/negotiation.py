@@ -1,0 +1,158 @@
+"""Negotiation cost per training step, with and without the response cache.
+
+Each step submits ResNet-50's 161 gradients, by their real names and in backward order, as
+``allreduce_async`` of tiny arrays (8 float32 each), then waits for all of them: the data
+plane moves a few KiB, so the step is almost all negotiation (announce, match, fuse,
+respond). Reference, side by side in the same job: one raw ``MPI.Allreduce`` of the same
+bytes. Negotiation per step = hvps step - raw Allreduce.
+
+Contenders alternate over rounds, each in jobs of its own:
+
+* ``cache``:    the response cache on (``HVPS_CACHE_CAPACITY`` default)
+* ``no-cache``: ``HVPS_CACHE_CAPACITY=0`` (every step announces full requests)
+
+    python benchmarks/negotiation.py --np 2 3 8 --rounds 3 --json out/negotiation.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import (  # noqa: E402
+    DEFAULT_MPIRUN_ARGS,
+    MPIRUN_HELP,
+    median,
+    run_mpi_worker,
+    summarize,
+    write_json,
+)
+
+CONTENDERS = {"cache": {}, "no-cache": {"HVPS_CACHE_CAPACITY": "0"}}
+ELEMENTS = 8
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", action="store_true", help="worker mode: time steps (run under mpirun)")
+    p.add_argument("--np", type=int, nargs="+", default=[2, 3, 8],
+                   help="driver: rank counts, one set of jobs each (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="driver: rounds of alternating jobs; medians over rounds (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=60, help="timed steps per job (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps per job (default: %(default)s)")
+    p.add_argument("--mpirun", default=None, help="driver: " + MPIRUN_HELP)
+    p.add_argument("--mpirun-args", default=DEFAULT_MPIRUN_ARGS,
+                   help="driver: extra mpirun flags (default: '%(default)s')")
+    p.add_argument("--timeout", type=float, default=900, help="driver: seconds allowed per job (default: %(default)s)")
+    p.add_argument("--json", default="", help="write results as JSON to this path (rank 0 / driver)")
+    p.add_argument("--verbose", action="store_true", help="driver: echo each mpirun command")
+    return p.parse_args(argv)
+
+
+def _gradient_names() -> list[str]:
+    """ResNet-50's parameter names in the order backward produces their gradients."""
+    from benchmarks.resnet import resnet50
+
+    return [f"allreduce.{name}" for name, _ in reversed(list(resnet50().named_parameters()))]
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """Time ``args.steps`` steps; rank 0 writes ``{"hvps_s", "raw_s", ...}`` JSON."""
+    from mpi4py import MPI
+
+    import hvps
+
+    hvps.init()
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    names = _gradient_names()
+    rng = np.random.default_rng(rank)
+    grads = [rng.standard_normal(ELEMENTS).astype(np.float32) for _ in names]
+    flat = np.concatenate(grads)
+    flat_out = np.empty_like(flat)
+    expected = comm.allreduce(flat)  # the numpy reference: every rank's arrays summed
+
+    def hvps_step() -> float:
+        t0 = time.perf_counter()
+        handles = [hvps.allreduce_async(g, op=hvps.Sum, name=n) for g, n in zip(grads, names)]
+        outs = [h.wait() for h in handles]
+        elapsed = time.perf_counter() - t0
+        hvps_step.last = outs
+        return elapsed
+
+    def raw_step() -> float:
+        t0 = time.perf_counter()
+        comm.Allreduce(flat, flat_out, op=MPI.SUM)
+        return time.perf_counter() - t0
+
+    times = {"hvps": np.empty(args.steps), "raw": np.empty(args.steps)}
+    for i in range(args.warmup + args.steps):
+        for label, step in (("hvps", hvps_step), ("raw", raw_step)):
+            comm.Barrier()
+            elapsed = step()
+            if i >= args.warmup:
+                times[label][i - args.warmup] = elapsed
+    correct = bool(np.allclose(np.concatenate(hvps_step.last), expected, rtol=1e-5, atol=1e-5))
+    correct = comm.allreduce(correct, op=MPI.LAND)
+    slowest = {}
+    for label, t in times.items():
+        out = np.empty_like(t) if rank == 0 else None
+        comm.Reduce(t, out, op=MPI.MAX, root=0)
+        slowest[label] = out
+    hvps.shutdown()
+    if rank == 0:
+        result = {"ranks": size, "tensors": len(names), "correct": correct,
+                  "hvps_s": summarize(slowest["hvps"])["median"], "raw_s": summarize(slowest["raw"])["median"]}
+        result["negotiation_s"] = result["hvps_s"] - result["raw_s"]
+        write_json(args.json, result)
+
+
+def run_driver(args: argparse.Namespace) -> dict:
+    """Alternate the contenders per rank count; report negotiation per step, medians over rounds."""
+    common = ["--worker", "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    table: dict = {}
+    correct = True
+    for np_ in args.np:
+        runs: dict[str, list] = {c: [] for c in CONTENDERS}
+        for rnd in range(args.rounds):
+            for contender, env in CONTENDERS.items():
+                print(f"{np_} ranks, round {rnd + 1}/{args.rounds}: {contender} ...", flush=True)
+                res = run_mpi_worker(np_, __file__, common, env=env, mpirun=args.mpirun,
+                                     mpirun_args=args.mpirun_args, timeout=args.timeout, verbose=args.verbose)
+                runs[contender].append(res)
+                correct = correct and res["correct"]
+        row = {c: {"negotiation_s": median([r["negotiation_s"] for r in rs]),
+                   "hvps_step_s": median([r["hvps_s"] for r in rs]),
+                   "raw_allreduce_s": median([r["raw_s"] for r in rs]),
+                   "per_round_negotiation_s": [r["negotiation_s"] for r in rs]} for c, rs in runs.items()}
+        row["cached_share"] = row["cache"]["negotiation_s"] / row["no-cache"]["negotiation_s"]
+        table[str(np_)] = row
+    result = {"benchmark": "negotiation", "tensors": 161, "elements_per_tensor": ELEMENTS,
+              "rounds": args.rounds, "steps": args.steps, "correct": correct, "by_ranks": table,
+              "target": "cache/no-cache <= 0.20 at 8 ranks"}
+    print(f"\n# negotiation per step (161 tensors; hvps step - raw Allreduce), medians over {args.rounds} rounds")
+    print(f"{'ranks':>5} {'no-cache ms':>12} {'cache ms':>10} {'cache/no-cache':>15}")
+    for np_, row in table.items():
+        print(f"{np_:>5} {row['no-cache']['negotiation_s'] * 1e3:12.2f} {row['cache']['negotiation_s'] * 1e3:10.2f} "
+              f"{row['cached_share']:15.3f}")
+    if not correct:
+        print("WRONG RESULT")
+    write_json(args.json, result)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        run_worker(args)
+    else:
+        run_driver(args)
+
+
+if __name__ == "__main__":
+    main()

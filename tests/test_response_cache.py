@@ -1,0 +1,139 @@
+"""The response cache on its own: rank 0's and the workers' caches kept alike by recording the
+same responses, bits that round-trip through announce/resolve and encode/decode, eviction, the
+lag a worker may have behind rank 0, and disagreement reported as an error."""
+
+import random
+
+import pytest
+
+from hvps.errors import HvpsError
+from hvps.negotiation import ALLGATHER, ALLREDUCE, JOIN, Request, Response, to_wire
+from hvps.response_cache import ResponseCache
+
+
+def _request(i: int, shape=(4,)) -> Request:
+    return Request(f"grad.{i}", ALLREDUCE, "float32", (shape,), "sum")
+
+
+def _pair(capacity: int, size: int = 2):
+    return ResponseCache(capacity, size), ResponseCache(capacity, size)
+
+
+def test_a_request_is_announced_in_full_then_by_its_bit():
+    root, worker = _pair(8)
+    req = _request(0)
+    first = worker.announce([req])
+    assert first["requests"] == [to_wire(req)]
+    assert root.resolve(1, first) == [req]
+    wire = root.encode_responses([Response(ALLREDUCE, [req.name], requests=[req])])
+    assert "requests" in wire[0]  # not cached yet when encoded: sent in full
+    assert worker.decode_responses(wire)[0].requests == [req]
+    second = worker.announce([req])
+    assert second["requests"] == [0] and second["epoch"] == 1
+    assert root.resolve(1, second)[0] is root._requests[0]
+    wire = root.encode_responses([Response(ALLREDUCE, [req.name], requests=[req])])
+    assert wire == [{"kind": ALLREDUCE, "bits": [0]}]
+    decoded = worker.decode_responses(wire)[0]
+    assert decoded.names == [req.name] and decoded.requests == [req] and not decoded.error
+
+
+def test_a_changed_request_is_not_its_old_bit():
+    root, worker = _pair(8)
+    root.encode_responses([Response(ALLREDUCE, ["grad.0"], requests=[_request(0)])])
+    worker.record(Response(ALLREDUCE, ["grad.0"], requests=[_request(0)]))
+    changed = _request(0, shape=(5,))
+    assert worker.announce([changed])["requests"] == [to_wire(changed)]
+
+
+def test_fused_responses_and_allgather_sizes_travel_as_bits():
+    root, worker = _pair(8, size=3)
+    reqs = [_request(i) for i in range(3)]
+    gather = Request("g", ALLGATHER, "float32", ((2, 3),))
+    for _ in range(2):
+        wire = root.encode_responses([Response(ALLREDUCE, [r.name for r in reqs], requests=list(reqs)),
+                                      Response(ALLGATHER, ["g"], requests=[gather], per_rank=[2, 1, 4])])
+        decoded = worker.decode_responses(wire)
+    assert wire == [{"kind": ALLREDUCE, "bits": [0, 1, 2]}, {"kind": ALLGATHER, "bits": [3], "per_rank": [2, 1, 4]}]
+    assert [r.name for r in decoded[0].requests] == ["grad.0", "grad.1", "grad.2"]
+    assert decoded[1].per_rank == [2, 1, 4]
+
+
+def test_errors_and_control_responses_are_never_cached():
+    cache = ResponseCache(8, 2)
+    cache.record(Response(ALLREDUCE, ["x"], error="mismatch", requests=[_request(0)]))
+    cache.record(Response(JOIN, ["join"], last_joined=1))
+    assert len(cache) == 0 and cache.epoch == 2
+
+
+def test_capacity_zero_turns_the_cache_off():
+    root, worker = _pair(0)
+    for _ in range(3):
+        wire = root.encode_responses([Response(ALLREDUCE, ["grad.0"], requests=[_request(0)])])
+        worker.decode_responses(wire)
+        assert "requests" in wire[0]
+        assert worker.announce([_request(0)])["requests"] == [to_wire(_request(0))]
+
+
+def test_eviction_is_least_recently_used_and_bits_are_never_reused():
+    cache = ResponseCache(2, 2)
+    for i in (0, 1, 0, 2):  # 0 used again before 2 arrives: 1 is the least recently used
+        cache.record(Response(ALLREDUCE, [f"grad.{i}"], requests=[_request(i)]))
+    assert set(cache._bits) == {_request(0), _request(2)}
+    assert cache._bits[_request(2)] == 2  # 1's bit is not handed out again
+
+
+def test_a_lagging_worker_may_name_a_bit_rank_0_has_evicted():
+    root, worker = _pair(1)
+    root.encode_responses([Response(ALLREDUCE, ["grad.0"], requests=[_request(0)])])
+    worker.decode_responses([to_wire(Response(ALLREDUCE, ["grad.0"], requests=[_request(0)]))])
+    stale = worker.announce([_request(0)])  # bit 0, from before the eviction below
+    root.encode_responses([Response(ALLREDUCE, ["grad.1"], requests=[_request(1)])])  # evicts bit 0
+    assert root.resolve(1, stale) == [_request(0)]
+    # once the worker reports an epoch past the eviction, rank 0 forgets the evicted request
+    worker.record(Response(ALLREDUCE, ["grad.1"], requests=[_request(1)]))
+    root.resolve(1, worker.announce([]))
+    with pytest.raises(HvpsError, match=r"rank 1 named response-cache bit 0"):
+        root.resolve(1, stale)
+
+
+def test_retired_requests_wait_for_every_worker():
+    root = ResponseCache(1, 3)
+    for i in range(3):
+        root.encode_responses([Response(ALLREDUCE, [f"grad.{i}"], requests=[_request(i)])])
+    root.resolve(1, {"requests": [], "epoch": 3})  # rank 2 has said nothing yet: keep them
+    assert root.resolve(2, {"requests": [0], "epoch": 1}) == [_request(0)]
+
+
+@pytest.mark.parametrize("message", [{"requests": [99], "epoch": 0}, {"requests": ["0"], "epoch": 0},
+                                     {"requests": [True], "epoch": 0}, {"requests": [], "epoch": 5},
+                                     {"requests": [], "epoch": "1"}])
+def test_disagreement_is_an_error_naming_the_rank(message):
+    with pytest.raises(HvpsError, match=r"rank 1 .*caches disagree"):
+        ResponseCache(8, 2).resolve(1, message)
+
+
+def test_random_steps_with_lagging_workers_round_trip():
+    """Random workloads, capacity and worker lag: whatever a worker announces, rank 0 resolves
+    to exactly that request, and decoded responses equal the ones rank 0 sent."""
+    rng = random.Random(1234)
+    for trial in range(30):
+        capacity, size = rng.choice([1, 2, 3, 8]), rng.choice([2, 3])
+        root = ResponseCache(capacity, size)
+        workers = {rank: ResponseCache(capacity, size) for rank in range(1, size)}
+        sent: list = []  # wire messages from rank 0, in order
+        seen = {rank: 0 for rank in workers}
+        for _step in range(40):
+            for rank, cache in workers.items():  # a worker catches up on some of what was sent
+                upto = rng.randint(seen[rank], len(sent))
+                for wire in sent[seen[rank]:upto]:
+                    cache.decode_responses(wire)
+                seen[rank] = upto
+                reqs = [_request(rng.randrange(5), shape=(rng.choice([2, 3]),)) for _ in range(rng.randint(0, 3))]
+                assert root.resolve(rank, cache.announce(reqs)) == reqs, f"trial {trial}"
+            batch = [Response(ALLREDUCE, [r.name], requests=[r])
+                     for r in (_request(rng.randrange(5), shape=(rng.choice([2, 3]),)) for _ in range(rng.randint(0, 3)))]
+            sent.append(root.encode_responses(batch))
+        for rank, cache in workers.items():  # the same sequence leaves the same cache
+            for wire in sent[seen[rank]:]:
+                cache.decode_responses(wire)
+            assert cache._bits == root._bits and cache.epoch == root.epoch
