@@ -7,7 +7,7 @@
 #
 # Everything goes to ${OUT:-results/gpu_check}: gpu_check.md (one table row per
 # step: exit status, seconds, result), gpu_check.json, the benchmarks' JSON, and
-# one log per step (8 files). Steps, each under its own `timeout`; a failing step
+# one log per step, doctor.json (9 files). Steps, each under its own `timeout`; a failing step
 # is recorded and the next one runs; the exit status is 1 when any step failed:
 #   setup  GPU: .venv-gpu (python3 -m venv; python3's packages stay visible),
 #          torch 2.13.0 from the cu128 index, else from the default index, else
@@ -19,7 +19,8 @@
 #          HVPS_BACKEND=tdist: hvps vs plain PyTorch images/s, target >= 0.97
 #   c      benchmarks/allreduce.py: a 256 MiB float32 allreduce, world size 1, hvps
 #          (HVPS_BACKEND=tdist, NCCL) vs torch.distributed.all_reduce, 3 rounds
-#   d      nvidia-smi, package versions
+#   d      nvidia-smi, package versions, `hvps doctor --json` (node checks: driver
+#          against torch's CUDA, persistence, ECC, clocks, topology, NCCL) into doctor.json
 # Step time limits (seconds) come from T_SETUP T_TEST T_RESNET T_ALLREDUCE T_INFO;
 # GPU_CHECK_BACKEND overrides HVPS_BACKEND=tdist; PIP_FIND_LINKS / PIP_NO_INDEX
 # point pip at carried wheels.
@@ -157,6 +158,8 @@ env_info() {
 torch.backends.cudnn.version(), "NCCL", torch.cuda.nccl.version() if torch.cuda.is_available() else None)' || rc=1
   "$py" -c 'from mpi4py import MPI; print(MPI.Get_library_version().strip(" \n\x00"))' || rc=1
   command -v mpirun && mpirun --version 2>&1 | head -1
+  "$py" -m hvps.doctor --json --output "$OUT/doctor.json"  # exit status 1 = a check failed, not a broken step
+  echo "hvps doctor: exit status $? (report: $OUT/doctor.json)"
   return $rc
 }
 export -f setup_env env_info
@@ -184,7 +187,7 @@ run_step "c. allreduce hvps vs torch.distributed" "${T_ALLREDUCE:-45}" allreduce
   "$PY" benchmarks/allreduce.py --np 1 --impls tdist,hvps-tdist "${ALLREDUCE[@]}" \
   --mpirun "$(command -v mpirun || echo none)" --json "$OUT/$ALLREDUCE_JSON"
 
-run_step "d. nvidia-smi and versions" "${T_INFO:-15}" setup_env.log bash -c env_info
+run_step "d. nvidia-smi and versions" "${T_INFO:-30}" setup_env.log bash -c env_info
 
 # The report: gpu_check.md (table) and gpu_check.json, from the step rows and the JSON.
 REPORT_PY=$PY

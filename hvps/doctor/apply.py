@@ -105,10 +105,11 @@ def _do(host: Host, step: dict, undo: bool = False) -> Optional[str]:
     return None if rc == 0 else f"{' '.join(step['undo'] if undo else step['do'])} failed ({rc}): {out}"
 
 
-def apply(host: Host, names: list, state: Path, yes: bool, out: TextIO = sys.stdout,
+def apply(host: Host, names: list, state: Path, yes: bool, out: Optional[TextIO] = None,
           answer: Callable[[str], str] = input) -> int:
     """Make the changes of the named actions (all safe ones for ``["all"]``). Exit status: 0 done or
     nothing to do, 1 a change failed (those made so far are recorded), 2 refused or declined."""
+    out = out or sys.stdout
     refused = [n for n in names if n in REFUSED]
     if refused:
         for n in refused:
@@ -153,9 +154,10 @@ def apply(host: Host, names: list, state: Path, yes: bool, out: TextIO = sys.std
     return 0
 
 
-def revert(host: Host, state: Path, out: TextIO = sys.stdout) -> int:
+def revert(host: Host, state: Path, out: Optional[TextIO] = None) -> int:
     """Undo what ``state`` records, newest first. Exit status 0 when all is undone (the file is
     removed), 1 when something could not be (the file keeps what is left)."""
+    out = out or sys.stdout
     try:
         steps = json.loads(state.read_text())["changes"]
     except FileNotFoundError:

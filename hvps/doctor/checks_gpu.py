@@ -77,7 +77,7 @@ def driver(host: Host, ctx: Context) -> Check:
                      {"driver": drv})
     verdict, reason = driver_verdict(drv, cuda)
     return Check("gpu.driver", verdict, value, f"{why}; {reason}",
-                 "" if verdict == "ok" else f"upgrade the NVIDIA driver, or install a torch built for an older CUDA",
+                 "" if verdict == "ok" else "upgrade the NVIDIA driver, or install a torch built for an older CUDA",
                  {"driver": drv, "cuda": cuda})
 
 

@@ -43,7 +43,7 @@ def interface(host: Host, ctx: Context) -> Check:
         return Check("net.interface", "fail", how, why, "bring up a network interface with an IPv4 address")
     if addr is None:
         return Check("net.interface", "fail", f"{name}: no IPv4 address ({how})", why,
-                     f"set HVPS_NETWORK_INTERFACE (hvpsrun --network-interface) to an interface that exists here")
+                     "set HVPS_NETWORK_INTERFACE (hvpsrun --network-interface) to an interface that exists here")
     base = f"/sys/class/net/{name}"
     mtu, speed = host.read_int(base + "/mtu"), host.read_int(base + "/speed")
     state = host.read(base + "/operstate")

@@ -83,7 +83,7 @@ def _nvml_device(p: Any, i: int) -> tuple:
 
 
 def _nvml_link(p: Any, a: tuple, b: tuple) -> str:
-    (ha, da), (_, db) = a, b
+    (ha, _), (hb, db) = a, b
     links = 0
     for link in range(getattr(p, "NVML_NVLINK_MAX_LINKS", 18)):
         if _call(p.nvmlDeviceGetNvLinkState, ha, link) == 1:
@@ -91,7 +91,7 @@ def _nvml_link(p: Any, a: tuple, b: tuple) -> str:
             links += remote is not None and nvml.text(remote.busId) == db["bus_id"]
     if links:
         return f"NV{links}"
-    return TOPO_LEVELS.get(_call(p.nvmlDeviceGetTopologyCommonAncestor, ha, b[0]), "unknown")
+    return TOPO_LEVELS.get(_call(p.nvmlDeviceGetTopologyCommonAncestor, ha, hb), "unknown")
 
 
 def _from_nvml(p: Any) -> dict:
