@@ -54,6 +54,7 @@ from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 
+from . import metrics as _metrics
 from .checkpoint_inspect import prestart
 from .checkpoint_format import (
     CheckpointError,
@@ -248,6 +249,7 @@ class CheckpointManager:
         return np.__version__
 
     # ------------------------------------------------------------------ save
+    @_metrics.timed_checkpoint("save")
     def save(self, epoch: int, model: Optional[Mapping] = None, optimizer: Optional[Mapping] = None,
              extra: Optional[Mapping] = None, compression_state: Optional[Mapping] = None,
              step: Optional[int] = None, rng: Optional[Mapping] = None) -> Optional[Path]:
@@ -399,6 +401,7 @@ class CheckpointManager:
         return None
 
     # ------------------------------------------------------------------ loading
+    @_metrics.timed_checkpoint("load")
     def read(self, version: Union[str, int] = "latest", drop_compression_state: bool = False) -> Optional[Checkpoint]:
         """Read one version on the root, verify it and hand every rank its view; collective.
 

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from typing import Optional
 
+from . import metrics as _metrics
 from .buffers import FusionBuffer
 from .collectives import EXECUTORS, Context, Entry
 from .control import ControlPlane
@@ -162,6 +163,7 @@ class Engine:
                 log.error("hvps rank %d: %s", self.rank, exc)
             else:
                 log.exception("hvps engine thread failed on rank %d", self.rank)
+            _metrics.on_engine_failure()
             with self._lock:
                 self._failure = exc
             self._fail_all(HvpsError(f"the hvps engine stopped on rank {self.rank} after: {exc}"))
@@ -291,6 +293,7 @@ class Engine:
         for entry, result in zip(entries, results):
             if entry is not None:
                 entry.handle.set_result(result)
+        _metrics.on_collective(response, entries, started, self.settings.fusion_threshold)
 
     @staticmethod
     def _trace(timeline, response, entries: list, started: float) -> None:
@@ -304,6 +307,7 @@ class Engine:
 
     def _report_error(self, response, entries: list) -> None:
         mine = [e for e in entries if e is not None]
+        _metrics.on_collective_error(response.error, bool(mine))
         if not mine:
             log.warning("rank %d: %s", self.rank, response.error)
         for entry in mine:

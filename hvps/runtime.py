@@ -72,9 +72,11 @@ def init(comm=None, process_sets=None) -> None:
         if _state.engine is not None:
             return
         _start(comm)
+    from . import metrics
     from . import process_sets as sets
 
     sets.setup(process_sets)
+    metrics.start_from_env()  # HVPS_METRICS_PORT: serve this rank's metrics on port + local rank
 
 
 def _start(comm) -> None:

@@ -15,6 +15,7 @@ import torch
 
 import hvps
 from hvps import HvpsError, ProcessSet, global_process_set
+from hvps import metrics as _metrics
 
 from .compression import as_gradient_compression, compress_tensor, decompress_tensor
 from .mpi_ops import Adasum, Average, Sum, grouped_allreduce_async_, sparse_allreduce_async
@@ -188,6 +189,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- synchronisation ---------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce (starting any not yet started) and install the averages."""
+        _metrics.on_sync_start()
         if not self._communicates:
             self._synchronized = True
             return
@@ -221,6 +223,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._group_ready.clear()
             for p in self._delay:
                 self._delay[p] = self.backward_passes_per_step
+        _metrics.on_sync_end(self.compression)
         self._synchronized = True
 
     @staticmethod
@@ -247,6 +250,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         """Synchronize gradients (unless already done or skipped), then step the wrapped optimizer."""
+        _metrics.on_step()
         if self._should_synchronize:
             if self._synchronized:
                 import warnings
