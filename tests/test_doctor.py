@@ -19,6 +19,7 @@ from hvps.doctor.apply import apply, revert
 from hvps.doctor.checks_container import detect_container
 from hvps.doctor.checks_gpu import driver_verdict
 from hvps.doctor.checks_network import nccl_matches
+from hvps.doctor.gpu import _from_smi
 from hvps.doctor.host import FACTS_FILE
 from hvps.doctor.report import merge
 from hvps.doctor.runner import collect
@@ -48,6 +49,8 @@ HEALTHY_FILES = {
     "sys/class/net/eth0/speed": "100000",
     "sys/class/net/eth0/operstate": "up",
     "sys/class/net/lo/mtu": "65536",
+    "etc/os-release": 'NAME="Debian GNU/Linux"\nPRETTY_NAME="Debian GNU/Linux 12 (bookworm)"',
+    "proc/sys/kernel/osrelease": "6.1.0-27-amd64",
 }
 GPU = {"index": 0, "name": "H200", "persistence": True, "compute_mode": "Default", "ecc": True,
        "retired_pending": False, "remap_pending": False, "sm_clock": 1980, "sm_clock_max": 1980,
@@ -205,6 +208,9 @@ CASES = [
     ("net.ifname", "fail", {}, {"env": {"NCCL_SOCKET_IFNAME": "eth1", "HVPS_NETWORK_INTERFACE": "eth1"}}, {}),
     ("software", "ok", {}, {}, {}),
     ("software", "warn", {}, {"software": {"python": "3.11.7", "hvps": "0.1.0", "torch": None}, "gpu": NO_GPU}, {}),
+    ("os", "ok", {}, {}, {}),
+    ("os", "skip", {"etc/os-release": None, "proc/sys/kernel/osrelease": None}, {}, {}),
+    ("cpu.smt", "ok", {}, {"env": {"OMP_NUM_THREADS": "not-a-number"}}, {"ranks_per_node": 1}),
     ("container", "ok", {}, {}, {}),
     ("container", "ok", {}, {}, {"container": "docker"}),
 ]
@@ -439,3 +445,38 @@ def test_two_ranks_flag_a_version_mismatch(tmp_path):
     assert rows["software"]["verdict"] == "fail"
     assert "torch: 2.13.0 on rank 0; 2.12.0 on rank 1" in rows["software"]["value"]
     assert [c["name"] for c in report["checks"] if c["verdict"] == "fail"] == ["software"]
+
+
+FAKE_SMI = """#!/bin/sh
+if [ "$1" = topo ]; then
+  printf '\tGPU0\tGPU1\tCPU Affinity\nGPU0\t X \tSYS\t0-15\nGPU1\tSYS\t X \t16-31\n'
+else
+  echo '0, NVIDIA H200, 570.86.15, Enabled, Default, Enabled, No, 1980, 1980, 700.00, 700.00, 00000000:18:00.0'
+  echo '1, NVIDIA H200, 570.86.15, Disabled, Exclusive_Process, Disabled, Yes, 345, 1980, 500.00, 700.00, 00000000:2A:00.0'
+fi
+"""
+
+
+def test_nvidia_smi_fallback_parses_its_csv_and_topology(tmp_path):
+    """The parser of nvidia-smi's output (used when pynvml is missing), fed the format it prints."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    facts = _from_smi(str(smi))
+    assert facts["driver"] == "570.86.15" and facts["links"] == [{"a": 0, "b": 1, "link": "SYS"}]
+    g0, g1 = facts["gpus"]
+    assert g0["persistence"] and g0["ecc"] and g0["compute_mode"] == "Default" and not g0["retired_pending"]
+    assert (not g1["persistence"] and g1["ecc"] is False and g1["retired_pending"]
+            and g1["compute_mode"] == "Exclusive_Process" and g1["power_limit_w"] == 500.0)
+    host = Host(str(make_tree(tmp_path / "t", facts={"gpu": dict(facts, cuda_runtime="12.8", nccl="2.26.2")})))
+    verdicts = {r.name: r.verdict for r in collect(host, Context(), only="gpu")}
+    assert verdicts == {"gpu.driver": "ok", "gpu.persistence": "warn", "gpu.compute_mode": "ok", "gpu.ecc": "fail",
+                        "gpu.clocks": "warn", "gpu.topology": "warn", "gpu.nccl": "ok"}
+
+
+def test_hvpsrun_doctor_runs_before_the_command(capsys):
+    from hvps.runner.launch import main as hvpsrun
+
+    assert hvpsrun(["-np", "2", "--doctor", "--dry-run", "python", "-c", "pass"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].endswith("-m hvps.doctor --all-ranks") and lines[1].endswith("-c pass")

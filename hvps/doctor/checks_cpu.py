@@ -40,6 +40,12 @@ def status_field(host: Host, name: str) -> Optional[str]:
     return None
 
 
+def omp_threads(host: Host) -> int:
+    """Threads per rank: the first number of OMP_NUM_THREADS (``4`` or nested ``4,2``), else 1."""
+    first = (host.env.get("OMP_NUM_THREADS") or "1").split(",")[0].strip()
+    return max(1, int(first)) if first.isdigit() else 1
+
+
 @check("cpu.governor", "cpu", same_everywhere=True)
 def governor(host: Host, ctx: Context) -> Check:
     why = ("a slow or scaling governor makes each rank's compute time vary; a ring all-reduce runs at the pace "
@@ -67,9 +73,9 @@ def smt(host: Host, ctx: Context) -> Check:
     active = host.read("/sys/devices/system/cpu/smt/active")
     if control is None:
         return Check("cpu.smt", "skip", "unknown", why + " (no /sys/devices/system/cpu/smt here)")
-    threads = host.env.get("OMP_NUM_THREADS")
+    threads = omp_threads(host)
     value = f"{control} (active {active})"
-    if active == "1" and threads and int(threads or 1) * ctx.ranks_per_node > max(1, len(
+    if active == "1" and threads * ctx.ranks_per_node > max(1, len(
             host.glob("/sys/devices/system/cpu/cpu[0-9]*")) // 2):
         return Check("cpu.smt", "warn", value + f", OMP_NUM_THREADS={threads} x {ctx.ranks_per_node} ranks",
                      why + "; this job's threads outnumber the physical cores, so they contend for execution units",
@@ -251,7 +257,7 @@ def cgroup_cpu(host: Host, ctx: Context) -> Check:
     why = ("a CPU quota below the ranks' demand throttles them for whole scheduler periods (100 ms), and a "
            "throttled rank stalls every collective")
     cpus = cgroup_cpus(host)
-    threads = int(host.env.get("OMP_NUM_THREADS") or 1)
+    threads = omp_threads(host)
     demand = ctx.ranks_per_node * threads
     fix = (f"give the container at least {demand} CPUs (docker run --cpus={demand}; Kubernetes resources.limits.cpu), "
            "or run fewer ranks / threads per node" if ctx.container else

@@ -68,3 +68,17 @@ def software(host: Host, ctx: Context) -> Check:
         return Check("software", "warn", value, why + "; neither torch nor tensorflow is installed",
                      "pip install 'hvps[torch]' (or [tensorflow])", facts)
     return Check("software", "ok", value, why, data=facts)
+
+
+@check("os", "software")
+def operating_system(host: Host, ctx: Context) -> Check:
+    why = "the distribution and kernel; under --all-ranks a node that differs from the rest stands out"
+    pretty = None
+    for line in (host.read("/etc/os-release") or "").splitlines():
+        key, _, val = line.partition("=")
+        if key == "PRETTY_NAME":
+            pretty = val.strip().strip('"')
+    kernel = host.read("/proc/sys/kernel/osrelease")
+    if not pretty and not kernel:
+        return Check("os", "skip", "unknown", why + " (no /etc/os-release or /proc/sys/kernel/osrelease here)")
+    return Check("os", "ok", f"{pretty or '?'}, kernel {kernel or '?'}", why)
