@@ -405,10 +405,14 @@ def test_merge_names_the_ranks_that_differ():
     rows = [{"rank": r, "host": h, "checks": [{"name": "software", "verdict": "ok", "value": f"torch {v}",
                                                "why": "w", "fix": "", "data": {"torch": v, "hvps": "0.1"}},
                                               {"name": "mem.swappiness", "verdict": "ok", "value": s,
+                                               "why": "w", "fix": "", "data": {}},
+                                              {"name": "mem.thp", "verdict": "ok", "value": f"enabled={t}",
                                                "why": "w", "fix": "", "data": {}}]}
-            for r, h, v, s in ((0, "a", "2.13.0", "10"), (1, "a", "2.13.0", "10"), (2, "b", "2.0.0", "1"))]
+            for r, h, v, s, t in ((0, "a", "2.13.0", "10", "madvise"), (1, "a", "2.13.0", "10", "madvise"),
+                                  (2, "b", "2.0.0", "1", "never"))]
     report = merge(rows)
-    sw, swap = report["checks"]
+    sw, swap, thp = report["checks"]
+    assert thp["verdict"] == "warn" and "enabled=never on rank 2" in thp["value"]  # a setting: warn
     assert sw["verdict"] == "fail" and "torch: 2.13.0 on ranks 0,1; 2.0.0 on rank 2" in sw["value"]
     assert swap["verdict"] == "ok" and "rank 2 (b): 1" in swap["value"]  # may differ: shown, not failed
     assert report["exit_status"] == 1 and report["hosts"] == ["a", "b"]

@@ -44,23 +44,25 @@ CheckFn = Callable[[Host, Context], Check]
 
 @dataclass(frozen=True)
 class Spec:
-    """A registered check: its function, and whether its value must match on every rank."""
+    """A registered check: its function, and the verdict when its value differs between ranks
+    (``mismatch``: "fail" for versions that hang a job when they differ, "warn" for node settings
+    that make one node slower, None where differences are expected)."""
 
     name: str
     group: str
     func: CheckFn
-    same_everywhere: bool = False
+    mismatch: Optional[str] = None
 
 
 REGISTRY: dict = {}
 
 
-def check(name: str, group: str, same_everywhere: bool = False) -> Callable[[CheckFn], CheckFn]:
-    """Register ``func(host, ctx) -> Check`` under ``name``."""
+def check(name: str, group: str, mismatch: Optional[str] = None) -> Callable[[CheckFn], CheckFn]:
+    """Register ``func(host, ctx) -> Check`` under ``name`` (``mismatch``: see :class:`Spec`)."""
     def deco(func: CheckFn) -> CheckFn:
         if name in REGISTRY:
             raise ValueError(f"check {name!r} is registered twice")
-        REGISTRY[name] = Spec(name, group, func, same_everywhere)
+        REGISTRY[name] = Spec(name, group, func, mismatch)
         return func
     return deco
 

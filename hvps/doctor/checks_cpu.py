@@ -46,7 +46,7 @@ def omp_threads(host: Host) -> int:
     return max(1, int(first)) if first.isdigit() else 1
 
 
-@check("cpu.governor", "cpu", same_everywhere=True)
+@check("cpu.governor", "cpu", mismatch="warn")
 def governor(host: Host, ctx: Context) -> Check:
     why = ("a slow or scaling governor makes each rank's compute time vary; a ring all-reduce runs at the pace "
            "of the slowest rank")
@@ -66,7 +66,7 @@ def governor(host: Host, ctx: Context) -> Check:
     return Check("cpu.governor", "warn", value, why, fix, {"governors": sorted(govs), "driver": driver})
 
 
-@check("cpu.smt", "cpu", same_everywhere=True)
+@check("cpu.smt", "cpu", mismatch="warn")
 def smt(host: Host, ctx: Context) -> Check:
     why = "with SMT two hardware threads share one core: size OMP_NUM_THREADS per rank in physical cores"
     control = host.read("/sys/devices/system/cpu/smt/control")
@@ -106,7 +106,7 @@ def numa(host: Host, ctx: Context) -> Check:
                  {"nodes": len(nodes), "bound_to": touched})
 
 
-@check("mem.thp", "memory", same_everywhere=True)
+@check("mem.thp", "memory", mismatch="warn")
 def thp(host: Host, ctx: Context) -> Check:
     why = ("transparent huge pages: 'madvise' lets torch's allocator ask for them for large tensors; "
            "'always' with defrag 'always' stalls page faults in direct compaction")
@@ -310,7 +310,7 @@ def sched_policy(host: Host, ctx: Context) -> Check:
     return Check("sched.policy", "ok", value, why)
 
 
-@check("sched.granularity", "cpu", same_everywhere=True)
+@check("sched.granularity", "cpu", mismatch="warn")
 def sched_granularity(host: Host, ctx: Context) -> Check:
     why = ("the scheduler's minimum time slice: the seed's 99 ns makes the kernel switch tasks constantly, "
            "so ranks spend their time in context switches instead of compute")

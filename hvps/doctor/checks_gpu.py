@@ -62,7 +62,7 @@ def _per_gpu(host: Host, name: str, why: str, judge) -> Check:
     return Check(name, verdict, value, why, fix if verdict != "ok" else "", {"per_gpu": [r[2] for r in results]})
 
 
-@check("gpu.driver", "gpu", same_everywhere=True)
+@check("gpu.driver", "gpu", mismatch="fail")
 def driver(host: Host, ctx: Context) -> Check:
     why = "the driver must be new enough for the CUDA runtime torch was built with, and equal on every node"
     skip = _no_gpu(host, "gpu.driver", why)
@@ -154,7 +154,7 @@ def topology(host: Host, ctx: Context) -> Check:
     return Check("gpu.topology", "ok", value, why, data={"links": links})
 
 
-@check("gpu.nccl", "gpu", same_everywhere=True)
+@check("gpu.nccl", "gpu", mismatch="fail")
 def nccl(host: Host, ctx: Context) -> Check:
     why = "NCCL carries GPU all-reduces (HVPS_BACKEND=tdist or auto); every rank must load the same version"
     skip = _no_gpu(host, "gpu.nccl", why)

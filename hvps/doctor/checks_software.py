@@ -53,7 +53,7 @@ def probe_software() -> dict:
     return facts
 
 
-@check("software", "software", same_everywhere=True)
+@check("software", "software", mismatch="fail")
 def software(host: Host, ctx: Context) -> Check:
     why = ("every rank must run the same hvps, framework, MPI and NCCL: a mismatch changes wire formats or "
            "collective algorithms and shows up as a hang, not an error")

@@ -90,8 +90,9 @@ def register(sub) -> None:
     p.add_argument("--only", metavar="GROUP[,...]", help="run only these groups (cpu, memory, gpu, network, "
                    "software, container) or check names, e.g. --only gpu,net.interface")
     p.add_argument("--all-ranks", action="store_true", help="run on every rank of an MPI job (start it with "
-                   "hvpsrun/mpirun); rank 0 prints one table with per-rank values and fails checks whose values "
-                   "must match on every rank (versions, driver, kernel settings) but differ")
+                   "hvpsrun/mpirun); rank 0 prints one table with per-rank values: differing versions (hvps, "
+                   "torch, TF, MPI, NCCL, GPU driver) fail, differing node settings (governor, SMT, THP, "
+                   "scheduler granularity) warn")
     p.add_argument("--ranks-per-node", type=_positive, metavar="N", help="ranks that will share this node "
                    "(sizes the shm, cgroup and SMT checks); default: counted under --all-ranks, else 1")
     p.add_argument("--root", default="/", metavar="DIR", help="read /proc, /sys, /etc and /dev/shm from a "

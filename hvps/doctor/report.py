@@ -45,10 +45,10 @@ def merge(per_rank: list) -> dict:
         if len(rows) > 1:
             merged["per_rank"] = [{k: r[k] for k in ("rank", "host", "verdict", "value")} for r in rows]
             spec = REGISTRY.get(name)
-            diff = _differences(rows) if spec and spec.same_everywhere else None
+            diff = _differences(rows) if spec and spec.mismatch else None
             values = {r["value"] for r in rows}
             if diff:
-                merged.update(verdict="fail", value=f"MISMATCH {diff}",
+                merged.update(verdict=worst([merged["verdict"], spec.mismatch]), value=f"MISMATCH {diff}",
                               why=first["why"] + "; it differs across ranks",
                               fix="install the same versions and settings on every node (one image or environment)")
             elif len(values) == 1:
