@@ -146,6 +146,9 @@ CASES = [
                             "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000",
                             "sys/fs/cgroup/cpu.max": None}, {}, {}),
     ("cgroup.memory", "ok", {}, {}, {}),
+    ("cgroup.memory", "warn", {"proc/self/cgroup": "0::/job.slice/rank.scope\n",  # the parent's limit counts
+                               "sys/fs/cgroup/job.slice/memory.max": str(3 * GiB),
+                               "sys/fs/cgroup/job.slice/rank.scope/memory.max": "max"}, {}, {}),
     ("cgroup.memory", "ok", {"sys/fs/cgroup/memory.max": str(64 * GiB)}, {}, {"ranks_per_node": 8}),
     ("cgroup.memory", "warn", {"sys/fs/cgroup/memory.max": str(3 * GiB)}, {}, {}),
     ("cgroup.memory", "fail", {"sys/fs/cgroup/memory.max": str(GiB)}, {}, {}),

@@ -212,44 +212,55 @@ def shm(host: Host, ctx: Context) -> Check:
 
 
 def cgroup_dirs(host: Host, controller: str) -> list:
-    """Candidate directories holding ``controller``'s files for this process (v2 first)."""
+    """Directories whose ``controller`` limits apply to this process: its cgroup and every
+    ancestor (v2 and v1), and the mount root (inside a container that is the container's cgroup)."""
     dirs = []
     for line in (host.read("/proc/self/cgroup") or "").splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         _, names, path = parts
-        if names == "":
-            dirs.append(f"/sys/fs/cgroup{path.rstrip('/')}")
-        elif controller in names.split(","):
-            dirs += [f"/sys/fs/cgroup/{names}{path.rstrip('/')}", f"/sys/fs/cgroup/{controller}{path.rstrip('/')}",
-                     f"/sys/fs/cgroup/{controller}"]
-    return dirs + ["/sys/fs/cgroup"]
+        if names and controller not in names.split(","):
+            continue
+        mounts = ["/sys/fs/cgroup"] if names == "" else [f"/sys/fs/cgroup/{names}", f"/sys/fs/cgroup/{controller}"]
+        steps = [s for s in path.split("/") if s]
+        for mount in mounts:
+            dirs += ["/".join([mount, *steps[:i]]) for i in range(len(steps), -1, -1)]
+    return list(dict.fromkeys(dirs + ["/sys/fs/cgroup"]))
+
+
+def _tightest(values: list) -> Optional[float]:
+    found = [v for v in values if v is not None]
+    return min(found) if found else None
+
+
+def _cpu_limit(host: Host, d: str) -> Optional[float]:
+    text = host.read(d + "/cpu.max")
+    if text:
+        quota, _, period = text.partition(" ")
+        return None if quota == "max" else int(quota) / int(period or 100000)
+    quota = host.read_int(d + "/cpu.cfs_quota_us")
+    if quota is None or quota < 0:
+        return None
+    return quota / (host.read_int(d + "/cpu.cfs_period_us") or 100000)
+
+
+def _memory_limit(host: Host, d: str) -> Optional[int]:
+    text = host.read(d + "/memory.max")
+    if text:
+        return None if text == "max" else int(text)
+    limit = host.read_int(d + "/memory.limit_in_bytes")
+    return None if limit is None or limit >= 1 << 60 else limit
 
 
 def cgroup_cpus(host: Host) -> Optional[float]:
-    """CPUs the cgroup quota allows (None: no limit found)."""
-    for d in cgroup_dirs(host, "cpu"):
-        text = host.read(d + "/cpu.max")
-        if text:
-            quota, _, period = text.partition(" ")
-            return None if quota == "max" else int(quota) / int(period or 100000)
-        quota = host.read_int(d + "/cpu.cfs_quota_us")
-        if quota is not None:
-            return None if quota < 0 else quota / (host.read_int(d + "/cpu.cfs_period_us") or 100000)
-    return None
+    """CPUs the tightest cgroup quota allows (None: no limit found)."""
+    return _tightest([_cpu_limit(host, d) for d in cgroup_dirs(host, "cpu")])
 
 
 def cgroup_memory(host: Host) -> Optional[int]:
-    """The cgroup memory limit in bytes (None: no limit found)."""
-    for d in cgroup_dirs(host, "memory"):
-        text = host.read(d + "/memory.max")
-        if text:
-            return None if text == "max" else int(text)
-        limit = host.read_int(d + "/memory.limit_in_bytes")
-        if limit is not None:
-            return None if limit >= 1 << 60 else limit
-    return None
+    """The tightest cgroup memory limit in bytes (None: no limit found)."""
+    return _tightest([_memory_limit(host, d) for d in cgroup_dirs(host, "memory")])
 
 
 @check("cgroup.cpu", "cpu")

@@ -61,7 +61,7 @@ def _nvml_device(p: Any, i: int) -> tuple:
     ecc = _call(p.nvmlDeviceGetEccMode, h)
     remap = _call(p.nvmlDeviceGetRemappedRows, h)
     reasons = _call(getattr(p, "nvmlDeviceGetCurrentClocksEventReasons", None)
-                    or p.nvmlDeviceGetCurrentClocksThrottleReasons, h) or 0
+                    or getattr(p, "nvmlDeviceGetCurrentClocksThrottleReasons", None), h) or 0
     retired = _call(p.nvmlDeviceGetRetiredPagesPendingStatus, h)
     limit, default = _call(p.nvmlDeviceGetPowerManagementLimit, h), \
         _call(p.nvmlDeviceGetPowerManagementDefaultLimit, h)
