@@ -4,6 +4,7 @@
 #
 #   docker/build-local.sh                 # base image (if missing), build, check
 #   docker/build-local.sh --check-only    # check an image built before
+#   docker/build-local.sh --rebase --no-cache   # everything from scratch (base image too)
 #   docker/build-local.sh --help
 #
 # Steps (each logged with its wall time):
@@ -27,7 +28,8 @@
 #   RUNTIME='' (auto: runc where crun cannot run, i.e. on a cgroup v1/v2 hybrid host)
 #   SHM_SIZE=1g (the checks' /dev/shm; see docker/README.md)
 #   SOURCE=HEAD: the build context is 'git archive SOURCE' (any commit-ish), so the image holds
-#   committed code only; SOURCE=worktree builds from the working tree as it is.
+#   committed code only; SOURCE=worktree builds from the working tree as it is, SOURCE=DIR
+#   from a prepared directory (a checkout or an unpacked sdist with docker/ in it).
 # Needs root (debootstrap, podman's rootful storage) and the Debian packages podman buildah
 # uidmap debootstrap (plus runc on hybrid-cgroup hosts): --install-deps runs apt-get for them.
 set -euo pipefail
@@ -48,13 +50,14 @@ RUNTIME=${RUNTIME:-}
 SHM_SIZE=${SHM_SIZE:-1g}
 SOURCE=${SOURCE:-HEAD}
 
-check_only=0 rebase=0 install_deps=0
+check_only=0 rebase=0 install_deps=0 no_cache=0
 for arg in "$@"; do
     case $arg in
         -h|--help) usage; exit 0 ;;
         --check-only) check_only=1 ;;
         --rebase) rebase=1 ;;
         --install-deps) install_deps=1 ;;
+        --no-cache) no_cache=1 ;;
         *) echo "build-local.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -124,12 +127,26 @@ if [ "$check_only" = 0 ]; then
     fi
     if [ "$SOURCE" = worktree ]; then
         context=$REPO
+    elif [ -d "$SOURCE" ]; then
+        context=$(cd "$SOURCE" && pwd)
     else
         context=$WORK/context
         rm -rf "$context" && mkdir -p "$context"
         git -C "$REPO" archive --format=tar "$SOURCE" | tar -x -C "$context"
         log "context: git archive $SOURCE ($(git -C "$REPO" rev-parse --short "$SOURCE"))"
     fi
+    # The image installs hvps from setup.cfg (not editable): a subpackage missing from its
+    # 'packages' list would be missing from the image, so say so before building.
+    missing=$(cd "$context" && for f in $(find hvps -mindepth 2 -name __init__.py); do
+        pkg=$(dirname "$f" | tr / .)
+        grep -qx "    $pkg" setup.cfg || echo "$pkg"
+    done)
+    if [ -n "$missing" ]; then
+        echo "build-local.sh: setup.cfg's [options] packages lacks:" $missing "- a non-editable" \
+            "install (this image) would not contain them; add them to setup.cfg" >&2
+        exit 1
+    fi
+    [ "$no_cache" = 1 ] && BUILD_ARGS+=(--no-cache)
     timed build "${PODMAN[@]}" build --format docker --network host "${ULIMITS[@]}" "${VOLUMES[@]}" "${BUILD_ARGS[@]}" \
         -f "$context/docker/Dockerfile.cpu" -t "$IMAGE" "$context"
 fi

@@ -54,3 +54,41 @@ slurm_launch_prefix() {  # slurm_launch_prefix NP
         LAUNCH=($HVPSRUN --launcher mpirun -np "$1" ${HVPSRUN_ARGS:-})
     fi
 }
+
+# DRY_RUN=1: print each launch command (shell-quoted, one line, prefixed 'dry-run:') instead
+# of running it, e.g. to check what a GPU script would start on a machine without GPUs.
+run_step() {  # run_step CMD...
+    if [ "${DRY_RUN:-0}" = 1 ]; then
+        printf 'dry-run:'; printf ' %q' "$@"; printf '\n'
+    else
+        "$@"
+    fi
+}
+
+# GPU jobs. NCCL picks its interface and RDMA devices well by itself, so NCCL_SOCKET_IFNAME
+# and NCCL_IB_HCA are set only when the user gives them (NIC=ib0 sets NCCL_SOCKET_IFNAME and
+# Open MPI's TCP interface, IB_HCA=mlx5_0,mlx5_1 sets NCCL_IB_HCA; NCCL_* variables exported
+# by the user pass through as they are, and hvpsrun forwards NCCL_* to every rank). Prints the
+# NCCL settings in effect. HVPS_DOCTOR=1 then runs 'hvps doctor --all-ranks' on every rank
+# through the launch prefix given (rank 0 prints one table); a failed check stops the job,
+# HVPS_DOCTOR=warn reports and goes on.
+gpu_prolog() {  # gpu_prolog LAUNCH-PREFIX...
+    if [ -n "${NIC:-}" ]; then
+        export NCCL_SOCKET_IFNAME=$NIC OMPI_MCA_btl_tcp_if_include=$NIC OMPI_MCA_oob_tcp_if_include=$NIC
+    fi
+    if [ -n "${IB_HCA:-}" ]; then export NCCL_IB_HCA=$IB_HCA; fi
+    local nccl mode=${HVPS_DOCTOR:-0} cli
+    nccl=$(env | grep '^NCCL_' | sort | tr '\n' ' ' || true)
+    echo "NCCL settings: ${nccl:-none (NCCL picks)}"
+    [ "$mode" = 0 ] && return 0
+    cli=$(dirname "$HVPS_PYTHON")/hvps
+    [ -x "$cli" ] || cli=hvps
+    if run_step "$@" "$cli" doctor --all-ranks; then
+        return 0
+    elif [ "$mode" = warn ]; then
+        echo "hvps doctor: a check failed (HVPS_DOCTOR=warn: going on)"
+    else
+        echo "hvps doctor: a check failed: stopping (see the table above; HVPS_DOCTOR=warn goes on)" >&2
+        return 1
+    fi
+}
