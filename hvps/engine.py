@@ -49,6 +49,8 @@ class Engine:
             else None
         )
         self.cache = ResponseCache(settings.cache_capacity, self.size)
+        #: time this rank's engine thread spent negotiating (announcing, matching, encoding, decoding)
+        self.negotiation_seconds = 0.0
         self._lock = threading.Lock()
         self._queue: deque = deque()
         self._queued_names: set = set()
@@ -210,6 +212,7 @@ class Engine:
         return due
 
     def _coordinate(self, messages: list, closed: list) -> None:
+        started = time.perf_counter()
         now = time.monotonic()
         self.coordinator.submit(0, self._due_announcements(), now)
         for source, message in messages:
@@ -221,14 +224,17 @@ class Engine:
             wire = {"responses": self.cache.encode_responses(responses)}
             for worker in range(1, self.size):
                 self.control.send(worker, wire)
-            self._execute(responses)
+        self.negotiation_seconds += time.perf_counter() - started
+        self._execute(responses)
 
     def _work(self, messages: list, closed: list) -> None:
+        started = time.perf_counter()
         due = self._due_announcements()
         if due:
             self.control.send(0, self.cache.announce(due))
-        for _, message in messages:
-            self._execute(self.cache.decode_responses(message["responses"]))
+        responses = [r for _, message in messages for r in self.cache.decode_responses(message["responses"])]
+        self.negotiation_seconds += time.perf_counter() - started
+        self._execute(responses)
         if closed and not self._stopping:
             raise HvpsError("lost the connection to rank 0 (the coordinator): it exited or its host is unreachable")
 
