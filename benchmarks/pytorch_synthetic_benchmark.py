@@ -59,6 +59,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import Progress, idle_barrier, median, summarize, write_json  # noqa: E402
+from hvps import energy  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -173,6 +174,12 @@ class Trainer:
             hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
             hvd.broadcast_optimizer_state(opt, root_rank=0)
         self.opt = opt
+        #: hvps.metrics.record_samples (samples/s on the Grafana dashboard), or None in the plain loop
+        self.record_samples = None
+        if hvd is not None:
+            from hvps.metrics import record_samples
+
+            self.record_samples = record_samples
         #: the gradient compression whose stats the harness reports (None in the plain loop)
         self.compression = getattr(opt, "compression", None)
         gen = torch.Generator().manual_seed(0)
@@ -194,6 +201,7 @@ class Trainer:
             wait = time.perf_counter() - tw
             with self.opt.skip_synchronize():
                 self.opt.step()
+            self.record_samples(len(self.target))
         else:
             self.opt.step()
         return time.perf_counter() - t0, wait, fwd_bwd
@@ -229,14 +237,26 @@ def create_compression(args: argparse.Namespace) -> Any:
 
 def phase_runner(comm: Any, args: argparse.Namespace, tick: Callable[[str], None]) -> Callable[..., Any]:
     """``phase(trainer, mode)``: one measurement on every rank, after a barrier; rank 0 gets the
-    ranks' results combined, with the bytes and times of ``trainer.compression`` where it has one."""
+    ranks' results combined, with the bytes and times of ``trainer.compression`` where it has one,
+    and the energy the phase took (NVML on a GPU; RAPL on a CPU host, read by its local rank 0)."""
+    from mpi4py import MPI
+
+    from hvps.energy import EnergyMeter
+
     rank = comm.Get_rank()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local_rank = node.Get_rank()
+    node.Free()
 
     def phase(trainer: Any, mode: str) -> dict[str, Any] | None:
         comm.Barrier()
         if trainer.compression is not None:
             trainer.compression.stats.reset()
+        device = getattr(trainer, "device", None)
+        meter = EnergyMeter(cuda_index=device.index if getattr(device, "type", "") == "cuda" else None,
+                            reads_host=local_rank == 0).start()
         timings = measure(trainer, args, tick)
+        timings["energy"] = meter.stop()
         if trainer.compression is not None:
             timings["compression"] = trainer.compression.stats.as_dict()
         gathered = comm.gather(timings, root=0)
@@ -273,7 +293,9 @@ def combine(per_rank: list[dict[str, list[float]]], args: argparse.Namespace, mo
     fwd_bwd = sum(sum(r["fb_s"]) for r in per_rank)
     steps = n * len(iters) * args.num_batches_per_iter
     wire = _wire(per_rank, steps // n if n else 0)
+    images = steps * args.batch_size
     return {"mode": mode, "ranks": n, **wire,
+            "energy": energy.combine([r.get("energy") for r in per_rank], images),
             "per_rank_img_s": summarize(statistics.fmean(it) for it in iters),
             "total_img_s": summarize(sum(it) for it in iters),
             "per_rank_mean_img_s": [statistics.fmean(r["img_s"]) for r in per_rank],
@@ -377,6 +399,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
     if rank == 0:
         if main_res is not None:
+            result.update(energy_fields(main_res))
             _summary(result, main_res, log)
         write_json(args.json, result)
         print(json.dumps(result, default=float), flush=True)
@@ -384,6 +407,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         hvd.shutdown()
     comm.Free()
     return result if rank == 0 else None
+
+
+def energy_fields(main_res: dict[str, Any]) -> dict[str, Any]:
+    """The main measurement's energy as top-level JSON fields (None and the reason where unreadable)."""
+    e = main_res.get("energy") or energy.combine([], None)
+    return {"joules_per_image": e["joules_per_image"], "avg_watts": e["watts"], "energy_joules": e["joules"],
+            "energy_source": e["source"], "energy_reason": e["reason"]}
 
 
 def reference(args: argparse.Namespace) -> str | None:
@@ -501,6 +531,7 @@ def _pool(results: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     if "compression_ratio" in results[0]:
         wire["compression_ratio"] = statistics.fmean(r["compression_ratio"] for r in results)
     return {"mode": mode, "ranks": results[0]["ranks"], "pooled_over_rounds": len(results), **wire,
+            "energy": energy.pool([r.get("energy") for r in results]),
             "per_rank_img_s": per_rank, "total_img_s": total, "step_time_s": step,
             "comm_wait_s_per_step": wait, "forward_backward_s_per_step": fwd_bwd,
             "comm_share": wait / step if step else 0.0}
@@ -524,6 +555,10 @@ def _summary(result: dict[str, Any], main_res: dict[str, Any], log: Callable[...
                 f"({main_res['compression_ratio']:.1f}x fewer than dense), compress "
                 f"{1e3 * main_res['compress_s_per_step']:.1f} ms, decompress "
                 f"{1e3 * main_res['decompress_s_per_step']:.1f} ms per step")
+    if "joules_per_image" in result:
+        log(f"Energy: {result['joules_per_image']:.3f} J/image, {result['avg_watts']:.1f} W average "
+            f"({result['energy_source']})" if result["joules_per_image"] is not None
+            else f"Energy: n/a ({result['energy_reason']})")
     if "dist_over_no_comm" in result:
         d = result["dist_over_no_comm"]
         log(f"Distributed / no-comm img/sec: {d['median_of_round_ratios']:.3f} (median of "

@@ -32,9 +32,10 @@ from typing import Any
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import Progress, write_json  # noqa: E402
+from hvps.metrics import record_samples  # noqa: E402
 from benchmarks.pytorch_synthetic_benchmark import (  # noqa: E402
-    _summary, create_compression, parse_args, phase_runner, reference, result_header, run_baseline, run_phases,
-    warm_up)
+    _summary, create_compression, energy_fields, parse_args, phase_runner, reference, result_header, run_baseline,
+    run_phases, warm_up)
 
 
 class Trainer:
@@ -85,6 +86,8 @@ class Trainer:
         self.train_step(self.data, self.target).numpy()
         step = time.perf_counter() - t0
         wait = self.clock.seconds - before if self.hvd is not None else 0.0
+        if self.hvd is not None:
+            record_samples(int(self.target.shape[0]))  # samples/s on the Grafana dashboard (hvps.metrics)
         return step, wait, step - wait
 
 
@@ -131,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     progress.close()
 
     if rank == 0:
+        result.update(energy_fields(main_res))
         _summary(result, main_res, log)
         write_json(args.json, result)
         print(json.dumps(result, default=float), flush=True)
