@@ -16,7 +16,8 @@
 #      paths) for torch's CPU build and the pinned packages, PyPI for the rest.
 #   3. check: 'hvps doctor' (or, where this checkout has no doctor yet, 'hvps --version' and
 #      'python -m hvps.runner.mpi_discovery'), then hvpsrun -np 2 with an allreduce whose
-#      result is compared with numpy on every rank. Runs as the image's non-root user.
+#      result is compared with numpy on every rank; then the same across two containers on a
+#      podman network (ssh between them, as docker/compose.yaml does). All as the non-root user.
 #
 # Environment (defaults):
 #   IMAGE=localhost/hvps:cpu   BASE_IMAGE=localhost/debian:bookworm   SUITE=bookworm
@@ -132,7 +133,7 @@ if [ "$check_only" = 0 ]; then
     else
         context=$WORK/context
         rm -rf "$context" && mkdir -p "$context"
-        git -C "$REPO" archive --format=tar "$SOURCE" | tar -x -C "$context"
+        git -C "$REPO" -c tar.umask=0022 archive --format=tar "$SOURCE" | tar -x -C "$context"
         log "context: git archive $SOURCE ($(git -C "$REPO" rev-parse --short "$SOURCE"))"
     fi
     # The image installs hvps from setup.cfg (not editable): a subpackage missing from its
@@ -171,6 +172,38 @@ got = hvps.allreduce(x, op=hvps.Sum, name="check")
 want = np.arange(1 << 20, dtype=np.float32) * sum(r + 1 for r in range(size))
 assert np.array_equal(got, want), (rank, got[:4], want[:4])
 print(f"rank {rank}/{size}: allreduce of 4 MiB float32 matches numpy", flush=True)
+hvps.shutdown()
+'
+
+# Two emulated nodes, as docker/compose.yaml arranges them: a key volume filled by
+# 'hvps-worker-sshd keygen', node1 and node2 running only sshd (non-root, port 2222), and a
+# launcher whose mpirun reaches both over ssh and starts one rank on each.
+tag=hvps-build-local-$$
+cleanup() {
+    podman rm -f "$tag-node1" "$tag-node2" >/dev/null 2>&1 || true
+    podman volume rm -f "$tag-keys" >/dev/null 2>&1 || true
+    podman network rm -f "$tag" >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
+podman network create "$tag" >/dev/null
+podman volume create "$tag-keys" >/dev/null
+NODE=("${PODMAN[@]}" run --network "$tag" --shm-size "$SHM_SIZE" "${ULIMITS[@]}" -v "$tag-keys:/etc/hvps-ssh")
+"${NODE[@]}" --rm "$IMAGE" hvps-worker-sshd keygen
+for n in node1 node2; do
+    "${NODE[@]}" -d --name "$tag-$n" --hostname "$n" --network-alias "$n" "$IMAGE" hvps-worker-sshd >/dev/null
+done
+for n in node1 node2; do  # sshd listening?
+    for _ in $(seq 30); do podman logs "$tag-$n" 2>&1 | grep -q 'listening on 0.0.0.0 port 2222' && break; sleep 0.5; done
+done
+timed two-nodes "${NODE[@]}" --rm --hostname launcher "$IMAGE" hvpsrun -np 2 -H node1:1,node2:1 python -c '
+import socket
+import numpy as np
+import hvps
+hvps.init()
+x = np.full(1 << 20, hvps.rank() + 1, dtype=np.float32)
+got = hvps.allreduce(x, op=hvps.Sum, name="check")
+assert np.all(got == sum(range(1, hvps.size() + 1))), got[:4]
+print(f"rank {hvps.rank()}/{hvps.size()} on {socket.gethostname()}: allreduce matches numpy", flush=True)
 hvps.shutdown()
 '
 log "all checks passed"
