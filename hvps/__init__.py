@@ -61,10 +61,13 @@ from .runtime import (
     start_timeline,
     stop_timeline,
 )
+from . import energy, metrics
 from .version import __version__
 
 __all__ = [
     "__version__",
+    "metrics",
+    "energy",
     "HvpsError",
     "HorovodInternalError",
     "DuplicateNameError",
