@@ -154,7 +154,7 @@ def test_every_dashboard_query_returns_data_from_a_real_job(tmp_path):
         shared.mkdir()
         result = run_mpi("mpi_metrics_job.py", 2, timeout=150, env={
             "HVPS_METRICS_PORT": str(port), "HVPS_STALL_CHECK_TIME_SECONDS": "3",
-            "HVPS_TEST_METRICS_SECONDS": "10", "HVPS_TEST_SHARED_DIR": str(shared)})
+            "HVPS_TEST_METRICS_SECONDS": "7", "HVPS_TEST_SHARED_DIR": str(shared)})
         result.assert_all_passed()
         end = time.time()
         window = {"start": f"{start:.3f}", "end": f"{end:.3f}", "step": "1"}
