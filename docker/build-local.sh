@@ -31,6 +31,8 @@
 #   SOURCE=HEAD: the build context is 'git archive SOURCE' (any commit-ish), so the image holds
 #   committed code only; SOURCE=worktree builds from the working tree as it is, SOURCE=DIR
 #   from a prepared directory (a checkout or an unpacked sdist with docker/ in it).
+#   DOCKERFILE=docker/Dockerfile.cpu (relative to the context; docker/Dockerfile.cuda builds on
+#   this base too, as a smoke test of that file: torch then comes from WHEELS, here a CPU build)
 # Needs root (debootstrap, podman's rootful storage) and the Debian packages podman buildah
 # uidmap debootstrap (plus runc on hybrid-cgroup hosts): --install-deps runs apt-get for them.
 set -euo pipefail
@@ -50,6 +52,7 @@ PIP_CERT=${PIP_CERT:-}
 RUNTIME=${RUNTIME:-}
 SHM_SIZE=${SHM_SIZE:-1g}
 SOURCE=${SOURCE:-HEAD}
+DOCKERFILE=${DOCKERFILE:-docker/Dockerfile.cpu}
 
 check_only=0 rebase=0 install_deps=0 no_cache=0
 for arg in "$@"; do
@@ -149,7 +152,7 @@ if [ "$check_only" = 0 ]; then
     fi
     [ "$no_cache" = 1 ] && BUILD_ARGS+=(--no-cache)
     timed build "${PODMAN[@]}" build --format docker --network host "${ULIMITS[@]}" "${VOLUMES[@]}" "${BUILD_ARGS[@]}" \
-        -f "$context/docker/Dockerfile.cpu" -t "$IMAGE" "$context"
+        -f "$context/$DOCKERFILE" -t "$IMAGE" "$context"
 fi
 
 podman image exists "$IMAGE" || { echo "build-local.sh: no image $IMAGE (build it first)" >&2; exit 1; }
