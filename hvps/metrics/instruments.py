@@ -8,12 +8,14 @@ optimizer step or checkpoint, never once per tensor.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ..dtypes import ITEMSIZE
 from ..version import __version__
 from .system import GpuCollector, HostCollector
 
@@ -122,19 +124,27 @@ class Instruments:
     def collective(self, response: Any, entries: list, started: float, fusion_threshold: int) -> None:
         """One executed response: count, bytes, latency, negotiation time and fusion fill."""
         ended = time.monotonic()
-        nbytes, first = 0, started
-        mine = 0
+        # The only loop over tensors: ~0.2 us each (ResNet-50's 161 gradients: ~35 us a step).
+        nbytes = tensors = 0
+        first = None
+        prod, itemsize = math.prod, ITEMSIZE.get
         for entry in entries:
             if entry is not None:
-                mine += len(entry.request.shapes) or 1  # a grouped request carries several tensors
-                nbytes += entry.request.nbytes
-                first = min(first, entry.handle.submitted_at)
-        count, tensors, byte_counter, latency = self._op(response.kind)
+                request = entry.request
+                elements = 0
+                for shape in request.shapes:
+                    elements += prod(shape)
+                    tensors += 1
+                nbytes += elements * itemsize(request.dtype, 1)
+                if first is None:  # the first of a fused response was announced first
+                    first = entry.handle.submitted_at
+        count, tensor_counter, byte_counter, latency = self._op(response.kind)
         count.inc()
-        tensors.inc(mine)
+        tensor_counter.inc(tensors)
         byte_counter.inc(nbytes)
         latency.observe(ended - started)
-        self._negotiation.observe(started - first)
+        if first is not None:
+            self._negotiation.observe(started - first)
         if response.kind == "allreduce" and fusion_threshold > 0:
             self._fill.observe(nbytes / fusion_threshold)
 
