@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hvps.compression import CastCompressor, Compression, GradientCompression
+from hvps.compression import CastCompressor, Compression, GradientCompression, summable
 from hvps.compression import NoneCompressor as _CoreNone
 from hvps.compression.horovod import TensorCompressor
 from hvps.compression.horovod import as_gradient_compression as _as_gradient_compression
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "as_gradient_compression",
-           "compress_tensor", "decompress_tensor"]
+           "compress_tensor", "decompress_tensor", "compress_for_sum", "decompress_sum"]
 
 
 class Compressor:
@@ -89,26 +89,24 @@ def is_fusable(pipeline: GradientCompression) -> bool:
     return isinstance(pipeline.compressor, (_CoreNone, CastCompressor, TensorCompressor))
 
 
-def compress_tensor(compression: Any, tensor: tf.Tensor) -> tuple:
-    """Horovod's ``compress(tensor)`` for summable compressions, as TensorFlow ops (gradients flow through)."""
-    pipeline = as_gradient_compression(compression)
-    compressor = pipeline.compressor
-    if isinstance(compressor, _CoreNone):
-        return tensor, None
-    if isinstance(compressor, CastCompressor):
-        if not tensor.dtype.is_floating:
-            return tensor, None
-        wire = tf.float16 if compressor.wire_dtype == np.float16 else tf.bfloat16
-        return (tensor, None) if tensor.dtype == wire else (tf.cast(tensor, wire), tensor.dtype)
-    if isinstance(compressor, TensorCompressor):
-        return compressor.horovod.compress(tensor)
-    raise ValueError(f"{pipeline!r} is not a summable compression: use it through DistributedGradientTape or the "
-                     f"Keras DistributedOptimizer")
+class _TensorFlowOps:
+    """``hvps.compression.summable.TensorOps`` for tf.Tensors."""
+
+    pipeline_users = "DistributedGradientTape or the Keras DistributedOptimizer"
+    is_floating = staticmethod(lambda t: t.dtype.is_floating)
+    dtype = staticmethod(lambda t: t.dtype)
+    dtype_named = staticmethod(lambda name: tf.as_dtype(name))
+    cast = staticmethod(tf.cast)
+    scale = staticmethod(lambda t, factor: t * tf.cast(factor, t.dtype))
 
 
-def decompress_tensor(compression: Any, tensor: tf.Tensor, ctx: Any) -> tf.Tensor:
-    """Undo ``compress_tensor``."""
-    compressor = as_gradient_compression(compression).compressor
-    if isinstance(compressor, TensorCompressor):
-        return compressor.horovod.decompress(tensor, ctx)
-    return tensor if ctx is None else tf.cast(tensor, ctx)
+OPS = _TensorFlowOps()
+
+
+#: compress_tensor / decompress_tensor (Horovod's tensor interface) and compress_for_sum /
+#: decompress_sum (around a grouped allreduce or reducescatter, with the cast's overflow guard)
+_SUMMABLE = summable.Summable(OPS, as_gradient_compression)
+compress_tensor = _SUMMABLE.compress_tensor
+decompress_tensor = _SUMMABLE.decompress_tensor
+compress_for_sum = _SUMMABLE.compress_for_sum
+decompress_sum = _SUMMABLE.decompress_sum

@@ -29,7 +29,7 @@ import hvps
 from hvps import ReduceOp
 from hvps.compression import GradientCompression
 
-from .compression import as_gradient_compression, compress_tensor, decompress_tensor, is_fusable
+from .compression import as_gradient_compression, compress_for_sum, decompress_sum, is_fusable
 from .mpi_ops import Average, _check_process_set, _grouped_allreduce, _resolve_op, _sparse_allreduce
 from .tensors import run
 
@@ -152,24 +152,15 @@ def _fused_allreduce(dense: list, pipeline: GradientCompression, op: ReduceOp, p
                      postscale: float, name: Optional[str], process_set: Any = None) -> list:
     """Summable compression as TensorFlow ops around one grouped allreduce (differentiable)."""
     size = hvps.size() if process_set is None else process_set.size()
-    factor = pipeline.compressor.prescale(size) if op is ReduceOp.Average else 1.0
-    after = 1.0
-    if factor != 1.0 and all(g.dtype.is_floating for g in dense):
-        # As the pipeline does: scale by 1/size before the cast, so a float16 sum cannot overflow.
-        dense = [g * tf.cast(factor, g.dtype) for g in dense]
-        op, prescale, postscale, after = ReduceOp.Sum, 1.0, 1.0, (1.0 / size) / factor
     dense_itemsizes = [g.dtype.size for g in dense]
-    pairs = [compress_tensor(pipeline, g) for g in dense]
+    payloads, ctxs, plan = compress_for_sum(pipeline, dense, op, lambda: size, prescale, postscale)
 
     def observe(arrays):
         for array, itemsize in zip(arrays, dense_itemsizes):
             pipeline.record(array.size * itemsize, [array])
 
-    reduced = _grouped_allreduce([c for c, _ in pairs], op, name, prescale, postscale, observe, process_set)
-    out = [decompress_tensor(pipeline, r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
-    if after != 1.0:
-        out = [o * tf.cast(after, o.dtype) for o in out]
-    return out
+    reduced = _grouped_allreduce(payloads, plan.op, name, plan.prescale, plan.postscale, observe, process_set)
+    return decompress_sum(pipeline, reduced, ctxs, plan)
 
 
 def _compressed_allreduce(dense: list, labels: list, pipeline: GradientCompression, op: ReduceOp,

@@ -27,7 +27,7 @@ import hvps
 from hvps import ProcessSet, ReduceOp, global_process_set
 
 from .checks import check_reduce, check_rows, members, reduce_op
-from .compression import Compression, compress_tensor, decompress_tensor
+from .compression import Compression, compress_for_sum, decompress_sum
 from .tensors import as_tensor, check_dtype, run
 
 Average, Sum, Min, Max, Product, Adasum = hvps.Average, hvps.Sum, hvps.Min, hvps.Max, hvps.Product, hvps.Adasum
@@ -125,10 +125,10 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
     op = reduce_op(average, op)
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse_allreduce(tensor, op, name, process_set, prescale_factor, postscale_factor)
-    compressed, ctx = compress_tensor(compression, as_tensor(tensor))
-    (reduced,) = _grouped_allreduce([compressed], op, name, prescale_factor, postscale_factor,
-                                    process_set=process_set)
-    return decompress_tensor(compression, reduced, ctx)
+    (compressed,), ctxs, plan = compress_for_sum(compression, [as_tensor(tensor)], op, lambda: members(process_set)[0],
+                                                 prescale_factor, postscale_factor)
+    reduced = _grouped_allreduce([compressed], plan.op, name, plan.prescale, plan.postscale, process_set=process_set)
+    return decompress_sum(compression, reduced, ctxs, plan)[0]
 
 
 def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, device_dense: str = "",
@@ -147,11 +147,11 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
         out[i] = _sparse_allreduce(tensors[i], op, None if name is None else f"{name}.sparse.{i}", process_set,
                                    prescale_factor, postscale_factor)
     if dense:
-        pairs = [compress_tensor(compression, as_tensor(tensors[i])) for i in dense]
-        reduced = _grouped_allreduce([p[0] for p in pairs], op, name, prescale_factor, postscale_factor,
-                                     process_set=process_set)
-        for i, r, (_, ctx) in zip(dense, reduced, pairs):
-            out[i] = decompress_tensor(compression, r, ctx)
+        payloads, ctxs, plan = compress_for_sum(compression, [as_tensor(tensors[i]) for i in dense], op,
+                                                lambda: members(process_set)[0], prescale_factor, postscale_factor)
+        reduced = _grouped_allreduce(payloads, plan.op, name, plan.prescale, plan.postscale, process_set=process_set)
+        for i, r in zip(dense, decompress_sum(compression, reduced, ctxs, plan)):
+            out[i] = r
     return out
 
 

@@ -20,7 +20,7 @@ from hvps import ProcessSet, ReduceOp, global_process_set
 from hvps.ops import _scatter_op
 
 from .checks import check_reduce, check_rows, members
-from .compression import Compression, compress_tensor, decompress_tensor
+from .compression import Compression, compress_for_sum, decompress_sum
 from .mpi_ops import Average, _rows_known, _zeros_if_none, grouped_allgather
 from .tensors import as_tensor, run
 
@@ -108,9 +108,10 @@ def reducescatter(tensor: Any, device_dense: str = "", compression=Compression.n
                   postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce ``tensor`` over the set's ranks and return this rank's block of dim 0 (first ranks get the
     remainder); differentiable."""
-    compressed, ctx = compress_tensor(compression, as_tensor(tensor))
-    (out,) = _grouped_reducescatter([compressed], op, name, prescale_factor, postscale_factor, process_set)
-    return decompress_tensor(compression, out, ctx)
+    (compressed,), ctxs, plan = compress_for_sum(compression, [as_tensor(tensor)], op, lambda: members(process_set)[0],
+                                                 prescale_factor, postscale_factor)
+    outs = _grouped_reducescatter([compressed], plan.op, name, plan.prescale, plan.postscale, process_set)
+    return decompress_sum(compression, outs, ctxs, plan)[0]
 
 
 def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compression=Compression.none,
@@ -119,6 +120,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
     """Reducescatter several tensors together (differentiable)."""
     if not tensors:
         return list(tensors)
-    pairs = [compress_tensor(compression, as_tensor(t)) for t in tensors]
-    outs = _grouped_reducescatter([c for c, _ in pairs], op, None, prescale_factor, postscale_factor, process_set)
-    return [decompress_tensor(compression, o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+    payloads, ctxs, plan = compress_for_sum(compression, [as_tensor(t) for t in tensors], op, lambda: members(process_set)[0],
+                                            prescale_factor, postscale_factor)
+    outs = _grouped_reducescatter(payloads, plan.op, None, plan.prescale, plan.postscale, process_set)
+    return decompress_sum(compression, outs, ctxs, plan)

@@ -13,11 +13,12 @@ from typing import Any
 import torch
 
 import hvps.compression as core
-from hvps.compression import CastCompressor, GradientCompression, NoneCompressor, horovod
+from hvps.compression import GradientCompression, horovod, summable
 
 from .tensors import from_numpy, to_numpy
 
-__all__ = ["Compression", "as_gradient_compression", "compress_tensor", "decompress_tensor"]
+__all__ = ["Compression", "as_gradient_compression", "compress_tensor", "decompress_tensor", "compress_for_sum",
+           "decompress_sum"]
 
 
 class TorchCompression(GradientCompression):
@@ -68,25 +69,24 @@ def as_gradient_compression(compression: Any) -> GradientCompression:
     return horovod.as_gradient_compression(compression, from_numpy, lambda t: to_numpy(t.contiguous()))
 
 
-def compress_tensor(compression: Any, tensor: torch.Tensor) -> tuple:
-    """Horovod's ``compress(tensor)`` for summable compressions, as torch ops (autograd flows through)."""
-    pipeline = as_gradient_compression(compression)
-    compressor = pipeline.compressor
-    if isinstance(compressor, NoneCompressor):
-        return tensor, None
-    if isinstance(compressor, CastCompressor):
-        if not tensor.dtype.is_floating_point:
-            return tensor, None
-        wire = torch.float16 if compressor.wire_dtype == "float16" else torch.bfloat16
-        return tensor.to(wire), tensor.dtype
-    if isinstance(compressor, horovod.TensorCompressor):
-        return compressor.horovod.compress(tensor)
-    raise ValueError(f"{pipeline!r} is not a summable compression: use it through DistributedOptimizer")
+class _TorchOps:
+    """``hvps.compression.summable.TensorOps`` for torch tensors."""
+
+    pipeline_users = "DistributedOptimizer"
+    is_floating = staticmethod(lambda t: t.is_floating_point())
+    dtype = staticmethod(lambda t: t.dtype)
+    dtype_named = staticmethod(lambda name: getattr(torch, name))
+    cast = staticmethod(lambda t, dtype: t.to(dtype))
+    scale = staticmethod(lambda t, factor: t * factor)
 
 
-def decompress_tensor(compression: Any, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-    """Undo ``compress_tensor``."""
-    compressor = as_gradient_compression(compression).compressor
-    if isinstance(compressor, horovod.TensorCompressor):
-        return compressor.horovod.decompress(tensor, ctx)
-    return tensor if ctx is None else tensor.to(ctx)
+OPS = _TorchOps()
+
+
+#: compress_tensor / decompress_tensor (Horovod's tensor interface) and compress_for_sum /
+#: decompress_sum (around a grouped allreduce or reducescatter, with the cast's overflow guard)
+_SUMMABLE = summable.Summable(OPS, as_gradient_compression)
+compress_tensor = _SUMMABLE.compress_tensor
+decompress_tensor = _SUMMABLE.decompress_tensor
+compress_for_sum = _SUMMABLE.compress_for_sum
+decompress_sum = _SUMMABLE.decompress_sum

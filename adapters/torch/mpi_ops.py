@@ -14,7 +14,7 @@ import torch
 import hvps
 from hvps import ProcessSet, ReduceOp, global_process_set
 
-from .compression import Compression, compress_tensor, decompress_tensor
+from .compression import Compression, compress_for_sum, decompress_sum
 from .tensors import core_buffer, core_input, from_core
 
 Average, Sum, Min, Max, Product, Adasum = hvps.Average, hvps.Sum, hvps.Min, hvps.Max, hvps.Product, hvps.Adasum
@@ -143,9 +143,10 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
               postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` over the set's ranks (differentiable); ``compression`` applies on the wire."""
     op = _resolve_op(average, op)
-    compressed, ctx = compress_tensor(compression, tensor)
-    summed = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
-    return decompress_tensor(compression, summed, ctx)
+    (compressed,), ctxs, plan = compress_for_sum(compression, [tensor], op, lambda: _set_size(process_set), prescale_factor,
+                                                 postscale_factor)
+    summed = _Allreduce.apply(compressed, name, plan.op, plan.prescale, plan.postscale, process_set)
+    return decompress_sum(compression, [summed], ctxs, plan)[0]
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -175,9 +176,10 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                       postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> list:
     """Reduce several tensors as one fused collective (differentiable)."""
     op = _resolve_op(average, op)
-    pairs = [compress_tensor(compression, t) for t in tensors]
-    outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set, *[c for c, _ in pairs])
-    return [decompress_tensor(compression, o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+    payloads, ctxs, plan = compress_for_sum(compression, list(tensors), op, lambda: _set_size(process_set), prescale_factor,
+                                            postscale_factor)
+    outs = _GroupedAllreduce.apply(name, plan.op, plan.prescale, plan.postscale, process_set, *payloads)
+    return decompress_sum(compression, list(outs), ctxs, plan)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
@@ -378,18 +380,20 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=
                   op: ReduceOp = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                   process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` over the set's ranks and return this rank's block of dim 0 (differentiable)."""
-    compressed, ctx = compress_tensor(compression, tensor)
-    out = _Reducescatter.apply(name, op, prescale_factor, postscale_factor, process_set, compressed)[0]
-    return decompress_tensor(compression, out, ctx)
+    (compressed,), ctxs, plan = compress_for_sum(compression, [tensor], op, lambda: _set_size(process_set), prescale_factor,
+                                                 postscale_factor)
+    out = _Reducescatter.apply(name, plan.op, plan.prescale, plan.postscale, process_set, compressed)[0]
+    return decompress_sum(compression, [out], ctxs, plan)[0]
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None, compression=Compression.none,
                           op: ReduceOp = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                           process_set: ProcessSet = global_process_set) -> list:
     """Reducescatter several tensors together (differentiable)."""
-    pairs = [compress_tensor(compression, t) for t in tensors]
-    outs = _Reducescatter.apply(name, op, prescale_factor, postscale_factor, process_set, *[c for c, _ in pairs])
-    return [decompress_tensor(compression, o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+    payloads, ctxs, plan = compress_for_sum(compression, list(tensors), op, lambda: _set_size(process_set), prescale_factor,
+                                            postscale_factor)
+    outs = _Reducescatter.apply(name, plan.op, plan.prescale, plan.postscale, process_set, *payloads)
+    return decompress_sum(compression, list(outs), ctxs, plan)
 
 
 # -- synchronisation --------------------------------------------------------------------

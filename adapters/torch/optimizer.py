@@ -17,7 +17,7 @@ import hvps
 from hvps import HvpsError, ProcessSet, global_process_set
 from hvps import metrics as _metrics
 
-from .compression import as_gradient_compression, compress_tensor, decompress_tensor
+from .compression import as_gradient_compression, compress_for_sum, decompress_sum
 from .mpi_ops import Adasum, Average, Sum, grouped_allreduce_async_, sparse_allreduce_async
 from .tensors import from_numpy, host_buffer, takes_tensor, to_numpy
 
@@ -178,13 +178,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _allreduce_group_async(self, group: tuple):
         grads = [self._prepare_grad(p) for p in group]
-        pairs = [compress_tensor(self.compression, g) for g in grads]
-        self.compression.record(sum(g.nbytes for g in grads), [c for c, _ in pairs])
-        name = "grad.group." + "+".join(self._parameter_names[p] for p in group[:1]) + f".{len(group)}"
         pre, post = (1.0 / self._predivide, self._predivide) if self._op is Average else (1.0, 1.0)
-        handle = grouped_allreduce_async_([c for c, _ in pairs], name=name, op=self._op,
-                                          prescale_factor=pre, postscale_factor=post, process_set=self.process_set)
-        return ("group", handle, [ctx for _, ctx in pairs], group)
+        payloads, ctxs, plan = compress_for_sum(self.compression, grads, self._op, self.process_set.size, pre,
+                                                post)
+        self.compression.record(sum(g.nbytes for g in grads), payloads)
+        name = "grad.group." + "+".join(self._parameter_names[p] for p in group[:1]) + f".{len(group)}"
+        handle = grouped_allreduce_async_(payloads, name=name, op=plan.op, prescale_factor=plan.prescale,
+                                          postscale_factor=plan.postscale, process_set=self.process_set)
+        return ("group", handle, ctxs, group, plan)
 
     # -- synchronisation ---------------------------------------------------------------
     def synchronize(self) -> None:
@@ -200,13 +201,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         try:
             for p, pending in list(self._handles.items()):
                 if pending[0] == "group":
-                    _, handle, ctxs, group = pending
+                    _, handle, ctxs, group, plan = pending
                     if id(handle) in done_groups:
                         continue
                     done_groups.add(id(handle))
-                    outputs = handle.wait()
-                    for member, out, ctx in zip(group, outputs, ctxs):
-                        self._install(member, decompress_tensor(self.compression, out, ctx))
+                    for member, grad in zip(group, decompress_sum(self.compression, handle.wait(), ctxs, plan)):
+                        self._install(member, grad)
                 elif pending[0] == "sparse":
                     p.grad = pending[1]().coalesce()
                 else:

@@ -15,6 +15,7 @@ from .communicators import Allgather, Allreduce
 from .compressors import CastCompressor, DensitySchedule, Int8Compressor, NoneCompressor, TopKCompressor
 from .memory import DgcMemory, NoMemory, ResidualMemory
 from .pipeline import CompressionStats, GradientCompression
+from .summable import SummablePlan, summable_plan
 
 #: DGC's warm-up (Lin et al.): 25% -> 6.25% -> 1.5625% -> 0.4% over the first epochs, then the target.
 DGC_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
@@ -102,5 +103,5 @@ __all__ = [
     "Compression", "GradientCompression", "CompressionStats", "create", "REGISTRY",
     "Compressor", "Memory", "Communicator", "Allreduce", "Allgather",
     "NoneCompressor", "CastCompressor", "Int8Compressor", "TopKCompressor", "DensitySchedule",
-    "NoMemory", "ResidualMemory", "DgcMemory", "DGC_WARMUP",
+    "NoMemory", "ResidualMemory", "DgcMemory", "DGC_WARMUP", "SummablePlan", "summable_plan",
 ]

@@ -197,3 +197,19 @@ def rows_split(n, size):
     """Row counts per rank for reducescatter: first n % size ranks get one more."""
     base, extra = divmod(n, size)
     return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+def overflowing_halves(key, size, n=257):
+    """Per rank, float32 values in [40000, 60000): their float16 sum over 2 or 3 ranks overflows
+    (float16's largest is 65504) though their average does not. Fresh per ``key``."""
+    seed = zlib.crc32(key.encode())
+    return [np.random.default_rng([seed, r]).uniform(40000, 60000, n).astype(np.float32) for r in range(size)]
+
+
+def check_guarded_average(results, arrays):
+    """Every path's float16-compressed average: finite, and within float16 rounding of the exact mean."""
+    exact = np.mean(np.stack(arrays).astype(np.float64), axis=0)
+    for path, result in results.items():
+        result = np.asarray(result, dtype=np.float64)
+        assert np.isfinite(result).all(), f"{path}: the float16 sum overflowed ({np.isinf(result).sum()} inf)"
+        np.testing.assert_allclose(result, exact, rtol=2e-3, err_msg=path)

@@ -18,7 +18,7 @@ import tensorflow as tf  # noqa: E402
 import hvps  # noqa: E402
 import hvps.adapters.tensorflow as hvd  # noqa: E402
 from hvps_testutil import (DTYPES, OP_NAMES, all_inputs, assert_exact, check_allreduce_result,  # noqa: E402
-                           random_array, ref_allreduce, rows_split)
+                           check_guarded_average, overflowing_halves, random_array, ref_allreduce, rows_split)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,6 +61,27 @@ def test_allreduce_every_op(dtype, mode):
         assert out.dtype == tf.as_dtype(dt)
         assert tuple(out.shape) == (5, 7)
         check_allreduce_result(to_np(out), inputs[op], op, size, what=f"{dtype} {op} {mode}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp16_average_of_large_gradients_is_guarded_on_every_path(mode, request):
+    """Values whose float16 sum overflows but whose average does not: hvd.allreduce,
+    hvd.grouped_allreduce and DistributedGradientTape all scale by 1/size before the cast."""
+    size, rank = hvd.size(), hvd.rank()
+    xs = overflowing_halves(request.node.name, size)
+    fp16 = hvd.Compression.fp16
+    var = tf.Variable(tf.zeros(len(xs[rank])))
+
+    def fn(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(var * x)
+        (grad,) = hvd.DistributedGradientTape(tape, compression=fp16).gradient(loss, [var])
+        return (hvd.allreduce(x, op=hvd.Average, compression=fp16),
+                hvd.grouped_allreduce([x], op=hvd.Average, compression=fp16)[0], grad)
+
+    outs = call(mode, fn, tf.constant(xs[rank]))
+    check_guarded_average(dict(zip(["allreduce", "grouped_allreduce", "DistributedGradientTape"],
+                                   (to_np(o) for o in outs))), xs)
 
 
 @pytest.mark.parametrize("mode", MODES)

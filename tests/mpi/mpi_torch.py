@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import hvps.adapters.torch as hvd
-from hvps_testutil import (BF16, DTYPES, OP_NAMES, all_inputs, assert_exact,
-                           big_count, check_allreduce_result, random_array, rows_split)
+from hvps_testutil import (BF16, DTYPES, OP_NAMES, all_inputs, assert_exact, big_count, check_allreduce_result,
+                           check_guarded_average, overflowing_halves, random_array, rows_split)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -140,6 +140,32 @@ def test_compression_fp16(request):
     check_allreduce_result(to_np(res).astype(np.float16), halfs, "Sum", size)
     res2 = hvd.allreduce(to_t(xs[rank]), op=hvd.Sum, compression=hvd.Compression.none)
     _check(res2, xs, "Sum", size)
+
+
+def test_fp16_average_of_large_gradients_is_guarded_on_every_path(request):
+    """Gradients whose float16 sum overflows but whose average does not: the optimizer's
+    per-gradient path (numpy pipeline on MPI, torch ops on tdist), its groups= path,
+    hvd.allreduce and hvd.grouped_allreduce all scale by 1/size before the cast."""
+    size, rank = hvd.size(), hvd.rank()
+    xs = overflowing_halves(request.node.name, size)
+    fp16 = hvd.Compression.fp16
+
+    def through_optimizer(tag, **kwargs):
+        param = torch.nn.Parameter(torch.zeros(len(xs[rank])))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([param], lr=0.0), named_parameters=[(f"guard.{tag}", param)],
+                                       compression=fp16, **kwargs)
+        (param * torch.from_numpy(xs[rank])).sum().backward()
+        opt.synchronize()
+        return param.grad.numpy().copy()
+
+    results = {
+        "optimizer": through_optimizer("each"),
+        "optimizer groups=1": through_optimizer("grouped", groups=1),
+        "allreduce": hvd.allreduce(torch.from_numpy(xs[rank]), op=hvd.Average, compression=fp16).numpy(),
+        "grouped_allreduce": hvd.grouped_allreduce([torch.from_numpy(xs[rank])], op=hvd.Average,
+                                                   compression=fp16)[0].numpy(),
+    }
+    check_guarded_average(results, xs)
 
 
 @pytest.mark.parametrize("dtype", list(TORCH_DTYPES))

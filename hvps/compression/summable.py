@@ -1,0 +1,137 @@
+"""Summable compressions (none, fp16/bf16 casts, Horovod-style compressors) as framework tensor ops.
+
+When an adapter runs the allreduce itself, on the framework's own tensors (a grouped allreduce,
+``hvd.allreduce(..., compression=...)``, a fused gradient op), the compression runs as tensor ops
+around it. This module is that one implementation for every adapter, which supplies only a small
+:class:`TensorOps` (cast, scale, dtype questions).
+
+One overflow rule on every path, the same that ``GradientCompression.start`` applies to numpy
+arrays: when averaging, a cast compressor scales each tensor by 1/size *before* the cast and the
+ranks sum, so a float16 sum of large gradients cannot overflow where their average would not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Protocol
+
+from ..dtypes import ReduceOp
+from .base import Compressor
+from .compressors import CastCompressor, NoneCompressor
+from .horovod import TensorCompressor
+from .pipeline import GradientCompression
+
+
+class TensorOps(Protocol):
+    """What the summable compressions need from a framework's tensors."""
+
+    #: where non-summable compressions run instead, for the error message
+    pipeline_users: str
+
+    def is_floating(self, tensor: Any) -> bool: ...
+
+    def dtype(self, tensor: Any) -> Any: ...
+
+    def dtype_named(self, name: str) -> Any:
+        """The framework's dtype called ``name`` ("float16", "bfloat16")."""
+
+    def cast(self, tensor: Any, dtype: Any) -> Any: ...
+
+    def scale(self, tensor: Any, factor: float) -> Any:
+        """``tensor * factor`` in ``tensor``'s dtype (differentiable)."""
+
+
+class SummablePlan(NamedTuple):
+    """Scale by ``before``, compress, allreduce with ``op``/``prescale``/``postscale``,
+    decompress, scale by ``after`` (1.0: skip that step)."""
+
+    before: float
+    op: ReduceOp
+    prescale: float
+    postscale: float
+    after: float
+
+
+def summable_plan(compressor: Compressor, op: ReduceOp, size: Callable[[], int], prescale: float = 1.0,
+                  postscale: float = 1.0, all_floating: bool = True) -> SummablePlan:
+    """The plan for reducing tensors with ``op`` over ``size()`` ranks through ``compressor``, with
+    the caller's ``prescale``/``postscale`` (Horovod's ``gradient_predivide_factor`` f gives 1/f, f).
+
+    Under the guard, the caller's prescale joins the scaling before the cast and its postscale
+    the scaling after, so the result is ``postscale * sum(prescale * x) / size`` as without it.
+    The guard needs every tensor to be floating point (casts leave integers alone, and a sum
+    of integers would then not be divided). ``size`` is called only when the guard applies, so
+    that a collective's own checks of its process set come first otherwise.
+    """
+    if op is not ReduceOp.Average or not all_floating or isinstance(compressor, NoneCompressor):
+        return SummablePlan(1.0, op, prescale, postscale, 1.0)
+    ranks = size()
+    guard = compressor.prescale(ranks)
+    if guard == 1.0:
+        return SummablePlan(1.0, op, prescale, postscale, 1.0)
+    return SummablePlan(guard * prescale, ReduceOp.Sum, 1.0, 1.0, postscale * (1.0 / ranks) / guard)
+
+
+def compress_tensor(pipeline: GradientCompression, tensor: Any, ops: TensorOps) -> tuple:
+    """Horovod's ``compress(tensor) -> (tensor, ctx)`` for a summable ``pipeline``, as ``ops``."""
+    compressor = pipeline.compressor
+    if isinstance(compressor, NoneCompressor):
+        return tensor, None
+    if isinstance(compressor, CastCompressor):
+        wire = ops.dtype_named(compressor.wire_dtype.name)
+        if not ops.is_floating(tensor) or ops.dtype(tensor) == wire:
+            return tensor, None
+        return ops.cast(tensor, wire), ops.dtype(tensor)
+    if isinstance(compressor, TensorCompressor):
+        return compressor.horovod.compress(tensor)
+    raise ValueError(f"{pipeline!r} is not a summable compression: use it through {ops.pipeline_users}")
+
+
+def decompress_tensor(pipeline: GradientCompression, tensor: Any, ctx: Any, ops: TensorOps) -> Any:
+    """Undo :func:`compress_tensor`."""
+    if isinstance(pipeline.compressor, TensorCompressor):
+        return pipeline.compressor.horovod.decompress(tensor, ctx)
+    return tensor if ctx is None else ops.cast(tensor, ctx)
+
+
+def compress_for_sum(pipeline: GradientCompression, tensors: list, ops: TensorOps, op: ReduceOp,
+                     size: Callable[[], int],
+                     prescale: float = 1.0, postscale: float = 1.0) -> tuple:
+    """``(payloads, ctxs, plan)``: ``tensors`` scaled and compressed for one (grouped) allreduce
+    or reducescatter that ``plan`` describes."""
+    plan = summable_plan(pipeline.compressor, op, size, prescale, postscale,
+                         all_floating=all(ops.is_floating(t) for t in tensors))
+    scaled = tensors if plan.before == 1.0 else [ops.scale(t, plan.before) for t in tensors]
+    pairs = [compress_tensor(pipeline, t, ops) for t in scaled]
+    return [c for c, _ in pairs], [ctx for _, ctx in pairs], plan
+
+
+def decompress_sum(pipeline: GradientCompression, outputs: list, ctxs: list, plan: SummablePlan,
+                   ops: TensorOps) -> list:
+    """Undo :func:`compress_for_sum` on the collective's ``outputs``."""
+    out = [decompress_tensor(pipeline, o, ctx, ops) for o, ctx in zip(outputs, ctxs)]
+    return out if plan.after == 1.0 else [ops.scale(o, plan.after) for o in out]
+
+
+class Summable:
+    """The functions above bound to one adapter's ``ops``, taking what users pass as
+    ``compression=`` (``as_pipeline`` turns it into a ``GradientCompression``)."""
+
+    def __init__(self, ops: TensorOps, as_pipeline: Callable[[Any], GradientCompression]) -> None:
+        self.ops, self.as_pipeline = ops, as_pipeline
+
+    def compress_tensor(self, compression: Any, tensor: Any) -> tuple:
+        """Horovod's ``compress(tensor)`` for summable compressions, as tensor ops (gradients flow through)."""
+        return compress_tensor(self.as_pipeline(compression), tensor, self.ops)
+
+    def decompress_tensor(self, compression: Any, tensor: Any, ctx: Any) -> Any:
+        """Undo ``compress_tensor``."""
+        return decompress_tensor(self.as_pipeline(compression), tensor, ctx, self.ops)
+
+    def compress_for_sum(self, compression: Any, tensors: list, op: ReduceOp, size: Callable[[], int],
+                         prescale: float = 1.0, postscale: float = 1.0) -> tuple:
+        """``(payloads, ctxs, plan)`` for one (grouped) allreduce or reducescatter of ``tensors``."""
+        return compress_for_sum(self.as_pipeline(compression), tensors, self.ops, op, size, prescale, postscale)
+
+    def decompress_sum(self, compression: Any, outputs: list, ctxs: list, plan: SummablePlan) -> list:
+        """Undo ``compress_for_sum`` on the collective's ``outputs``."""
+        return decompress_sum(self.as_pipeline(compression), outputs, ctxs, plan, self.ops)
