@@ -259,4 +259,7 @@ from .doctor import cli as _doctor_cli  # noqa: E402,F401  (registers ``hvps doc
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # `python -m hvps.cli`: subcommands register in the module hvps.cli, which is not this __main__
+    from hvps.cli import main as _main
+
+    sys.exit(_main())
