@@ -15,6 +15,8 @@ Contenders alternate over rounds, each in jobs of its own:
 
 * ``cache``:    the response cache on (``HVPS_CACHE_CAPACITY`` default)
 * ``no-cache``: ``HVPS_CACHE_CAPACITY=0`` (every step announces full requests)
+* ``before``:   with ``--before DIR``, this script run from another checkout of hvps (e.g. a
+  ``git worktree`` of an older commit whose engine counts ``negotiation_seconds``)
 
     python benchmarks/negotiation.py --np 2 3 8 --rounds 3 --json out/negotiation.json
 """
@@ -50,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="driver: rounds of alternating jobs; medians over rounds (default: %(default)s)")
     p.add_argument("--steps", type=int, default=60, help="timed steps per job (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps per job (default: %(default)s)")
+    p.add_argument("--before", default=None, metavar="DIR",
+                   help="driver: also time a checkout of hvps in DIR (its own benchmarks/negotiation.py)")
     p.add_argument("--mpirun", default=None, help="driver: " + MPIRUN_HELP)
     p.add_argument("--mpirun-args", default=DEFAULT_MPIRUN_ARGS,
                    help="driver: extra mpirun flags (default: '%(default)s')")
@@ -126,14 +130,18 @@ def run_worker(args: argparse.Namespace) -> None:
 def run_driver(args: argparse.Namespace) -> dict:
     """Alternate the contenders per rank count; report negotiation per step, medians over rounds."""
     common = ["--worker", "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    contenders = {name: (__file__, env) for name, env in CONTENDERS.items()}
+    if args.before:
+        before = Path(args.before).resolve()
+        contenders["before"] = (before / "benchmarks" / "negotiation.py", {"PYTHONPATH": str(before)})
     table: dict = {}
     correct = True
     for np_ in args.np:
-        runs: dict[str, list] = {c: [] for c in CONTENDERS}
+        runs: dict[str, list] = {c: [] for c in contenders}
         for rnd in range(args.rounds):
-            for contender, env in CONTENDERS.items():
+            for contender, (script, env) in contenders.items():
                 print(f"{np_} ranks, round {rnd + 1}/{args.rounds}: {contender} ...", flush=True)
-                res = run_mpi_worker(np_, __file__, common, env=env, mpirun=args.mpirun,
+                res = run_mpi_worker(np_, script, common, env=env, mpirun=args.mpirun,
                                      mpirun_args=args.mpirun_args, timeout=args.timeout, verbose=args.verbose)
                 runs[contender].append(res)
                 correct = correct and res["correct"]
@@ -145,6 +153,9 @@ def run_driver(args: argparse.Namespace) -> dict:
                    "per_round_negotiation_s": [r["negotiation_s"] for r in rs]} for c, rs in runs.items()}
         row["cached_share"] = row["cache"]["coordinator_s"] / row["no-cache"]["coordinator_s"]
         row["cached_share_of_step"] = row["cache"]["negotiation_s"] / row["no-cache"]["negotiation_s"]
+        if "before" in row:
+            row["cached_share_of_before"] = row["cache"]["coordinator_s"] / row["before"]["coordinator_s"]
+            row["cached_share_of_before_step"] = row["cache"]["negotiation_s"] / row["before"]["negotiation_s"]
         table[str(np_)] = row
     result = {"benchmark": "negotiation", "tensors": 161, "elements_per_tensor": ELEMENTS,
               "rounds": args.rounds, "steps": args.steps, "correct": correct, "by_ranks": table,
@@ -157,6 +168,12 @@ def run_driver(args: argparse.Namespace) -> dict:
         print(f"{np_:>5} | {off['coordinator_s'] * 1e3:18.2f} {on['coordinator_s'] * 1e3:7.2f} {row['cached_share']:7.3f} "
               f"| {off['worker_s'] * 1e3:11.2f} {on['worker_s'] * 1e3:7.2f} "
               f"| {off['negotiation_s'] * 1e3:13.2f} {on['negotiation_s'] * 1e3:7.2f} {row['cached_share_of_step']:7.3f}")
+    for np_, row in table.items():
+        if "before" in row:
+            before = row["before"]
+            print(f"{np_:>5} | before: rank 0 engine {before['coordinator_s'] * 1e3:.2f} ms, step-raw "
+                  f"{before['negotiation_s'] * 1e3:.2f} ms; cache on / before: {row['cached_share_of_before']:.3f} "
+                  f"(rank 0 engine), {row['cached_share_of_before_step']:.3f} (step-raw)")
     if not correct:
         print("WRONG RESULT")
     write_json(args.json, result)

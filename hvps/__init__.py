@@ -49,6 +49,7 @@ from .ops import (
 )
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .runtime import (
+    autotune_report,
     cross_rank,
     cross_size,
     init,
@@ -59,6 +60,7 @@ from .runtime import (
     shutdown,
     size,
     start_timeline,
+    step_done,
     stop_timeline,
 )
 from . import energy, metrics
@@ -88,6 +90,8 @@ __all__ = [
     "init",
     "shutdown",
     "is_initialized",
+    "step_done",
+    "autotune_report",
     "rank",
     "size",
     "local_rank",

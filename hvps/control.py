@@ -37,7 +37,7 @@ HANDSHAKE_SECONDS = 5.0
 #: connections rank 0 keeps in handshake at once; more are refused until some finish
 _MAX_PENDING = 64
 _REQUESTS = frozenset({"requests", "epoch"})
-_RESPONSES = frozenset({"responses"})
+_RESPONSES = frozenset({"responses", "tuning"})
 
 
 def interface_address(name: str) -> Optional[str]:

@@ -17,6 +17,7 @@ from collections import deque
 from typing import Optional
 
 from . import metrics as _metrics
+from .autotune import Autotuner, Setting
 from .buffers import FusionBuffer
 from .collectives import EXECUTORS, Context, Entry
 from .control import ControlPlane
@@ -49,6 +50,13 @@ class Engine:
             else None
         )
         self.cache = ResponseCache(settings.cache_capacity, self.size)
+        #: the fusion threshold and cycle time in force (HVPS_AUTOTUNE changes them during a run)
+        self.fusion_threshold, self.cycle_s = settings.fusion_threshold, settings.cycle_time_ms / 1000.0
+        #: rank 0's search, when HVPS_AUTOTUNE=1; its settings reach the other ranks with the next responses
+        self.autotuner = (Autotuner(Setting(settings.fusion_threshold, settings.cycle_time_ms),
+                                    settings.autotune_warmup_steps, settings.autotune_steps_per_sample)
+                          if settings.autotune and self.rank == 0 else None)
+        self._tuning: Optional[dict] = None
         #: time this rank's engine thread spent negotiating (announcing, matching, encoding, decoding)
         self.negotiation_seconds = 0.0
         self._lock = threading.Lock()
@@ -67,6 +75,8 @@ class Engine:
         self.timeline = None
         if settings.timeline and settings.timeline != "DYNAMIC":  # DYNAMIC: start_timeline() later
             self.start_timeline(settings.timeline)
+        if self.autotuner is not None:
+            self._tune(self.autotuner.first())
         self._thread = threading.Thread(target=self._run, name="hvps-engine", daemon=True)
         self._thread.start()
 
@@ -105,6 +115,24 @@ class Engine:
         if wake:
             self.control.wake()
         return [entry.handle for entry in entries]
+
+    def step_done(self) -> None:
+        """A training step ended on this rank (the adapters call it once per optimizer step)."""
+        if self.autotuner is not None and not self.autotuner.done:
+            setting = self.autotuner.step(time.monotonic())
+            if setting is not None:
+                self._tune(setting)
+
+    def _tune(self, setting: Setting) -> None:
+        """Apply ``setting`` here (rank 0) and send it to the other ranks with the next responses."""
+        self.coordinator.fusion_threshold = setting.fusion_threshold
+        self._apply_tuning({"fusion_threshold": setting.fusion_threshold, "cycle_time_ms": setting.cycle_time_ms})
+        with self._lock:
+            self._tuning = {"fusion_threshold": setting.fusion_threshold, "cycle_time_ms": setting.cycle_time_ms}
+
+    def _apply_tuning(self, tuning: dict) -> None:
+        self.fusion_threshold = int(tuning["fusion_threshold"])
+        self.cycle_s = float(tuning["cycle_time_ms"]) / 1000.0
 
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
         """Write the timeline to ``path`` from now on (rank 0 writes; other ranks keep none)."""
@@ -153,7 +181,7 @@ class Engine:
                         timeout = 0.0
                     # "More than a cycle", with slack: (now + cycle) - now rounds to a hair above
                     # a cycle, which would make every submission pay for a wake-up while active.
-                    self._sleeping = timeout is None or timeout > 1.5 * self.settings.cycle_time_ms / 1000.0
+                    self._sleeping = timeout is None or timeout > 1.5 * self.cycle_s
                 messages, closed = self.control.poll(timeout)
                 self._take_queue()
                 if self.rank == 0:
@@ -176,9 +204,9 @@ class Engine:
         now = time.monotonic()
         deadlines = []
         if now < self._active_until:
-            deadlines.append(now + self.settings.cycle_time_ms / 1000.0)
+            deadlines.append(now + self.cycle_s)
         if self._unannounced:
-            deadlines.append(self._last_announce + self.settings.cycle_time_ms / 1000.0)
+            deadlines.append(self._last_announce + self.cycle_s)
         if self.coordinator is not None and self.coordinator.next_deadline() is not None:
             deadlines.append(self.coordinator.next_deadline())
         return max(0.0, min(deadlines) - now) if deadlines else None
@@ -192,7 +220,7 @@ class Engine:
             for entry in new:  # under the lock: a name is always either queued or pending
                 self._pending[entry.request.name] = entry
             if new:  # more is likely to follow (a backward pass): poll for a while
-                self._active_until = time.monotonic() + _ACTIVE_CYCLES * self.settings.cycle_time_ms / 1000.0
+                self._active_until = time.monotonic() + _ACTIVE_CYCLES * self.cycle_s
         self._unannounced.extend(e.request for e in new)
 
     def _due_announcements(self) -> list:
@@ -205,7 +233,7 @@ class Engine:
         if not self._unannounced:
             return []
         in_flight = len(self._pending) > len(self._unannounced)
-        if in_flight and now < self._last_announce + self.settings.cycle_time_ms / 1000.0:
+        if in_flight and now < self._last_announce + self.cycle_s:
             return []
         due, self._unannounced = self._unannounced, []
         self._last_announce = now
@@ -222,6 +250,9 @@ class Engine:
         responses = self.coordinator.poll(time.monotonic())
         if responses:
             wire = {"responses": self.cache.encode_responses(responses)}
+            if self._tuning is not None:
+                with self._lock:
+                    wire["tuning"], self._tuning = self._tuning, None
             for worker in range(1, self.size):
                 self.control.send(worker, wire)
         self.negotiation_seconds += time.perf_counter() - started
@@ -233,6 +264,9 @@ class Engine:
         if due:
             self.control.send(0, self.cache.announce(due))
         responses = [r for _, message in messages for r in self.cache.decode_responses(message["responses"])]
+        for _, message in messages:
+            if "tuning" in message:
+                self._apply_tuning(message["tuning"])
         self.negotiation_seconds += time.perf_counter() - started
         self._execute(responses)
         if closed and not self._stopping:
@@ -299,7 +333,7 @@ class Engine:
         for entry, result in zip(entries, results):
             if entry is not None:
                 entry.handle.set_result(result)
-        _metrics.on_collective(response, entries, started, self.settings.fusion_threshold)
+        _metrics.on_collective(response, entries, started, self.fusion_threshold)
 
     @staticmethod
     def _trace(timeline, response, entries: list, started: float) -> None:

@@ -143,6 +143,20 @@ def engine():
     return current
 
 
+def step_done() -> None:
+    """Tell hvps that a training step ended (the framework adapters' optimizers call it; call it
+    yourself from a custom loop to let ``HVPS_AUTOTUNE=1`` measure steps). A no-op before ``init``."""
+    current = _state.engine
+    if current is not None:
+        current.step_done()
+
+
+def autotune_report() -> Optional[dict]:
+    """What ``HVPS_AUTOTUNE=1`` tried and chose, on rank 0 (None elsewhere, or when it is off)."""
+    tuner = engine().autotuner
+    return None if tuner is None else tuner.report()
+
+
 def topology() -> Topology:
     current = _state.topology
     if current is None:

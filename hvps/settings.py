@@ -49,6 +49,10 @@ class Settings:
     hierarchical: bool = False
     #: requests every rank has agreed on, named by a bit from then on (0: off); see response_cache.py
     cache_capacity: int = 1024
+    #: tune fusion_threshold and cycle_time_ms from step times during the first steps (autotune.py)
+    autotune: bool = False
+    autotune_warmup_steps: int = 2
+    autotune_steps_per_sample: int = 5
 
     def resolved(self, single_host: bool) -> "Settings":
         """``auto`` made concrete: hvps's ring within one host (shared memory), MPI's Allreduce across hosts.
@@ -67,6 +71,10 @@ class Settings:
         return cls(
             backend=_env_choice("HVPS_BACKEND", cls.backend, BACKENDS),
             hierarchical=_env_choice("HVPS_HIERARCHICAL_ALLREDUCE", "0", ("0", "1")) == "1",
+            autotune=_env_choice("HVPS_AUTOTUNE", "0", ("0", "1")) == "1",
+            autotune_warmup_steps=int(_env_number("HVPS_AUTOTUNE_WARMUP_STEPS", cls.autotune_warmup_steps, int)),
+            autotune_steps_per_sample=int(_env_number("HVPS_AUTOTUNE_STEPS_PER_SAMPLE", cls.autotune_steps_per_sample,
+                                                      int)) or 1,
             cache_capacity=int(_env_number("HVPS_CACHE_CAPACITY", cls.cache_capacity, int)),
             fusion_threshold=int(_env_number("HVPS_FUSION_THRESHOLD", cls.fusion_threshold, int)),
             cycle_time_ms=_env_number("HVPS_CYCLE_TIME", cls.cycle_time_ms),

@@ -19,12 +19,15 @@ CASES = {
     "errors": ("mpi_errors.py", {"HVPS_STALL_CHECK_TIME_SECONDS": "3"}, 240),
     "torch": ("mpi_torch.py", {}, 420),
     "torch-train": ("mpi_torch_train.py", {}, 300),
+    "autotune": ("mpi_autotune.py", {"HVPS_AUTOTUNE": "1", "HVPS_AUTOTUNE_WARMUP_STEPS": "1",
+                                     "HVPS_AUTOTUNE_STEPS_PER_SAMPLE": "2"}, 240),
 }
 # The whole foundation suite again on the torch.distributed data plane (gloo on CPU).
 CASES.update({
     f"{case}-tdist": (module, dict(env, HVPS_BACKEND="tdist"), timeout)
     for case, (module, env, timeout) in list(CASES.items())
-    if case != "allreduce-ring"  # the algorithm setting is the MPI backend's; one allreduce run suffices
+    # the algorithm setting is the MPI backend's; one allreduce run suffices. Autotune is the engine's.
+    if case not in ("allreduce-ring", "autotune")
 })
 
 

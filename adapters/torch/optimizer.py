@@ -224,6 +224,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in self._delay:
                 self._delay[p] = self.backward_passes_per_step
         _metrics.on_sync_end(self.compression)
+        hvps.runtime.step_done()
         self._synchronized = True
 
     @staticmethod
