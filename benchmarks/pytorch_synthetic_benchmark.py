@@ -397,6 +397,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     else:
         result.update(gpu=None, gpu_reason="CPU run (no --cuda)")
 
+    if hvd is not None:  # what HVPS_AUTOTUNE=1 tried and chose (rank 0; None when off)
+        import hvps
+
+        result["autotune"] = hvps.autotune_report()
     if rank == 0:
         if main_res is not None:
             result.update(energy_fields(main_res))
