@@ -162,3 +162,13 @@ def test_hooks_are_no_ops_while_off():
         return "result"
 
     assert save() == "result"
+
+
+def test_engine_histograms_use_prometheus_le_buckets():
+    from hvps.metrics.instruments import PlainHistogram
+
+    h = PlainHistogram((1.0, 2.0))
+    for value in (0.5, 1.0, 1.5, 2.0, 3.0):
+        h.observe(value)
+    assert h.cumulative() == [("1.0", 2), ("2.0", 4), ("+Inf", 5)]
+    assert h.sum == 8.0

@@ -4,6 +4,11 @@ Every metric carries the ``rank`` label; host and GPU readings also carry ``host
 labels have few values: ``op`` (the collective's kind, never a tensor name), ``kind`` (of
 error) and ``operation`` (checkpoint save or load). Hooks record once per fused response,
 optimizer step or checkpoint, never once per tensor.
+
+The engine's metrics (tens of responses a step) are plain numbers that only the engine thread
+writes and a collector turns into metric families when Prometheus scrapes: an observation costs
+about a microsecond, without the locks of prometheus-client's metric objects. The rest (a few
+observations a step or fewer) are prometheus-client objects.
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Optional
+from bisect import bisect_left
+from typing import Any, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from ..dtypes import ITEMSIZE
 from ..version import __version__
@@ -44,6 +51,74 @@ def error_kind(message: str) -> Optional[str]:
     return "other"
 
 
+class PlainHistogram:
+    """Bucket counts and sum of one writer's observations (``le`` buckets, as Prometheus's)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple) -> None:
+        self.bounds, self.counts, self.sum = bounds, [0] * (len(bounds) + 1), 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # the first bound >= value; past the end: +Inf
+        self.sum += value
+
+    def cumulative(self) -> list:
+        out, total = [], 0
+        for bound, count in zip((*map(str, self.bounds), "+Inf"), self.counts):
+            total += count
+            out.append((bound, total))
+        return out
+
+
+class OpStats:
+    """Counts, tensors, bytes and latency of one kind of collective."""
+
+    __slots__ = ("count", "tensors", "bytes", "latency")
+
+    def __init__(self) -> None:
+        self.count = self.tensors = self.bytes = 0
+        self.latency = PlainHistogram(LATENCY_BUCKETS)
+
+
+class EngineCollector:
+    """The engine's metrics as metric families, made when Prometheus scrapes."""
+
+    def __init__(self, rank: str) -> None:
+        self.rank = rank
+        #: op -> OpStats; only the engine thread adds ops or changes numbers
+        self.ops: dict = {}
+        self.negotiation = PlainHistogram(LATENCY_BUCKETS)
+        self.fill = PlainHistogram(FILL_BUCKETS)
+
+    def collect(self) -> Iterator[Any]:
+        ops = list(self.ops.items())
+        labels = ["rank", "op"]
+        for name, field, doc in (
+                ("hvps_collectives", "count", "Collectives executed by op (a fused response counts once)"),
+                ("hvps_collective_tensors", "tensors", "Tensors in the collectives executed, by op"),
+                ("hvps_collective_bytes", "bytes", "Bytes of this rank's input tensors of the collectives, by op")):
+            family = CounterMetricFamily(name, doc, labels=labels)
+            for op, stats in ops:
+                family.add_metric([self.rank, op], getattr(stats, field))
+            yield family
+        family = HistogramMetricFamily("hvps_collective_seconds",
+                                       "Time a collective (one fused response) took once every rank had submitted it",
+                                       labels=labels)
+        for op, stats in ops:
+            family.add_metric([self.rank, op], stats.latency.cumulative(), stats.latency.sum)
+        yield family
+        for name, histogram, doc in (
+                ("hvps_negotiation_seconds", self.negotiation,
+                 "Time from submitting a collective until every rank had submitted it and it started "
+                 "(negotiation cycle)"),
+                ("hvps_fusion_buffer_fill_ratio", self.fill,
+                 "Bytes of an allreduce response over the fusion threshold (HVPS_FUSION_THRESHOLD)")):
+            family = HistogramMetricFamily(name, doc, labels=["rank"])
+            family.add_metric([self.rank], histogram.cumulative(), histogram.sum)
+            yield family
+
+
 class Instruments:
     """The metric objects of one rank, with children bound to its labels up front."""
 
@@ -54,22 +129,8 @@ class Instruments:
         Gauge("hvps_info", "This rank (always 1): its rank, local rank, host and hvps version",
               ["rank", "local_rank", "host", "version"], registry=reg).labels(r, str(local_rank), host,
                                                                               __version__).set(1)
-        self._collectives = Counter("hvps_collectives", "Collectives executed by op (a fused response counts once)",
-                                    ["rank", "op"], registry=reg)
-        self._tensors = Counter("hvps_collective_tensors", "Tensors in the collectives executed, by op",
-                                ["rank", "op"], registry=reg)
-        self._bytes = Counter("hvps_collective_bytes", "Bytes of this rank's input tensors of the collectives, by op",
-                              ["rank", "op"], registry=reg)
-        self._latency = Histogram("hvps_collective_seconds",
-                                  "Time a collective (one fused response) took once every rank had submitted it",
-                                  ["rank", "op"], buckets=LATENCY_BUCKETS, registry=reg)
-        self._negotiation = Histogram(
-            "hvps_negotiation_seconds",
-            "Time from submitting a collective until every rank had submitted it and it started (negotiation cycle)",
-            ["rank"], buckets=LATENCY_BUCKETS, registry=reg).labels(r)
-        self._fill = Histogram("hvps_fusion_buffer_fill_ratio",
-                               "Bytes of an allreduce response over the fusion threshold (HVPS_FUSION_THRESHOLD)",
-                               ["rank"], buckets=FILL_BUCKETS, registry=reg).labels(r)
+        self.engine = EngineCollector(r)
+        reg.register(self.engine)
         self._stalls = Counter("hvps_stalls", "Collectives of this rank that failed as stalled (a rank did not submit)",
                                ["rank"], registry=reg).labels(r)
         self._stall_warnings = Counter("hvps_stall_warnings",
@@ -103,22 +164,12 @@ class Instruments:
         reg.register(HostCollector(r, host))
         self.gpu = GpuCollector(r, host, local_rank)
         reg.register(self.gpu)
-        #: op -> (collectives, tensors, bytes, latency) children, made on first use
-        self._per_op: dict = {}
         self._last_step: Optional[float] = None
         self._sync_started: Optional[float] = None
 
     def close(self) -> None:
         """Release NVML."""
         self.gpu.close()
-
-    def _op(self, op: str) -> tuple:
-        children = self._per_op.get(op)
-        if children is None:
-            r = str(self.rank)
-            children = self._per_op[op] = (self._collectives.labels(r, op), self._tensors.labels(r, op),
-                                           self._bytes.labels(r, op), self._latency.labels(r, op))
-        return children
 
     # -- the engine ----------------------------------------------------------------
     def collective(self, response: Any, entries: list, started: float, fusion_threshold: int) -> None:
@@ -138,15 +189,18 @@ class Instruments:
                 nbytes += elements * itemsize(request.dtype, 1)
                 if first is None:  # the first of a fused response was announced first
                     first = entry.handle.submitted_at
-        count, tensor_counter, byte_counter, latency = self._op(response.kind)
-        count.inc()
-        tensor_counter.inc(tensors)
-        byte_counter.inc(nbytes)
-        latency.observe(ended - started)
+        engine = self.engine
+        stats = engine.ops.get(response.kind)
+        if stats is None:
+            stats = engine.ops[response.kind] = OpStats()
+        stats.count += 1
+        stats.tensors += tensors
+        stats.bytes += nbytes
+        stats.latency.observe(ended - started)
         if first is not None:
-            self._negotiation.observe(started - first)
+            engine.negotiation.observe(started - first)
         if response.kind == "allreduce" and fusion_threshold > 0:
-            self._fill.observe(nbytes / fusion_threshold)
+            engine.fill.observe(nbytes / fusion_threshold)
 
     def collective_error(self, message: str, mine: bool) -> None:
         kind = error_kind(message)
