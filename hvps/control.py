@@ -27,7 +27,7 @@ import time
 from typing import Optional
 
 from .control_handshake import ServerHandshake, client_handshake
-from .control_wire import MAX_AUTHENTICATED, FrameReader, ProtocolError, Session
+from .control_wire import MAX_AUTHENTICATED, FrameReader, ProtocolError, Session, encode
 from .errors import HvpsError
 
 log = logging.getLogger("hvps")
@@ -303,12 +303,21 @@ class ControlPlane:
 
     def send(self, rank: int, message: dict) -> None:
         """Queue ``message`` for ``rank``; send what the socket takes now, the rest from the writer thread."""
+        self._send_encoded(rank, encode(message))
+
+    def send_to_workers(self, message: dict) -> None:
+        """``send`` to every other rank, encoding ``message`` once."""
+        body = encode(message)
+        for rank in range(1, self.size):
+            self._send_encoded(rank, body)
+
+    def _send_encoded(self, rank: int, body: bytes) -> None:
         peer = self.peers.get(rank)
         if peer is None:
             return
         with self._writer.lock:
             idle = not peer.outbox
-            peer.outbox += peer.session.seal(message)
+            peer.outbox += peer.session.seal_encoded(body)
             if idle:
                 try:
                     peer.flush()

@@ -132,7 +132,10 @@ class Session:
 
     def seal(self, message: dict) -> bytes:
         """The frame carrying ``message``."""
-        body = encode(message)
+        return self.seal_encoded(encode(message))
+
+    def seal_encoded(self, body: bytes) -> bytes:
+        """The frame carrying a message already encoded (one encoding serves many peers)."""
         tag = digest(self._key, self._mine, self._sent.to_bytes(8, "big"), body)
         self._sent += 1
         return frame(tag + body)

@@ -242,7 +242,7 @@ class Engine:
     def _coordinate(self, messages: list, closed: list) -> None:
         started = time.perf_counter()
         now = time.monotonic()
-        self.coordinator.submit(0, self._due_announcements(), now)
+        self.coordinator.submit(0, self.cache.canonical(self._due_announcements()), now)
         for source, message in messages:
             self.coordinator.submit(source, self.cache.resolve(source, message), now)
         for rank in closed:
@@ -253,8 +253,7 @@ class Engine:
             if self._tuning is not None:
                 with self._lock:
                     wire["tuning"], self._tuning = self._tuning, None
-            for worker in range(1, self.size):
-                self.control.send(worker, wire)
+            self.control.send_to_workers(wire)
         self.negotiation_seconds += time.perf_counter() - started
         self._execute(responses)
 

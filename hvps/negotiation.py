@@ -114,6 +114,8 @@ def to_wire(message) -> dict:
 class _Pending:
     first_seen: float
     by_rank: dict
+    #: submissions that complete it when no rank has joined or died (its set's size; 0: unknown set)
+    needed: int = 0
 
 
 class Coordinator:
@@ -156,7 +158,9 @@ class Coordinator:
             if req.kind == SHUTDOWN:
                 self._shutdown.add(rank)
                 continue
-            pending = self._table.setdefault(req.name, _Pending(now, {}))
+            pending = self._table.get(req.name)
+            if pending is None:
+                pending = self._table[req.name] = _Pending(now, {}, len(self.sets.get(req.process_set, ())))
             pending.by_rank[rank] = req
 
     def poll(self, now: float) -> list:
@@ -165,8 +169,13 @@ class Coordinator:
         joined = set(self._joined)
         #: ranks that were waiting in a collective reported as stalled in this poll
         released: set = set()
+        #: without joined or dead ranks or a stall, a collective short of submissions needs no look
+        settled = not (joined or self._dead)
         for name in list(self._table):
             pending = self._table[name]
+            if (settled and not released and len(pending.by_rank) < pending.needed
+                    and now - pending.first_seen < self.stall_seconds):
+                continue
             set_id = next(iter(pending.by_rank.values())).process_set
             members = self.sets.get(set_id)
             if members is None:

@@ -90,6 +90,13 @@ class ResponseCache:
         return responses
 
     # -- rank 0's side -----------------------------------------------------------------
+    def canonical(self, requests: list) -> list:
+        """Rank 0's own requests, each replaced by the cached object equal to it: then every
+        rank's submission of a cached request is one object, and matching needs no comparison."""
+        if not self._bits:
+            return requests
+        return [self._requests.get(self._bits.get(r, -1), r) for r in requests]
+
     def resolve(self, rank: int, message: dict) -> list:
         """The requests a worker announced, its bits looked up; notes the worker's epoch."""
         epoch = message.get("epoch", 0)
