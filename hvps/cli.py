@@ -34,7 +34,11 @@ def subcommand(name: str) -> Callable:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that tells the user what to do on bad input."""
+    """argparse that tells the user what to do on bad input, naming the (sub)command that got it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.set_defaults(_parser=self)  # the deepest subcommand's parser wins: main() reports leftovers with it
 
     def error(self, message: str):  # noqa: D401
         self.print_usage(sys.stderr)
@@ -52,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:  # e.g. `hvps ckpt list DIR | head`
