@@ -49,7 +49,7 @@ class Engine:
             if self.rank == 0
             else None
         )
-        self.cache = ResponseCache(settings.cache_capacity, self.size)
+        self.cache = ResponseCache(settings.cache_capacity, self.size, self.rank)
         #: the fusion threshold and cycle time in force (HVPS_AUTOTUNE changes them during a run)
         self.fusion_threshold, self.cycle_s = settings.fusion_threshold, settings.cycle_time_ms / 1000.0
         #: rank 0's search, when HVPS_AUTOTUNE=1; its settings reach the other ranks with the next responses
@@ -126,9 +126,10 @@ class Engine:
     def _tune(self, setting: Setting) -> None:
         """Apply ``setting`` here (rank 0) and send it to the other ranks with the next responses."""
         self.coordinator.fusion_threshold = setting.fusion_threshold
-        self._apply_tuning({"fusion_threshold": setting.fusion_threshold, "cycle_time_ms": setting.cycle_time_ms})
+        tuning = {"fusion_threshold": setting.fusion_threshold, "cycle_time_ms": setting.cycle_time_ms}
+        self._apply_tuning(tuning)
         with self._lock:
-            self._tuning = {"fusion_threshold": setting.fusion_threshold, "cycle_time_ms": setting.cycle_time_ms}
+            self._tuning = tuning
 
     def _apply_tuning(self, tuning: dict) -> None:
         self.fusion_threshold = int(tuning["fusion_threshold"])
@@ -248,7 +249,7 @@ class Engine:
         for rank in closed:
             self.coordinator.rank_died(rank, "its control connection closed (the process exited or was killed)")
         responses = self.coordinator.poll(time.monotonic())
-        if responses:
+        if responses and self.size > 1:  # alone, rank 0 has no one to tell (nor a cache to keep)
             wire = {"responses": self.cache.encode_responses(responses)}
             if self._tuning is not None:
                 with self._lock:
@@ -262,8 +263,9 @@ class Engine:
         due = self._due_announcements()
         if due:
             self.control.send(0, self.cache.announce(due))
-        responses = [r for _, message in messages for r in self.cache.decode_responses(message["responses"])]
+        responses: list = []
         for _, message in messages:
+            responses += self.cache.decode_responses(message["responses"])
             if "tuning" in message:
                 self._apply_tuning(message["tuning"])
         self.negotiation_seconds += time.perf_counter() - started

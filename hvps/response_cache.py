@@ -31,9 +31,11 @@ _UNCACHED = (JOIN, SHUTDOWN, ADD_SET, REMOVE_SET)
 class ResponseCache:
     """Agreed requests by bit, kept alike on every rank by recording every executed response."""
 
-    def __init__(self, capacity: int, size: int) -> None:
+    def __init__(self, capacity: int, size: int, rank: int = 0) -> None:
         self.capacity = capacity
         self._workers = range(1, size)
+        #: only rank 0 resolves other ranks' bits, so only it (with workers) keeps evicted requests
+        self._keeps_evicted = rank == 0 and size > 1
         #: request -> bit, least recently used first
         self._bits: "OrderedDict[Request, int]" = OrderedDict()
         self._requests: dict[int, Request] = {}
@@ -64,7 +66,8 @@ class ResponseCache:
             while len(self._bits) > self.capacity:
                 old, bit = self._bits.popitem(last=False)
                 del self._requests[bit]
-                self._retired[bit] = (old, self.epoch)
+                if self._keeps_evicted:
+                    self._retired[bit] = (old, self.epoch)
 
     # -- a worker's side ---------------------------------------------------------------
     def announce(self, requests: Iterable[Request]) -> dict:

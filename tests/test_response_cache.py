@@ -16,7 +16,8 @@ def _request(i: int, shape=(4,)) -> Request:
 
 
 def _pair(capacity: int, size: int = 2):
-    return ResponseCache(capacity, size), ResponseCache(capacity, size)
+    """Rank 0's cache and rank 1's."""
+    return ResponseCache(capacity, size, rank=0), ResponseCache(capacity, size, rank=1)
 
 
 def test_a_request_is_announced_in_full_then_by_its_bit():
@@ -82,6 +83,15 @@ def test_eviction_is_least_recently_used_and_bits_are_never_reused():
     assert cache._bits[_request(2)] == 2  # 1's bit is not handed out again
 
 
+def test_only_rank_0_with_workers_keeps_evicted_requests():
+    """Workers never resolve another rank's bits, and a rank alone has no workers to wait for:
+    neither may accumulate evicted requests (names that change every step would grow it forever)."""
+    for cache in (ResponseCache(1, 2, rank=1), ResponseCache(1, 1, rank=0)):
+        for i in range(50):
+            cache.record(Response(ALLREDUCE, [f"grad.{i}"], requests=[_request(i)]))
+        assert len(cache) == 1 and not cache._retired
+
+
 def test_a_lagging_worker_may_name_a_bit_rank_0_has_evicted():
     root, worker = _pair(1)
     root.encode_responses([Response(ALLREDUCE, ["grad.0"], requests=[_request(0)])])
@@ -119,7 +129,7 @@ def test_random_steps_with_lagging_workers_round_trip():
     for trial in range(30):
         capacity, size = rng.choice([1, 2, 3, 8]), rng.choice([2, 3])
         root = ResponseCache(capacity, size)
-        workers = {rank: ResponseCache(capacity, size) for rank in range(1, size)}
+        workers = {rank: ResponseCache(capacity, size, rank) for rank in range(1, size)}
         sent: list = []  # wire messages from rank 0, in order
         seen = {rank: 0 for rank in workers}
         for _step in range(40):
