@@ -151,9 +151,10 @@ def allreduce_gradients(grads: Sequence[Any], op: ReduceOp = Average, compressio
 def _fused_allreduce(dense: list, pipeline: GradientCompression, op: ReduceOp, prescale: float,
                      postscale: float, name: Optional[str], process_set: Any = None) -> list:
     """Summable compression as TensorFlow ops around one grouped allreduce (differentiable)."""
-    size = hvps.size() if process_set is None else process_set.size()
     dense_itemsizes = [g.dtype.size for g in dense]
-    payloads, ctxs, plan = compress_for_sum(pipeline, dense, op, lambda: size, prescale, postscale)
+    payloads, ctxs, plan = compress_for_sum(pipeline, dense, op,
+                                            lambda: hvps.size() if process_set is None else process_set.size(),
+                                            prescale, postscale)
 
     def observe(arrays):
         for array, itemsize in zip(arrays, dense_itemsizes):
