@@ -103,7 +103,8 @@ class Engine:
             for entry in entries:
                 # join() waits for ranks still training, for as long as they train: no watchdog.
                 patience = math.inf if entry.request.kind == JOIN else self.settings.stall_check_seconds
-                entry.handle = Handle(entry.request.name, (entry.inputs, entry.outputs), patience)
+                entry.handle = Handle(entry.request.name, (entry.inputs, entry.outputs), patience,
+                                      expedite=self._expedite)
                 self._queue.append(entry)
                 self._queued_names.add(entry.request.name)
             # A wake-up costs the submitting (training) thread a syscall, a context
@@ -115,6 +116,16 @@ class Engine:
         if wake:
             self.control.wake()
         return [entry.handle for entry in entries]
+
+    def _expedite(self) -> None:
+        """A thread is about to block on a collective: if it still sits in the queue, wake the
+        engine now instead of letting it wait for the next cycle.  The wake-up's cost falls on a
+        thread that would only wait anyway, and a synchronous call saves up to a cycle per rank."""
+        with self._lock:
+            wake = bool(self._queue) and not self._wake_pending
+            self._wake_pending = self._wake_pending or wake
+        if wake:
+            self.control.wake()
 
     def step_done(self) -> None:
         """A training step ended on this rank (the adapters call it once per optimizer step)."""
@@ -210,7 +221,11 @@ class Engine:
             deadlines.append(self._last_announce + self.cycle_s)
         if self.coordinator is not None and self.coordinator.next_deadline() is not None:
             deadlines.append(self.coordinator.next_deadline())
-        return max(0.0, min(deadlines) - now) if deadlines else None
+        if not deadlines:
+            return None
+        # Whole microseconds: (now + cycle) - now is a hair above a cycle in floating point, and
+        # select() rounds up to the next millisecond, which made every 1 ms cycle last 2 ms.
+        return max(0.0, math.floor((min(deadlines) - now) * 1e6) / 1e6)
 
     def _take_queue(self) -> None:
         with self._lock:

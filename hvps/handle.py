@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .errors import HvpsError
 
@@ -17,9 +17,11 @@ _WATCHDOG_FACTOR = 1.5
 class Handle:
     """An in-flight collective; owns its input and output buffers until it completes."""
 
-    __slots__ = ("name", "_done", "_result", "_error", "_buffers", "_submitted", "_started", "_limit", "event")
+    __slots__ = ("name", "_done", "_result", "_error", "_buffers", "_submitted", "_started", "_limit", "event",
+                 "_expedite")
 
-    def __init__(self, name: str, buffers: tuple = (), stall_seconds: float = 60.0) -> None:
+    def __init__(self, name: str, buffers: tuple = (), stall_seconds: float = 60.0,
+                 expedite: Optional[Callable[[], None]] = None) -> None:
         self.name = name
         self._done = threading.Event()
         self._result: Any = None
@@ -30,6 +32,9 @@ class Handle:
         self._limit = stall_seconds * _WATCHDOG_FACTOR + 1.0
         #: CUDA results: the event after which they are valid on the device (None on the host)
         self.event: Any = None
+        #: called once by the first wait() that would block: the engine then starts the
+        #: collective now instead of at its next cycle (the waiter has nothing else to do)
+        self._expedite = expedite
 
     def poll(self) -> bool:
         """Whether the collective has finished (successfully or not); never blocks."""
@@ -40,6 +45,9 @@ class Handle:
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until the collective finishes and return its result; raise HvpsError if it failed."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        expedite, self._expedite = self._expedite, None
+        if expedite is not None and not self._done.is_set():
+            expedite()
         while not self._done.wait(0.5):
             now = time.monotonic()
             if deadline is not None and now >= deadline:
