@@ -140,7 +140,7 @@ def test_optimizer_arguments_are_checked():
 @pytest.mark.parametrize("np_,backend", [(2, "mpi"), (3, "mpi"), (2, "tdist")], ids=["np2", "np3", "np2-tdist"])
 def test_store_multirank(np_, backend, tmp_path):
     """tests/mpi/mpi_store.py: bit-exact SGD vs nn.EmbeddingBag/nn.Embedding on the global batch,
-    Adagrad/Adam vs torch, staleness, bad input, config mismatch, checkpoint re-sharding and fallback
+    Adagrad/Adam vs torch, prefetch (synchronous and with staleness), staleness, bad input, config mismatch, checkpoint re-sharding and fallback
     (and once on the torch.distributed data plane: the store only uses hvps's alltoall)."""
     env = {"HVPS_TEST_SHARED_DIR": str(tmp_path), "HVPS_DYNAMIC_PROCESS_SETS": "1", "HVPS_BACKEND": backend}
-    run_mpi("mpi_store.py", np_, env=env, timeout=240).assert_all_passed(min_passed=16)
+    run_mpi("mpi_store.py", np_, env=env, timeout=240).assert_all_passed(min_passed=20)

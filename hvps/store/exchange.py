@@ -15,6 +15,7 @@ leaving the others blocked in the next alltoall.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -26,6 +27,15 @@ from hvps.process_sets import ProcessSet
 from .table import ShardedTable
 
 OK, BAD = 0, 1
+
+
+@dataclass
+class PendingPull:
+    """A pull under way: ids sent to their owners; ``rows`` is set once the owners answered."""
+
+    order: torch.Tensor  # position of each id in the owner-grouped message
+    ids: Callable[[], tuple]  # wait for the ids that reached this member
+    rows: Optional[Callable[[], tuple]] = None  # wait for the rows sent back
 
 
 def combine(inverse: torch.Tensor, grads: torch.Tensor, count: int,
@@ -103,6 +113,27 @@ class Exchange:
 
         return wait
 
+    def request(self, ids: torch.Tensor, error: Optional[str] = None) -> "PendingPull":
+        """Start sending distinct ``ids`` to their owners (the first half of a pull)."""
+        order, splits = self._route(ids)
+        return PendingPull(order, self._send_ids(ids[order], splits, "pull.ids", error))
+
+    def answer(self, pending: "PendingPull") -> None:
+        """Owner side: wait for the ids sent to this member, read their rows now and start
+        sending them back (every member calls it at the same point)."""
+        wanted, counts = pending.ids()
+        rows = self.table.lookup(self.table.partition.slot(wanted))
+        pending.rows = self._alltoall_async(rows, counts, "pull.rows")
+
+    def receive(self, pending: "PendingPull") -> torch.Tensor:
+        """The rows of a request, in the order its ids were given (answers it first if needed)."""
+        if pending.rows is None:
+            self.answer(pending)
+        back, _ = pending.rows()
+        out = torch.empty_like(back)
+        out[pending.order] = back
+        return out
+
     def pull(self, ids: torch.Tensor, error: Optional[str] = None,
              meanwhile: Optional[Callable[[], None]] = None) -> torch.Tensor:
         """The current rows of distinct ``ids`` ([len(ids), dim], on the cache's device).
@@ -110,16 +141,10 @@ class Exchange:
         ``meanwhile`` runs while the ids travel and before the owners read their rows (the
         module finishes the previous step's updates there).
         """
-        order, splits = self._route(ids)
-        wait = self._send_ids(ids[order], splits, "pull.ids", error)
+        pending = self.request(ids, error)
         if meanwhile is not None:
             meanwhile()
-        wanted, counts = wait()
-        rows = self.table.lookup(self.table.partition.slot(wanted))
-        back, _ = self._alltoall(rows, counts, "pull.rows")
-        out = torch.empty_like(back)
-        out[order] = back
-        return out
+        return self.receive(pending)
 
     def push(self, ids: torch.Tensor, grads: torch.Tensor,
              weights: Optional[torch.Tensor] = None) -> Callable[[], None]:

@@ -20,7 +20,7 @@ from torch import nn
 
 from hvps.process_sets import ProcessSet, global_process_set
 
-from .exchange import Exchange, check_same_everywhere, combine
+from .exchange import Exchange, PendingPull, check_same_everywhere, combine
 from .optim import RowOptimizer, make_optimizer
 from .stale import StaleRows
 from .table import Initializer, ShardedTable, StoreOptions
@@ -41,6 +41,25 @@ class _Batch:
     distinct: Optional[torch.Tensor] = None
     inverse: Optional[torch.Tensor] = None
 
+    def same_input(self, other: "_Batch") -> bool:
+        """Whether ``other`` was made from the same input (a prefetched batch and its forward)."""
+        offsets = (self.offsets is None) == (other.offsets is None) and (
+            self.offsets is None or torch.equal(self.offsets, other.offsets))
+        return (self.shape == other.shape and self.error == other.error and offsets
+                and torch.equal(self.ids, other.ids))
+
+
+@dataclass
+class _Lookup:
+    """A batch's lookup under way: its distinct ids sent to their owners (by a forward, or
+    ahead of it by ``prefetch``), plus, with staleness, the rows this member reuses."""
+
+    batch: _Batch
+    pull: PendingPull
+    known: Optional[torch.Tensor] = None  # stale mode: distinct ids served from this member's copies
+    kept: Optional[torch.Tensor] = None  # ... and their rows
+    error: Optional[ValueError] = None  # raised by an early answer: the forward raises it
+
 
 def check_ids(name: str, ids: Any, num_embeddings: int) -> Optional[str]:
     """Why ``ids`` cannot index table ``name`` (None when they can)."""
@@ -57,11 +76,11 @@ def check_ids(name: str, ids: Any, num_embeddings: int) -> Optional[str]:
     return None
 
 
-class _Lookup(torch.autograd.Function):
+class _LookupFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, module: "_ShardedBase", batch: _Batch, anchor: torch.Tensor) -> torch.Tensor:
-        ctx.module, ctx.batch = module, batch
-        return module._lookup(batch)
+    def forward(ctx, module: "_ShardedBase", lookup: _Lookup, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.module, ctx.batch = module, lookup.batch
+        return module._finish(lookup)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -116,6 +135,7 @@ class _ShardedBase(nn.Module):
         self.exchange = Exchange(self.table, process_set)
         self.stale = StaleRows(staleness, int(embedding_dim)) if staleness else None
         self._pending: Optional[Callable[[], None]] = None
+        self._ahead: Optional[_Lookup] = None
 
     @property
     def num_embeddings(self) -> int:
@@ -126,28 +146,59 @@ class _ShardedBase(nn.Module):
         return self.table.dim
 
     # ------------------------------------------------------------------ the round trip
-    def _pull(self, distinct: torch.Tensor, error: Optional[str]) -> torch.Tensor:
+    def prefetch(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> None:
+        """Start the next forward's lookup now, so that its ids travel while this step computes.
+
+        TorchRec's pipelined input distribution: call it with the next batch after the current
+        forward; the next forward must then be given the same batch (ValueError otherwise).
+        Synchronous tables still read the rows after this step's updates.  With
+        ``staleness >= 1`` the owners answer during this step's backward, so the next forward
+        waits for nothing: its rows then miss only this step's update, within the bound (and
+        rows this member keeps are reused for one step less).  Collective, like a forward.
+        """
+        if self._ahead is not None:
+            raise ValueError(f"table {self.name!r}: prefetch called twice without a forward in between")
+        self._ahead = self._start(self._batch(input, offsets), lag=1)
+
+    def _start(self, batch: _Batch, lag: int) -> _Lookup:
+        """Deduplicate ``batch``'s ids and send the ones to pull to their owners."""
+        batch.distinct, batch.inverse = torch.unique(batch.ids, return_inverse=True)
         if self.stale is None or not self.training:
-            return self.exchange.pull(distinct, error, meanwhile=self.synchronize)
-        self.stale.advance()
-        known, kept = self.stale.find(distinct)
-        fetched = self.exchange.pull(distinct[~known], error, meanwhile=self.synchronize)
-        self.stale.remember(distinct[~known], fetched)
-        rows = fetched.new_empty(distinct.numel(), self.table.dim)
-        rows[known] = kept.to(rows.device)
-        rows[~known] = fetched
-        return rows
+            return _Lookup(batch, self.exchange.request(batch.distinct, batch.error))
+        self.stale.advance(lag)
+        known, kept = self.stale.find(batch.distinct)
+        return _Lookup(batch, self.exchange.request(batch.distinct[~known], batch.error), known, kept)
+
+    def _finish(self, lookup: _Lookup) -> torch.Tensor:
+        """Wait for ``lookup``'s rows and pool them into the forward's output."""
+        if lookup.error is not None:
+            raise lookup.error
+        if lookup.pull.rows is None:  # owners read after the last step's update, which lands meanwhile
+            self.synchronize()
+        fetched = self.exchange.receive(lookup.pull)
+        batch, rows = lookup.batch, fetched
+        if lookup.known is not None:
+            self.stale.remember(batch.distinct[~lookup.known], fetched)
+            rows = fetched.new_empty(batch.distinct.numel(), self.table.dim)
+            rows[lookup.known] = lookup.kept.to(rows.device)
+            rows[~lookup.known] = fetched
+        return self._assemble(rows, batch.inverse, batch)
+
+    def _answer_early(self) -> None:
+        """Staleness >= 1: owners answer a prefetched lookup now, one update early."""
+        ahead = self._ahead
+        if ahead is None or self.options.staleness < 1 or ahead.pull.rows is not None or ahead.error is not None:
+            return
+        try:
+            self.exchange.answer(ahead.pull)
+        except ValueError as exc:  # invalid ids: every member learns it here, and its forward raises
+            ahead.error = exc
 
     def synchronize(self) -> None:
         """Finish the last backward's optimizer step (the next forward does it anyway)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending()
-
-    def _lookup(self, batch: _Batch) -> torch.Tensor:
-        batch.distinct, batch.inverse = torch.unique(batch.ids, return_inverse=True)
-        rows = self._pull(batch.distinct, batch.error)
-        return self._assemble(rows, batch.inverse, batch)
 
     def _assemble(self, rows: torch.Tensor, inverse: torch.Tensor, batch: _Batch) -> torch.Tensor:
         raise NotImplementedError
@@ -156,15 +207,25 @@ class _ShardedBase(nn.Module):
         grad = grad.contiguous()
         rows = grad[batch.bag] if batch.bag is not None else grad.reshape(-1, self.table.dim)
         self.synchronize()
+        self._answer_early()
         if self.options.combine == "ordered":
             self._pending = self.exchange.push(batch.ids, rows, batch.weights)
         else:
             local = combine(batch.inverse, rows, batch.distinct.numel(), batch.weights)
             self._pending = self.exchange.push(batch.distinct, local)
 
+    def _batch(self, input: Any, offsets: Optional[torch.Tensor]) -> _Batch:
+        raise NotImplementedError
+
     def _run(self, batch: _Batch) -> torch.Tensor:
+        if self._ahead is not None and not self._ahead.batch.same_input(batch):
+            raise ValueError(f"table {self.name!r}: the forward got a different batch than the one prefetched; "
+                             "pass the prefetched batch to the next forward")
+        lookup, self._ahead = self._ahead, None
+        if lookup is None:
+            lookup = self._start(batch, lag=0)
         anchor = torch.zeros((), requires_grad=self.training and torch.is_grad_enabled())
-        return _Lookup.apply(self, batch, anchor)
+        return _LookupFunction.apply(self, lookup, anchor)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict:
@@ -197,9 +258,9 @@ class ShardedEmbeddingBag(_ShardedBase):
         super().__init__(num_embeddings, embedding_dim, mode=mode, **kwargs)
 
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self._run(self._bags(input, offsets))
+        return self._run(self._batch(input, offsets))
 
-    def _bags(self, input: Any, offsets: Optional[torch.Tensor]) -> _Batch:
+    def _batch(self, input: Any, offsets: Optional[torch.Tensor]) -> _Batch:
         error = check_ids(self.name, input, self.table.num_embeddings)
         if error is None and not (input.dim() == 2 and offsets is None or input.dim() == 1 and offsets is not None):
             error = f"table {self.name!r}: input must be 2-D, or 1-D with offsets (got {input.dim()}-D)"
@@ -229,10 +290,15 @@ class ShardedEmbedding(_ShardedBase):
     kind = "embedding"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self._run(self._batch(input, None))
+
+    def _batch(self, input: Any, offsets: Optional[torch.Tensor]) -> _Batch:
         error = check_ids(self.name, input, self.table.num_embeddings)
+        if error is None and offsets is not None:
+            error = f"table {self.name!r}: an embedding takes no offsets"
         if error is not None:
-            return self._run(_Batch(torch.empty(0, dtype=torch.int64), (0,), error=error))
-        return self._run(_Batch(input.reshape(-1).to(torch.int64), tuple(input.shape)))
+            return _Batch(torch.empty(0, dtype=torch.int64), (0,), error=error)
+        return _Batch(input.reshape(-1).to(torch.int64), tuple(input.shape))
 
     def _assemble(self, rows: torch.Tensor, inverse: torch.Tensor, batch: _Batch) -> torch.Tensor:
         return F.embedding(inverse.view(batch.shape), rows)

@@ -25,10 +25,10 @@ class StaleRows:
         self.reused = 0
         self.pulled = 0
 
-    def advance(self) -> None:
-        """Start a step: forget rows older than the bound."""
+    def advance(self, lag: int = 0) -> None:
+        """Start a step: forget rows that would be older than the bound when used ``lag`` steps on."""
         self.step += 1
-        keep = self.born >= self.step - self.staleness
+        keep = self.born >= self.step - self.staleness + lag
         self.ids, self.rows, self.born = self.ids[keep], self.rows[keep], self.born[keep]
 
     def find(self, ids: torch.Tensor) -> tuple:

@@ -101,12 +101,16 @@ def _local_slice(global_out, mine_rows):
     return global_out[before: before + mine_rows]
 
 
-def _train_pair(module, reference, ref_opt, mode, dyadic, salt=0, steps=STEPS):
-    """Train both side by side; returns the largest forward difference seen."""
+def _train_pair(module, reference, ref_opt, mode, dyadic, salt=0, steps=STEPS, prefetch=False):
+    """Train both side by side; returns the largest forward difference seen.
+
+    ``prefetch``: each step's batch is prefetched right after the previous forward."""
     worst = 0.0
     for step in range(steps):
         (ids, offsets, grad), (gids, goffsets, ggrad) = _step_data(step, mode, dyadic, salt)
         out = module(ids, offsets) if offsets is not None else module(ids)
+        if prefetch and step + 1 < steps:
+            module.prefetch(*(b for b in _step_data(step + 1, mode, dyadic, salt)[0][:2] if b is not None))
         ref_out = reference(gids, goffsets) if goffsets is not None else reference(gids)
         mine = _local_slice(ref_out, ids.shape[0] if offsets is None else offsets.numel())
         worst = max(worst, float((out - mine).detach().abs().max()) if out.numel() else 0.0)
@@ -136,6 +140,54 @@ def test_bag_sgd_is_bit_exact(mode, partition, cache_rows, policy, tier, tmp_pat
     worst = _train_pair(module, reference, torch.optim.SGD(reference.parameters(), lr=LR), mode, dyadic=True)
     assert worst == 0.0
     assert torch.equal(_full_table(module), reference.weight.detach())
+
+
+@pytest.mark.parametrize("mode,cache_rows", [("sum", 5), ("mean", 0)])
+def test_prefetched_lookups_stay_synchronous(mode, cache_rows):
+    """prefetch() sends the next batch's ids early; its rows still include every update."""
+    w0 = _initial()
+    module = ShardedEmbeddingBag(N, D, mode=mode, name=f"prefetch_{mode}", lr=LR, cache_rows=cache_rows,
+                                 initializer=_from(w0))
+    reference = nn.EmbeddingBag(N, D, mode=mode, _weight=w0.clone())
+    worst = _train_pair(module, reference, torch.optim.SGD(reference.parameters(), lr=LR), mode, dyadic=True,
+                        salt=6, steps=5, prefetch=True)
+    assert worst == 0.0
+    assert torch.equal(_full_table(module), reference.weight.detach())
+
+
+def test_prefetch_with_staleness_overlaps_the_whole_lookup():
+    """staleness=1 + prefetch: owners answer during the previous backward, so step t reads the
+    table as it was after t-1 updates (one update missing) and the final table is still exact."""
+    w0 = _initial()
+    module = ShardedEmbeddingBag(N, D, mode="sum", name="prefetch_stale", lr=LR, staleness=1, cache_rows=4,
+                                 initializer=_from(w0))
+    weight, history = w0.clone(), [w0.clone()]
+    steps = 5
+    for step in range(steps):
+        (ids, offsets, grad), (gids, goffsets, ggrad) = _step_data(step, "sum", dyadic=True, salt=7)
+        out = module(ids, offsets)
+        if step + 1 < steps:
+            nids, noffsets, _ = _step_data(step + 1, "sum", dyadic=True, salt=7)[0]
+            module.prefetch(nids, noffsets)
+        seen = history[max(0, step - 1)]  # step 0 pulls directly; later steps miss the last update
+        expected = _local_slice(F.embedding_bag(gids, seen, goffsets, mode="sum"), offsets.numel())
+        assert torch.equal(out.detach(), expected), step
+        out.mul(grad).sum().backward()
+        bag = torch.bucketize(torch.arange(gids.numel()), goffsets, right=True) - 1
+        weight.add_(torch.zeros(N, D).index_add_(0, gids, ggrad[bag]), alpha=-LR)
+        history.append(weight.clone())
+    assert torch.equal(_full_table(module), weight)
+
+
+def test_prefetch_misuse_raises_value_error():
+    module = ShardedEmbeddingBag(N, D, mode="sum", name="prefetch_misuse", lr=LR)
+    ids = torch.tensor([[0, 1], [2, 3]])
+    module.prefetch(ids)
+    with pytest.raises(ValueError, match="twice"):
+        module.prefetch(ids)
+    with pytest.raises(ValueError, match="different batch than the one prefetched"):
+        module(ids + 1)
+    module(ids).sum().backward()  # the prefetched lookup still waits for its batch: every rank is in step
 
 
 def test_embedding_sgd_is_bit_exact():
