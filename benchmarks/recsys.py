@@ -7,10 +7,13 @@ MLPs go through ``hvd.DistributedOptimizer`` (ring allreduce) in every variant; 
 
 * ``store``   ``hvps.store.ShardedEmbeddingBag`` (row-wise sharded, LRU cache of ``--cache-frac``
   of the rows, SGD applied by the owners); ``store-stale`` the same with ``--staleness``;
-  ``store-disk`` the same on the memory-mapped disk tier;
+  ``store-disk`` the same on the memory-mapped disk tier; with ``--prefetch`` (the default) each
+  step prefetches the next batch's lookup (``store-stale``: the whole lookup overlaps the step);
 * ``dense``   a replicated ``nn.EmbeddingBag`` whose gradient is allreduced whole
   (Horovod's ``sparse_as_dense``);
-* ``sparse``  a replicated ``nn.EmbeddingBag(sparse=True)``: hvps's sparse allgather path.
+* ``sparse``  a replicated ``nn.EmbeddingBag(sparse=True)``: hvps's sparse allgather path;
+* ``mlp``     no tables (zeros in place of the pooled rows): the dense part alone, so each
+  variant's embedding cost is its step time minus this one.
 
 Every variant runs in its own ``mpirun`` job, variants alternating round by round; rank 0
 reports step time (slowest rank), samples/s per rank, embedding bytes on the wire per step
@@ -32,29 +35,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import median, run_mpi_worker, write_json  # noqa: E402
 
 DENSE_FEATURES = 13
-VARIANTS = ("store", "store-stale", "store-disk", "sparse", "dense")
+VARIANTS = ("store", "store-stale", "store-disk", "sparse", "dense", "mlp")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--np", type=int, default=2)
+    p.add_argument("--np", type=int, default=2, help="ranks (mpirun -np)")
     p.add_argument("--variants", default="store,sparse,dense", help=f"comma list of {VARIANTS}")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (median over rounds)")
-    p.add_argument("--rows", type=int, default=4_000_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--tables", type=int, default=1)
+    p.add_argument("--rows", type=int, default=4_000_000, help="rows per embedding table")
+    p.add_argument("--dim", type=int, default=64, help="embedding width (floats per row)")
+    p.add_argument("--tables", type=int, default=1, help="embedding tables (one id per table per sample)")
     p.add_argument("--batch", type=int, default=2048, help="samples per rank per step")
     p.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the ids")
     p.add_argument("--cache-frac", type=float, default=0.05, help="cache size as a fraction of the rows")
-    p.add_argument("--cache-policy", default="lru")
-    p.add_argument("--staleness", type=int, default=2)
-    p.add_argument("--combine", default="local")
-    p.add_argument("--disk-dir", default="/tmp/hvps-recsys")
+    p.add_argument("--cache-policy", default="lru", choices=("lru", "lfu"), help="cache eviction policy")
+    p.add_argument("--staleness", type=int, default=2, help="steps a row may lag (store-stale only)")
+    p.add_argument("--combine", default="local", choices=("local", "ordered"),
+                   help="store gradient combining: per member first (local) or in global batch order")
+    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+                   help="store variants: prefetch the next batch's lookup during each step")
+    p.add_argument("--disk-dir", default="/tmp/hvps-recsys", help="where store-disk keeps its shard files")
     p.add_argument("--warmup", type=int, default=40, help="untimed steps (store variants: cache warm-up)")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--dense-steps", type=int, default=5, help="timed steps of the dense variant (slow)")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--json", default=None)
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate (dense SGD and the tables' SGD)")
+    p.add_argument("--json", default=None, help="write every run and the medians to this JSON file")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -101,7 +107,7 @@ def _model(args, variant, hvd):
     bottom = nn.Sequential(nn.Linear(DENSE_FEATURES, 64), nn.ReLU(), nn.Linear(64, args.dim), nn.ReLU())
     top = nn.Sequential(nn.Linear(args.dim * (args.tables + 1), 64), nn.ReLU(), nn.Linear(64, 1))
     tables = []
-    for t in range(args.tables):
+    for t in range(args.tables if variant != "mlp" else 0):
         if variant.startswith("store"):
             shard_rows = -(-args.rows // hvd.size())
             tables.append(ShardedEmbeddingBag(
@@ -143,10 +149,18 @@ def worker(args) -> None:
     timed = args.dense_steps if variant == "dense" else args.steps
     warmup = min(args.warmup, 3) if variant == "dense" else args.warmup
     times, losses, distinct, wire, access = [], [], [], [], [0, 0]
-    for step in range(warmup + timed):
+    prefetch = store and args.prefetch
+    zeros = torch.zeros(args.batch, args.dim * args.tables)  # mlp: no tables
+
+    def draw() -> tuple:
         ids = [torch.from_numpy(z.draw(args.batch)).view(-1, 1) for z in zipf]
         x = torch.randn(args.batch, DENSE_FEATURES, generator=data_rng)
         y = torch.bernoulli(torch.sigmoid(_teacher_logit([i.view(-1) for i in ids], x)), generator=data_rng)
+        return ids, x, y
+
+    following = draw()
+    for step in range(warmup + timed):
+        (ids, x, y), following = following, draw()  # the next batch is drawn outside the timed region
         if step == warmup:
             for t in tables if store else ():
                 if t.table.cache is not None:
@@ -156,7 +170,10 @@ def worker(args) -> None:
             _count_resident(tables, ids, access, hvd)
         hvd.barrier()
         start = time.perf_counter()
-        pooled = [table(i) for table, i in zip(tables, ids)]
+        pooled = [table(i) for table, i in zip(tables, ids)] if variant != "mlp" else [zeros]
+        if prefetch and step + 1 < warmup + timed:
+            for table, i in zip(tables, following[0]):
+                table.prefetch(i)
         logits = top(torch.cat([bottom(x), *pooled], dim=1)).view(-1)
         loss = loss_fn(logits, y)
         optimizer.zero_grad()
@@ -202,6 +219,8 @@ def _wire_bytes(variant, args, ids, hvd) -> float:
         return args.tables * args.rows * args.dim * 4 * 2 * (n - 1) / n
     if variant == "sparse":  # indices (int64) + values (float32) of this rank's gradient to n-1 peers
         return sum(i.numel() * (8 + args.dim * 4) for i in ids) * (n - 1)
+    if variant == "mlp":
+        return 0.0
     return float("nan")  # the store counts its own
 
 
@@ -266,6 +285,10 @@ def main(argv: list[str] | None = None) -> None:
     if "store" in summary:
         for v in summary:
             print(f"  store speed-up vs {v}: {summary[v]['step_s'] / summary['store']['step_s']:.2f}x")
+    if "mlp" in summary:  # the embedding part of each step: its time beyond the dense part alone
+        for v, s in summary.items():
+            s["embedding_s"] = s["step_s"] - summary["mlp"]["step_s"]
+            print(f"  {v:12s} embedding part of the step {s['embedding_s'] * 1e3:8.2f} ms")
     write_json(args.json, {"args": vars(args), "runs": results, "medians": summary})
 
 

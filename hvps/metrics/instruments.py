@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from ..dtypes import ITEMSIZE
 from ..version import __version__
+from .store import StoreCollector
 from .system import GpuCollector, HostCollector
 
 #: seconds, from a small fused allreduce on shared memory to a stalled one
@@ -162,6 +163,7 @@ class Instruments:
         self._checkpoint = {op: (ckpt_seconds.labels(r, op), ckpt_bytes.labels(r, op), last_seconds.labels(r, op),
                                  last_bytes.labels(r, op)) for op in CHECKPOINT_OPERATIONS}
         reg.register(HostCollector(r, host))
+        reg.register(StoreCollector(r))
         self.gpu = GpuCollector(r, host, local_rank)
         reg.register(self.gpu)
         self._last_step: Optional[float] = None

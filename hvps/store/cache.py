@@ -6,6 +6,10 @@ missing rows, evicting the least recently used ones (or the least frequently use
 ties broken by age) that the same lookup has not touched; dirty victims are written back to
 the tier.  When one batch needs more rows than the cache holds, the excess is read from and
 written to the tier directly ("bypass"), so correctness never depends on the cache size.
+
+Eviction frees lines in batches of at least 1/64 of the cache: finding victims scans every
+line (a top-k over the recency or frequency keys), so it runs once per batch of admissions
+instead of on every lookup, at the price of a few rows leaving a little early.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ import torch
 from .tiers import Tier
 
 POLICIES = ("lru", "lfu")
+#: eviction frees at least this fraction of the lines at a time (see the module docstring)
+_EVICTION_BATCH = 1 / 64
+#: the recency stamp of a freed line: later than any lookup, so never an eviction candidate
+_FREE = torch.iinfo(torch.int64).max
 
 
 @dataclass
@@ -65,6 +73,7 @@ class RowCache:
         self.dirty = torch.zeros(self.capacity, dtype=torch.bool)
         self.tick = 0
         self.filled = 0  # lines below this have held a row (lines are reused only by eviction)
+        self.free = torch.empty(0, dtype=torch.int64)  # evicted lines not yet reused
         self.stats = CacheStats()
         self._record_bytes = tier.width * 4
 
@@ -127,30 +136,33 @@ class RowCache:
             self.stats.bytes_to_tier += int(lines.numel()) * self._record_bytes
 
     def _evict(self, count: int) -> torch.Tensor:
-        """Free up to ``count`` lines not touched by the current lookup; returns them."""
+        """Free ``count`` lines or more (a batch) not touched by the current lookup; returns them."""
         untouched = self.last < self.tick
-        count = min(count, int(untouched.sum()))
+        count = min(max(count, int(self.capacity * _EVICTION_BATCH)), int(untouched.sum()))
         if count <= 0:
             return self.row_of.new_empty(0)
         if self.policy == "lru":  # touched lines hold the largest stamp: never among the smallest
             key = self.last
         else:
-            key = torch.where(untouched, self.freq * (1 << 40) + self.last, torch.iinfo(torch.int64).max)
+            key = torch.where(untouched, self.freq * (1 << 40) + self.last, _FREE)
         victims = torch.topk(key, count, largest=False, sorted=False).indices
         self._write_back(victims)
         self.slot_of[self.row_of[victims]] = -1
         self.row_of[victims] = -1
+        self.last[victims] = _FREE  # never a candidate again until reused
         self.stats.evictions += count
         return victims
 
     def _admit(self, missing: torch.Tensor) -> None:
-        """Load ``missing`` rows into never-used lines, then into evicted ones, as far as they go."""
+        """Load ``missing`` rows into never-used lines, then freed ones, then evicted ones, as far as they go."""
         fresh = min(missing.numel(), self.capacity - self.filled)
         lines = torch.arange(self.filled, self.filled + fresh)
         self.filled += fresh
         self.last[lines] = self.tick  # taken by this lookup: not eviction candidates
-        if fresh < missing.numel():
-            lines = torch.cat([lines, self._evict(missing.numel() - fresh)])
+        if fresh < missing.numel() and self.free.numel() < missing.numel() - fresh:
+            self.free = torch.cat([self.free, self._evict(missing.numel() - fresh - self.free.numel())])
+        reused, self.free = self.free[: missing.numel() - fresh], self.free[missing.numel() - fresh:]
+        lines = torch.cat([lines, reused])
         rows = missing[: lines.numel()]
         if not rows.numel():
             return

@@ -11,6 +11,7 @@ it).  Every member of the process set must run each forward and backward, in the
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -26,6 +27,13 @@ from .stale import StaleRows
 from .table import Initializer, ShardedTable, StoreOptions
 
 COMBINES = ("ordered", "local")
+#: the tables built in this process, for the metrics exporter (hvps/metrics/store.py)
+_LIVE: "weakref.WeakSet[_ShardedBase]" = weakref.WeakSet()
+
+
+def live_tables() -> list:
+    """The store modules alive in this process."""
+    return list(_LIVE)
 
 
 @dataclass
@@ -136,6 +144,7 @@ class _ShardedBase(nn.Module):
         self.stale = StaleRows(staleness, int(embedding_dim)) if staleness else None
         self._pending: Optional[Callable[[], None]] = None
         self._ahead: Optional[_Lookup] = None
+        _LIVE.add(self)
 
     @property
     def num_embeddings(self) -> int:
@@ -151,10 +160,13 @@ class _ShardedBase(nn.Module):
 
         TorchRec's pipelined input distribution: call it with the next batch after the current
         forward; the next forward must then be given the same batch (ValueError otherwise).
-        Synchronous tables still read the rows after this step's updates.  With
-        ``staleness >= 1`` the owners answer during this step's backward, so the next forward
-        waits for nothing: its rows then miss only this step's update, within the bound (and
-        rows this member keeps are reused for one step less).  Collective, like a forward.
+        The owners answer at the end of this step's backward, so the rows travel during the
+        optimizer step and the next forward rarely waits.  Synchronous tables apply this step's
+        update first (the backward waits for the gradients to reach the owners, while the
+        dense gradients travel), so the rows are exact.  With ``staleness >= 1`` the owners
+        answer before this step's update, so nothing waits: the rows then miss that one update,
+        within the bound (and rows this member keeps are reused for one step less).
+        Collective, like a forward.
         """
         if self._ahead is not None:
             raise ValueError(f"table {self.name!r}: prefetch called twice without a forward in between")
@@ -184,15 +196,12 @@ class _ShardedBase(nn.Module):
             rows[~lookup.known] = fetched
         return self._assemble(rows, batch.inverse, batch)
 
-    def _answer_early(self) -> None:
-        """Staleness >= 1: owners answer a prefetched lookup now, one update early."""
-        ahead = self._ahead
-        if ahead is None or self.options.staleness < 1 or ahead.pull.rows is not None or ahead.error is not None:
-            return
+    def _answer(self, lookup: _Lookup) -> None:
+        """Owners answer a prefetched lookup now, from the rows as they are."""
         try:
-            self.exchange.answer(ahead.pull)
+            self.exchange.answer(lookup.pull)
         except ValueError as exc:  # invalid ids: every member learns it here, and its forward raises
-            ahead.error = exc
+            lookup.error = exc
 
     def synchronize(self) -> None:
         """Finish the last backward's optimizer step (the next forward does it anyway)."""
@@ -207,12 +216,20 @@ class _ShardedBase(nn.Module):
         grad = grad.contiguous()
         rows = grad[batch.bag] if batch.bag is not None else grad.reshape(-1, self.table.dim)
         self.synchronize()
-        self._answer_early()
+        ahead = self._ahead
+        if ahead is not None and (ahead.pull.rows is not None or ahead.error is not None):
+            ahead = None  # already answered
+        stale = self.options.staleness > 0
+        if ahead is not None and stale:  # before this step's update: one step stale, nothing waits
+            self._answer(ahead)
         if self.options.combine == "ordered":
             self._pending = self.exchange.push(batch.ids, rows, batch.weights)
         else:
             local = combine(batch.inverse, rows, batch.distinct.numel(), batch.weights)
             self._pending = self.exchange.push(batch.distinct, local)
+        if ahead is not None and not stale:  # this step's update lands now, then the exact rows leave
+            self.synchronize()
+            self._answer(ahead)
 
     def _batch(self, input: Any, offsets: Optional[torch.Tensor]) -> _Batch:
         raise NotImplementedError
@@ -229,8 +246,13 @@ class _ShardedBase(nn.Module):
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict:
-        """Counters: cache hits/misses/evictions/bytes, bytes this rank sent, memory held."""
+        """Counters: cache hits/misses/evictions/bytes, bytes this rank sent, memory held
+        (after finishing the last backward's update)."""
         self.synchronize()
+        return self.counters()
+
+    def counters(self) -> dict:
+        """The counters as they stand, without waiting for anything (any thread may call it)."""
         out = {"bytes_sent": self.exchange.bytes_sent, **self.table.memory()}
         if self.table.cache is not None:
             out.update(self.table.cache.stats.as_dict())

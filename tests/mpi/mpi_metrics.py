@@ -148,6 +148,27 @@ def test_checkpoint_save_and_load_durations_and_bytes(tmp_path):
         assert 0 < value(samples, "hvps_checkpoint_last_seconds", operation=op) < 60
 
 
+def test_store_tables_cache_and_traffic():
+    """A sharded table's cache counters and memory, read at scrape time, per table."""
+    from hvps.store import ShardedEmbeddingBag
+
+    table = ShardedEmbeddingBag(1000, 8, mode="sum", name="metrics_table", cache_rows=20)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):  # more distinct rows than the cache holds: misses and evictions
+        table(torch.randint(0, 1000, (16, 2), generator=g)).sum().backward()
+    counts = table.stats()
+    assert counts["misses"] > 0 and counts["evictions"] > 0
+    samples = scrape()
+    for metric, key in (("hvps_store_cache_hits_total", "hits"), ("hvps_store_cache_misses_total", "misses"),
+                        ("hvps_store_cache_evictions_total", "evictions"), ("hvps_store_sent_bytes_total", "bytes_sent")):
+        assert value(samples, metric, rank=0, table="metrics_table") == counts[key]
+    for direction, key in (("to_cache", "bytes_to_cache"), ("to_tier", "bytes_to_tier"), ("bypass", "bytes_bypass")):
+        assert value(samples, "hvps_store_tier_bytes_total", table="metrics_table", direction=direction) == counts[key]
+    assert counts["bytes_to_cache"] > 0
+    assert value(samples, "hvps_store_memory_bytes", table="metrics_table", tier="host") == counts["tier_bytes"] > 0
+    assert value(samples, "hvps_store_memory_bytes", table="metrics_table", tier="cache") == counts["cache_bytes"] > 0
+
+
 def test_process_host_and_gpu_readings():
     samples = scrape()
     rss = value(samples, "hvps_process_resident_memory_bytes", rank=0)
