@@ -34,6 +34,15 @@ log = logging.getLogger("hvps")
 _ACTIVE_CYCLES = 20
 
 
+def poll_timeout(deadline: float, now: float) -> float:
+    """Seconds from ``now`` to ``deadline`` for ``select``, in whole microseconds.
+
+    ``(now + cycle) - now`` is a hair above a cycle in floating point, and ``select`` rounds up
+    to the next millisecond: unrounded, every 1 ms cycle lasted 2 ms.
+    """
+    return max(0.0, math.floor((deadline - now) * 1e6) / 1e6)
+
+
 class Engine:
     """Queues collectives, negotiates them with the other ranks and runs them on a backend."""
 
@@ -221,11 +230,7 @@ class Engine:
             deadlines.append(self._last_announce + self.cycle_s)
         if self.coordinator is not None and self.coordinator.next_deadline() is not None:
             deadlines.append(self.coordinator.next_deadline())
-        if not deadlines:
-            return None
-        # Whole microseconds: (now + cycle) - now is a hair above a cycle in floating point, and
-        # select() rounds up to the next millisecond, which made every 1 ms cycle last 2 ms.
-        return max(0.0, math.floor((min(deadlines) - now) * 1e6) / 1e6)
+        return poll_timeout(min(deadlines), now) if deadlines else None
 
     def _take_queue(self) -> None:
         with self._lock:
