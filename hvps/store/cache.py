@@ -90,38 +90,35 @@ class RowCache:
         """
         self.tick += 1
         lines = self.slot_of[slots].to(torch.int64)
-        hit = lines >= 0
-        hits = int(hit.sum())
+        missing = (lines < 0).nonzero().view(-1)  # positions (index tensors: cheaper than boolean masks)
         if count:
-            self.stats.hits += hits
-            self.stats.misses += slots.numel() - hits
-        if hits == slots.numel():  # the common case once warm: no masks
-            self.last[lines] = self.tick
-            self.freq[lines] += 1
-            return self.data.index_select(0, lines)
-        self.last[lines[hit]] = self.tick
-        self.freq[lines[hit]] += 1
-        self._admit(slots[~hit])
-        lines = self.slot_of[slots].to(torch.int64)
-        cached = lines >= 0
-        out = torch.empty(slots.numel(), self.tier.width, device=self.device)
-        out[cached] = self.data[lines[cached]]
-        if not bool(cached.all()):
-            rest = slots[~cached]
-            out[~cached] = self.tier.read(rest).to(self.device)
-            self.stats.bytes_bypass += int(rest.numel()) * self._record_bytes
-        return out
+            self.stats.hits += slots.numel() - missing.numel()
+            self.stats.misses += missing.numel()
+        present = lines[lines >= 0] if missing.numel() else lines
+        self.last[present] = self.tick
+        self.freq[present] += 1
+        if missing.numel():
+            self._admit(slots[missing])
+            lines[missing] = self.slot_of[slots[missing]].to(torch.int64)
+            bypass = missing[lines[missing] < 0]  # more rows than the cache can take at once
+            if bypass.numel():
+                out = self.data.index_select(0, lines.clamp(min=0))
+                out[bypass] = self.tier.read(slots[bypass]).to(self.device)
+                self.stats.bytes_bypass += int(bypass.numel()) * self._record_bytes
+                return out
+        return self.data.index_select(0, lines)
 
     def store(self, slots: torch.Tensor, records: torch.Tensor) -> None:
         """Write updated records: into their cache lines (marked dirty) or, if not cached, the tier."""
         lines = self.slot_of[slots].to(torch.int64)
-        cached = lines >= 0
-        self.data[lines[cached]] = records[cached].to(self.device)
-        self.dirty[lines[cached]] = True
-        if not bool(cached.all()):
-            rest = slots[~cached]
-            self.tier.write(rest, records[~cached].cpu())
+        rest = (lines < 0).nonzero().view(-1)
+        if rest.numel():
+            cached = (lines >= 0).nonzero().view(-1)
+            self.tier.write(slots[rest], records[rest].cpu())
             self.stats.bytes_bypass += int(rest.numel()) * self._record_bytes
+            lines, records = lines[cached], records[cached]
+        self.data.index_copy_(0, lines, records.to(self.device))
+        self.dirty[lines] = True
 
     def flush(self) -> None:
         """Write every dirty line back to the tier (the cache keeps its contents)."""
