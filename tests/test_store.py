@@ -143,4 +143,4 @@ def test_store_multirank(np_, backend, tmp_path):
     Adagrad/Adam vs torch, prefetch (synchronous and with staleness), staleness, bad input, config mismatch, checkpoint re-sharding and fallback
     (and once on the torch.distributed data plane: the store only uses hvps's alltoall)."""
     env = {"HVPS_TEST_SHARED_DIR": str(tmp_path), "HVPS_DYNAMIC_PROCESS_SETS": "1", "HVPS_BACKEND": backend}
-    run_mpi("mpi_store.py", np_, env=env, timeout=240).assert_all_passed(min_passed=20)
+    run_mpi("mpi_store.py", np_, env=env, timeout=240).assert_all_passed(min_passed=21)

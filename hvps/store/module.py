@@ -31,9 +31,24 @@ COMBINES = ("ordered", "local")
 _LIVE: "weakref.WeakSet[_ShardedBase]" = weakref.WeakSet()
 
 
+#: synchronous tables whose prefetched lookup waits for this step's update before the owners
+#: answer it, in backward order (the same on every rank); the next forward of any table answers
+#: them all, so that their gradient and row exchanges overlap instead of waiting table by table
+_AWAITING: list = []
+
+
 def live_tables() -> list:
     """The store modules alive in this process."""
     return list(_LIVE)
+
+
+def _answer_awaiting() -> None:
+    """Finish every awaiting table's update, then have the owners answer its prefetched lookup."""
+    awaiting = list(_AWAITING)
+    _AWAITING.clear()
+    for module, lookup in awaiting:  # every push was started in the backward: these waits overlap
+        module.synchronize()
+        module._answer(lookup)
 
 
 @dataclass
@@ -160,13 +175,12 @@ class _ShardedBase(nn.Module):
 
         TorchRec's pipelined input distribution: call it with the next batch after the current
         forward; the next forward must then be given the same batch (ValueError otherwise).
-        The owners answer at the end of this step's backward, so the rows travel during the
-        optimizer step and the next forward rarely waits.  Synchronous tables apply this step's
-        update first (the backward waits for the gradients to reach the owners, while the
-        dense gradients travel), so the rows are exact.  With ``staleness >= 1`` the owners
-        answer before this step's update, so nothing waits: the rows then miss that one update,
-        within the bound (and rows this member keeps are reused for one step less).
-        Collective, like a forward.
+        Synchronous tables: the next forward of any table finishes this step's updates of
+        every table and has the owners answer all prefetched lookups at once, so the tables'
+        exchanges overlap instead of waiting one after another; the rows are exact.  With
+        ``staleness >= 1`` the owners answer during this step's backward, before its update, so
+        nothing waits: the rows then miss that one update, within the bound (and rows this
+        member keeps are reused for one step less).  Collective, like a forward.
         """
         if self._ahead is not None:
             raise ValueError(f"table {self.name!r}: prefetch called twice without a forward in between")
@@ -183,6 +197,8 @@ class _ShardedBase(nn.Module):
 
     def _finish(self, lookup: _Lookup) -> torch.Tensor:
         """Wait for ``lookup``'s rows and pool them into the forward's output."""
+        if _AWAITING:
+            _answer_awaiting()
         if lookup.error is not None:
             raise lookup.error
         if lookup.pull.rows is None:  # owners read after the last step's update, which lands meanwhile
@@ -227,9 +243,8 @@ class _ShardedBase(nn.Module):
         else:
             local = combine(batch.inverse, rows, batch.distinct.numel(), batch.weights)
             self._pending = self.exchange.push(batch.distinct, local)
-        if ahead is not None and not stale:  # this step's update lands now, then the exact rows leave
-            self.synchronize()
-            self._answer(ahead)
+        if ahead is not None and not stale:  # answered with the exact rows at the next forward
+            _AWAITING.append((self, ahead))
 
     def _batch(self, input: Any, offsets: Optional[torch.Tensor]) -> _Batch:
         raise NotImplementedError
