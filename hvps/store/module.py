@@ -304,11 +304,13 @@ class ShardedEmbeddingBag(_ShardedBase):
         if error is not None:
             return _Batch(torch.empty(0, dtype=torch.int64), (0,), error=error)
         ids = input.reshape(-1).to(torch.int64)
-        if offsets is None:
+        if offsets is None:  # fixed bags: id i is in bag i // length
             bags, length = input.shape
             offsets = torch.arange(0, bags * length, length, dtype=torch.int64, device=ids.device)
-        offsets = offsets.to(torch.int64)
-        bag = torch.bucketize(torch.arange(ids.numel(), device=ids.device), offsets, right=True) - 1
+            bag = torch.arange(bags, device=ids.device).repeat_interleave(length)
+        else:
+            offsets = offsets.to(torch.int64)
+            bag = torch.bucketize(torch.arange(ids.numel(), device=ids.device), offsets, right=True) - 1
         weights = None
         if self.mode == "mean":
             sizes = torch.diff(offsets, append=torch.tensor([ids.numel()], device=offsets.device))

@@ -11,6 +11,7 @@ combine against torch within float tolerance.
 """
 
 import os
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -309,8 +310,12 @@ def test_mismatched_configs_raise_hvps_error():
 
 
 def _shared_dir(name):
-    base = Path(os.environ.get("HVPS_TEST_SHARED_DIR") or "/tmp")
-    path = base / name
+    """A directory every rank sees: under HVPS_TEST_SHARED_DIR, else a fresh one from rank 0
+    (never a fixed /tmp path, whose leftovers from an earlier run would be loaded)."""
+    base = os.environ.get("HVPS_TEST_SHARED_DIR")
+    if not base:
+        base = hvd.broadcast_object(tempfile.mkdtemp(prefix="hvps-store-") if hvd.rank() == 0 else None, 0)
+    path = Path(base) / name
     if hvd.rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     hvd.barrier()
