@@ -1,6 +1,12 @@
 """A bounded fuzz run over checkpoint reading (tests/fuzz/fuzz_checkpoint.py): mutated
 real checkpoints, 0 crashes. HVPS_FUZZ_SECONDS sets the budget (30 s by default);
-atheris when installed, random byte mutation otherwise."""
+atheris when installed, random byte mutation otherwise.
+
+The fuzzer reads metadata in its own process, so libhdf5's own failures on a corrupt file
+(hangs, memory blow-ups, segfaults) show up there as timeouts, OOMs and crashes. Those are
+what load() runs that inspection in a helper process for: every such input is replayed
+through the real path and must end in a CheckpointError. A Python exception other than a
+CheckpointError fails the run either way (in the replay, as a "crash" outcome)."""
 
 import importlib.util
 import os
@@ -18,7 +24,7 @@ from hvps.checkpoint import CheckpointManager
 FUZZER = Path(__file__).parent / "fuzz" / "fuzz_checkpoint.py"
 SECONDS = float(os.environ.get("HVPS_FUZZ_SECONDS", "30"))
 REPLAY_DEADLINE = 2  # HVPS_CHECKPOINT_INSPECT_TIMEOUT for the replay of hangs
-REPLAY_MAX = 3  # artifacts of each kind replayed
+REPLAY_MAX = 3  # timeout and OOM artifacts replayed (each costs up to the deadline); crashes: all
 
 
 def _corpus(tmp_path: Path) -> Path:
@@ -46,7 +52,7 @@ def test_fuzz_checkpoint_reading(tmp_path):
         max_len = max(f.stat().st_size for f in corpus.iterdir()) + 256
         cmd = [sys.executable, str(FUZZER), str(corpus), f"-max_total_time={SECONDS:g}", f"-max_len={max_len}",
                "-rss_limit_mb=2048", "-timeout=5", "-fork=1", "-ignore_timeouts=1", "-ignore_ooms=1",
-               "-ignore_crashes=0", f"-artifact_prefix={tmp_path}/"]
+               "-ignore_crashes=1", f"-artifact_prefix={tmp_path}/"]
     else:
         cmd = [sys.executable, str(FUZZER), "--random", str(corpus), f"{SECONDS:g}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=SECONDS + 100)
@@ -55,17 +61,32 @@ def test_fuzz_checkpoint_reading(tmp_path):
         re.findall(r"fuzz: (\d+) inputs, \d+ crashes", out)
     print(f"fuzz: {runs[-1] if runs else out[-2000:]} (inputs, ooms, timeouts, crashes)")
     assert runs, out[-4000:]
-    if len(runs[-1]) == 4:  # libFuzzer: exit 70/71 says a timeout/OOM happened in this process
-        assert proc.returncode in (0, 70, 71) and runs[-1][3] == "0", out[-4000:]  # no crash
+    if len(runs[-1]) == 4:  # libFuzzer: 70/71/77: a timeout/OOM/crash in a child, each left an artifact
+        assert proc.returncode in (0, 70, 71, 77), out[-4000:]
+        assert "Uncaught Python exception" not in out, out[-4000:]
+        crashes = len(list(tmp_path.glob("crash-*")))
+        assert crashes >= (runs[-1][3] != "0"), "a crash was counted but left no input to replay"
+        _crashes_are_native(tmp_path, env)
     else:
         assert proc.returncode == 0, out[-4000:]
     _replay_through_the_helper(tmp_path, env)
 
 
+def _crashes_are_native(tmp_path: Path, env: dict) -> None:
+    """Each crash input, run alone in a fresh process as the fuzzer ran it, either kills it with
+    a signal (libhdf5) or ends normally (the crash needed state from earlier inputs); an
+    uncaught Python exception is a bug in hvps."""
+    for crash in sorted(tmp_path.glob("crash-*")):
+        proc = subprocess.run([sys.executable, str(FUZZER), "--inprocess", str(crash)], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode <= 0, f"{crash.name}: {proc.stderr[-4000:]}"
+
+
 def _replay_through_the_helper(tmp_path: Path, env: dict) -> None:
-    """Hangs and memory blow-ups found in-process end in a CheckpointError through the
-    helper process (deadline REPLAY_DEADLINE s, memory cap) that load() uses."""
-    found = sorted(tmp_path.glob("timeout-*"))[:REPLAY_MAX] + sorted(tmp_path.glob("oom-*"))[:REPLAY_MAX]
+    """Hangs, memory blow-ups and native crashes found in-process end in a CheckpointError
+    through the helper process (deadline REPLAY_DEADLINE s, memory cap) that load() uses."""
+    found = (sorted(tmp_path.glob("timeout-*"))[:REPLAY_MAX] + sorted(tmp_path.glob("oom-*"))[:REPLAY_MAX]
+             + sorted(tmp_path.glob("crash-*")))
     if not found:
         return
     proc = subprocess.run([sys.executable, str(FUZZER), "--replay", str(REPLAY_DEADLINE), *map(str, found)],

@@ -4,11 +4,13 @@ verify. Anything but a CheckpointError (or a clean load) is a crash.
     python tests/fuzz/fuzz_checkpoint.py CORPUS_DIR -max_total_time=30     (atheris / libFuzzer)
     python tests/fuzz/fuzz_checkpoint.py --random CORPUS_DIR SECONDS        (byte mutation, no atheris)
     python tests/fuzz/fuzz_checkpoint.py --replay DEADLINE FILE...          (through the helper)
+    python tests/fuzz/fuzz_checkpoint.py --inprocess FILE                   (one input, as the fuzzer ran it)
 
 Fuzzing inspects metadata in this process (HVPS_CHECKPOINT_INSPECT_TIMEOUT=0), so that
-atheris sees the code it runs; a libhdf5 hang or memory blow-up then shows as a libFuzzer
-timeout or OOM, which ``--replay`` feeds through the real path (the helper process with a
-deadline and a memory cap): each must end in a CheckpointError (``replay: NAME error``).
+atheris sees the code it runs; a libhdf5 hang, memory blow-up or segfault then shows as a
+libFuzzer timeout, OOM or crash, which ``--replay`` feeds through the real path (the helper
+process with a deadline and a memory cap): each must end in a CheckpointError
+(``replay: NAME error``).
 
 Prints ``fuzz: N inputs, C crashes`` at the end (atheris prints its own ``Done N runs``).
 """
@@ -99,6 +101,10 @@ if __name__ == "__main__":
     if sys.argv[1] == "--replay":
         sys.exit(replay(sys.argv[2], sys.argv[3:]))
     os.environ["HVPS_CHECKPOINT_INSPECT_TIMEOUT"] = "0"
+    if sys.argv[1] == "--inprocess":  # a Python exception escapes (exit 1); a libhdf5 crash kills it
+        with open(sys.argv[2], "rb") as f:
+            print(f"inprocess: {one_input(f.read())}")
+        sys.exit(0)
     if sys.argv[1] == "--random":
         sys.exit(random_mode(sys.argv[2], float(sys.argv[3])))
     atheris_mode(sys.argv)
