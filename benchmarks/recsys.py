@@ -244,7 +244,7 @@ def _summarize(variant, args, ranks) -> dict:
         out["hit_rate_distinct"] = hits / max(1, hits + misses)
         resident = sum(r["access"][0] for r in ranks)
         total = sum(r["access"][1] for r in ranks)
-        out["hit_rate_access"] = resident / total if total else float("nan")  # nan: not measured (--prefetch)
+        out["hit_rate_access"] = resident / total if total else None  # None: not measured (--prefetch)
         out["evictions"] = sum(s.get("evictions", 0) for s in stats)
         out["cache_bytes_per_rank"] = stats[0].get("cache_bytes", 0)
         out["shard_bytes_per_rank"] = stats[0].get("tier_bytes", 0)
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {round_ + 1} {v:12s} step {res['step_s'] * 1e3:9.2f} ms  "
                   f"wire {res['wire_bytes_per_step'] / 1e6:10.3f} MB/step  "
                   f"rss {max(res['rss_bytes']) / 2**20:8.0f} MiB  loss {res['final_loss']:.4f}"
-                  + (f"  hit(distinct) {res['hit_rate_distinct']:.3f} hit(access) {res['hit_rate_access']:.3f}"
+                  + (f"  hit(distinct) {res['hit_rate_distinct']:.3f} hit(access) {_rate(res['hit_rate_access'])}"
                      if "hit_rate_distinct" in res else ""), flush=True)
     summary = {v: {key: median([r[key] for r in rs]) for key in rs[0] if isinstance(rs[0][key], (int, float))}
                for v, rs in results.items()}
@@ -292,6 +292,10 @@ def main(argv: list[str] | None = None) -> None:
             s["embedding_s"] = s["step_s"] - summary["mlp"]["step_s"]
             print(f"  {v:12s} embedding part of the step {s['embedding_s'] * 1e3:8.2f} ms")
     write_json(args.json, {"args": vars(args), "runs": results, "medians": summary})
+
+
+def _rate(value) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _strip(argv: list, options: tuple) -> list:

@@ -120,8 +120,7 @@ class Engine:
             # switch and the GIL (~150 us). Backward hooks submit in bursts, so while
             # the engine is active it polls its queue every cycle instead (as
             # Horovod's cycle does); after a quiet spell a collective wakes it at once.
-            wake = self._sleeping and not self._wake_pending
-            self._wake_pending = self._wake_pending or wake
+            wake = self._claim_wake(self._sleeping)
         if wake:
             self.control.wake()
         return [entry.handle for entry in entries]
@@ -131,10 +130,15 @@ class Engine:
         engine now instead of letting it wait for the next cycle.  The wake-up's cost falls on a
         thread that would only wait anyway, and a synchronous call saves up to a cycle per rank."""
         with self._lock:
-            wake = bool(self._queue) and not self._wake_pending
-            self._wake_pending = self._wake_pending or wake
+            wake = self._claim_wake(bool(self._queue))
         if wake:
             self.control.wake()
+
+    def _claim_wake(self, wanted: bool) -> bool:
+        """Whether the caller should wake the engine (it holds the lock): once until it runs."""
+        wake = wanted and not self._wake_pending
+        self._wake_pending = self._wake_pending or wake
+        return wake
 
     def step_done(self) -> None:
         """A training step ended on this rank (the adapters call it once per optimizer step)."""

@@ -156,10 +156,11 @@ class RowCache:
         lines = torch.arange(self.filled, self.filled + fresh)
         self.filled += fresh
         self.last[lines] = self.tick  # taken by this lookup: not eviction candidates
-        if fresh < missing.numel() and self.free.numel() < missing.numel() - fresh:
-            self.free = torch.cat([self.free, self._evict(missing.numel() - fresh - self.free.numel())])
-        reused, self.free = self.free[: missing.numel() - fresh], self.free[missing.numel() - fresh:]
-        lines = torch.cat([lines, reused])
+        wanted = missing.numel() - fresh  # lines to take from the freed ones
+        if self.free.numel() < wanted:
+            self.free = torch.cat([self.free, self._evict(wanted - self.free.numel())])
+        lines = torch.cat([lines, self.free[:wanted]])
+        self.free = self.free[wanted:]
         rows = missing[: lines.numel()]
         if not rows.numel():
             return

@@ -3,10 +3,13 @@
 The two directions of a parameter-server round trip (ps-lite's pull and push, TorchRec's
 input and output distribution), without a server: every member is the owner of one shard.
 
-* :meth:`Exchange.pull` sends each distinct id to its owner and the owner's row back.
+* a pull sends each distinct id to its owner (:meth:`Exchange.request`), the owner reads its
+  row (:meth:`Exchange.answer`, when the module decides) and sends it back
+  (:meth:`Exchange.receive`);
 * :meth:`Exchange.push` sends gradient rows to the owners, which combine the rows of one id
   and hand the result to the optimizer; it returns while the rows travel, and the step is
-  finished before the next pull (so lookups still see every update of the previous step).
+  finished before the owners answer the next pull (so lookups see every update of the
+  previous step unless the table allows staleness).
 
 Every id message starts each destination's segment with a status word, so when one member's
 input is invalid all members learn it from the same collective and raise together instead of
@@ -71,9 +74,6 @@ class Exchange:
 
         return wait
 
-    def _alltoall(self, tensor: torch.Tensor, splits: list, tag: str) -> tuple:
-        return self._alltoall_async(tensor, splits, tag)()
-
     def _own_bytes(self, tensor: torch.Tensor, splits: list) -> int:
         """Bytes a member sends to itself never cross the wire."""
         row_bytes = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
@@ -133,18 +133,6 @@ class Exchange:
         out = torch.empty_like(back)
         out[pending.order] = back
         return out
-
-    def pull(self, ids: torch.Tensor, error: Optional[str] = None,
-             meanwhile: Optional[Callable[[], None]] = None) -> torch.Tensor:
-        """The current rows of distinct ``ids`` ([len(ids), dim], on the cache's device).
-
-        ``meanwhile`` runs while the ids travel and before the owners read their rows (the
-        module finishes the previous step's updates there).
-        """
-        pending = self.request(ids, error)
-        if meanwhile is not None:
-            meanwhile()
-        return self.receive(pending)
 
     def push(self, ids: torch.Tensor, grads: torch.Tensor,
              weights: Optional[torch.Tensor] = None) -> Callable[[], None]:
