@@ -13,7 +13,7 @@
    sampled_topk``, DGC's) vs ``torch.topk`` vs exact numpy ``argpartition``,
    each including the ``abs``; alternating A B C A B C, medians over ``--runs``.
 3. **Compress / decompress time per step** for each compression over the
-   ResNet-50 gradients (decompress = what ``finish`` does at 2 ranks: decompress
+   ResNet-50 gradients (decompress = what the handle's ``wait`` does at 2 ranks: decompress
    the summed payload, or aggregate two ranks' gathered payloads), alternating
    compressions step by step, medians over ``--steps``; with the time a
    ``--link-gbit`` link would need for the dense and the compressed bytes
@@ -103,7 +103,7 @@ def local_step(gc, array: np.ndarray, name: str, size: int):
 
 
 def rebuild(gc, payloads: list, ctx, size: int) -> np.ndarray:
-    """What ``finish`` computes from what ``size`` ranks sent (every rank sent ``payloads`` here)."""
+    """What the exchange's handle returns from what ``size`` ranks sent (every rank sent ``payloads`` here)."""
     if gc.summable:
         return gc.compressor.decompress(payloads, ctx)
     return gc.compressor.aggregate([np.concatenate([p.reshape(-1)] * size) for p in payloads], ctx, size)
@@ -206,7 +206,7 @@ def run_worker(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         pending = [gc.start(g.copy(), f"{name}.{tname}") for tname, g in grads]
         for p in pending:
-            gc.finish(p)
+            p.wait()
         elapsed = time.perf_counter() - t0
         stats = gc.stats.as_dict()
         stats["exchange_s"] = elapsed

@@ -18,7 +18,7 @@ class Handle:
     """An in-flight collective; owns its input and output buffers until it completes."""
 
     __slots__ = ("name", "_done", "_result", "_error", "_buffers", "_submitted", "_started", "_limit", "event",
-                 "_expedite")
+                 "_expedite", "_source", "_finish")
 
     def __init__(self, name: str, buffers: tuple = (), stall_seconds: float = 60.0,
                  expedite: Optional[Callable[[], None]] = None) -> None:
@@ -35,15 +35,30 @@ class Handle:
         #: called once by the first wait() that would block: the engine then starts the
         #: collective now instead of at its next cycle (the waiter has nothing else to do)
         self._expedite = expedite
+        #: a handle made by ``then``: the handle it waits for, and what turns that one's result into its own
+        self._source: Optional[Handle] = None
+        self._finish: Optional[Callable[[Any], Any]] = None
+
+    def then(self, finish: Callable[[Any], Any]) -> "Handle":
+        """A handle on the same collective whose result is ``finish(this handle's result)``, computed once,
+        by the first ``wait()`` (adapters turn core arrays into framework tensors this way)."""
+        derived = Handle(self.name)
+        derived._source, derived._finish = self, finish
+        return derived
 
     def poll(self) -> bool:
         """Whether the collective has finished (successfully or not); never blocks."""
-        return self._done.is_set()
+        return self._done.is_set() or (self._source is not None and self._source.poll())
 
     done = poll
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until the collective finishes and return its result; raise HvpsError if it failed."""
+        if self._source is not None:
+            if not self._done.is_set():
+                self._result = self._finish(self._source.wait(timeout))
+                self._done.set()
+            return self._result
         deadline = None if timeout is None else time.monotonic() + timeout
         expedite, self._expedite = self._expedite, None
         if expedite is not None and not self._done.is_set():

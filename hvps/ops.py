@@ -156,6 +156,11 @@ class GroupHandle(Handle):
         self._parts = parts
         self._count = count
 
+    @classmethod
+    def of(cls, name: str, handles: list) -> "GroupHandle":
+        """One handle yielding the results of ``handles``, in order."""
+        return cls(name, [([i], h) for i, h in enumerate(handles)], len(handles))
+
     def poll(self) -> bool:
         return all(handle.poll() for _, handle in self._parts)
 
@@ -266,7 +271,7 @@ def grouped_allgather_async(values: Sequence[Any], name: Optional[str] = None,
     base = _name(ALLGATHER, name, set_id)
     parts = [(Request(f"{base}.{i}", ALLGATHER, **_describe(src, set_id)), [src], []) for i, src in enumerate(sources)]
     handles = _submit_all(parts)
-    return GroupHandle(base, [([i], h) for i, h in enumerate(handles)], len(sources))
+    return GroupHandle.of(base, handles)
 
 
 def allgather_async(array: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
@@ -375,7 +380,7 @@ def grouped_reducescatter_async(values: Sequence[Any], op: Any = Average, name: 
                       postscale=float(postscale_factor), **_describe(src, set_id)), [src], [])
              for i, src in enumerate(sources)]
     handles = _submit_all(parts)
-    return GroupHandle(base, [([i], h) for i, h in enumerate(handles)], len(sources))
+    return GroupHandle.of(base, handles)
 
 
 def reducescatter_async(array: Any, op: Any = Average, name: Optional[str] = None,

@@ -20,38 +20,12 @@ from .tensors import core_buffer, core_input, from_core
 Average, Sum, Min, Max, Product, Adasum = hvps.Average, hvps.Sum, hvps.Min, hvps.Max, hvps.Product, hvps.Adasum
 
 
-class TorchHandle:
-    """An in-flight collective on tensors; ``synchronize(handle)`` returns its output."""
-
-    def __init__(self, core: hvps.Handle, finish: Callable[[Any], Any]) -> None:
-        self._core = core
-        self._finish = finish
-        self._output: Any = None
-        self._finished = False
-
-    def poll(self) -> bool:
-        """Whether the collective has completed."""
-        return self._core.poll()
-
-    def wait(self) -> Any:
-        """Block until completion and return the output tensor(s)."""
-        if not self._finished:
-            result = self._core.wait()
-            self._output = self._finish(result)
-            self._finished = True
-        return self._output
-
-    def then(self, finish: Callable[[Any], Any]) -> "TorchHandle":
-        """A handle on the same collective whose output is ``finish(this handle's output)``."""
-        return TorchHandle(self._core, lambda result: finish(self._finish(result)))
-
-
-def synchronize(handle: TorchHandle) -> Any:
+def synchronize(handle: hvps.Handle) -> Any:
     """Wait for an asynchronous collective and return its output."""
     return handle.wait()
 
 
-def poll(handle: TorchHandle) -> bool:
+def poll(handle: hvps.Handle) -> bool:
     """Whether an asynchronous collective has completed; ``synchronize`` then returns at once."""
     return handle.poll()
 
@@ -87,28 +61,28 @@ def _outputs(tensors: Sequence[torch.Tensor]) -> Callable[[list], list]:
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Optional[ReduceOp] = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: ProcessSet = global_process_set) -> TorchHandle:
+                             process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Reduce ``tensors`` in place as one fused collective."""
     pairs = [core_buffer(t) for t in tensors]
     arrays = [array for array, _ in pairs]
     core = hvps.grouped_allreduce_async(arrays, _resolve_op(average, op), name, prescale_factor,
                                         postscale_factor, outs=arrays, process_set=process_set)
-    return TorchHandle(core, lambda _: [_writeback(t, buffer) for t, (_, buffer) in zip(tensors, pairs)])
+    return core.then(lambda _: [_writeback(t, buffer) for t, (_, buffer) in zip(tensors, pairs)])
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Optional[ReduceOp] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> TorchHandle:
+                            process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Reduce ``tensors`` as one fused collective into new tensors."""
     core = hvps.grouped_allreduce_async([core_input(t) for t in tensors], _resolve_op(average, op), name,
                                         prescale_factor, postscale_factor, process_set=process_set)
-    return TorchHandle(core, _outputs(tensors))
+    return core.then(_outputs(tensors))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> TorchHandle:
+                     process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Start reducing ``tensor`` in place over the set's ranks."""
     return grouped_allreduce_async_([tensor], average, name, op, prescale_factor, postscale_factor,
                                     process_set).then(lambda outs: outs[0])
@@ -116,11 +90,11 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: ProcessSet = global_process_set) -> TorchHandle:
+                    process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Start reducing ``tensor`` over the set's ranks into a new tensor."""
     core = hvps.allreduce_async(core_input(tensor), _resolve_op(average, op), name, prescale_factor,
                                 postscale_factor, process_set=process_set)
-    return TorchHandle(core, lambda out: from_core(out, tensor.device))
+    return core.then(lambda out: from_core(out, tensor.device))
 
 
 class _Allreduce(torch.autograd.Function):
@@ -190,40 +164,45 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
                                     process_set).wait()
 
 
-def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp,
-                           process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:
-    """Start reducing a sparse COO tensor by allgathering its indices and values.
-
-    Returns a function that waits and yields the reduced sparse tensor (Horovod's interface).
-    """
+def sparse_allreduce_handle(tensor: torch.Tensor, name: str, op: ReduceOp,
+                            process_set: ProcessSet = global_process_set) -> hvps.Handle:
+    """Start reducing a sparse COO tensor by allgathering its indices and values; the handle
+    yields the reduced sparse tensor."""
     sparse = tensor.coalesce() if not tensor.is_coalesced() else tensor
     # indices and values travel as one grouped allgather: both are submitted, or neither
     handle = grouped_allgather_async([sparse._indices().t().contiguous(), sparse._values().contiguous()],
                                      name=f"sparse.{name}", process_set=process_set)
     size = _set_size(process_set)
 
-    def result() -> torch.Tensor:
-        gathered_indices, gathered_values = handle.wait()
+    def result(gathered: list) -> torch.Tensor:
+        gathered_indices, gathered_values = gathered
         if op is Average:
             gathered_values = gathered_values / size
         return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape)
 
-    return result
+    return handle.then(result)
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp,
+                           process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:
+    """Start reducing a sparse COO tensor; returns a function that waits and yields the reduced
+    sparse tensor (Horovod's interface)."""
+    return sparse_allreduce_handle(tensor, name, op, process_set).wait
 
 
 # -- allgather ------------------------------------------------------------------------
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
-                    process_set: ProcessSet = global_process_set) -> TorchHandle:
+                    process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Start concatenating every member's tensor along dim 0."""
     core = hvps.allgather_async(core_input(tensor), name, process_set)
-    return TorchHandle(core, lambda out: from_core(out, tensor.device))
+    return core.then(lambda out: from_core(out, tensor.device))
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
-                            process_set: ProcessSet = global_process_set) -> TorchHandle:
+                            process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Start allgathering several tensors together."""
     core = hvps.grouped_allgather_async([core_input(t) for t in tensors], name, process_set)
-    return TorchHandle(core, _outputs(tensors))
+    return core.then(_outputs(tensors))
 
 
 def _own_rows(grads: Sequence[torch.Tensor], rows: Sequence[int], process_set: ProcessSet) -> list:
@@ -260,18 +239,18 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = Non
 
 # -- broadcast ------------------------------------------------------------------------
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-                    process_set: ProcessSet = global_process_set) -> TorchHandle:
+                    process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Start copying the root's tensor to a new tensor on every member."""
     core = hvps.broadcast_async(core_input(tensor), root_rank, name, process_set=process_set)
-    return TorchHandle(core, lambda out: from_core(out, tensor.device))
+    return core.then(lambda out: from_core(out, tensor.device))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
-                     process_set: ProcessSet = global_process_set) -> TorchHandle:
+                     process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Start overwriting ``tensor`` in place with the root's."""
     array, buffer = core_buffer(tensor)
     core = hvps.broadcast_async(array, root_rank, name, out=array, process_set=process_set)
-    return TorchHandle(core, lambda _: _writeback(tensor, buffer))
+    return core.then(lambda _: _writeback(tensor, buffer))
 
 
 class _Broadcast(torch.autograd.Function):
@@ -310,11 +289,11 @@ def _splits_list(splits: Any) -> Any:
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Optional[Any] = None, name: Optional[str] = None,
-                   process_set: ProcessSet = global_process_set) -> TorchHandle:
+                   process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Start sending ``splits[i]`` rows to the set's i-th rank; yields ``(output, received_splits)``."""
     core = hvps.alltoall_async(core_input(tensor), _splits_list(splits), name, process_set)
     splits_device = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
-    return TorchHandle(core, lambda res: (from_core(res[0], tensor.device),
+    return core.then(lambda res: (from_core(res[0], tensor.device),
                                           torch.as_tensor(res[1], dtype=torch.int32).to(splits_device)))
 
 
@@ -345,19 +324,19 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Any] = None, name: Optional[
 # -- reducescatter ----------------------------------------------------------------------
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: ReduceOp = Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                        process_set: ProcessSet = global_process_set) -> TorchHandle:
+                        process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Start reducing ``tensor`` and keeping this rank's block of dim 0."""
     core = hvps.reducescatter_async(core_input(tensor), op, name, prescale_factor, postscale_factor, process_set)
-    return TorchHandle(core, lambda out: from_core(out, tensor.device))
+    return core.then(lambda out: from_core(out, tensor.device))
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None, op: ReduceOp = Average,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                                process_set: ProcessSet = global_process_set) -> TorchHandle:
+                                process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Start reducescattering several tensors together."""
     core = hvps.grouped_reducescatter_async([core_input(t) for t in tensors], op, name, prescale_factor,
                                             postscale_factor, process_set)
-    return TorchHandle(core, _outputs(tensors))
+    return core.then(_outputs(tensors))
 
 
 class _Reducescatter(torch.autograd.Function):

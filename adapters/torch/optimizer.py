@@ -18,8 +18,8 @@ from hvps import HvpsError, ProcessSet, global_process_set
 from hvps import metrics as _metrics
 
 from .compression import as_gradient_compression, compress_for_sum, decompress_sum
-from .mpi_ops import Adasum, Average, Sum, grouped_allreduce_async_, sparse_allreduce_async
-from .tensors import from_numpy, host_buffer, takes_tensor, to_numpy
+from .mpi_ops import Adasum, Average, Sum, grouped_allreduce_async_, sparse_allreduce_handle
+from .tensors import from_numpy, host_buffer, to_numpy
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -161,31 +161,38 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._densified.add(p)
         return p.grad
 
-    def _allreduce_grad_async(self, p: torch.Tensor):
+    def _allreduce_grad_async(self, p: torch.Tensor) -> hvps.Handle:
         grad = self._prepare_grad(p)
         name = f"grad.{self._parameter_names[p]}"
         if grad.is_sparse:
-            grad = grad.coalesce()
-            return ("sparse", sparse_allreduce_async(grad, name, self._op, self.process_set))
-        if self.compression.summable and (takes_tensor(grad) or self.process_set is not global_process_set):
-            # The backend moves tensors (NCCL, gloo): casts run as torch ops where the gradient lives.
+            return sparse_allreduce_handle(grad, name, self._op, self.process_set).then(
+                lambda reduced: setattr(p, "grad", reduced.coalesce()))
+        if self.compression.summable:
             return self._allreduce_group_async((p,))
+        # int8, top-k, DGC: numpy compressors exchange float32 values and average after
+        # decompressing, so a predivide factor would cancel out: none is applied.
         buffer = host_buffer(grad)
-        array = to_numpy(buffer)
-        if self._predivide != 1.0:
-            array *= array.dtype.type(1.0 / self._predivide)
-        return ("dense", self.compression.start(array, name, self._op), buffer)
+        return self.compression.start(to_numpy(buffer), name, self._op).then(
+            lambda result: self._install(p, from_numpy(result).view(buffer.shape)))
 
-    def _allreduce_group_async(self, group: tuple):
+    def _allreduce_group_async(self, group: tuple) -> hvps.Handle:
+        """One fused allreduce of ``group``'s gradients (summable compression, cast as torch ops);
+        the handle's ``wait()`` installs the averages."""
         grads = [self._prepare_grad(p) for p in group]
         pre, post = (1.0 / self._predivide, self._predivide) if self._op is Average else (1.0, 1.0)
         payloads, ctxs, plan = compress_for_sum(self.compression, grads, self._op, self.process_set.size, pre,
                                                 post)
         self.compression.record(sum(g.nbytes for g in grads), payloads)
-        name = "grad.group." + "+".join(self._parameter_names[p] for p in group[:1]) + f".{len(group)}"
+        first = self._parameter_names[group[0]]
+        name = f"grad.{first}" if len(group) == 1 else f"grad.group.{first}.{len(group)}"
         handle = grouped_allreduce_async_(payloads, name=name, op=plan.op, prescale_factor=plan.prescale,
                                           postscale_factor=plan.postscale, process_set=self.process_set)
-        return ("group", handle, ctxs, group, plan)
+
+        def install(outputs: list) -> None:
+            for member, grad in zip(group, decompress_sum(self.compression, outputs, ctxs, plan)):
+                self._install(member, grad)
+
+        return handle.then(install)
 
     # -- synchronisation ---------------------------------------------------------------
     def synchronize(self) -> None:
@@ -197,24 +204,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in self._params():  # start what backward did not: unused or still-accumulating gradients
             if p.requires_grad and self._handles.get(p) is None:
                 self._start(p)
-        done_groups = set()
         try:
-            for p, pending in list(self._handles.items()):
-                if pending[0] == "group":
-                    _, handle, ctxs, group, plan = pending
-                    if id(handle) in done_groups:
-                        continue
-                    done_groups.add(id(handle))
-                    for member, grad in zip(group, decompress_sum(self.compression, handle.wait(), ctxs, plan)):
-                        self._install(member, grad)
-                elif pending[0] == "sparse":
-                    p.grad = pending[1]().coalesce()
-                else:
-                    _, exchange, buffer = pending
-                    result = self.compression.finish(exchange)
-                    if self._predivide != 1.0:
-                        result *= result.dtype.type(self._predivide)
-                    self._install(p, from_numpy(result).view(buffer.shape))
+            for handle in self._handles.values():  # a group's members share one handle: it installs once
+                handle.wait()
             for p in self._densified:  # the optimizer expects the layout its gradients had (SparseAdam)
                 p.grad = p.grad.to_sparse()
         finally:

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from ..handle import Handle
+
 
 class Compressor(abc.ABC):
     """Turns one gradient into payloads that travel, and back."""
@@ -81,22 +83,18 @@ class Communicator(abc.ABC):
     averages: bool = False
 
     @abc.abstractmethod
-    def start(self, payloads: list, name: str, average: bool) -> Any:
-        """Start the exchange asynchronously; returns what ``wait`` needs."""
-
-    @abc.abstractmethod
-    def wait(self, pending: Any) -> list:
-        """Wait for the exchange and return what arrived."""
+    def start(self, payloads: list, name: str, average: bool) -> Handle:
+        """Start the exchange asynchronously; the handle yields the list of what arrived."""
 
     @abc.abstractmethod
     def rebuild(self, compressor: Compressor, received: list, ctx: Any) -> np.ndarray:
-        """The dense result from what ``wait`` returned."""
+        """The dense result from what arrived."""
 
     @abc.abstractmethod
     def wire_bytes(self, payloads: list, size: int) -> tuple:
         """``(sent, received)`` bytes of this rank for one exchange of ``payloads``."""
 
     def received_bytes(self, received: list, own_bytes: int, size: int) -> Any:
-        """Bytes this rank actually received, from what ``wait`` returned (``own_bytes``: its own
+        """Bytes this rank actually received, from what arrived (``own_bytes``: its own
         payloads); None where ``wire_bytes``'s count is exact already."""
         return None

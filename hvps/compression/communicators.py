@@ -18,10 +18,8 @@ class Allreduce(Communicator):
 
     def start(self, payloads, name, average):
         op = ops.Average if average else ops.Sum
-        return [ops.allreduce_async(p, op=op, name=f"{name}.{i}", out=p) for i, p in enumerate(payloads)]
-
-    def wait(self, pending):
-        return [handle.wait() for handle in pending]
+        return ops.GroupHandle.of(name, [ops.allreduce_async(p, op=op, name=f"{name}.{i}", out=p)
+                                         for i, p in enumerate(payloads)])
 
     def rebuild(self, compressor: Compressor, received, ctx):
         return compressor.decompress(received, ctx)
@@ -39,10 +37,8 @@ class Allgather(Communicator):
         self.size = size
 
     def start(self, payloads, name, average):
-        return [ops.allgather_async(p.reshape(-1), name=f"{name}.{i}") for i, p in enumerate(payloads)]
-
-    def wait(self, pending):
-        return [handle.wait() for handle in pending]
+        return ops.GroupHandle.of(name, [ops.allgather_async(p.reshape(-1), name=f"{name}.{i}")
+                                         for i, p in enumerate(payloads)])
 
     def rebuild(self, compressor: Compressor, received, ctx):
         return compressor.aggregate(received, ctx, self.size)

@@ -10,6 +10,7 @@ import numpy as np
 
 from .. import runtime
 from ..dtypes import ReduceOp
+from ..handle import Handle
 from .base import Communicator, Compressor, Memory
 from .communicators import choose
 from .memory import NoMemory
@@ -45,23 +46,11 @@ class CompressionStats:
         self.__init__()
 
 
-@dataclass
-class Pending:
-    """An exchange in flight: finish it with ``GradientCompression.finish``."""
-
-    name: str
-    communicator_state: Any
-    ctx: Any
-    factor: float
-    own_bytes: int = 0
-    received_estimate: int = 0
-
-
 class GradientCompression:
     """Compress, exchange and rebuild gradients; ``Compression.topk(0.01)`` and friends build these.
 
     ``start(array, name)`` compresses (with error feedback) and starts the
-    exchange; ``finish(pending)`` returns the sum or average over ranks.
+    exchange; its handle's ``wait()`` returns the sum or average over ranks.
     """
 
     def __init__(self, name: str, compressor: Compressor, memory: Optional[Memory] = None,
@@ -88,8 +77,9 @@ class GradientCompression:
         if self.schedule is not None:
             self.compressor.density = self.schedule.at(epoch)
 
-    def start(self, array: np.ndarray, name: str, op: ReduceOp = ReduceOp.Average) -> Pending:
-        """Compress ``array`` (with error feedback) and start sending it; ``array`` may be sent as is."""
+    def start(self, array: np.ndarray, name: str, op: ReduceOp = ReduceOp.Average) -> Handle:
+        """Compress ``array`` (with error feedback) and start sending it; ``array`` may be sent as is.
+        The handle's ``wait()`` returns the aggregated (summed or averaged) gradient."""
         size = runtime.size()
         self.compressor.check(array)
         communicator = self.communicator()
@@ -103,11 +93,23 @@ class GradientCompression:
         self.memory.update(compensated, name, self.compressor, payloads, ctx)
         self.stats.compress_seconds += time.perf_counter() - started
         received_estimate = self._count(array, payloads, size)
+        own_bytes = sum(p.nbytes for p in payloads)
         # Where the communicator averages and nothing was prescaled, it divides in place.
         in_place = average and prescale == 1.0 and communicator.averages
         factor = 1.0 if in_place else (1.0 / size if average else 1.0) / prescale
-        return Pending(name, communicator.start(payloads, name, in_place), ctx, factor,
-                       sum(p.nbytes for p in payloads), received_estimate)
+
+        def rebuild(received: list) -> np.ndarray:
+            # Received bytes are counted when they arrive: what came, where the communicator knows.
+            actual = communicator.received_bytes(received, own_bytes, size)
+            self.stats.bytes_received += received_estimate if actual is None else actual
+            started = time.perf_counter()
+            result = communicator.rebuild(self.compressor, received, ctx)
+            if factor != 1.0:
+                result = _scaled(result, factor)
+            self.stats.decompress_seconds += time.perf_counter() - started
+            return result
+
+        return communicator.start(payloads, name, in_place).then(rebuild)
 
     def _count(self, array: np.ndarray, payloads: list, size: int) -> int:
         """Count the exchange and the bytes sent; returns the estimate of the bytes to receive."""
@@ -125,19 +127,10 @@ class GradientCompression:
         standing for a gradient of ``dense_nbytes`` bytes."""
         self.stats.bytes_received += self._count_bytes(dense_nbytes, payloads, runtime.size())
 
-    def finish(self, pending: Pending) -> np.ndarray:
-        """Wait for the exchange and return the aggregated (summed or averaged) gradient."""
-        communicator = self.communicator()
-        received = communicator.wait(pending.communicator_state)
-        # Received bytes are counted when they arrive: what came, where the communicator knows.
-        actual = communicator.received_bytes(received, pending.own_bytes, runtime.size())
-        self.stats.bytes_received += pending.received_estimate if actual is None else actual
-        started = time.perf_counter()
-        result = communicator.rebuild(self.compressor, received, pending.ctx)
-        if pending.factor != 1.0:
-            result = _scaled(result, pending.factor)
-        self.stats.decompress_seconds += time.perf_counter() - started
-        return result
+    @staticmethod
+    def finish(pending: Handle) -> np.ndarray:
+        """``pending.wait()``: the aggregated gradient."""
+        return pending.wait()
 
     def state_dict(self) -> dict:
         """Error-feedback state keyed by tensor name, for checkpoints."""

@@ -94,7 +94,7 @@ def test_exchange_equals_dense_allreduce_of_decompressed(kind, op):
             x = _grad(key, rank, shape, dtype)
             original = x.copy()
             pending = pipeline.start(x, name, getattr(hvps.ReduceOp, op))
-            result = pipeline.finish(pending)
+            result = pending.wait()
             if kind != "none":  # "none" sends the gradient itself, reduced in place
                 assert np.array_equal(x, original), "compression must not modify the gradient"
             assert result.shape == x.shape and result.dtype == x.dtype
@@ -160,7 +160,7 @@ def test_stats_count_payload_bytes(kind):
             expected["sent"] += own * (size - 1)
             expected["received"] += int(every.sum() - own)
         expected["dense"] += int(x.nbytes * bus)
-        pipeline.finish(pipeline.start(x, name))
+        pipeline.start(x, name).wait()
         if kind in ("fp16", "bf16"):
             assert own == x.size * 2
         elif kind.startswith("int8"):
@@ -198,7 +198,7 @@ def test_lossy_pipeline_rejects_integers_before_touching_state():
         assert gc.state_dict() == {} and gc.stats.exchanges == 0
     # integers pass through uncompressed
     gc = C.Compression.none
-    out = gc.finish(gc.start(np.arange(6, dtype=np.int64) * (hvps.rank() + 1), "ints.none", hvps.Sum))
+    out = gc.start(np.arange(6, dtype=np.int64) * (hvps.rank() + 1), "ints.none", hvps.Sum).wait()
     np.testing.assert_array_equal(out, np.arange(6) * sum(range(1, hvps.size() + 1)))
 
 
