@@ -6,18 +6,21 @@ parser, statistics and summary it reuses), e.g.::
     mpirun -np 2 --bind-to none --map-by slot python benchmarks/tf_resnet50.py \\
         --threads-per-rank 1 --compare-no-comm --baseline --json out/tf_resnet50.json
 
-The distributed step is the user's loop: one ``tf.function`` with forward,
-loss, ``hvd.DistributedGradientTape(tape).gradient`` and ``apply_gradients``;
-the no-comm step (also the plain loop of ``--compare-plain``) is the same function
-with a plain ``tf.GradientTape``. The
-communication wait is the time the step spends inside the hvps collective op
-(the graph blocks on it). ``--compression none|fp16|bf16|int8|topk|dgc`` and
-``--density`` pick the tape's gradient compression (``--fp16-allreduce`` is
-``--compression fp16``); the JSON then reports bytes sent and received per
-step, the compression ratio and compress/decompress time, as the PyTorch
-harness does. DGC runs with a momentum-free SGD (DGC applies momentum itself)
-and no warm-up. ``--threads-per-rank`` sets TensorFlow's intra- and inter-op
-pools. ``--channels-last`` is accepted (Keras on TF is channels-last already).
+The distributed step is the user's loop: one ``tf.function`` with forward, loss,
+``hvd.DistributedGradientTape(tape).gradient`` and ``apply_gradients``; the no-comm
+step (also the plain loop of ``--compare-plain``) is the same function with a plain
+``tf.GradientTape``. The tape reduces the gradients in ~25 MiB buckets
+(``HVPS_TF_BUCKET_BYTES``), each started while the backward pass is still running
+(``adapters/tensorflow/overlap.py``). The communication wait is the time the step
+spends inside the hvps ops: the starts (submission only) and the finishes, which
+block until their bucket is reduced (the exposed wait). ``--compression
+none|fp16|bf16|int8|topk|dgc`` and ``--density`` pick the tape's gradient
+compression (``--fp16-allreduce`` is ``--compression fp16``); the JSON then reports
+bytes sent and received per step, the compression ratio and compress/decompress
+time, as the PyTorch harness does. DGC runs with a momentum-free SGD (DGC applies
+momentum itself) and no warm-up. ``--threads-per-rank`` sets TensorFlow's intra- and
+inter-op pools. ``--channels-last`` is accepted (Keras on TF is channels-last
+already).
 ``--epochs`` / ``--checkpoint-dir`` are the PyTorch harness's only.
 """
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Outer tests of the TensorFlow 2 / Keras 3 adapter: the inner modules
-``tests/mpi/mpi_tf_ops.py``, ``mpi_tf_train.py`` and ``mpi_tf_compat.py`` (Horovod compatibility) under mpirun with 2 and 3 ranks
+``tests/mpi/mpi_tf_ops.py``, ``mpi_tf_train.py``, ``mpi_tf_compat.py`` (Horovod compatibility) and
+``mpi_tf_overlap.py`` (gradient buckets overlapping the backward pass) under mpirun with 2 and 3 ranks
 and ``mpi_tf_compression.py`` with 3 (clean on every rank), plus single-process
 checks in subprocesses (the outer run never imports TensorFlow)."""
 
@@ -16,7 +17,8 @@ HAVE_TF = importlib.util.find_spec("tensorflow") is not None and importlib.util.
 needs_tf = pytest.mark.skipif(not HAVE_TF, reason="the 'tensorflow' extra (tensorflow-cpu) is not installed")
 
 # inner module -> hard timeout in seconds
-CASES = {"ops": ("mpi_tf_ops.py", 300), "train": ("mpi_tf_train.py", 300), "compat": ("mpi_tf_compat.py", 300)}
+CASES = {"ops": ("mpi_tf_ops.py", 300), "train": ("mpi_tf_train.py", 300), "compat": ("mpi_tf_compat.py", 300),
+         "overlap": ("mpi_tf_overlap.py", 300)}
 
 
 @needs_tf

@@ -4,8 +4,11 @@ DistributedOptimizer share.
 Dense gradients go one of two ways, depending on the compression:
 
 - none, fp16, bf16 and Horovod-style compressors are summable TensorFlow ops
-  around one grouped allreduce (the core fuses it per dtype, so a ResNet-50 step
-  is one collective per dtype, one graph op);
+  around bucketed grouped allreduces that overlap the backward pass (``overlap``):
+  buckets of ~25 MiB (``HVPS_TF_BUCKET_BYTES``), last variables first, each started
+  by its own stateful op as soon as the backward has produced its gradients and
+  finished (waited for) once every bucket has started; ``tf.IndexedSlices`` are
+  allgathered between the starts and the finishes;
 - int8, top-k and DGC run through the core's ``GradientCompression`` pipeline
   inside one stateful op: every gradient is compressed and its exchange started
   (allgather of the sparse or quantised payloads), then every exchange is
@@ -30,7 +33,8 @@ from hvps import ReduceOp
 from hvps.compression import GradientCompression
 
 from .compression import as_gradient_compression, compress_for_sum, decompress_sum, is_fusable
-from .mpi_ops import Average, _check_process_set, _grouped_allreduce, _resolve_op, _sparse_allreduce
+from . import overlap
+from .mpi_ops import Average, _check_process_set, _resolve_op, _sparse_allreduce
 from .tensors import run
 
 
@@ -124,7 +128,7 @@ def allreduce_gradients(grads: Sequence[Any], op: ReduceOp = Average, compressio
     if set_size == 1 and fused and prescale == postscale == 1.0:
         return grads  # every op is the identity on one rank
     out: list = [None] * len(grads)
-    dense_index, dense = [], []
+    dense_index, dense, sparse_index = [], [], []
     for i, g in enumerate(grads):
         if g is None:
             continue
@@ -132,35 +136,58 @@ def allreduce_gradients(grads: Sequence[Any], op: ReduceOp = Average, compressio
             if sparse_as_dense:
                 g = tf.convert_to_tensor(g)
             else:
-                out[i] = _sparse_allreduce(g, op, None if name is None else f"{name}.sparse.{i}", process_set)
+                sparse_index.append(i)
                 continue
         dense_index.append(i)
         dense.append(tf.convert_to_tensor(g))
-    if dense:
-        if fused:
-            reduced = _fused_allreduce(dense, pipeline, op, prescale, postscale, name, process_set)
-        else:
-            prefix = name or "grad"
-            labels = [f"{prefix}.{i}.{names[i] if names is not None else 'tensor'}" for i in dense_index]
-            reduced = _compressed_allreduce(dense, labels, pipeline, op, gradient_predivide_factor)
-        for i, r in zip(dense_index, reduced):
-            out[i] = r
+
+    def reduce_sparse():
+        for i in sparse_index:
+            out[i] = _sparse_allreduce(grads[i], op, None if name is None else f"{name}.sparse.{i}", process_set)
+
+    if not dense:
+        reduce_sparse()
+        return out
+    if not fused:
+        reduce_sparse()
+        prefix = name or "grad"
+        labels = [f"{prefix}.{i}.{names[i] if names is not None else 'tensor'}" for i in dense_index]
+        reduced = _compressed_allreduce(dense, labels, pipeline, op, gradient_predivide_factor)
+    else:
+        # the dense buckets start first (each as soon as the backward has produced its gradients),
+        # the sparse allgathers run while they are in flight, then the buckets finish
+        labels = [names[i] if names is not None else f"gradient {i}" for i in dense_index]
+        reduced = _fused_allreduce(dense, pipeline, op, prescale, postscale, name, process_set, labels,
+                                   between=reduce_sparse)
+    for i, r in zip(dense_index, reduced):
+        out[i] = r
     return out
 
 
 def _fused_allreduce(dense: list, pipeline: GradientCompression, op: ReduceOp, prescale: float,
-                     postscale: float, name: Optional[str], process_set: Any = None) -> list:
-    """Summable compression as TensorFlow ops around one grouped allreduce (differentiable)."""
+                     postscale: float, name: Optional[str], process_set: Any = None,
+                     labels: Optional[list] = None, between: Any = None) -> list:
+    """Summable compression as TensorFlow ops around bucketed allreduces that overlap the backward
+    pass (``overlap``: a start op per bucket as soon as its gradients exist, then the finishes);
+    differentiable. ``between()`` runs after the starts and before the finishes."""
     dense_itemsizes = [g.dtype.size for g in dense]
     payloads, ctxs, plan = compress_for_sum(pipeline, dense, op,
                                             lambda: hvps.size() if process_set is None else process_set.size(),
                                             prescale, postscale)
 
-    def observe(arrays):
-        for array, itemsize in zip(arrays, dense_itemsizes):
-            pipeline.record(array.size * itemsize, [array])
+    def observe(arrays, indices):
+        for array, i in zip(arrays, indices):
+            pipeline.record(array.size * dense_itemsizes[i], [array])
 
-    reduced = _grouped_allreduce(payloads, plan.op, name, plan.prescale, plan.postscale, observe, process_set)
+    started = overlap.start_buckets(payloads, plan.op, name, plan.prescale, plan.postscale, process_set, labels,
+                                    observe)
+    try:
+        if between is not None:
+            between()
+    except BaseException:
+        started.abandon()
+        raise
+    reduced = overlap.finish_buckets(started)
     return decompress_sum(pipeline, reduced, ctxs, plan)
 
 
