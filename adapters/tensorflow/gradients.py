@@ -152,7 +152,7 @@ def allreduce_gradients(grads: Sequence[Any], op: ReduceOp = Average, compressio
         reduce_sparse()
         prefix = name or "grad"
         labels = [f"{prefix}.{i}.{names[i] if names is not None else 'tensor'}" for i in dense_index]
-        reduced = _compressed_allreduce(dense, labels, pipeline, op, gradient_predivide_factor)
+        reduced = _compressed_allreduce(dense, labels, pipeline, op)
     else:
         # the dense buckets start first (each as soon as the backward has produced its gradients),
         # the sparse allgathers run while they are in flight, then the buckets finish
@@ -191,9 +191,10 @@ def _fused_allreduce(dense: list, pipeline: GradientCompression, op: ReduceOp, p
     return decompress_sum(pipeline, reduced, ctxs, plan)
 
 
-def _compressed_allreduce(dense: list, labels: list, pipeline: GradientCompression, op: ReduceOp,
-                          predivide: float) -> list:
-    """Every gradient through ``pipeline``: start all exchanges, then finish all (one stateful op)."""
+def _compressed_allreduce(dense: list, labels: list, pipeline: GradientCompression, op: ReduceOp) -> list:
+    """Every gradient through ``pipeline``: start all exchanges, then finish all (one stateful op).
+    The compressors exchange float32 values and average after decompressing, so a predivide
+    factor would cancel out: none is applied (as in the torch DistributedOptimizer)."""
     for g in dense:
         if not g.dtype.is_floating:
             raise TypeError(f"{pipeline!r} compresses floating-point gradients only, not {g.dtype.name}")
@@ -202,24 +203,15 @@ def _compressed_allreduce(dense: list, labels: list, pipeline: GradientCompressi
         pending = []
         try:
             for array, label in zip(arrays, labels):
-                array = np.asarray(array)
-                if predivide != 1.0:
-                    array = array * array.dtype.type(1.0 / predivide)
-                pending.append(pipeline.start(array, label, op))
+                pending.append(pipeline.start(np.asarray(array), label, op))
         except BaseException:
-            for p in pending:  # let the started exchanges complete before reporting
+            for handle in pending:  # let the started exchanges complete before reporting
                 try:
-                    pipeline.finish(p)
+                    handle.wait()
                 except Exception:
                     pass
             raise
-        results = []
-        for p in pending:
-            result = pipeline.finish(p)
-            if predivide != 1.0:
-                result = result * result.dtype.type(predivide)
-            results.append(result)
-        return results
+        return [handle.wait() for handle in pending]
 
     outs = run(exchange, dense, [g.dtype for g in dense], name="HvpsCompressedAllreduce")
     for out, g in zip(outs, dense):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -126,11 +126,6 @@ class GradientCompression:
         """Count an exchange of summable ``payloads`` that an adapter ran itself (a fused allreduce),
         standing for a gradient of ``dense_nbytes`` bytes."""
         self.stats.bytes_received += self._count_bytes(dense_nbytes, payloads, runtime.size())
-
-    @staticmethod
-    def finish(pending: Handle) -> np.ndarray:
-        """``pending.wait()``: the aggregated gradient."""
-        return pending.wait()
 
     def state_dict(self) -> dict:
         """Error-feedback state keyed by tensor name, for checkpoints."""
