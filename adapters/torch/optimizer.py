@@ -31,6 +31,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     With ``process_set``, gradients are averaged over that set's ranks; on ranks outside it
     the optimizer steps on local gradients. With ``op=Adasum`` (Horovod's delta optimizer),
     each rank steps locally and the parameter updates are combined by Adasum.
+
+    ``gradient_predivide_factor`` f scales gradients by 1/f before the sum and by f/size after
+    (Horovod's overflow guard for fp16 sums). With int8, top-k or DGC compression the values
+    travel compressed and are averaged after decompression, so f would cancel out and is not applied.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
