@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # lets ``import hvps`` work before ``pip install -e .``
@@ -213,3 +213,11 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def dispatch(argv: list[str] | None, parse_args: Callable, run_worker: Callable, run_driver: Callable):
+    """Entry point of a benchmark that launches its own ranks: with ``--impl`` this process is one
+    rank of that contender (``run_worker``); without, it is the driver that launches the contenders
+    and compares them (``run_driver``)."""
+    args = parse_args(argv)
+    return run_worker(args) if args.impl else run_driver(args)

@@ -36,7 +36,7 @@ from typing import Any, Optional
 from .checkpoint_format import CheckpointError, Entry, Header, IncompatibleCheckpointError, read_header_local
 from .checkpoint_safety import KEY_ENV
 from .errors import HvpsError
-from .settings import _env_number
+from .settings import env_number
 
 TIMEOUT_ENV = "HVPS_CHECKPOINT_INSPECT_TIMEOUT"
 DEFAULT_TIMEOUT = 10.0
@@ -52,7 +52,7 @@ _BOOT = ("import sys, types\n"
 
 def deadline_s(path: Path) -> float:
     """Seconds the helper may take for ``path`` (0: no helper)."""
-    base = _env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT)
+    base = env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT)
     if base == 0:
         return 0.0
     try:
@@ -195,7 +195,7 @@ def _current() -> _Helper:
 def prestart() -> None:
     """Start the helper now, without waiting for it (it imports h5py while the caller goes
     on), unless inspection runs in-process."""
-    if _env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT) != 0:
+    if env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT) != 0:
         with _lock:
             _current()
 

@@ -12,7 +12,9 @@ ALGORITHMS = ("auto", "mpi", "ring")
 BACKENDS = ("auto", "mpi", "tdist", "horovod")
 
 
-def _env_number(name: str, default: float, kind=float) -> float:
+def env_number(name: str, default: float, kind=float) -> float:
+    """``$name`` as ``kind`` (``default`` when unset or empty); a clear HvpsError when it is not a
+    number or is negative."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -72,14 +74,14 @@ class Settings:
             backend=_env_choice("HVPS_BACKEND", cls.backend, BACKENDS),
             hierarchical=_env_choice("HVPS_HIERARCHICAL_ALLREDUCE", "0", ("0", "1")) == "1",
             autotune=_env_choice("HVPS_AUTOTUNE", "0", ("0", "1")) == "1",
-            autotune_warmup_steps=int(_env_number("HVPS_AUTOTUNE_WARMUP_STEPS", cls.autotune_warmup_steps, int)),
-            autotune_steps_per_sample=int(_env_number("HVPS_AUTOTUNE_STEPS_PER_SAMPLE", cls.autotune_steps_per_sample,
+            autotune_warmup_steps=int(env_number("HVPS_AUTOTUNE_WARMUP_STEPS", cls.autotune_warmup_steps, int)),
+            autotune_steps_per_sample=int(env_number("HVPS_AUTOTUNE_STEPS_PER_SAMPLE", cls.autotune_steps_per_sample,
                                                       int)) or 1,
-            cache_capacity=int(_env_number("HVPS_CACHE_CAPACITY", cls.cache_capacity, int)),
-            fusion_threshold=int(_env_number("HVPS_FUSION_THRESHOLD", cls.fusion_threshold, int)),
-            cycle_time_ms=_env_number("HVPS_CYCLE_TIME", cls.cycle_time_ms),
-            stall_check_seconds=_env_number("HVPS_STALL_CHECK_TIME_SECONDS", cls.stall_check_seconds),
+            cache_capacity=int(env_number("HVPS_CACHE_CAPACITY", cls.cache_capacity, int)),
+            fusion_threshold=int(env_number("HVPS_FUSION_THRESHOLD", cls.fusion_threshold, int)),
+            cycle_time_ms=env_number("HVPS_CYCLE_TIME", cls.cycle_time_ms),
+            stall_check_seconds=env_number("HVPS_STALL_CHECK_TIME_SECONDS", cls.stall_check_seconds),
             algorithm=algorithm,
-            ring_chunk_bytes=int(_env_number("HVPS_RING_CHUNK_BYTES", cls.ring_chunk_bytes, int)) or cls.ring_chunk_bytes,
+            ring_chunk_bytes=int(env_number("HVPS_RING_CHUNK_BYTES", cls.ring_chunk_bytes, int)) or cls.ring_chunk_bytes,
             timeline=os.environ.get("HVPS_TIMELINE", ""),
         )

@@ -36,7 +36,6 @@ between starts and finishes drains the started buckets at once.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -45,6 +44,7 @@ import tensorflow as tf
 
 import hvps
 from hvps import HvpsError, ReduceOp
+from hvps.settings import env_number
 
 from .checks import check_reduce
 from .tensors import run
@@ -67,16 +67,7 @@ def bucket_bytes() -> int:
     """The bucket size in bytes: ``$HVPS_TF_BUCKET_BYTES`` or 25 MiB; read when a function is traced
     (eagerly: at every call). A bucket is closed once it holds at least this many bytes (0: one
     gradient per bucket)."""
-    raw = os.environ.get(BUCKET_ENV, "")
-    if raw == "":
-        return DEFAULT_BUCKET_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        raise HvpsError(f"{BUCKET_ENV}={raw!r} is not a whole number of bytes") from None
-    if value < 0:
-        raise HvpsError(f"{BUCKET_ENV}={raw!r} must be >= 0")
-    return value
+    return int(env_number(BUCKET_ENV, DEFAULT_BUCKET_BYTES, int))
 
 
 def _nbytes(t: tf.Tensor, limit: int) -> int:
