@@ -76,7 +76,7 @@ class Settings:
             autotune=_env_choice("HVPS_AUTOTUNE", "0", ("0", "1")) == "1",
             autotune_warmup_steps=int(env_number("HVPS_AUTOTUNE_WARMUP_STEPS", cls.autotune_warmup_steps, int)),
             autotune_steps_per_sample=int(env_number("HVPS_AUTOTUNE_STEPS_PER_SAMPLE", cls.autotune_steps_per_sample,
-                                                      int)) or 1,
+                                                     int)) or 1,
             cache_capacity=int(env_number("HVPS_CACHE_CAPACITY", cls.cache_capacity, int)),
             fusion_threshold=int(env_number("HVPS_FUSION_THRESHOLD", cls.fusion_threshold, int)),
             cycle_time_ms=env_number("HVPS_CYCLE_TIME", cls.cycle_time_ms),
