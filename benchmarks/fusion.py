@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import DEFAULT_MPIRUN_ARGS, dispatch, MPIRUN_HELP, median, run_mpi_worker, summarize, write_json  # noqa: E402
+from benchmarks.common import DEFAULT_MPIRUN_ARGS, MPIRUN_HELP, dispatch, median, run_mpi_worker, summarize, write_json  # noqa: E402
 
 IMPLS = ("hvps", "backward", "raw")
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import DEFAULT_MPIRUN_ARGS, dispatch, MPIRUN_HELP, median, run_mpi_worker, summarize, write_json
+from benchmarks.common import DEFAULT_MPIRUN_ARGS, MPIRUN_HELP, dispatch, median, run_mpi_worker, summarize, write_json
 
 IMPLS = ("hvps", "nocomm", "ddp", "raw")
 TARGETS = {"gap_ratio": "<= 1.5", "hvps_vs_ddp": ">= 1.15", "hvps_vs_nocomm": ">= 0.97 (224 px)"}
