@@ -33,8 +33,18 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import (DEFAULT_MPIRUN_ARGS, MPIRUN_HELP, MiB, dispatch, fmt_bytes, log0, median,  # noqa: E402
-                               parse_size, run_mpi_worker, write_json)
+from benchmarks.common import (  # noqa: E402
+    DEFAULT_MPIRUN_ARGS,
+    MPIRUN_HELP,
+    MiB,
+    dispatch,
+    fmt_bytes,
+    log0,
+    median,
+    parse_size,
+    run_mpi_worker,
+    write_json,
+)
 
 IMPLS = ("raw", "hvps-mpi", "hvps-ring", "tdist", "hvps-tdist")
 #: contenders that move torch tensors (the others move numpy arrays)

@@ -181,7 +181,7 @@ def bench_inspect(args) -> dict:
     (warm: every load after a process's first) and by a freshly started one (cold: the
     first load of a process), back to back in every round."""
     import hvps.adapters.torch as hvd
-    from hvps import checkpoint_format, checkpoint_inspect
+    from hvps.checkpoint import inspect as checkpoint_inspect
 
     work = Path(tempfile.mkdtemp(prefix="hvps-ckpt-bench-", dir=args.dir))
     model, opt = build()
@@ -210,7 +210,7 @@ def bench_inspect(args) -> dict:
         for name, timeout in (("in-process", "0"), ("helper warm", "10")):
             os.environ[checkpoint_inspect.TIMEOUT_ENV] = timeout
             t0 = time.perf_counter()
-            checkpoint_format.read_header(path)
+            checkpoint_inspect.read_header(path)
             header[name].append(time.perf_counter() - t0)
     if previous is None:
         os.environ.pop(checkpoint_inspect.TIMEOUT_ENV, None)

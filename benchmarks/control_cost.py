@@ -21,7 +21,7 @@ def _request_message(tensors: int) -> dict:
 
 
 def hmac_cost(repeats: int = 5, n: int = 2000) -> None:
-    from hvps.control_wire import Session, encode, frame
+    from hvps.control.wire import Session, encode, frame
 
     for tensors in (1, 16, 161):
         message = _request_message(tensors)

@@ -12,7 +12,7 @@ import statistics
 import threading
 from typing import Any
 
-from hvps.nvml import MiB, close_nvml, device_handle, open_nvml, text
+from hvps.metrics.nvml import MiB, close_nvml, device_handle, open_nvml, text
 
 
 class NvmlSampler:

@@ -61,7 +61,8 @@ def worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
     import hvps.adapters.torch as hvd
-    from benchmarks.pytorch_synthetic_benchmark import Trainer, parse_args as harness_args
+    from benchmarks.pytorch_synthetic_benchmark import Trainer
+    from benchmarks.pytorch_synthetic_benchmark import parse_args as harness_args
     from hvps import metrics
 
     hvd.init()

@@ -75,7 +75,7 @@ def run_worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
     import hvps
-    from hvps import runtime
+    from hvps.runtime import state as runtime
 
     hvps.init()
     comm = MPI.COMM_WORLD

@@ -59,7 +59,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import Progress, idle_barrier, median, summarize, write_json  # noqa: E402
-from hvps import energy  # noqa: E402
+from hvps.metrics import energy  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -241,7 +241,7 @@ def phase_runner(comm: Any, args: argparse.Namespace, tick: Callable[[str], None
     and the energy the phase took (NVML on a GPU; RAPL on a CPU host, read by its local rank 0)."""
     from mpi4py import MPI
 
-    from hvps.energy import EnergyMeter
+    from hvps.metrics.energy import EnergyMeter
 
     rank = comm.Get_rank()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)

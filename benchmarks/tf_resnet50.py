@@ -35,10 +35,19 @@ from typing import Any
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import Progress, write_json  # noqa: E402
-from hvps.metrics import record_samples  # noqa: E402
 from benchmarks.pytorch_synthetic_benchmark import (  # noqa: E402
-    _summary, create_compression, energy_fields, parse_args, phase_runner, reference, result_header, run_baseline,
-    run_phases, warm_up)
+    _summary,
+    create_compression,
+    energy_fields,
+    parse_args,
+    phase_runner,
+    reference,
+    result_header,
+    run_baseline,
+    run_phases,
+    warm_up,
+)
+from hvps.metrics import record_samples  # noqa: E402
 
 
 class Trainer:

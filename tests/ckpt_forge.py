@@ -8,8 +8,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hvps.checkpoint import CheckpointManager, file_name
-from hvps.checkpoint_format import MANIFEST
+from hvps.checkpoint.format import MANIFEST
+from hvps.checkpoint.manager import CheckpointManager, file_name
 
 
 def make_versions(directory: Path, epochs=(1, 2)) -> CheckpointManager:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from hvps.mpi_env import mpi_defaults
+from hvps.core.mpi_env import mpi_defaults
 from hvps.runner.errors import LaunchError
 from hvps.runner.mpi_command import build_mpirun_command, launch_environment
 from hvps.runner.mpi_discovery import find_mpirun

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from hvps.adasum import adasum_allreduce, is_power_of_two
+from hvps.dataplane.adasum import adasum_allreduce, is_power_of_two
 
 
 class ThreadedPlane:

@@ -2,9 +2,9 @@
 
 import pytest
 
-from hvps.autotune import CYCLES_MS, MiB, THRESHOLDS, Autotuner, Setting
-from hvps.errors import HvpsError
-from hvps.settings import Settings
+from hvps.core.errors import HvpsError
+from hvps.core.settings import Settings
+from hvps.runtime.autotune import CYCLES_MS, THRESHOLDS, Autotuner, MiB, Setting
 
 
 def _drive(tuner: Autotuner, step_time, steps: int = 200) -> list:

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(120)
@@ -21,7 +20,7 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=100)
 
 
-_REPORT = "import hvps; hvps.init(); print(hvps.runtime.engine().backend.name); hvps.shutdown()"
+_REPORT = "import hvps; hvps.init(); print(hvps.runtime.state.engine().backend.name); hvps.shutdown()"
 
 
 @pytest.mark.parametrize("value, expected", [("mpi", "mpi"), ("tdist", "tdist"), ("auto", "mpi"), ("", "mpi")])

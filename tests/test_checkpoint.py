@@ -18,8 +18,8 @@ import torch
 
 import hvps
 import hvps.adapters.torch as hvd
-from hvps.checkpoint import CheckpointManager, file_name
-from hvps.checkpoint_format import FORMAT_VERSION, CheckpointError, write_file, root_attributes
+from hvps.checkpoint.format import FORMAT_VERSION, CheckpointError, root_attributes, write_file
+from hvps.checkpoint.manager import CheckpointManager, file_name
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,12 +7,13 @@ import time
 import warnings
 
 import pytest
-
 from ckpt_forge import corrupt_global_heap, make_versions, path_of
 from conftest import run_mpi
+
 from hvps import cli
-from hvps.checkpoint import CheckpointManager
-from hvps.checkpoint_format import CheckpointError, read_header
+from hvps.checkpoint.format import CheckpointError
+from hvps.checkpoint.inspect import read_header
+from hvps.checkpoint.manager import CheckpointManager
 
 DEADLINE = 2  # seconds, instead of the default 10
 
@@ -27,7 +28,7 @@ def hanging(tmp_path, monkeypatch):
 
 
 def test_the_file_really_hangs_libhdf5(hanging):
-    code = "import sys; from hvps.checkpoint_format import read_header_local; read_header_local(sys.argv[1])"
+    code = "import sys; from hvps.checkpoint.format import read_header_local; read_header_local(sys.argv[1])"
     with pytest.raises(subprocess.TimeoutExpired):
         subprocess.run([sys.executable, "-c", code, str(path_of(hanging, 2))], timeout=DEADLINE + 1,
                        capture_output=True)

@@ -2,7 +2,6 @@
 every test (nothing failed, errored or skipped)."""
 
 import pytest
-
 from conftest import run_mpi
 
 NPS = [2, 3]

@@ -8,10 +8,11 @@ import resource
 import h5py
 import numpy as np
 import pytest
+from ckpt_forge import entry, make_versions, path_of, replace_dataset, rewrite_manifest
 
-from ckpt_forge import make_versions, path_of, replace_dataset, rewrite_manifest, entry
 from hvps import cli
-from hvps.checkpoint_format import CheckpointError, read_header, verify_file
+from hvps.checkpoint.format import CheckpointError
+from hvps.checkpoint.inspect import read_header, verify_file
 
 pytestmark = pytest.mark.timeout(60)
 

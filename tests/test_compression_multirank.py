@@ -3,7 +3,6 @@ tests/mpi under mpirun and require a clean result on every rank (passed,
 nothing failed, errored or skipped)."""
 
 import pytest
-
 from conftest import run_mpi
 
 NPS = [2, 3]

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO_ROOT
 
 SCRIPT = REPO_ROOT.parent / "shared" / "conformance" / "run-horovod-torch.sh"

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO_ROOT
 
 DOCKER = REPO_ROOT / "docker"

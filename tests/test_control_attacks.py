@@ -3,7 +3,6 @@ control port (garbage, deep JSON, slow-loris, an oversized header, an out-of-ran
 rank, a replayed handshake, a wrong key): see tests/mpi/mpi_control_attacks.py."""
 
 import pytest
-
 from conftest import run_mpi
 
 

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT, mpirun_argv
+
 from hvps import cli
 from hvps.doctor import REGISTRY, Context, Host
 from hvps.doctor.apply import apply, revert

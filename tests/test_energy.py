@@ -1,4 +1,4 @@
-"""hvps.energy: RAPL on fake powercap trees (packages summed, subdomains and psys not counted
+"""hvps.metrics.energy: RAPL on fake powercap trees (packages summed, subdomains and psys not counted
 twice, wraparound), NVML where there is no GPU, combining ranks, and the ResNet-50 harness's
 JSON fields."""
 
@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO_ROOT
-from hvps import energy
-from hvps.energy import EnergyMeter
+
+from hvps.metrics import energy
+from hvps.metrics.energy import EnergyMeter
 
 MAX_RANGE = 262143328850
 
@@ -86,7 +86,7 @@ def test_unreadable_counter_gives_the_reason(tmp_path):
 
 
 def test_gpu_meter_without_a_gpu_says_why():
-    from hvps.nvml import close_nvml, open_nvml
+    from hvps.metrics.nvml import close_nvml, open_nvml
 
     pynvml, reason = open_nvml()
     close_nvml(pynvml)

@@ -3,8 +3,8 @@
 import math
 import random
 
-from hvps.engine import poll_timeout
-from hvps.handle import Handle
+from hvps.core.handle import Handle
+from hvps.runtime.engine import poll_timeout
 
 
 def test_a_cycle_deadline_gives_select_one_cycle_not_two():

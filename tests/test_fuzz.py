@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from ckpt_forge import make_versions
-from hvps.checkpoint import CheckpointManager
+
+from hvps.checkpoint.manager import CheckpointManager
 
 FUZZER = Path(__file__).parent / "fuzz" / "fuzz_checkpoint.py"
 SECONDS = float(os.environ.get("HVPS_FUZZ_SECONDS", "30"))

@@ -11,7 +11,6 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import REPO_ROOT
 
 torch = pytest.importorskip("torch")
@@ -38,7 +37,7 @@ def test_nccl_collectives_on_cuda_tensors_match_numpy():
     out = _run("""
         hvd.init()
         torch.cuda.set_device(hvd.local_rank())
-        assert hvps.runtime.engine().backend.name == "tdist"
+        assert hvps.runtime.state.engine().backend.name == "tdist"
         g = torch.Generator(device="cuda").manual_seed(1)
         for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
                       torch.uint8, torch.bool):
@@ -109,7 +108,7 @@ def test_fused_gradients_and_fp16_compression_stay_on_the_gpu():
 def test_auto_sends_cuda_tensors_over_nccl_and_host_arrays_over_mpi():
     out = _run("""
         hvd.init()
-        backend = hvps.runtime.engine().backend
+        backend = hvps.runtime.state.engine().backend
         assert backend.name == "auto", backend.name
         y = hvd.allreduce(torch.ones(5, device="cuda"), op=hvd.Sum)
         assert y.device.type == "cuda" and torch.equal(y.cpu(), torch.ones(5))
@@ -123,7 +122,7 @@ def test_auto_sends_cuda_tensors_over_nccl_and_host_arrays_over_mpi():
 def test_mpi_backend_stages_cuda_tensors_through_host_memory_with_one_warning():
     out = _run("""
         hvd.init()
-        if hvps.runtime.engine().backend.takes("cuda", "float32"):
+        if hvps.runtime.state.engine().backend.takes("cuda", "float32"):
             print("cuda-aware")
         for i in range(3):
             x = torch.randn(1000, device="cuda")

@@ -3,7 +3,6 @@ the torch adapter's Horovod semantics (gradients, Adasum, SyncBatchNorm, dtypes,
 under mpirun at 2 and 3 ranks, on the MPI data plane and on torch.distributed (gloo)."""
 
 import pytest
-
 from conftest import run_mpi
 
 NPS = [2, 3]

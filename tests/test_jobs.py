@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO_ROOT, mpi_launcher
+
 from hvps.runner.mpi_discovery import MpiImpl
 
 TINY_BENCH = ("--batch-size 2 --image-size 32 --num-warmup-batches 1 --num-batches-per-iter 1 --num-iters 2 "

@@ -14,8 +14,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 from conftest import run_mpi
+
 from hvps import metrics
 
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO_ROOT, mpirun_path
+
 from hvps.runner.errors import LaunchError
 from hvps.runner.mpi_discovery import MpiImpl, find_mpirun, locate_mpirun, probe
 

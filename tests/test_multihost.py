@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT, _base_env, run_mpi
 from netns_cluster import NetnsCluster, unavailable_reason
 

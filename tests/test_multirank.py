@@ -5,7 +5,6 @@ errored or skipped)."""
 import ml_dtypes
 import numpy as np
 import pytest
-
 from conftest import run_mpi
 
 NPS = [2, 3]
@@ -46,7 +45,7 @@ def test_foundation_suite_on_horovod_backend(tmp_path):
     """The same suite with hvps delegating its data plane to Horovod (HVPS_BACKEND=horovod)."""
     import importlib.util
 
-    from hvps.backends.horovod import UNAVAILABLE
+    from hvps.dataplane.backends.horovod import UNAVAILABLE
 
     if importlib.util.find_spec("horovod") is None:
         pytest.skip(UNAVAILABLE)
@@ -64,7 +63,7 @@ def _load(path):
 
 def _dtype_of(key):
     """The dtype named in a result key such as ``t12_float16_Sum`` or ``g0_3_float32_Sum``."""
-    from hvps.dtypes import BY_NAME
+    from hvps.core.dtypes import BY_NAME
 
     return next(dtype for name, dtype in BY_NAME.items() if f"_{name}_" in key)
 

@@ -1,6 +1,6 @@
 """The coordinator's bookkeeping, without MPI: matching, mismatches, stalls, fusion, join."""
 
-from hvps.negotiation import ALLGATHER, ALLREDUCE, BROADCAST, JOIN, SHUTDOWN, Coordinator, Request
+from hvps.control.negotiation import ALLGATHER, ALLREDUCE, BROADCAST, JOIN, SHUTDOWN, Coordinator, Request
 
 MIB = 1024 * 1024
 

@@ -1,6 +1,6 @@
 """The coordinator's bookkeeping for process sets, without MPI: membership, stalls, set changes."""
 
-from hvps.negotiation import ADD_SET, ALLGATHER, ALLREDUCE, REMOVE_SET, Coordinator, Request
+from hvps.control.negotiation import ADD_SET, ALLGATHER, ALLREDUCE, REMOVE_SET, Coordinator, Request
 
 
 def on_set(name, set_id, kind=ALLREDUCE, rows=4):

@@ -20,7 +20,6 @@ import urllib.parse
 import urllib.request
 
 import pytest
-
 from conftest import REPO_ROOT, run_mpi
 from test_metrics import free_ports
 
@@ -142,7 +141,7 @@ def _has_finite(result):
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(PROMETHEUS is None, reason=NEEDS_PROMETHEUS)
 def test_every_dashboard_query_returns_data_from_a_real_job(tmp_path):
-    from hvps.nvml import close_nvml, open_nvml
+    from hvps.metrics.nvml import close_nvml, open_nvml
 
     job = re.search(r"job_name:\s*(\S+)", (MONITORING / "prometheus.yml").read_text()).group(1)
     port = free_ports(2)

@@ -9,11 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hvps.checkpoint_safety import Defect, check_manifest
-from hvps.control_handshake import ServerHandshake
-from hvps.control_wire import (MAX_UNAUTHENTICATED, FrameReader, ProtocolError, Session, encode, frame,
-                               parse_object)
-from hvps.negotiation import ALLREDUCE, Coordinator, Request
+from hvps.checkpoint.safety import Defect, check_manifest
+from hvps.control.handshake import ServerHandshake
+from hvps.control.negotiation import ALLREDUCE, Coordinator, Request
+from hvps.control.wire import MAX_UNAUTHENTICATED, FrameReader, ProtocolError, Session, encode, frame, parse_object
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import REPO_ROOT
-from hvps.checkpoint import CheckpointManager
+
+from hvps.checkpoint.manager import CheckpointManager
 
 HVPSRUN = [sys.executable, "-m", "hvps.runner.launch"]
 SCRIPT = REPO_ROOT / "tests" / "inner_jobs" / "ckpt_train.py"

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from hvps.errors import HvpsError
-from hvps.negotiation import ALLGATHER, ALLREDUCE, JOIN, Request, Response, to_wire
-from hvps.response_cache import ResponseCache
+from hvps.control.negotiation import ALLGATHER, ALLREDUCE, JOIN, Request, Response, to_wire
+from hvps.control.response_cache import ResponseCache
+from hvps.core.errors import HvpsError
 
 
 def _request(i: int, shape=(4,)) -> Request:

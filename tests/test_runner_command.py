@@ -6,8 +6,13 @@ import pytest
 
 from hvps.runner import hosts as hostlib
 from hvps.runner.errors import LaunchError
-from hvps.runner.mpi_command import (build_mpirun_command, cores_per_rank, default_num_proc, launch_environment,
-                                     split_mpi_args)
+from hvps.runner.mpi_command import (
+    build_mpirun_command,
+    cores_per_rank,
+    default_num_proc,
+    launch_environment,
+    split_mpi_args,
+)
 from hvps.runner.mpi_discovery import MpiImpl, MpiLauncher, classify_mpi_version, parse_mpi_version
 from hvps.runner.settings import LaunchSettings, build_parser, parse_args
 from hvps.runner.slurm_command import build_srun_command, in_slurm_allocation, srun_environment

@@ -11,8 +11,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
+
 from hvps.runner.mpi_discovery import MpiImpl, find_mpirun
 from hvps.runner.supervisor import Supervisor
 

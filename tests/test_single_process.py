@@ -3,7 +3,6 @@ world size 1; the generic inner modules run there unchanged (trivial
 reductions, every op must still return correct results)."""
 
 import pytest
-
 from conftest import run_mpi
 
 CASES = {

@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
-from hvps.runner.slurm_command import PmixProbe, decide_slurm_launcher
 from slurm_cluster import SlurmCluster, unusable_reason
+
+from hvps.runner.slurm_command import PmixProbe, decide_slurm_launcher
 
 JOBS = REPO_ROOT / "jobs" / "slurm"
 TINY_BENCH = ("--batch-size 2 --image-size 32 --num-warmup-batches 1 --num-batches-per-iter 1 --num-iters 2 "

@@ -29,7 +29,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
 from slurm_cluster import SlurmCluster, unusable_reason
 

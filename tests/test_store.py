@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import run_mpi
+
 from hvps.store import HashPartition, RangePartition, RowAdagrad, RowAdam, RowCache, RowSGD
 from hvps.store.init import hash_uniform
 from hvps.store.optim import make_optimizer

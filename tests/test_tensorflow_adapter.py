@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO_ROOT, run_mpi
 
 NPS = [2, 3]

@@ -1,7 +1,6 @@
 """Outer test: collectives from 8 user threads at 2 and 3 ranks (tests/mpi/mpi_threads.py)."""
 
 import pytest
-
 from conftest import run_mpi
 
 

@@ -38,7 +38,7 @@ from hvps import (
     start_timeline,
     stop_timeline,
 )
-from hvps.runtime import is_homogeneous
+from hvps.runtime.state import is_homogeneous
 
 from . import elastic
 from .basics import local_rank_op, local_size_op, process_set_included_op, rank_op, size_op

@@ -11,7 +11,7 @@ from typing import Optional
 import tensorflow as tf
 
 import hvps
-from hvps.process_sets import _registry
+from hvps.runtime.process_sets import _registry
 
 #: Horovod's code for a process set id that is not registered (``process_set_included_op``)
 PROCESS_SET_ERROR_UNKNOWN_SET = -3

@@ -14,9 +14,10 @@ import numpy as np
 import tensorflow as tf
 
 import hvps
-from hvps import ReduceOp, dtypes
-from hvps.ops import _as_op, _check_adasum
-from hvps.process_sets import resolve
+from hvps import ReduceOp
+from hvps.api.collectives import _as_op, _check_adasum
+from hvps.core import dtypes
+from hvps.runtime.process_sets import resolve
 
 from .tensors import check_dtype
 

@@ -10,7 +10,7 @@ export is here; using any of them raises NotImplementedError saying so.
 
 from __future__ import annotations
 
-from hvps.unavailable import Unavailable, refusing
+from hvps.core.unavailable import Unavailable, refusing
 
 MESSAGE = ("hvps does not implement elastic training (hvd.elastic); restart the job instead: save checkpoints "
            "each epoch (hvd.callbacks.CheckpointCallback with Keras) and resume from the latest after a restart "

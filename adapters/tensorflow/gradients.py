@@ -32,8 +32,8 @@ import hvps
 from hvps import ReduceOp
 from hvps.compression import GradientCompression
 
-from .compression import as_gradient_compression, compress_for_sum, decompress_sum, is_fusable
 from . import overlap
+from .compression import as_gradient_compression, compress_for_sum, decompress_sum, is_fusable
 from .mpi_ops import Average, _check_process_set, _resolve_op, _sparse_allreduce
 from .tensors import run
 

@@ -26,7 +26,7 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
     """Wrap a Keras 3 optimizer so that it applies gradients averaged over the ranks (see the Keras adapter)."""
     import keras
 
-    from .keras.optimizer import DistributedOptimizer as KerasDistributedOptimizer
+    from .keras_optimizer import DistributedOptimizer as KerasDistributedOptimizer
 
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise NotImplementedError("hvps wraps Keras 3 optimizers only (no TF1 tf.compat.v1.train.Optimizer); "

@@ -44,7 +44,7 @@ import tensorflow as tf
 
 import hvps
 from hvps import HvpsError, ReduceOp
-from hvps.settings import env_number
+from hvps.core.settings import env_number
 
 from .checks import check_reduce
 from .tensors import run

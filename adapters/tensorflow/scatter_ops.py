@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import hvps
 from hvps import ProcessSet, ReduceOp, global_process_set
-from hvps.ops import _scatter_op
+from hvps.api.collectives import _scatter_op
 
 from .checks import check_reduce, check_rows, members
 from .compression import Compression, compress_for_sum, decompress_sum

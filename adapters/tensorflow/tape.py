@@ -7,11 +7,10 @@ from typing import Any, Optional
 import tensorflow as tf
 
 import hvps
-
-from .gradients import allreduce_gradients, gradient_options, reduce_shared_gradients, variable_key, variable_name
 from hvps import ProcessSet, global_process_set
 
 from .compression import is_fusable
+from .gradients import allreduce_gradients, gradient_options, reduce_shared_gradients, variable_key, variable_name
 from .mpi_ops import Average, _check_process_set
 
 

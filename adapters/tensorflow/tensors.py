@@ -9,9 +9,8 @@ submission orders (and therefore the core's negotiated names) identical.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
-
 import time
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf

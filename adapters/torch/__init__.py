@@ -35,7 +35,7 @@ from hvps import (
     start_timeline,
     stop_timeline,
 )
-from hvps.runtime import is_homogeneous
+from hvps.runtime.state import is_homogeneous
 
 from . import elastic
 from .compression import Compression

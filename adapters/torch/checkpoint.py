@@ -1,4 +1,4 @@
-"""PyTorch checkpoints on top of :mod:`hvps.checkpoint`::
+"""PyTorch checkpoints on top of :mod:`hvps.checkpoint.manager`::
 
     import hvps.adapters.torch as hvd
 
@@ -26,42 +26,27 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 import torch
 
-import hvps.checkpoint as _core
-from hvps.checkpoint_format import CheckpointError, logical_dtype
-
-_VIA_INT = {  # torch dtypes numpy lacks: (same-width torch integer, ml_dtypes name)
-    torch.bfloat16: (torch.int16, "bfloat16"),
-    torch.float8_e4m3fn: (torch.uint8, "float8_e4m3fn"),
-    torch.float8_e5m2: (torch.uint8, "float8_e5m2"),
-}
-_FROM_ML = {name: (tdt, via) for tdt, (via, name) in _VIA_INT.items()}
+import hvps.checkpoint.manager as _core
+from hvps.checkpoint.format import CheckpointError
+from hvps.core.views import as_array, as_tensor
 
 
 def tensor_to_array(tensor: torch.Tensor, where: str = "tensor") -> np.ndarray:
-    """A CPU numpy array with the tensor's bytes (bfloat16 via ``view(torch.int16)``)."""
+    """A CPU numpy array with the tensor's bytes (bfloat16 and float8 as ml_dtypes arrays)."""
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     if t.is_sparse or t.layout != torch.strided or t.is_quantized:
         raise CheckpointError(f"{where}: only dense tensors can be stored (got layout {t.layout})")
-    t = t.contiguous()
-    if t.dtype in _VIA_INT:
-        via, name = _VIA_INT[t.dtype]
-        return t.view(via).numpy().view(logical_dtype(name, where))
     try:
-        return t.numpy()
+        return as_array(t.contiguous())
     except TypeError as exc:
         raise CheckpointError(f"{where}: tensors of dtype {t.dtype} cannot be stored") from exc
 
 
 def array_to_tensor(array: np.ndarray) -> torch.Tensor:
     """The inverse of :func:`tensor_to_array` (shares memory with ``array``)."""
-    name = array.dtype.name
-    if name in _FROM_ML:
-        tdt, via = _FROM_ML[name]
-        ints = np.dtype(torch.empty(0, dtype=via).numpy().dtype)
-        return torch.from_numpy(array.view(ints)).view(tdt)
-    return torch.from_numpy(array)
+    return as_tensor(array)
 
 
 def _to_neutral(value: Any, where: str) -> Any:

@@ -14,8 +14,9 @@ import torch
 
 import hvps.compression as core
 from hvps.compression import GradientCompression, horovod, summable
+from hvps.core.views import as_tensor
 
-from .tensors import from_numpy, to_numpy
+from .tensors import to_numpy
 
 __all__ = ["Compression", "as_gradient_compression", "compress_tensor", "decompress_tensor", "compress_for_sum",
            "decompress_sum"]
@@ -66,7 +67,7 @@ Compression = _Namespace()
 
 def as_gradient_compression(compression: Any) -> GradientCompression:
     """The core pipeline for ``compression`` (a GradientCompression, None, or a Horovod-style compressor)."""
-    return horovod.as_gradient_compression(compression, from_numpy, lambda t: to_numpy(t.contiguous()))
+    return horovod.as_gradient_compression(compression, as_tensor, lambda t: to_numpy(t.contiguous()))
 
 
 class _TorchOps:

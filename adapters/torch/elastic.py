@@ -8,7 +8,7 @@ versioned checkpoints (``hvd.CheckpointManager``) and let the launcher restart i
 
 from __future__ import annotations
 
-from hvps.unavailable import Unavailable, refusing
+from hvps.core.unavailable import Unavailable, refusing
 
 MESSAGE = ("hvps does not implement elastic training (hvd.elastic) yet; restart the job instead: save "
            "checkpoints with hvd.CheckpointManager each epoch and resume from the latest after a restart "

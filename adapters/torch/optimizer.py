@@ -16,10 +16,11 @@ import torch
 import hvps
 from hvps import HvpsError, ProcessSet, global_process_set
 from hvps import metrics as _metrics
+from hvps.core.views import as_tensor
 
 from .compression import as_gradient_compression, compress_for_sum, decompress_sum
 from .mpi_ops import Adasum, Average, Sum, grouped_allreduce_async_, sparse_allreduce_handle
-from .tensors import from_numpy, host_buffer, to_numpy
+from .tensors import host_buffer, to_numpy
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -177,7 +178,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # decompressing, so a predivide factor would cancel out: none is applied.
         buffer = host_buffer(grad)
         return self.compression.start(to_numpy(buffer), name, self._op).then(
-            lambda result: self._install(p, from_numpy(result).view(buffer.shape)))
+            lambda result: self._install(p, as_tensor(result).view(buffer.shape)))
 
     def _allreduce_group_async(self, group: tuple) -> hvps.Handle:
         """One fused allreduce of ``group``'s gradients (summable compression, cast as torch ops);
@@ -220,7 +221,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in self._delay:
                 self._delay[p] = self.backward_passes_per_step
         _metrics.on_sync_end(self.compression)
-        hvps.runtime.step_done()
+        hvps.step_done()
         self._synchronized = True
 
     @staticmethod

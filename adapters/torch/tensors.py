@@ -16,7 +16,9 @@ import numpy as np
 import torch
 
 import hvps
-from hvps import arrays, dtypes, runtime
+from hvps.core import arrays
+from hvps.core.views import as_array, as_tensor
+from hvps.runtime import state as runtime
 
 _TO_NUMPY = {
     torch.float16: np.dtype(np.float16),
@@ -41,17 +43,7 @@ def check_dtype(tensor: torch.Tensor) -> None:
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view of a contiguous CPU tensor (bfloat16 via ml_dtypes), sharing memory."""
     check_dtype(tensor)
-    tensor = tensor.detach()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(dtypes.bfloat16)
-    return tensor.numpy()
-
-
-def from_numpy(array: np.ndarray) -> torch.Tensor:
-    """A tensor sharing memory with ``array``."""
-    if array.dtype == dtypes.bfloat16:
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
+    return as_array(tensor)
 
 
 _warned_staging = False
@@ -99,5 +91,5 @@ def core_input(tensor: torch.Tensor) -> Any:
 
 def from_core(result: Any, device: torch.device) -> torch.Tensor:
     """A tensor on ``device`` holding a core result (numpy array or tensor)."""
-    tensor = from_numpy(result) if arrays.is_numpy(result) else result
+    tensor = as_tensor(result)
     return tensor.to(device, non_blocking=True)

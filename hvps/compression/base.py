@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..handle import Handle
+from ..core.handle import Handle
 
 
 class Compressor(abc.ABC):

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-
-from .. import ops
+from ..api import collectives as ops
 from .base import Communicator, Compressor
 
 

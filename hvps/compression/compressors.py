@@ -6,7 +6,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from .. import dtypes
+from ..core import dtypes
 from .base import Compressor
 from .selection import exact_topk, sampled_topk
 

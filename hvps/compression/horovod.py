@@ -16,9 +16,10 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from .. import dtypes
+from ..core import dtypes
 from .base import Compressor
 from .pipeline import GradientCompression
+from .registry import REGISTRY, none
 
 
 class TensorCompressor(Compressor):
@@ -60,8 +61,6 @@ def as_gradient_compression(compression: Any, to_tensor: Callable[[Any], Any], t
     if isinstance(compression, GradientCompression):
         return compression
     if compression is None:
-        from . import none
-
         return none()
     if is_horovod_compressor(compression) and not isinstance(compression, (str, bytes)):
         name = getattr(compression, "__name__", type(compression).__name__)
@@ -79,8 +78,6 @@ def from_name(name: str) -> GradientCompression:
     """The compression whose ``GradientCompression.name`` is ``name``: ``"none"``, ``"fp16"``, ``"bf16"``,
     ``"int8"``, ``"topk(0.01)"``, ``"dgc(0.001)"`` (other hyper-parameters take their defaults).
     Raises ValueError for anything else (``"horovod:..."`` names cannot be rebuilt)."""
-    from . import REGISTRY
-
     match = _CALL.match(name.strip())
     if match is None or match.group(1) not in REGISTRY:
         raise ValueError(f"cannot rebuild a compression from the name {name!r}")

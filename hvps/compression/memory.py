@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from .. import runtime
+from ..runtime import state as runtime
 from .base import Memory
 
 

@@ -8,9 +8,9 @@ from typing import Optional
 
 import numpy as np
 
-from .. import runtime
-from ..dtypes import ReduceOp
-from ..handle import Handle
+from ..core.dtypes import ReduceOp
+from ..core.handle import Handle
+from ..runtime import state as runtime
 from .base import Communicator, Compressor, Memory
 from .communicators import choose
 from .memory import NoMemory

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Protocol
 
-from ..dtypes import ReduceOp
+from ..core.dtypes import ReduceOp
 from .base import Compressor
 from .compressors import CastCompressor, NoneCompressor
 from .horovod import TensorCompressor

@@ -1,11 +1,9 @@
-"""``hvps doctor``'s flags, registered in the ``hvps`` command's subcommand registry."""
+"""``hvps doctor``'s flags; ``register`` adds them to the ``hvps`` command (``hvps.cli``)."""
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
-
-from ..cli import subcommand
 
 DESCRIPTION = """\
 Check this node for distributed training: CPU governor, SMT, NUMA binding, transparent huge
@@ -77,7 +75,6 @@ def _positive(text: str) -> int:
     return value
 
 
-@subcommand("doctor")
 def register(sub) -> None:
     from .apply import ACTIONS, REFUSED
 

@@ -1,4 +1,4 @@
-"""GPU facts for ``hvps doctor``: NVML (through :mod:`hvps.nvml`), else ``nvidia-smi``, plus the CUDA
+"""GPU facts for ``hvps doctor``: NVML (through :mod:`hvps.metrics.nvml`), else ``nvidia-smi``, plus the CUDA
 runtime torch was built with and NCCL's version. Returns plain dicts so a fake tree can hold them."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Optional
 
-from .. import nvml
+from ..metrics import nvml
 
 COMPUTE_MODES = {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}
 #: NVML clock event (throttle) bits that mean the hardware is slowing itself down

@@ -18,6 +18,9 @@ import subprocess
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
+from .gpu import probe_gpus
+from .software import probe_software
+
 FACTS_FILE = "hvps-doctor-facts.json"
 _CHOICE = re.compile(r"\[([^\]]+)\]")
 
@@ -130,20 +133,16 @@ class Host:
         def probe():
             import socket
 
-            from ..control import interface_address
+            from ..control.plane import interface_address
 
             found = {name: interface_address(name) for _, name in socket.if_nameindex()}
             return {k: v for k, v in found.items() if v}
         return self.fact("addresses", probe) or {}
 
     def software(self) -> dict:
-        from .checks_software import probe_software
-
         return self.fact("software", probe_software) or {}
 
     def gpus(self) -> dict:
-        from .gpu import probe_gpus
-
         return self.fact("gpu", probe_gpus) or {"gpus": [], "reason": "no GPU facts in this tree"}
 
     def run(self, argv: list) -> tuple:

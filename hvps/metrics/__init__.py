@@ -43,6 +43,7 @@ ENV_CERT, ENV_KEY, ENV_AUTH = "HVPS_METRICS_TLS_CERT", "HVPS_METRICS_TLS_KEY", "
 #: the Instruments hooks record into; None while metrics are off
 _sink: Any = None
 _exporter: Optional["Exporter"] = None
+_job_identity: Optional[Tuple[int, int]] = None
 _lock = threading.Lock()
 
 
@@ -67,13 +68,16 @@ class Exporter:
         return f"Exporter({self.url})"
 
 
+def set_job_identity(identity: Optional[Tuple[int, int]]) -> None:
+    """(rank, local rank) that labels this rank's metrics: ``hvps.init`` sets it, ``shutdown`` clears it."""
+    global _job_identity
+    _job_identity = identity
+
+
 def _identity() -> Tuple[int, int]:
     """(rank, local rank): hvps's topology once initialised, else what the launcher exported."""
-    from .. import runtime
-
-    if runtime.is_initialized():
-        topology = runtime.topology()
-        return topology.rank, topology.local_rank
+    if _job_identity is not None:
+        return _job_identity
 
     def first(*names: str) -> int:
         return next((int(os.environ[n]) for n in names if os.environ.get(n, "").isdigit()), 0)
@@ -216,5 +220,5 @@ def timed_checkpoint(operation: str) -> Callable:
     return decorate
 
 
-__all__ = ["Exporter", "serve", "current", "stop", "start_from_env", "record_samples", "timed_checkpoint",
+__all__ = ["Exporter", "serve", "set_job_identity", "current", "stop", "start_from_env", "record_samples", "timed_checkpoint",
            "on_collective", "on_collective_error", "on_engine_failure", "on_step", "on_sync_start", "on_sync_end"]

@@ -22,7 +22,7 @@ from typing import Any, Iterator, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-from ..dtypes import ITEMSIZE
+from ..core.dtypes import ITEMSIZE
 from ..version import __version__
 from .store import StoreCollector
 from .system import GpuCollector, HostCollector

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .. import nvml
+from . import nvml
 
 _MODES = ("user", "system", "idle", "iowait", "steal")
 

@@ -12,9 +12,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
+from ..core.mpi_env import mpi_defaults
 from . import hosts as hostlib
 from .check_build import check_build
-from ..mpi_env import mpi_defaults
 from .errors import LaunchError
 from .mpi_command import build_mpirun_command, default_num_proc, launch_environment, split_mpi_args
 from .mpi_discovery import MpiImpl, find_mpirun

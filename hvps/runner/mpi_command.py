@@ -18,7 +18,7 @@ import os
 import shlex
 from typing import Mapping, Optional
 
-from ..mpi_env import mpi_defaults
+from ..core.mpi_env import mpi_defaults
 from . import hosts as hostlib
 from .errors import LaunchError
 from .mpi_discovery import MpiImpl, MpiLauncher

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
-from ..mpi_env import mpi_defaults
+from ..core.mpi_env import mpi_defaults
 from .errors import LaunchError
 
 MPIRUN_ENV = "HVPS_MPIRUN"

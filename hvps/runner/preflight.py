@@ -14,7 +14,7 @@ import numpy as np
 
 
 def main() -> int:
-    import hvps
+    from .. import api as hvps
 
     hvps.init()
     rank, size = hvps.rank(), hvps.size()

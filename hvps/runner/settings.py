@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..settings import BACKENDS
+from ..core.settings import BACKENDS
 from .errors import LaunchError
 
 LAUNCHERS = ("auto", "mpirun", "srun")

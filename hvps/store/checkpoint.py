@@ -31,8 +31,8 @@ import h5py
 import numpy as np
 import torch
 
-import hvps
-from hvps.checkpoint_format import CheckpointError, fsync_path
+from hvps import api
+from hvps.checkpoint.format import CheckpointError, fsync_path
 
 from .module import _ShardedBase
 
@@ -103,7 +103,7 @@ def save_stores(manager: Any, epoch: int, stores: Any, extra: Optional[Mapping] 
         parts = m.table.partition.parts
         entry = _write_shard(folder / f"{m.name}.{m.table.member:05d}-of-{parts:05d}.h5", m)
         mine[m.name] = dict(entry, table=m.table.describe(), members=parts)
-    gathered = hvps.allgather_object(mine, name=f"store.ckpt.save.{epoch}")
+    gathered = api.allgather_object(mine, name=f"store.ckpt.save.{epoch}")
     manifest = {"epoch": int(epoch), "tables": {}}
     for per_rank in gathered:
         for name, entry in per_rank.items():
@@ -111,12 +111,12 @@ def save_stores(manager: Any, epoch: int, stores: Any, extra: Optional[Mapping] 
                                                           "shards": []})
             table["shards"].append({k: entry[k] for k in ("file", "member", "rows", "sha256")})
     text = json.dumps(manifest, sort_keys=True)
-    if hvps.rank() == 0:
+    if api.rank() == 0:
         _atomic_write(folder / MANIFEST, lambda tmp: tmp.write_text(text))
-    hvps.barrier()
+    api.barrier()
     extra = dict(extra or {}, **{EXTRA_KEY: hashlib.sha256(text.encode()).hexdigest()})
     result = manager.save(epoch, extra=extra, **dense)
-    if hvps.rank() == 0:
+    if api.rank() == 0:
         _remove_orphans(manager)
     return result
 
@@ -158,7 +158,7 @@ def _version_problems(manager: Any, epoch: int, modules: list) -> list:
     except (OSError, ValueError) as exc:
         return [f"epoch {epoch}: no readable store manifest ({exc})"]
     problems = []
-    if hvps.rank() == 0:
+    if api.rank() == 0:
         try:
             manager.verify(epoch)
         except CheckpointError as exc:
@@ -172,7 +172,7 @@ def _version_problems(manager: Any, epoch: int, modules: list) -> list:
             problems.append(f"epoch {epoch}: table {name!r} has {len(table['shards'])} of {table['members']} shards")
         shards.extend(table["shards"])
     for k, shard in enumerate(sorted(shards, key=lambda s: s["file"])):
-        if k % hvps.size() == hvps.rank():
+        if k % api.size() == api.rank():
             problem = _check_shard(folder / shard["file"], shard)
             if problem:
                 problems.append(f"epoch {epoch}: {problem}")
@@ -210,7 +210,7 @@ def load_stores(manager: Any, stores: Any, **dense: Any) -> int:
     modules = _modules(stores)
     for version in reversed(manager.list()):
         problems = _version_problems(manager, version.epoch, modules)
-        everyone = [p for rank_problems in hvps.allgather_object(problems, name=f"store.ckpt.check.{version.epoch}")
+        everyone = [p for rank_problems in api.allgather_object(problems, name=f"store.ckpt.check.{version.epoch}")
                     for p in rank_problems]
         if everyone:
             warnings.warn(f"skipping checkpoint epoch {version.epoch}: {'; '.join(everyone)}", RuntimeWarning,
@@ -225,6 +225,6 @@ def load_stores(manager: Any, stores: Any, **dense: Any) -> int:
         manifest = json.loads((store_dir(manager.directory, version.epoch) / MANIFEST).read_text())
         for m in modules:
             _load_table(store_dir(manager.directory, version.epoch), m, manifest["tables"][m.name])
-        hvps.barrier()
+        api.barrier()
         return start
     return 0

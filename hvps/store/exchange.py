@@ -23,9 +23,10 @@ from typing import Callable, Optional
 
 import torch
 
-from hvps.adapters.torch import alltoall_async
-from hvps.errors import HvpsError
-from hvps.process_sets import ProcessSet
+from hvps.api.collectives import alltoall_async
+from hvps.core.errors import HvpsError
+from hvps.core.views import as_array, as_tensor
+from hvps.runtime.process_sets import ProcessSet
 
 from .table import ShardedTable
 
@@ -65,12 +66,12 @@ class Exchange:
 
     def _alltoall_async(self, tensor: torch.Tensor, splits: list, tag: str) -> Callable[[], tuple]:
         self.bytes_sent += tensor.numel() * tensor.element_size() - self._own_bytes(tensor, splits)
-        handle = alltoall_async(tensor.contiguous(), splits, name=f"store.{self.table.name}.{tag}",
-                                process_set=self.process_set)
+        handle = alltoall_async(as_array(tensor.detach().contiguous().cpu()), splits,
+                                name=f"store.{self.table.name}.{tag}", process_set=self.process_set)
 
         def wait() -> tuple:
             out, received = handle.wait()
-            return out, [int(n) for n in received.tolist()]
+            return as_tensor(out).to(tensor.device), [int(n) for n in received]
 
         return wait
 
@@ -162,7 +163,7 @@ class Exchange:
 
 def check_same_everywhere(description: dict, name: str, process_set: ProcessSet) -> None:
     """Raise HvpsError on every member unless all members describe table ``name`` alike."""
-    from hvps import allgather_object
+    from hvps.api.collectives import allgather_object
 
     seen = allgather_object(description, name=f"store.{name}.config", process_set=process_set)
     differing = sorted({key for other in seen for key in set(other) | set(description)

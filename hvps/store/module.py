@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hvps.process_sets import ProcessSet, global_process_set
+from hvps.runtime.process_sets import ProcessSet, global_process_set
 
 from .exchange import Exchange, PendingPull, check_same_everywhere, combine
 from .optim import RowOptimizer, make_optimizer

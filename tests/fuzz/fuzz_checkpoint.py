@@ -26,12 +26,13 @@ _PATH = os.path.join(tempfile.mkdtemp(prefix="hvps-fuzz-"), "ckpt-epoch-000001.h
 
 def one_input(data: bytes):
     """Write ``data`` as a checkpoint file and read it every way hvps does."""
-    from hvps.checkpoint_format import CheckpointError, Reader
+    from hvps.checkpoint.format import CheckpointError, Reader
+    from hvps.checkpoint.inspect import read_header
 
     with open(_PATH, "wb") as f:
         f.write(data)
     try:
-        reader = Reader(_PATH)
+        reader = Reader(_PATH, read_header(_PATH))
         reader.read()
         reader.verify()
     except CheckpointError as exc:
@@ -74,8 +75,8 @@ def atheris_mode(argv: list) -> None:
     import atheris
 
     with atheris.instrument_imports(include=["hvps"]):
-        import hvps.checkpoint_format  # noqa: F401
-        import hvps.checkpoint_safety  # noqa: F401
+        import hvps.checkpoint.format  # noqa: F401
+        import hvps.checkpoint.safety  # noqa: F401
     # libFuzzer's -fork mode re-runs argv[0]: an executable wrapper when one is given
     atheris.Setup([os.environ.get("HVPS_FUZZ_SELF", argv[0])] + argv[1:], one_input)
     atheris.Fuzz()

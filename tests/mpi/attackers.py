@@ -12,7 +12,7 @@ import struct
 import threading
 import time
 
-from hvps.control_wire import digest
+from hvps.control.wire import digest
 
 HEADER = struct.Struct("!I")
 #: taken at import, before a test wraps socket.create_connection

@@ -7,11 +7,20 @@ HVPS_ALLREDUCE_ALGORITHM=mpi and =ring; also run in a plain process
 
 import numpy as np
 import pytest
+from hvps_testutil import (
+    DTYPE_NAMES,
+    DTYPES,
+    FLOAT_NAMES,
+    INT_NAMES,
+    OP_NAMES,
+    all_inputs,
+    assert_exact,
+    big_count,
+    check_allreduce_result,
+    rng_for,
+)
 
 import hvps
-from hvps_testutil import (DTYPE_NAMES, DTYPES, FLOAT_NAMES, INT_NAMES,
-                           OP_NAMES, all_inputs, assert_exact, big_count,
-                           check_allreduce_result, rng_for)
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -5,10 +5,9 @@ import time
 
 import numpy as np
 import pytest
+from hvps_testutil import DTYPES, all_inputs, assert_exact, check_allreduce_result, random_array, rows_split
 
 import hvps
-from hvps_testutil import (DTYPES, all_inputs, assert_exact,
-                           check_allreduce_result, random_array, rows_split)
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -9,7 +9,8 @@ from mpi4py import MPI
 
 import hvps
 import hvps.adapters.torch as hvd
-from hvps import autotune, runtime
+from hvps.runtime import autotune
+from hvps.runtime import state as runtime
 
 pytestmark = pytest.mark.timeout(180)
 

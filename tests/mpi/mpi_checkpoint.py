@@ -17,8 +17,8 @@ import torch
 
 import hvps
 import hvps.adapters.torch as hvd
-from hvps.checkpoint import CheckpointManager, file_name
-from hvps.checkpoint_format import CheckpointError
+from hvps.checkpoint.format import CheckpointError
+from hvps.checkpoint.manager import CheckpointManager, file_name
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -187,7 +187,7 @@ def test_save_failure_raises_on_every_rank(shared_dir):
 
 def test_world_size_mismatch(shared_dir):
     """A file whose per-rank state was saved by size+1 ranks (written by rank 0 alone)."""
-    from hvps.checkpoint_format import root_attributes, write_file
+    from hvps.checkpoint.format import root_attributes, write_file
 
     d = fresh_dir(shared_dir, "worldsize")
     size = hvps.size()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import hvps
-from hvps.checkpoint import CheckpointManager, file_name
+from hvps.checkpoint.manager import CheckpointManager, file_name
 
 
 @pytest.fixture(scope="module", autouse=True)

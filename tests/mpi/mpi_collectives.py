@@ -5,12 +5,20 @@ import time
 
 import numpy as np
 import pytest
+from hvps_testutil import (
+    DTYPE_NAMES,
+    DTYPES,
+    MIB,
+    all_inputs,
+    assert_exact,
+    big_count,
+    check_allreduce_result,
+    random_array,
+    rows_split,
+    world_size_env,
+)
 
 import hvps
-from hvps_testutil import (DTYPE_NAMES, DTYPES, MIB,
-                           all_inputs, assert_exact, big_count,
-                           check_allreduce_result, random_array, rows_split,
-                           world_size_env)
 
 pytestmark = pytest.mark.timeout(180)
 

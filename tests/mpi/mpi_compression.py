@@ -16,11 +16,11 @@
 import numpy as np
 import pytest
 import torch
+from hvps_testutil import BF16, finfo, rng_for
 
 import hvps
 import hvps.adapters.torch as hvd
 import hvps.compression as C
-from hvps_testutil import BF16, finfo, rng_for
 
 pytestmark = pytest.mark.timeout(240)
 

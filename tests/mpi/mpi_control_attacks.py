@@ -13,13 +13,13 @@ import select
 import socket
 import time
 
+import attackers
 import numpy as np
 import pytest
-
-import attackers
-import hvps
-from hvps.control import HANDSHAKE_SECONDS
 from hvps_testutil import world_size_env
+
+import hvps
+from hvps.control.plane import HANDSHAKE_SECONDS
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 import pytest
+from hvps_testutil import all_inputs, check_allreduce_result, random_array
 
 import hvps
-from hvps_testutil import all_inputs, check_allreduce_result, random_array
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hvps_testutil import DTYPES, all_inputs, check_allreduce_result
 
 import hvps
-from hvps_testutil import DTYPES, all_inputs, check_allreduce_result
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -76,7 +76,7 @@ def test_fusion_workload():
 def test_large_members_of_a_fused_group_are_reduced_where_they_live(in_place):
     """Members of REDUCED_ALONE_BYTES or more skip the fusion buffer (their own backend call);
     mixed with small ones, in place or not, scaled or not, every result matches numpy."""
-    from hvps.collectives import REDUCED_ALONE_BYTES
+    from hvps.dataplane.executors import REDUCED_ALONE_BYTES
 
     size, rank = hvps.size(), hvps.rank()
     edge = REDUCED_ALONE_BYTES // 8  # float64 elements at the boundary

@@ -3,9 +3,9 @@ in a plain process, or N under mpirun)."""
 
 import numpy as np
 import pytest
+from hvps_testutil import all_inputs, check_allreduce_result, world_size_env
 
 import hvps
-from hvps_testutil import all_inputs, check_allreduce_result, world_size_env
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -106,7 +106,7 @@ def test_collectives_counted_by_op_with_bytes_and_latency():
         assert delta("hvps_collectives_total", op=op) == 1
     assert delta("hvps_negotiation_seconds_count") == 6
     assert delta("hvps_fusion_buffer_fill_ratio_count") == 2
-    threshold = hvps.runtime.settings().fusion_threshold
+    threshold = hvps.runtime.state.settings().fusion_threshold
     assert delta("hvps_fusion_buffer_fill_ratio_sum") == pytest.approx((4000 + 120) / threshold)
     assert value(after, "hvps_collective_seconds_sum", op="allreduce") > 0
     assert value(after, "hvps_stalls_total") == 0
@@ -179,7 +179,7 @@ def test_process_host_and_gpu_readings():
     assert value(samples, "hvps_host_memory_total_bytes") == int(meminfo["MemTotal"].split()[0]) * 1024
     assert value(samples, "hvps_host_cpu_seconds_total", mode="idle") > 0
     gpu = [name for name, _ in samples if name.startswith("hvps_gpu_")]
-    from hvps.nvml import close_nvml, open_nvml
+    from hvps.metrics.nvml import close_nvml, open_nvml
 
     pynvml, reason = open_nvml()
     close_nvml(pynvml)

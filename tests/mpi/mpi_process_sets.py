@@ -7,8 +7,9 @@ import pytest
 
 os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # before hvps reads it, as Horovod's own tests do
 
-import hvps  # noqa: E402
 from hvps_testutil import all_inputs, assert_exact, check_allreduce_result, random_array  # noqa: E402
+
+import hvps  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 

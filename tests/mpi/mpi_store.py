@@ -23,7 +23,7 @@ from torch import nn
 
 import hvps
 import hvps.adapters.torch as hvd
-from hvps.checkpoint import CheckpointManager
+from hvps.checkpoint.manager import CheckpointManager
 from hvps.store import ShardedEmbedding, ShardedEmbeddingBag, load_stores, save_stores
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,11 +16,11 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from hvps_testutil import rng_for, rows_split  # noqa: E402
 
 import hvps  # noqa: E402
 import hvps.adapters.tensorflow as hvd  # noqa: E402
 import hvps.adapters.tensorflow.keras as hk  # noqa: E402
-from hvps_testutil import rng_for, rows_split  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

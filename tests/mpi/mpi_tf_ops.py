@@ -14,11 +14,21 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from hvps_testutil import (  # noqa: E402
+    DTYPES,
+    OP_NAMES,
+    all_inputs,
+    assert_exact,
+    check_allreduce_result,
+    check_guarded_average,
+    overflowing_halves,
+    random_array,
+    ref_allreduce,
+    rows_split,
+)
 
 import hvps  # noqa: E402
 import hvps.adapters.tensorflow as hvd  # noqa: E402
-from hvps_testutil import (DTYPES, OP_NAMES, all_inputs, assert_exact, check_allreduce_result,  # noqa: E402
-                           check_guarded_average, overflowing_halves, random_array, ref_allreduce, rows_split)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,11 +20,11 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from hvps_testutil import random_array  # noqa: E402
 
 import hvps.adapters.tensorflow as hvd  # noqa: E402
 import hvps.adapters.tensorflow.keras as hk  # noqa: E402
 from hvps.adapters.tensorflow import overlap  # noqa: E402
-from hvps_testutil import random_array  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -15,10 +15,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from tf_testutil import assert_identical_across_ranks, data, flat_weights, make_model  # noqa: E402
 
 import hvps.adapters.tensorflow as hvd_tf  # noqa: E402
 import hvps.adapters.tensorflow.keras as hvd  # noqa: E402
-from tf_testutil import assert_identical_across_ranks, data, flat_weights, make_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 

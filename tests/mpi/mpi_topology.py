@@ -21,7 +21,7 @@ def _init():
 
 
 def test_backend_is_the_one_asked_for():
-    assert hvps.runtime.engine().backend.name == os.environ["HVPS_TEST_EXPECT_BACKEND"]
+    assert hvps.runtime.state.engine().backend.name == os.environ["HVPS_TEST_EXPECT_BACKEND"]
 
 
 def test_emulated_nodes():

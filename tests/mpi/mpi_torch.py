@@ -3,10 +3,21 @@
 import numpy as np
 import pytest
 import torch
+from hvps_testutil import (
+    BF16,
+    DTYPES,
+    OP_NAMES,
+    all_inputs,
+    assert_exact,
+    big_count,
+    check_allreduce_result,
+    check_guarded_average,
+    overflowing_halves,
+    random_array,
+    rows_split,
+)
 
 import hvps.adapters.torch as hvd
-from hvps_testutil import (BF16, DTYPES, OP_NAMES, all_inputs, assert_exact, big_count, check_allreduce_result,
-                           check_guarded_average, overflowing_halves, random_array, rows_split)
 
 pytestmark = pytest.mark.timeout(180)
 

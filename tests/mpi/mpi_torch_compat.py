@@ -10,8 +10,9 @@ import torch
 
 os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
 
-import hvps.adapters.torch as hvd  # noqa: E402
 from hvps_testutil import random_array  # noqa: E402
+
+import hvps.adapters.torch as hvd  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -2,9 +2,9 @@
 
 import keras
 import numpy as np
+from hvps_testutil import random_array
 
 import hvps.adapters.tensorflow.keras as hvd
-from hvps_testutil import random_array
 
 
 def make_model(seed, hidden=8):

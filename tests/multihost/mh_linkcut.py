@@ -14,7 +14,6 @@ import numpy as np
 import hvps
 
 
-
 def say(line: str) -> None:
     """One write per line, so mpirun --tag-output keeps the line whole."""
     sys.stdout.write(line + "\n")

@@ -14,8 +14,8 @@ from .. import (
     HvpsError,
     Max,
     Min,
-    Product,
     ProcessSet,
+    Product,
     ReduceOp,
     Sum,
     SyncBatchNormalization,
@@ -31,6 +31,7 @@ from .. import (
     cross_size,
     cuda_built,
     ddl_built,
+    elastic,
     global_process_set,
     gloo_built,
     gloo_enabled,
@@ -54,7 +55,7 @@ from .. import (
     start_timeline,
     stop_timeline,
 )
-from .. import elastic
+from ..keras_optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 from . import callbacks
 from .callbacks import (
     BroadcastGlobalVariablesCallback,
@@ -65,7 +66,6 @@ from .callbacks import (
     MetricAverageCallback,
 )
 from .functions import allgather, allreduce, broadcast, reducescatter
-from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 
 __all__ = [
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",

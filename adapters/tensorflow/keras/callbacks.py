@@ -181,7 +181,7 @@ class CheckpointCallback(keras.callbacks.Callback):
                  keep_every: Optional[int] = None, compress: bool = False, root_rank: int = 0,
                  fsync: bool = True) -> None:
         super().__init__()
-        from hvps.checkpoint import CheckpointManager
+        from hvps.checkpoint.manager import CheckpointManager
 
         if every < 1:
             raise ValueError("every must be >= 1")

@@ -1,0 +1,479 @@
+"""Collectives on numpy buffers, each synchronous and asynchronous (``*_async`` returns a Handle).
+
+Every argument is checked before anything is submitted, the same way on every rank, and a
+call submits all of its collectives or none: an argument error never leaves one rank a
+collective ahead of the others, so the automatic names of unnamed collectives (numbered per
+process set and kind) stay in step across ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import threading
+from collections import defaultdict
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ..control.negotiation import (
+    ALLGATHER,
+    ALLREDUCE,
+    ALLTOALL,
+    BARRIER,
+    BROADCAST,
+    GLOBAL_SET,
+    JOIN,
+    REDUCESCATTER,
+    Request,
+)
+from ..core import arrays, dtypes
+from ..core.dtypes import ReduceOp
+from ..core.errors import HvpsError
+from ..core.handle import Handle
+from ..dataplane.adasum import is_power_of_two
+from ..dataplane.executors import Entry, reducescatter_rows
+from ..runtime import state as runtime
+from ..runtime.process_sets import ProcessSet, resolve
+
+Average, Sum, Min, Max, Product, Adasum = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max,
+                                           ReduceOp.Product, ReduceOp.Adasum)
+
+_counters: dict = defaultdict(itertools.count)
+#: the thread numbering unnamed ops, and its unnamed ops not yet finished: automatic
+#: names follow each rank's submission order, which is the same on every rank only while
+#: one thread at a time submits them
+_unnamed: dict = {"owner": None, "handles": []}
+_unnamed_lock = threading.Lock()
+
+
+def _check_unnamed_thread(kind: str) -> None:
+    """Refuse an unnamed op from a second thread while another thread's unnamed ops are in
+    flight (its automatic name could silently pair it with a different op on another rank).
+    Handing over in turn, as TensorFlow's executor threads do, stays allowed."""
+    me = threading.current_thread()
+    with _unnamed_lock:
+        owner = _unnamed["owner"]
+        if owner is not me:
+            _unnamed["handles"] = [h for h in _unnamed["handles"] if not h.poll()]
+            if owner is not None and owner.is_alive() and _unnamed["handles"]:
+                owner = owner.name
+            else:
+                _unnamed["owner"], owner = me, None
+        else:
+            owner = None
+    if owner is None:
+        return
+    raise HvpsError(
+        f"an unnamed {kind} was submitted from thread {me.name!r} while unnamed collectives of thread "
+        f"{owner!r} are in flight: automatic names follow each rank's submission order, which "
+        "concurrent threads make differ between ranks; pass name=... (the same on every rank) to every "
+        "collective submitted from more than one thread")
+
+
+def _track_unnamed(handles: list) -> None:
+    with _unnamed_lock:
+        _unnamed["handles"].extend(h for h in handles if ".noname." in h.name)
+        if len(_unnamed["handles"]) > 4096:  # forget finished ones now and then
+            _unnamed["handles"] = [h for h in _unnamed["handles"] if not h.poll()]
+
+
+def _name(kind: str, name: Optional[str], set_id: int = GLOBAL_SET) -> str:
+    """User names are namespaced by kind (and set); unnamed ops are numbered per set and kind.
+
+    Call it only once every argument has been checked: the counter must advance on every rank alike.
+    """
+    scope = kind if set_id == GLOBAL_SET else f"{kind}.set{set_id}"
+    if name:
+        return f"{scope}.{name}"
+    _check_unnamed_thread(kind)
+    return f"{scope}.noname.{next(_counters[scope])}"
+
+
+def _prepare(array: Any):
+    """A contiguous numpy array, or a torch tensor when the backend moves tensors of its kind."""
+    if arrays.is_tensor(array):
+        name = arrays.dtype_name(array)
+        if name not in dtypes.BY_NAME:
+            raise TypeError(f"hvps does not support dtype {array.dtype}; supported: {', '.join(dtypes.BY_NAME)}")
+        backend = runtime.engine().backend
+        if not backend.takes(arrays.device_of(array), name):
+            raise TypeError(
+                f"the {backend.name} backend does not move {arrays.device_of(array)} tensors of dtype {name}; "
+                "pass a numpy array, or set HVPS_BACKEND=tdist"
+            )
+        return array if array.is_contiguous() and not array.requires_grad else array.detach().contiguous()
+    array = np.asarray(array)
+    dtypes.check_dtype(array.dtype)
+    return np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes 0-d arrays 1-d
+
+
+def _contiguous_writable(array: Any) -> bool:
+    if arrays.is_numpy(array):
+        return array.flags.c_contiguous and array.flags.writeable
+    return array.is_contiguous()
+
+
+def _check_out(out: Any, like: Any) -> Any:
+    same_kind = arrays.is_numpy(out) == arrays.is_numpy(like) and arrays.device_of(out) == arrays.device_of(like)
+    if (not same_kind or tuple(out.shape) != tuple(like.shape) or out.dtype != like.dtype
+            or not _contiguous_writable(out)):
+        raise ValueError(
+            f"out must be a writable C-contiguous array of shape {tuple(like.shape)} and dtype {like.dtype} "
+            f"on {arrays.device_of(like)}; got shape {tuple(out.shape)}, dtype {out.dtype} on {arrays.device_of(out)}"
+        )
+    return out
+
+
+def _describe(array: Any, set_id: int) -> dict:
+    """The request fields that come from the array itself (and the set it runs on)."""
+    return {"dtype": arrays.dtype_name(array), "shapes": (tuple(array.shape),), "device": arrays.device_of(array),
+            "process_set": set_id}
+
+
+def _submit_all(pairs: list, grouped: bool = False) -> list:
+    """Submit ``(request, inputs, outputs)`` triples as one unit: all of them or, on an error, none."""
+    entries = [Entry(request, list(inputs), list(outputs), grouped=grouped, ready_event=arrays.ready_event(inputs))
+               for request, inputs, outputs in pairs]
+    handles = runtime.engine().submit_all(entries)
+    _track_unnamed(handles)
+    return handles
+
+
+def _as_op(op: Any) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    try:
+        return ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"unknown reduce op {op!r}; use one of {[o.name for o in ReduceOp]}") from None
+
+
+def _check_adasum(set_id: int, size: int) -> None:
+    """Horovod's rules for Adasum: the global set only, and a power-of-two number of ranks."""
+    if set_id != GLOBAL_SET:
+        raise NotImplementedError("Adasum does not support non-global process sets")
+    if not is_power_of_two(size):
+        raise NotImplementedError(f"Adasum needs a power-of-two number of ranks, not {size}")
+
+
+class GroupHandle(Handle):
+    """Several collectives submitted together, seen as one handle yielding a list in input order."""
+
+    __slots__ = ("_parts", "_count")
+
+    def __init__(self, name: str, parts: list, count: int) -> None:
+        super().__init__(name)
+        self._parts = parts
+        self._count = count
+
+    @classmethod
+    def of(cls, name: str, handles: list) -> "GroupHandle":
+        """One handle yielding the results of ``handles``, in order."""
+        return cls(name, [([i], h) for i, h in enumerate(handles)], len(handles))
+
+    def poll(self) -> bool:
+        return all(handle.poll() for _, handle in self._parts)
+
+    done = poll
+
+    def wait(self, timeout: Optional[float] = None) -> list:
+        results: list = [None] * self._count
+        for indices, handle in self._parts:
+            outputs = handle.wait(timeout)
+            if len(indices) == 1 and not isinstance(outputs, list):
+                outputs = [outputs]
+            for index, output in zip(indices, outputs):
+                results[index] = output
+        return results
+
+
+# -- allreduce ------------------------------------------------------------------
+def grouped_allreduce_async(
+    arrays: Sequence[Any],
+    op: Any = Average,
+    name: Optional[str] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    outs: Optional[Sequence[Any]] = None,
+    process_set: Optional[ProcessSet] = None,
+) -> Handle:
+    """Reduce several arrays as one collective per dtype; the handle yields a list in input order."""
+    return _allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs, process_set, grouped=True)
+
+
+def _allreduce_async(values, op, name, prescale_factor, postscale_factor, outs, process_set, grouped: bool) -> Handle:
+    op = _as_op(op)
+    runtime.engine()
+    set_id, ranks = resolve(process_set)
+    inputs = [_prepare(a) for a in values]
+    if not inputs:
+        raise ValueError("grouped_allreduce needs at least one array")
+    if outs is not None and len(outs) != len(inputs):
+        raise ValueError(f"{len(outs)} outputs given for {len(inputs)} inputs")
+    devices = {arrays.device_of(array) for array in inputs}
+    if len(devices) > 1:  # Horovod refuses a group that mixes host and device tensors (a RuntimeError)
+        raise HvpsError(f"grouped_allreduce needs all tensors on one device, got {sorted(devices)}")
+    by_kind: dict = {}  # one collective per dtype
+    for index, array in enumerate(inputs):
+        by_kind.setdefault((arrays.dtype_name(array), arrays.device_of(array)), []).append(index)
+    for dtype, _ in by_kind:
+        dtypes.check_reducible(dtypes.BY_NAME[dtype], op)
+    if op is ReduceOp.Adasum:
+        _check_adasum(set_id, len(ranks))
+    outputs = ([_check_out(o, a) for o, a in zip(outs, inputs)] if outs is not None
+               else [arrays.empty(a, tuple(a.shape)) for a in inputs])
+    base = _name(ALLREDUCE, name, set_id)
+    parts, plan = [], []
+    for (dtype, device), indices in by_kind.items():
+        suffix = dtype if device == "cpu" else f"{dtype}.{device}"
+        # Adasum combines each tensor with its own coefficients: one collective per tensor
+        groups = [[i] for i in indices] if op is ReduceOp.Adasum and len(indices) > 1 else [indices]
+        for number, group in enumerate(groups):
+            label = base if len(by_kind) == 1 else f"{base}.{suffix}"
+            label = label if len(groups) == 1 else f"{label}.{number}"
+            request = Request(label, ALLREDUCE, dtype, tuple(tuple(inputs[i].shape) for i in group), op.value,
+                              prescale=float(prescale_factor), postscale=float(postscale_factor), device=device,
+                              process_set=set_id)
+            parts.append((request, [inputs[i] for i in group], [outputs[i] for i in group]))
+            plan.append(group)
+    handles = _submit_all(parts, grouped)
+    if len(handles) == 1:
+        return handles[0]
+    return GroupHandle(base, list(zip(plan, handles)), len(inputs))
+
+
+def allreduce_async(array: Any, op: Any = Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0, out: Optional[Any] = None,
+                    process_set: Optional[ProcessSet] = None) -> Handle:
+    """Start reducing ``array`` over the set's ranks; pass ``out=array`` to reduce in place."""
+    outs = None if out is None else [out]
+    return _allreduce_async([array], op, name, prescale_factor, postscale_factor, outs, process_set, grouped=False)
+
+
+def allreduce(array: Any, op: Any = Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, out: Optional[Any] = None,
+              process_set: Optional[ProcessSet] = None) -> Any:
+    """Reduce ``array`` over the set's ranks: ``postscale * op(prescale * array)``."""
+    return allreduce_async(array, op, name, prescale_factor, postscale_factor, out, process_set).wait()
+
+
+def grouped_allreduce(arrays: Sequence[Any], op: Any = Average, name: Optional[str] = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      outs: Optional[Sequence[Any]] = None, process_set: Optional[ProcessSet] = None) -> list:
+    """Reduce several arrays in one fused collective."""
+    return grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs, process_set).wait()
+
+
+# -- allgather ----------------------------------------------------------------------
+def _gather_source(array: Any) -> Any:
+    src = _prepare(array)
+    return src.reshape(1) if src.ndim == 0 else src
+
+
+def grouped_allgather_async(values: Sequence[Any], name: Optional[str] = None,
+                            process_set: Optional[ProcessSet] = None) -> Handle:
+    """Start allgathering several arrays together; the handle yields a list in input order."""
+    runtime.engine()
+    set_id, _ = resolve(process_set)
+    sources = [_gather_source(a) for a in values]
+    if not sources:
+        raise ValueError("grouped_allgather needs at least one array")
+    base = _name(ALLGATHER, name, set_id)
+    parts = [(Request(f"{base}.{i}", ALLGATHER, **_describe(src, set_id)), [src], []) for i, src in enumerate(sources)]
+    handles = _submit_all(parts)
+    return GroupHandle.of(base, handles)
+
+
+def allgather_async(array: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
+    """Start concatenating every member's ``array`` along dim 0 (dim 0 may differ by rank)."""
+    runtime.engine()
+    set_id, _ = resolve(process_set)
+    src = _gather_source(array)
+    request = Request(_name(ALLGATHER, name, set_id), ALLGATHER, **_describe(src, set_id))
+    return _submit_all([(request, [src], [])])[0]
+
+
+def allgather(array: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Any:
+    """Concatenate every member's ``array`` along dim 0."""
+    return allgather_async(array, name, process_set).wait()
+
+
+def grouped_allgather(values: Sequence[Any], name: Optional[str] = None,
+                      process_set: Optional[ProcessSet] = None) -> list:
+    """Allgather several arrays together."""
+    return grouped_allgather_async(values, name, process_set).wait()
+
+
+# -- broadcast ------------------------------------------------------------------------
+def broadcast_async(array: Any, root_rank: int, name: Optional[str] = None, out: Optional[Any] = None,
+                    process_set: Optional[ProcessSet] = None) -> Handle:
+    """Start copying the root's ``array`` to every member; ``root_rank`` is a global rank; ``out=array``
+    for in place."""
+    runtime.engine()
+    set_id, ranks = resolve(process_set)
+    src = _prepare(array)
+    if int(root_rank) not in ranks:
+        raise ValueError(f"root_rank {root_rank} is not one of the ranks {list(ranks)} of the process set")
+    output = _check_out(out, src) if out is not None else arrays.empty(src, tuple(src.shape))
+    request = Request(_name(BROADCAST, name, set_id), BROADCAST, root=int(root_rank), **_describe(src, set_id))
+    return _submit_all([(request, [src], [output])])[0]
+
+
+def broadcast(array: Any, root_rank: int, name: Optional[str] = None, out: Optional[Any] = None,
+              process_set: Optional[ProcessSet] = None) -> Any:
+    """Copy the root's ``array`` to every member."""
+    return broadcast_async(array, root_rank, name, out, process_set).wait()
+
+
+# -- alltoall ---------------------------------------------------------------------------
+def _check_splits(splits: Any, rows: int, members: int) -> list:
+    if splits is None:
+        if rows % members:
+            raise ValueError(f"alltoall without splits needs dim 0 ({rows}) divisible by the set size ({members})")
+        return [rows // members] * members
+    values = np.asarray(splits)
+    if values.dtype.kind not in "iu":
+        raise ValueError(f"alltoall splits must be integers, not {values.dtype}")
+    values = [int(s) for s in values.reshape(-1)]
+    if len(values) != members or min(values) < 0 or sum(values) != rows:
+        raise ValueError(f"splits {values} must have {members} non-negative entries summing to dim 0 ({rows})")
+    return values
+
+
+def alltoall_async(array: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
+                   process_set: Optional[ProcessSet] = None) -> Handle:
+    """Start sending ``splits[i]`` rows of ``array`` to the set's i-th rank; yields ``(output, received_splits)``."""
+    runtime.engine()
+    set_id, ranks = resolve(process_set)
+    src = _prepare(array)
+    if src.ndim == 0:
+        raise ValueError("alltoall needs an array with at least one dimension")
+    splits = _check_splits(splits, src.shape[0], len(ranks))
+    request = Request(_name(ALLTOALL, name, set_id), ALLTOALL, splits=tuple(splits), **_describe(src, set_id))
+    return _submit_all([(request, [src], [])])[0]
+
+
+def alltoall(array: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
+             process_set: Optional[ProcessSet] = None) -> tuple:
+    """Scatter rows of ``array`` to the set's ranks and gather theirs: ``(output, received_splits)``."""
+    return alltoall_async(array, splits, name, process_set).wait()
+
+
+# -- reducescatter ------------------------------------------------------------------------
+def _scatter_source(array: Any, op: ReduceOp) -> Any:
+    src = _prepare(array)
+    if src.ndim == 0:
+        raise ValueError("reducescatter needs arrays with at least one dimension, not a scalar")
+    dtypes.check_reducible(dtypes.BY_NAME[arrays.dtype_name(src)], op)
+    return src
+
+
+def _scatter_op(op: Any) -> ReduceOp:
+    op = _as_op(op)
+    if op is ReduceOp.Adasum:
+        raise NotImplementedError("reducescatter does not support Adasum; use Sum or Average")
+    return op
+
+
+def grouped_reducescatter_async(values: Sequence[Any], op: Any = Average, name: Optional[str] = None,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                                process_set: Optional[ProcessSet] = None) -> Handle:
+    """Start reducescattering several arrays together; the handle yields a list in input order."""
+    op = _scatter_op(op)
+    runtime.engine()
+    set_id, _ = resolve(process_set)
+    sources = [_scatter_source(a, op) for a in values]
+    if not sources:
+        raise ValueError("grouped_reducescatter needs at least one array")
+    base = _name(REDUCESCATTER, name, set_id)
+    parts = [(Request(f"{base}.{i}", REDUCESCATTER, op=op.value, prescale=float(prescale_factor),
+                      postscale=float(postscale_factor), **_describe(src, set_id)), [src], [])
+             for i, src in enumerate(sources)]
+    handles = _submit_all(parts)
+    return GroupHandle.of(base, handles)
+
+
+def reducescatter_async(array: Any, op: Any = Average, name: Optional[str] = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        process_set: Optional[ProcessSet] = None) -> Handle:
+    """Start reducing ``array`` and keeping this rank's block of dim 0 (first ranks get the remainder)."""
+    op = _scatter_op(op)
+    runtime.engine()
+    set_id, _ = resolve(process_set)
+    src = _scatter_source(array, op)
+    request = Request(_name(REDUCESCATTER, name, set_id), REDUCESCATTER, op=op.value,
+                      prescale=float(prescale_factor), postscale=float(postscale_factor), **_describe(src, set_id))
+    return _submit_all([(request, [src], [])])[0]
+
+
+def reducescatter(array: Any, op: Any = Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0, process_set: Optional[ProcessSet] = None) -> Any:
+    """Reduce ``array`` over the set's ranks and return this rank's block of dim 0."""
+    return reducescatter_async(array, op, name, prescale_factor, postscale_factor, process_set).wait()
+
+
+def grouped_reducescatter(values: Sequence[Any], op: Any = Average, name: Optional[str] = None,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          process_set: Optional[ProcessSet] = None) -> list:
+    """Reducescatter several arrays together."""
+    return grouped_reducescatter_async(values, op, name, prescale_factor, postscale_factor, process_set).wait()
+
+
+def scattered_rows(rows: int, process_set: Optional[ProcessSet] = None) -> list:
+    """Rows of dim 0 each member keeps after a reducescatter of ``rows`` rows, in set order."""
+    _, ranks = resolve(process_set)
+    return reducescatter_rows(rows, len(ranks))
+
+
+# -- synchronisation and objects -------------------------------------------------
+def barrier(process_set: Optional[ProcessSet] = None) -> None:
+    """Return once every member of the set has called barrier()."""
+    runtime.engine()
+    set_id, _ = resolve(process_set)
+    _submit_all([(Request(_name(BARRIER, None, set_id), BARRIER, process_set=set_id), [], [])])[0].wait()
+
+
+def join() -> int:
+    """Stop contributing data: allreduces of other ranks proceed with zeros from this rank.
+
+    Returns the rank that joined last, once every rank has joined.
+    """
+    runtime.engine()
+    return _submit_all([(Request("join", JOIN), [], [])])[0].wait()
+
+
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: Optional[ProcessSet] = None) -> Any:
+    """Pickle ``obj`` on the root and return a copy of it on every member."""
+    set_id, ranks = resolve(process_set)
+    if root_rank not in ranks:
+        raise ValueError(f"root_rank {root_rank} is not one of the ranks {list(ranks)} of the process set")
+    name = _name("object", name, set_id)
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if runtime.rank() == root_rank else None
+    length = broadcast(np.array([0 if payload is None else payload.size], dtype=np.int64), root_rank, f"{name}.len",
+                       process_set=process_set)
+    data = broadcast(payload if payload is not None else np.empty(int(length[0]), np.uint8), root_rank,
+                     f"{name}.data", process_set=process_set)
+    return pickle.loads(data.tobytes()) if runtime.rank() != root_rank else obj
+
+
+def allgather_object(obj: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> list:
+    """Pickle ``obj`` on every member and return the list of all members' objects, in rank order."""
+    set_id, _ = resolve(process_set)
+    name = _name("object", name, set_id)
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    lengths = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len", process_set)
+    data = allgather(payload, f"{name}.data", process_set).tobytes()
+    bounds = np.concatenate(([0], np.cumsum(lengths)))
+    return [pickle.loads(data[bounds[i] : bounds[i + 1]]) for i in range(len(lengths))]
+
+
+__all__ = [
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "HvpsError",
+    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
+    "broadcast", "broadcast_async", "alltoall", "alltoall_async",
+    "reducescatter", "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
+    "barrier", "join", "broadcast_object", "allgather_object",
+]

@@ -1,0 +1,644 @@
+"""Versioned HDF5 checkpoints, one file per epoch, safe on NFS.
+
+::
+
+    ckpt = hvps.checkpoint.CheckpointManager("/nfs/run1", keep_last=3, keep_every=10)
+    start = ckpt.load()                       # 0 if there is none; else saved epoch + 1
+    state = ckpt.loaded                       # the Checkpoint read (None when start == 0)
+    for epoch in range(start, epochs):
+        ...
+        ckpt.save(epoch, model={"w": w}, optimizer={"lr": 0.1, "state": {...}})
+
+**Framework-neutral**: sections are nested mappings of numpy arrays (stored as datasets)
+and JSON-able values (stored as attributes).  ``hvps.adapters.torch.CheckpointManager``
+accepts torch modules and optimizers and restores them in place.
+
+**Collective when hvps is initialized**: every rank calls ``save`` and ``load`` with the
+same arguments.  Only ``root_rank`` (0) touches the directory: on save it gathers the
+per-rank sections (``compression_state``, ``rng``) and writes; on load it reads and
+verifies, broadcasts the shared sections (one flat uint8 buffer, sent in pieces of
+``chunk_bytes`` as soon as each is read, while it is still being hashed) and sends each rank its
+own per-rank sections.  Without ``hvps.init()`` everything runs in one process.
+
+**Crash safety**: rank 0 writes ``.ckpt-epoch-000007.h5.tmp-<pid>-<hex>`` in the
+directory, fsyncs it, renames it to ``ckpt-epoch-000007.h5`` (atomic on POSIX and on NFS,
+which guarantees close-to-open consistency; no locks are used) and fsyncs the directory.
+A crash leaves either the old set of versions or the new one, plus possibly a temporary
+file that the next save removes.  Only then does retention drop old versions: each is
+renamed to a hidden ``.trash-...`` name at once (``list()`` no longer sees it) and
+unlinked in a background thread (freeing a large file's blocks takes a while); the next
+save, or the end of the process, waits for that thread, and leftovers of a crash are
+removed by the next save.
+
+**Verification**: every dataset's SHA-256 is in a manifest whose own SHA-256 is a root
+attribute: a checksum against damage, and with ``HVPS_CHECKPOINT_KEY`` an HMAC signature
+against tampering (``checkpoint_safety.py``, which also refuses storage, dtypes and manifests
+that are unsafe to read); :meth:`CheckpointManager.latest` and ``load("latest")`` skip (with
+a warning on every rank) versions that fail and fall back to the newest good one.
+
+``list``, ``latest``, ``verify``, ``rollback`` and ``undo_rollback`` are local file
+operations: call them on one process (the ``hvps ckpt`` command line uses them).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import numpy as np
+
+from .. import api
+from .. import metrics as _metrics
+from .format import (
+    CheckpointError,
+    Entry,
+    Header,
+    IncompatibleCheckpointError,
+    Reader,
+    _flatten,
+    _layout,
+    aligned_empty,
+    build_trees,
+    chunk_bounds,
+    fsync_path,
+    is_per_rank_compression,
+    padded,
+    root_attributes,
+    write_file,
+)
+from .inspect import prestart, read_header, verify_file
+
+FILE_RE = re.compile(r"^ckpt-epoch-(\d{6,})\.h5$")
+TMP_RE = re.compile(r"^\.(ckpt-epoch-\d{6,}\.h5\.tmp-|trash-ckpt-epoch-\d{6,}\.h5-)")
+ATTIC = "attic"
+PER_RANK = ("compression", "rng")  # sections saved once per rank
+
+
+def file_name(epoch: int) -> str:
+    return f"ckpt-epoch-{int(epoch):06d}.h5"
+
+
+def _rank_key(rank: int) -> str:
+    return f"rank_{rank:05d}"
+
+
+@dataclass(frozen=True)
+class Version:
+    """One checkpoint file in the directory (not yet verified)."""
+
+    epoch: int
+    path: Path
+
+    @property
+    def size(self) -> int:
+        return self.path.stat().st_size
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint, as this rank sees it.
+
+    ``epoch`` is the epoch that was saved (the one that had finished); training resumes at
+    ``next_epoch == epoch + 1``.  ``compression_state`` and ``rng`` are this rank's own;
+    ``rng`` is None when the checkpoint holds none for this rank.
+    """
+
+    path: Path
+    epoch: int
+    step: Optional[int]
+    world_size: int
+    attrs: dict
+    model: dict = field(default_factory=dict)
+    optimizer: dict = field(default_factory=dict)
+    compression_state: dict = field(default_factory=dict)
+    rng: Optional[dict] = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def next_epoch(self) -> int:
+        return self.epoch + 1
+
+
+class _Group:
+    """The collectives a manager needs, or their one-process stand-ins."""
+
+    def __init__(self, root_rank: int) -> None:
+        self.distributed = api.is_initialized() and api.size() > 1
+        self.rank = api.rank() if api.is_initialized() else 0
+        self.size = api.size() if api.is_initialized() else 1
+        self.root = root_rank if self.distributed else 0
+        if not 0 <= self.root < self.size:
+            raise ValueError(f"root_rank {root_rank} is out of range for {self.size} ranks")
+        self.is_root = self.rank == self.root
+
+    def bcast_obj(self, obj: Any, name: str) -> Any:
+        return api.broadcast_object(obj, self.root, name=name) if self.distributed else obj
+
+    def bcast_buf_async(self, buf: np.ndarray, name: str):
+        if not self.distributed or buf.size == 0:
+            return None
+        return api.broadcast_async(buf, self.root, name=name, out=buf)
+
+    def gather_bufs(self, buf: np.ndarray, name: str) -> list:
+        """Every rank's uint8 ``buf`` on the root (a list in rank order), [] elsewhere."""
+        if not self.distributed:
+            return [buf]
+        splits = [0] * self.size
+        splits[self.root] = buf.size
+        out, received = api.alltoall(buf, splits=splits, name=name)
+        if not self.is_root:
+            return []
+        bounds = np.concatenate(([0], np.cumsum(received)))
+        return [out[bounds[r]:bounds[r + 1]] for r in range(self.size)]
+
+    def scatter_bufs(self, bufs: Optional[list], name: str) -> np.ndarray:
+        """Rank r receives ``bufs[r]`` from the root."""
+        if not self.distributed:
+            return bufs[0]
+        if self.is_root:
+            send = np.concatenate(bufs) if bufs else np.empty(0, np.uint8)
+            splits = [b.size for b in bufs]
+        else:
+            send, splits = np.empty(0, np.uint8), [0] * self.size
+        out, _ = api.alltoall(send, splits=splits, name=name)
+        return out
+
+
+# ----------------------------------------------------------------------------- pack/unpack
+def _pack(tree: Optional[Mapping]) -> tuple:
+    """(spec, uint8 buffer) for a nested mapping of arrays and JSON-able values; the spec
+    holds no arrays, so it travels as a small object."""
+    if tree is None:
+        return None, np.empty(0, np.uint8)
+    leaves, groups = [], {}
+    _flatten(tree, "", "", leaves, groups)
+    entries = [Entry(leaf.path, leaf.dtype, leaf.array.dtype.str, tuple(leaf.array.shape), int(leaf.array.nbytes), "")
+               for leaf in leaves]
+    total = _layout(entries)
+    buf = aligned_empty(total)
+    for e, leaf in zip(entries, leaves):
+        buf[e.start:e.start + e.nbytes] = memoryview(leaf.array).cast("B")
+    return {"entries": entries, "groups": groups}, buf
+
+
+def _unpack(spec: Optional[dict], buf: np.ndarray) -> Optional[dict]:
+    if spec is None:
+        return None
+    header = Header(Path(""), {}, spec["entries"], spec["groups"])
+    return build_trees(header, buf)
+
+
+def _relayout(entries: list, keep) -> list:
+    """Copies of the entries that ``keep`` accepts, laid out from 0 in a new buffer."""
+    out, pos = [], 0
+    for e in entries:
+        if keep(e.path):
+            out.append(Entry(e.path, e.dtype, e.storage, e.shape, e.nbytes, e.sha256, pos))
+            pos += padded(e.nbytes)
+    return out
+
+
+class CheckpointManager:
+    """Saves and loads versioned checkpoints in ``directory`` (see the module docstring).
+
+    ``keep_last``: how many of the newest versions retention keeps (None: all).
+    ``keep_every``: also keep every version whose epoch is a multiple of it (e.g. 10:
+    epochs 0, 10, 20, ...).  Other versions are deleted after each successful save.
+    ``compress``: lzf-compressed chunked datasets (smaller, slower); default off.
+    ``fsync``: fsync files and the directory (turn off only for tests on tmpfs).
+    """
+
+    framework = "numpy"
+    chunk_bytes = 16 << 20  # pieces in which load() broadcasts the shared sections
+
+    def __init__(self, directory: Union[str, os.PathLike], keep_last: Optional[int] = 3,
+                 keep_every: Optional[int] = None, compress: bool = False, root_rank: int = 0,
+                 fsync: bool = True) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be >= 1 (or None to keep every version)")
+        if keep_every is not None and keep_every < 1:
+            raise ValueError("keep_every must be >= 1 (or None)")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.compress = compress
+        self.root_rank = root_rank
+        self.fsync = fsync
+        self.loaded: Optional[Checkpoint] = None
+        self._deleter: Optional[threading.Thread] = None
+        try:
+            root = _Group(root_rank).is_root
+        except ValueError:  # raised again by save and load
+            root = False
+        if root:  # the root will inspect files: its helper starts meanwhile
+            prestart()
+
+    # ------------------------------------------------------------------ framework hooks
+    def framework_version(self) -> str:
+        return np.__version__
+
+    # ------------------------------------------------------------------ save
+    @_metrics.timed_checkpoint("save")
+    def save(self, epoch: int, model: Optional[Mapping] = None, optimizer: Optional[Mapping] = None,
+             extra: Optional[Mapping] = None, compression_state: Optional[Mapping] = None,
+             step: Optional[int] = None, rng: Optional[Mapping] = None) -> Optional[Path]:
+        """Save ``epoch`` (a finished epoch) as a new version; collective when initialized.
+
+        ``model``, ``optimizer`` and ``extra`` are taken from the root rank (they are the
+        same on every rank in data-parallel training); ``compression_state`` and ``rng``
+        are gathered from every rank.  Returns the file's path on the root, None elsewhere.
+        Raises CheckpointError on every rank if the root could not write (previous versions
+        stay intact).
+        """
+        if int(epoch) < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        group = _Group(self.root_rank)
+        per_rank = {}
+        for section, tree in (("compression", compression_state), ("rng", rng)):
+            flag = group.bcast_obj(tree is not None, f"ckpt.save.{section}.present") if group.distributed else tree is not None
+            if (tree is not None) != flag:
+                raise CheckpointError(f"save: {section} state given on the root but not on this rank (or vice versa)")
+            if not flag:
+                continue
+            spec, buf = _pack(tree)
+            specs = self._allgather_specs(group, spec, section)
+            bufs = group.gather_bufs(buf, f"ckpt.save.{section}.data")
+            if group.is_root:
+                per_rank[section] = {_rank_key(r): _unpack(specs[r], bufs[r]) for r in range(group.size)}
+        result: Any = None
+        if group.is_root:
+            try:
+                result = str(self._write(epoch, step, group.size, model, optimizer, extra, per_rank))
+            except CheckpointError as exc:
+                result = exc
+            except (OSError, RuntimeError, ValueError, TypeError) as exc:
+                result = CheckpointError(f"saving epoch {epoch} failed: {exc}", self.directory / file_name(epoch))
+                result.__cause__ = exc
+            shared = result if isinstance(result, str) else f"ERROR {result}"
+        else:
+            shared = None
+        shared = group.bcast_obj(shared, "ckpt.save.result")
+        if isinstance(result, Exception):
+            raise result
+        if shared.startswith("ERROR "):
+            raise CheckpointError(f"the root rank could not save epoch {epoch}: {shared[6:]}")
+        return Path(shared) if group.is_root else None
+
+    def _allgather_specs(self, group: _Group, spec: Any, section: str) -> list:
+        if not group.distributed:
+            return [spec]
+        return api.allgather_object(spec, name=f"ckpt.save.{section}.spec")
+
+    def _write(self, epoch, step, world_size, model, optimizer, extra, per_rank) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temporaries()
+        final = self.directory / file_name(epoch)
+        tmp = self.directory / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        sections = {"model": model, "optimizer": optimizer, "extra": extra, **per_rank}
+        attrs = root_attributes(epoch, step, world_size, self.framework, self.framework_version())
+        try:
+            write_file(tmp, sections, attrs, compress=self.compress, fsync=self.fsync)
+            # The file is durable; the rename, made durable by the directory fsync below,
+            # publishes it (no fsync of the directory is needed before: the temporary
+            # name never has to survive a crash).
+            os.replace(tmp, final)
+            if self.fsync:
+                fsync_path(self.directory, directory=True)
+        except BaseException:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            raise
+        self._apply_retention()
+        return final
+
+    def wait_for_retention(self) -> None:
+        """Wait until the versions dropped by the last save are unlinked."""
+        if self._deleter is not None:
+            self._deleter.join()
+            self._deleter = None
+
+    def _remove_stale_temporaries(self) -> None:
+        """Temporary and trash files of writers that died (one job owns a directory)."""
+        self.wait_for_retention()
+        for p in self.directory.iterdir():
+            if TMP_RE.match(p.name):
+                try:
+                    p.unlink()
+                except OSError:
+                    pass
+
+    def retained(self, epochs: list) -> set:
+        """The epochs that retention keeps out of ``epochs``."""
+        ordered = sorted(set(epochs))
+        keep = set(ordered if self.keep_last is None else ordered[-self.keep_last:])
+        if self.keep_every:
+            keep |= {e for e in ordered if e % self.keep_every == 0}
+        return keep
+
+    def _apply_retention(self) -> None:
+        """Drop the versions retention does not keep: a rename now (cheap, and they are
+        gone from ``list()``), the unlink in a background thread.  No directory fsync: a
+        dropped version that reappears after a crash is dropped again by the next save."""
+        self.wait_for_retention()
+        versions = self.list()
+        keep = self.retained([v.epoch for v in versions])
+        trash = []
+        for v in versions:
+            if v.epoch not in keep:
+                doomed = v.path.with_name(f".trash-{v.path.name}-{secrets.token_hex(4)}")
+                try:
+                    os.replace(v.path, doomed)
+                except FileNotFoundError:
+                    continue
+                trash.append(doomed)
+        if trash:
+            self._deleter = threading.Thread(target=_unlink_all, args=(trash,), name="hvps-ckpt-retention")
+            self._deleter.start()
+
+    # ------------------------------------------------------------------ listing and verification
+    def list(self) -> list:
+        """Every version in the directory (not the attic), oldest first; nothing is verified."""
+        if not self.directory.is_dir():
+            return []
+        out = []
+        for p in self.directory.iterdir():
+            m = FILE_RE.match(p.name)
+            if m and p.is_file():
+                out.append(Version(int(m.group(1)), p))
+        return sorted(out, key=lambda v: v.epoch)
+
+    def path_of(self, version: Union[str, int, os.PathLike]) -> Path:
+        if isinstance(version, (str, os.PathLike)) and not str(version).isdigit():
+            return Path(version)
+        return self.directory / file_name(int(version))
+
+    def verify(self, version: Union[int, str, os.PathLike]) -> Header:
+        """Fully verify one version (epoch number or path): structure and every checksum.
+        Returns its header; raises CheckpointError naming the file."""
+        return verify_file(self.path_of(version))
+
+    def latest(self) -> Optional[Version]:
+        """The newest version that verifies completely; broken ones are skipped with a warning."""
+        for v in reversed(self.list()):
+            try:
+                verify_file(v.path)
+                return v
+            except CheckpointError as exc:
+                warnings.warn(f"skipping checkpoint: {exc}", RuntimeWarning, stacklevel=2)
+        return None
+
+    # ------------------------------------------------------------------ loading
+    @_metrics.timed_checkpoint("load")
+    def read(self, version: Union[str, int] = "latest", drop_compression_state: bool = False) -> Optional[Checkpoint]:
+        """Read one version on the root, verify it and hand every rank its view; collective.
+
+        ``version``: "latest" (the newest version that verifies; None when there is none)
+        or an epoch number (CheckpointError if it is missing or broken).  Per-rank
+        compression state saved by a different number of ranks raises CheckpointError
+        unless ``drop_compression_state`` is true (then it is left out).
+        """
+        group = _Group(self.root_rank)
+        latest = version == "latest"
+        if not latest and not isinstance(version, (int, np.integer)):
+            raise ValueError(f"version must be 'latest' or an epoch number, got {version!r}")
+        candidates = []
+        if group.is_root:
+            candidates = [v.path for v in reversed(self.list())] if latest else [self.path_of(int(version))]
+        for attempt in range(10**9):
+            path = candidates[attempt] if group.is_root and attempt < len(candidates) else None
+            header = reader = None
+            status: Any = "none"
+            if group.is_root and path is not None:
+                try:
+                    reader = Reader(path, read_header(path))
+                    header = reader.header
+                    self._check_world_size(header, group.size, drop_compression_state)
+                    status = "ok"
+                except CheckpointError as exc:
+                    status = exc
+            msg = None
+            if group.is_root:
+                if isinstance(status, CheckpointError):
+                    fatal = not latest or isinstance(status, IncompatibleCheckpointError)
+                    msg = ("error" if fatal else "skip", str(status))
+                elif status == "none":
+                    msg = ("none", None)
+                else:
+                    msg = ("ok", {"attrs": header.attrs, "entries": header.entries, "groups": header.groups,
+                                  "path": str(path)})
+            msg = group.bcast_obj(msg, f"ckpt.load.meta.{attempt}")
+            kind, payload = msg
+            if kind == "none":
+                if not latest:
+                    raise CheckpointError(f"no checkpoint for epoch {version}", self.path_of(int(version)))
+                return None
+            if kind in ("skip", "error"):
+                if kind == "skip":  # every rank says why it falls back
+                    warnings.warn(f"skipping checkpoint: {payload}", RuntimeWarning, stacklevel=2)
+                if kind == "error":
+                    raise status if group.is_root else IncompatibleCheckpointError(payload) \
+                        if "saved per rank" in payload or "format version" in payload else CheckpointError(payload)
+                continue
+            ok, checkpoint = self._transfer(group, payload, reader, attempt, drop_compression_state)
+            if ok is True:
+                return checkpoint
+            if latest:
+                warnings.warn(f"skipping checkpoint: {ok}", RuntimeWarning, stacklevel=2)
+            if not latest:
+                raise ok if isinstance(ok, CheckpointError) else CheckpointError(str(ok))
+        return None  # pragma: no cover
+
+    @staticmethod
+    def _check_world_size(header: Header, size: int, drop: bool) -> None:
+        saved = int(header.attrs.get("world_size", 1))
+        has_comp = any(e.path.startswith("/compression/") for e in header.entries)
+        if has_comp and saved != size and not drop:
+            raise IncompatibleCheckpointError(
+                f"compression state was saved per rank by {saved} ranks but this job has {size}; "
+                "error-feedback residuals cannot be redistributed: pass drop_compression_state=True "
+                "to start them from zero", header.path)
+
+    def _transfer(self, group: _Group, meta: dict, reader: Optional[Reader], attempt: int, drop: bool):
+        """Move the data of one version from the root to every rank: (True, Checkpoint), or
+        (error, None) when the root could not read or verify it."""
+        entries, groups, attrs = meta["entries"], meta["groups"], meta["attrs"]
+        shared = _relayout(entries, lambda p: not is_per_rank_compression(p))
+        shared_bytes = sum(padded(e.nbytes) for e in shared)
+        has_comp = len(shared) != len(entries) and not drop
+        saved_size = int(attrs.get("world_size", 1))
+        mine = f"/compression/{_rank_key(group.rank)}/"
+        own = _relayout(entries, lambda p: p.startswith(mine)) if has_comp else []
+        status = full = None
+        # The shared part travels in pieces: each piece's broadcast starts as soon as the
+        # root has read it, so reading, hashing and sending overlap.
+        bounds = chunk_bounds(shared, self.chunk_bytes) if group.distributed else []
+        handles: list = []
+
+        def send(k: int) -> None:
+            lo = bounds[k - 1] if k else 0
+            handles.append(group.bcast_buf_async(shared_buf[lo:bounds[k]], f"ckpt.load.data.{attempt}.{k}"))
+
+        if group.is_root:
+            # laid out as: shared sections, then rank 0's, rank 1's, ... compression state
+            full = aligned_empty(reader.header.total_bytes)
+            shared_buf = full[:shared_bytes]
+            try:
+                reader.read(full, bounds=bounds, ready=send)
+            except CheckpointError as exc:
+                status = exc
+            while len(handles) < len(bounds):  # the others wait for every piece
+                send(len(handles))
+        else:
+            shared_buf = aligned_empty(shared_bytes)
+            for k in range(len(bounds)):
+                send(k)
+        # A read error is reported with the verdict below (one round trip fewer); until
+        # then every rank goes through the same collectives, the root with garbage bytes.
+        own_buf = None
+        if group.is_root:
+            index = {e.path: e for e in reader.header.entries}
+            parts = []
+            for r in range(group.size if has_comp else 0):
+                part = [index[e.path] for e in entries if e.path.startswith(f"/compression/{_rank_key(r)}/")]
+                lo = part[0].start if part else 0
+                parts.append(full[lo:lo + sum(padded(e.nbytes) for e in part)])
+            if has_comp:
+                own_buf = parts[group.rank]
+        else:
+            parts = None
+        if has_comp and group.distributed:
+            got = group.scatter_bufs(parts, f"ckpt.load.comp.{attempt}")
+            if not group.is_root:
+                own_buf = aligned_empty(got.size)
+                own_buf[...] = got
+        verdict = status
+        if group.is_root and verdict is None:
+            try:
+                reader.verify()  # the hashes ran while the bytes were read and sent
+            except CheckpointError as exc:
+                verdict = exc
+        for h in handles:
+            if h is not None:
+                h.wait()
+        text = group.bcast_obj(None if verdict is None else str(verdict), f"ckpt.load.verdict.{attempt}")
+        if text is not None:
+            return (verdict if group.is_root else CheckpointError(text)), None
+        path = Path(meta["path"])
+        trees = build_trees(Header(path, attrs, shared, groups), shared_buf,
+                            only=lambda p: not is_per_rank_compression(p))
+        compression = {}
+        if own:
+            tree = build_trees(Header(path, attrs, own, groups), own_buf,
+                               only=lambda p: p.startswith(mine) or p == mine.rstrip("/"))
+            compression = tree.get("compression", {}).get(_rank_key(group.rank), {})
+        rng = trees.get("rng", {}).get(_rank_key(group.rank))
+        if "rng" in trees and rng is None:
+            warnings.warn(f"{path}: no RNG state for rank {group.rank} (saved by {saved_size} ranks); "
+                          "this rank keeps its current RNG state", RuntimeWarning, stacklevel=3)
+        step = int(attrs.get("step", -1))
+        return True, Checkpoint(
+            path=path, epoch=int(attrs["epoch"]), step=None if step < 0 else step, world_size=saved_size,
+            attrs=dict(attrs), model=trees.get("model", {}), optimizer=trees.get("optimizer", {}),
+            compression_state=compression, rng=rng, extra=trees.get("extra", {}))
+
+    def load(self, version: Union[str, int] = "latest", drop_compression_state: bool = False) -> int:
+        """Read a version (see :meth:`read`) into ``self.loaded`` and return the epoch to
+        resume from: the saved epoch + 1, or 0 when ``version="latest"`` finds nothing."""
+        self.loaded = self.read(version, drop_compression_state=drop_compression_state)
+        return 0 if self.loaded is None else self.loaded.next_epoch
+
+    # ------------------------------------------------------------------ rollback
+    @property
+    def attic(self) -> Path:
+        return self.directory / ATTIC
+
+    def rollback(self, epoch: int) -> list:
+        """Make ``epoch`` the newest version: newer versions move into
+        ``attic/rollback-<time>-to-epoch-NNNNNN/`` (nothing is deleted).  ``epoch`` must
+        exist and verify.  Returns the moved paths (their new locations)."""
+        target = self.directory / file_name(epoch)
+        if not target.exists():
+            raise CheckpointError(f"cannot roll back: there is no version for epoch {epoch}", target)
+        verify_file(target)
+        newer = [v for v in self.list() if v.epoch > int(epoch)]
+        if not newer:
+            return []
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{secrets.token_hex(2)}"
+        batch = self.attic / f"rollback-{stamp}-to-epoch-{int(epoch):06d}"
+        batch.mkdir(parents=True)
+        moved = []
+        for v in newer:
+            dst = batch / v.path.name
+            os.replace(v.path, dst)
+            moved.append(dst)
+        if self.fsync:
+            fsync_path(batch, directory=True)
+            fsync_path(self.directory, directory=True)
+        return moved
+
+    def rollbacks(self) -> list:
+        """The attic's rollback batches, oldest first."""
+        if not self.attic.is_dir():
+            return []
+        return sorted((p for p in self.attic.iterdir() if p.is_dir() and p.name.startswith("rollback-")),
+                      key=lambda p: p.name)
+
+    def undo_rollback(self, force: bool = False) -> list:
+        """Move the versions of the most recent rollback back from the attic.
+
+        If the directory meanwhile got versions with the same epochs (training went on
+        after the rollback), CheckpointError lists them, unless ``force``: then those
+        newer files are themselves moved to the attic first (nothing is deleted)."""
+        batches = self.rollbacks()
+        if not batches:
+            raise CheckpointError("nothing to undo: the attic holds no rollback", self.attic)
+        batch = batches[-1]
+        files = sorted(p for p in batch.iterdir() if FILE_RE.match(p.name))
+        conflicts = [self.directory / p.name for p in files if (self.directory / p.name).exists()]
+        if conflicts and not force:
+            raise CheckpointError("cannot undo the rollback: these versions were written since "
+                                  "(pass force=True / --force to move them to the attic first)",
+                                  batch, [str(c) for c in conflicts])
+        if conflicts:
+            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{secrets.token_hex(2)}"
+            aside = self.attic / f"displaced-{stamp}"
+            aside.mkdir(parents=True)
+            for c in conflicts:
+                os.replace(c, aside / c.name)
+        restored = []
+        for p in files:
+            dst = self.directory / p.name
+            os.replace(p, dst)
+            restored.append(dst)
+        try:
+            batch.rmdir()
+        except OSError:
+            pass
+        if self.fsync:
+            fsync_path(self.directory, directory=True)
+        return restored
+
+
+def _unlink_all(paths: list) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass  # the next save removes leftovers
+
+
+def header_of(path: Union[str, os.PathLike]) -> Header:
+    """The header of one file (cheap: no tensor data is read)."""
+    return read_header(path)
+
+
+__all__ = ["CheckpointManager", "Checkpoint", "CheckpointError", "IncompatibleCheckpointError", "Version", "file_name", "header_of"]

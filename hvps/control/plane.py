@@ -1,0 +1,365 @@
+"""The control plane: small JSON messages between rank 0 and every other rank over TCP.
+
+MPI offers no way to wait for a message without spinning a core, so the engine
+negotiates over plain sockets instead: its thread blocks in ``select`` until a
+message, a local submission or a deadline arrives, costing no CPU while it
+waits and answering within microseconds. A closed connection tells at once
+that a rank has died. Messages are JSON, never pickle.
+
+Rank 0's port is open to the network while ``init`` runs, so anything may connect.
+A connection is trusted only after a mutual challenge-response proves it holds the
+job's key (``control_handshake.py``), and every later frame carries an HMAC
+(``control_wire.py``). Strangers are dropped and logged, one at a time and each
+within its own deadline, so that none of them can stop, stall or bloat the job.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from typing import Optional
+
+from ..core.errors import HvpsError
+from .handshake import ServerHandshake, client_handshake
+from .wire import MAX_AUTHENTICATED, FrameReader, ProtocolError, Session, encode
+
+log = logging.getLogger("hvps")
+_SIOCGIFADDR = 0x8915
+#: each connection must finish its handshake within this many seconds of connecting
+HANDSHAKE_SECONDS = 5.0
+#: connections rank 0 keeps in handshake at once; more are refused until some finish
+_MAX_PENDING = 64
+_REQUESTS = frozenset({"requests", "epoch"})
+_RESPONSES = frozenset({"responses", "tuning"})
+
+
+def interface_address(name: str) -> Optional[str]:
+    """The IPv4 address of network interface ``name`` (Linux), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            packed = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def candidate_addresses() -> list:
+    """Addresses other ranks may reach this host at, most specific first.
+
+    ``HVPS_CONTROL_ADDR`` wins; ``HVPS_NETWORK_INTERFACE`` (hvpsrun's
+    ``--network-interface``) restricts to one interface; otherwise every
+    interface's IPv4 address, loopback last.
+    """
+    explicit = os.environ.get("HVPS_CONTROL_ADDR")
+    if explicit:
+        return [explicit]
+    wanted = os.environ.get("HVPS_NETWORK_INTERFACE")
+    names = [wanted] if wanted else [name for _, name in socket.if_nameindex()]
+    found = [a for a in (interface_address(n) for n in names) if a]
+    if wanted and not found:
+        raise HvpsError(f"HVPS_NETWORK_INTERFACE={wanted!r} has no IPv4 address on {socket.gethostname()}")
+    return sorted(set(found), key=lambda a: (a.startswith("127."), a))
+
+
+def listen_address() -> str:
+    """Where rank 0 listens: the address of ``HVPS_NETWORK_INTERFACE`` when set, else every interface."""
+    return candidate_addresses()[0] if os.environ.get("HVPS_NETWORK_INTERFACE") else ""
+
+
+class ConnectionClosed(Exception):
+    """The peer closed its end (it exited or its host went away)."""
+
+
+class _Peer:
+    """One authenticated, non-blocking connection."""
+
+    def __init__(self, sock: socket.socket, rank: int, session: Session, reader: FrameReader,
+                 accepts: frozenset) -> None:
+        self.sock, self.rank, self.session, self.reader = sock, rank, session, reader
+        self.accepts = accepts
+        self.reader.limit = MAX_AUTHENTICATED
+        self.outbox = bytearray()
+
+    def flush(self) -> None:
+        """Send what the socket takes now (never blocks)."""
+        while self.outbox:
+            try:
+                sent = self.sock.send(self.outbox)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self.outbox.clear()
+                raise ConnectionClosed(str(exc)) from exc
+            del self.outbox[:sent]
+
+    def receive(self) -> list:
+        try:
+            data = self.sock.recv(1 << 20)
+        except BlockingIOError:
+            return []
+        except OSError as exc:
+            raise ConnectionClosed(str(exc)) from exc
+        if not data:
+            raise ConnectionClosed("connection closed")
+        try:
+            return [self.session.open(payload, self.accepts) for payload in self.reader.feed(data)]
+        except ProtocolError as exc:
+            log.error("hvps control plane: dropping rank %d: %s", self.rank, exc)
+            raise ConnectionClosed(str(exc)) from exc
+
+
+class _Writer(threading.Thread):
+    """Sends what the engine thread could not send at once, so that a large reply never
+    waits for the engine (which may be inside a collective the receiver also needs)."""
+
+    def __init__(self, peers: dict) -> None:
+        super().__init__(name="hvps-control-writer", daemon=True)
+        self.peers = peers
+        self.lock = threading.Condition()
+        self.stopping = False
+
+    def run(self) -> None:
+        drain_until = None
+        while True:
+            with self.lock:
+                while not self.stopping and not any(p.outbox for p in list(self.peers.values())):
+                    self.lock.wait()
+                busy = [p for p in list(self.peers.values()) if p.outbox and p.sock.fileno() >= 0]
+                if self.stopping:
+                    drain_until = drain_until or time.monotonic() + 2.0
+                    if not busy or time.monotonic() > drain_until:
+                        return
+            with selectors.DefaultSelector() as selector:
+                for peer in busy:
+                    selector.register(peer.sock, selectors.EVENT_WRITE, peer)
+                try:
+                    ready = [key.data for key, _ in selector.select(0.5)]
+                except (OSError, ValueError):
+                    ready = []  # a socket was closed meanwhile: look again
+            with self.lock:
+                for peer in ready:
+                    try:
+                        peer.flush()
+                    except ConnectionClosed:
+                        pass  # the engine's poll sees the closed connection
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopping = True
+            self.lock.notify()
+        self.join(timeout=3)
+
+
+class ControlPlane:
+    """Rank 0 holds one connection per other rank; every other rank holds one to rank 0."""
+
+    def __init__(self, comm, connect_timeout: float = 60.0) -> None:
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        for sock in (self._wake_r, self._wake_w):
+            sock.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self.peers: dict[int, _Peer] = {}
+        listener = None
+        if self.rank == 0 and self.size > 1:
+            listener = socket.create_server((listen_address(), 0), backlog=max(self.size, 16) + _MAX_PENDING)
+            # The key travels over MPI only, never over the control connection.
+            offer = (candidate_addresses(), listener.getsockname()[1], secrets.token_bytes(32))
+        else:
+            offer = None
+        addresses, port, key = comm.bcast(offer, root=0) if self.size > 1 else (None, 0, b"")
+        try:
+            if self.rank == 0 and listener is not None:
+                self._accept(listener, key, connect_timeout)
+            elif self.size > 1:
+                self._connect(addresses, port, key, connect_timeout)
+        finally:
+            if listener is not None:
+                listener.close()
+        comm.Barrier()
+        for peer in self.peers.values():
+            peer.sock.setblocking(False)
+            peer.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._selector.register(peer.sock, selectors.EVENT_READ, peer)
+        self._writer = _Writer(self.peers)
+        self._writer.start()
+
+    def _accept(self, listener: socket.socket, key: bytes, timeout: float) -> None:
+        """Run handshakes side by side until every other rank has proved itself."""
+        deadline = time.monotonic() + timeout
+        listener.setblocking(False)
+        selector = selectors.DefaultSelector()
+        selector.register(listener, selectors.EVENT_READ, None)
+        pending: dict = {}  # socket -> (ServerHandshake, expiry, address)
+        try:
+            while len(self.peers) < self.size - 1:
+                now = time.monotonic()
+                if now >= deadline:
+                    missing = sorted(set(range(1, self.size)) - set(self.peers))
+                    raise HvpsError(
+                        f"rank 0 heard nothing from ranks {missing} within {timeout:g} s on port "
+                        f"{listener.getsockname()[1]}; set HVPS_NETWORK_INTERFACE (hvpsrun --network-interface) "
+                        "to an interface every host can reach")
+                wait = min([deadline] + [expiry for _, expiry, _ in pending.values()]) - now
+                for event, _ in selector.select(max(0.0, wait)):
+                    if event.data is None:
+                        self._admit(listener, key, selector, pending)
+                    else:
+                        self._advance(event.fileobj, selector, pending)
+                now = time.monotonic()
+                for sock, (_, expiry, _) in list(pending.items()):
+                    if now >= expiry:
+                        self._refuse(sock, selector, pending, f"no handshake within {HANDSHAKE_SECONDS:g} s")
+        finally:
+            for sock in list(pending):
+                self._refuse(sock, selector, pending, "still in its handshake when every rank had joined")
+            selector.close()
+
+    def _admit(self, listener: socket.socket, key: bytes, selector, pending: dict) -> None:
+        try:
+            sock, address = listener.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        if len(pending) >= _MAX_PENDING:
+            log.warning("hvps control plane: refused %s: %d handshakes already open", address[0], _MAX_PENDING)
+            sock.close()
+            return
+        sock.setblocking(False)
+        handshake = ServerHandshake(key, self.size, taken=self.peers)
+        pending[sock] = (handshake, time.monotonic() + HANDSHAKE_SECONDS, address[0])
+        selector.register(sock, selectors.EVENT_READ, handshake)
+
+    def _advance(self, sock: socket.socket, selector, pending: dict) -> None:
+        handshake, _, _ = pending[sock]
+        try:
+            data = sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._refuse(sock, selector, pending, str(exc))
+            return
+        if not data:
+            self._refuse(sock, selector, pending, "closed the connection")
+            return
+        try:
+            reply = handshake.feed(data)
+            if reply and sock.send(reply) != len(reply):  # a real peer waits for it: its buffer has room
+                raise ProtocolError("does not read its replies")
+        except (ProtocolError, OSError) as exc:
+            self._refuse(sock, selector, pending, str(exc))
+            return
+        if handshake.session is not None:
+            selector.unregister(sock)
+            del pending[sock]
+            self.peers[handshake.rank] = _Peer(sock, handshake.rank, handshake.session, handshake.reader, _REQUESTS)
+
+    @staticmethod
+    def _refuse(sock: socket.socket, selector, pending: dict, reason: str) -> None:
+        _, _, address = pending.pop(sock)
+        log.warning("hvps control plane: dropped a connection from %s: %s", address, reason)
+        selector.unregister(sock)
+        sock.close()
+
+    def _connect(self, addresses: list, port: int, key: bytes, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        errors = {}
+        while time.monotonic() < deadline:
+            for address in addresses:
+                try:
+                    sock = socket.create_connection((address, port), timeout=2)
+                except OSError as exc:
+                    errors[address] = exc
+                    continue
+                try:
+                    session = client_handshake(sock, key, self.rank,
+                                               min(deadline, time.monotonic() + 2 * HANDSHAKE_SECONDS))
+                except (ProtocolError, OSError) as exc:
+                    errors[address] = exc
+                    sock.close()
+                    continue
+                self.peers[0] = _Peer(sock, 0, session, FrameReader(MAX_AUTHENTICATED), _RESPONSES)
+                return
+            time.sleep(0.2)
+        tried = ", ".join(f"{a}:{port} ({e})" for a, e in errors.items())
+        raise HvpsError(
+            f"rank {self.rank} could not reach rank 0's control port: {tried}; set HVPS_NETWORK_INTERFACE "
+            "(hvpsrun --network-interface) or HVPS_CONTROL_ADDR to an address every host can reach"
+        )
+
+    def wake(self) -> None:
+        """Interrupt a ``poll`` in progress (called by user threads after queueing work)."""
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already awake, or closing
+
+    def send(self, rank: int, message: dict) -> None:
+        """Queue ``message`` for ``rank``; send what the socket takes now, the rest from the writer thread."""
+        self._send_encoded(rank, encode(message))
+
+    def send_to_workers(self, message: dict) -> None:
+        """``send`` to every other rank, encoding ``message`` once."""
+        body = encode(message)
+        for rank in range(1, self.size):
+            self._send_encoded(rank, body)
+
+    def _send_encoded(self, rank: int, body: bytes) -> None:
+        peer = self.peers.get(rank)
+        if peer is None:
+            return
+        with self._writer.lock:
+            idle = not peer.outbox
+            peer.outbox += peer.session.seal_encoded(body)
+            if idle:
+                try:
+                    peer.flush()
+                except ConnectionClosed:
+                    return  # reported by the next poll
+            if peer.outbox:
+                self._writer.lock.notify()
+
+    def poll(self, timeout: Optional[float]) -> tuple:
+        """Wait up to ``timeout`` s (None: until something happens).
+
+        Returns ``(messages, closed)``: a list of ``(rank, message)`` and the ranks
+        whose connection closed.
+        """
+        messages, closed = [], []
+        for key, _ in self._selector.select(timeout):
+            peer = key.data
+            if peer is None:
+                try:
+                    while self._wake_r.recv(4096):
+                        pass
+                except BlockingIOError:
+                    pass
+                continue
+            try:
+                messages.extend((peer.rank, m) for m in peer.receive())
+            except ConnectionClosed:
+                closed.append(peer.rank)
+                self._drop(peer)
+        return messages, closed
+
+    def _drop(self, peer: _Peer) -> None:
+        self._selector.unregister(peer.sock)
+        with self._writer.lock:
+            self.peers.pop(peer.rank, None)
+            peer.sock.close()
+
+    def close(self) -> None:
+        """Send what is queued (for up to 2 s) and close every socket."""
+        self._writer.stop()
+        for peer in list(self.peers.values()):
+            self._drop(peer)
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()

@@ -1,0 +1,152 @@
+"""The response cache: in steady state a rank names a collective by a small integer.
+
+A training loop submits the same collectives every step. Once every rank has agreed on a
+request (same name, kind, dtype, shapes, ...), each rank gives it the same *bit*: an integer
+assigned in the order responses are executed, which every rank sees identically (rank 0
+sends each response to every rank, in one order). From then on a worker announces that
+request as its bit and rank 0 answers with bits too, instead of full JSON requests: the
+control plane carries a few integers per tensor, and rank 0 neither parses requests nor
+re-serialises responses. Horovod's ``ResponseCache`` plays the same part
+(``HOROVOD_CACHE_CAPACITY``); here the setting is ``HVPS_CACHE_CAPACITY`` (0 disables it).
+
+Bits are never reused, so a bit always means one request. When the cache is full the least
+recently used request is evicted on every rank at the same point of the response sequence.
+A worker may have announced a bit just before it learned of the eviction, so rank 0 keeps
+evicted requests until every worker has reported (its *epoch*: responses recorded so far)
+that it has seen the eviction.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Optional, Union
+
+from ..core.errors import HvpsError
+from .negotiation import ADD_SET, JOIN, REMOVE_SET, SHUTDOWN, Request, Response, to_wire
+
+#: responses that change the engine's state rather than move tensors: never cached
+_UNCACHED = (JOIN, SHUTDOWN, ADD_SET, REMOVE_SET)
+
+
+class ResponseCache:
+    """Agreed requests by bit, kept alike on every rank by recording every executed response."""
+
+    def __init__(self, capacity: int, size: int, rank: int = 0) -> None:
+        self.capacity = capacity
+        self._workers = range(1, size)
+        #: only rank 0 resolves other ranks' bits, so only it (with workers) keeps evicted requests
+        self._keeps_evicted = rank == 0 and size > 1
+        #: request -> bit, least recently used first
+        self._bits: "OrderedDict[Request, int]" = OrderedDict()
+        self._requests: dict[int, Request] = {}
+        #: rank 0 only: evicted bit -> (request, epoch at eviction), until every worker is past it
+        self._retired: dict[int, tuple] = {}
+        #: worker rank -> the epoch it last reported
+        self._worker_epochs: dict[int, int] = {}
+        self._next_bit = 0
+        #: responses recorded so far (the same sequence on every rank)
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self._bits)
+
+    # -- kept alike on every rank ----------------------------------------------------
+    def record(self, response: Response) -> None:
+        """Note an executed response: its requests get (or refresh) their bits."""
+        self.epoch += 1
+        if self.capacity <= 0 or response.error or response.kind in _UNCACHED:
+            return
+        for request in response.requests:
+            if request in self._bits:
+                self._bits.move_to_end(request)
+                continue
+            self._bits[request] = self._next_bit
+            self._requests[self._next_bit] = request
+            self._next_bit += 1
+            while len(self._bits) > self.capacity:
+                old, bit = self._bits.popitem(last=False)
+                del self._requests[bit]
+                if self._keeps_evicted:
+                    self._retired[bit] = (old, self.epoch)
+
+    # -- a worker's side ---------------------------------------------------------------
+    def announce(self, requests: Iterable[Request]) -> dict:
+        """The message announcing ``requests``: a bit for each cached one, else its full form."""
+        items: list[Union[int, dict]] = []
+        for request in requests:
+            bit = self._bits.get(request)
+            items.append(to_wire(request) if bit is None else bit)
+        return {"requests": items, "epoch": self.epoch}
+
+    def decode_responses(self, wire: list) -> list:
+        """Responses from rank 0's message, recording each (as rank 0 did when it encoded them)."""
+        responses = []
+        for item in wire:
+            if "bits" in item:
+                requests = [self._lookup(bit, 0) for bit in item["bits"]]
+                response = Response(item["kind"], [r.name for r in requests], requests=requests,
+                                    per_rank=item.get("per_rank", []))
+            else:
+                response = Response.from_wire(item)
+            self.record(response)
+            responses.append(response)
+        return responses
+
+    # -- rank 0's side -----------------------------------------------------------------
+    def canonical(self, requests: list) -> list:
+        """Rank 0's own requests, each replaced by the cached object equal to it: then every
+        rank's submission of a cached request is one object, and matching needs no comparison."""
+        if not self._bits:
+            return requests
+        return [self._requests.get(self._bits.get(r, -1), r) for r in requests]
+
+    def resolve(self, rank: int, message: dict) -> list:
+        """The requests a worker announced, its bits looked up; notes the worker's epoch."""
+        epoch = message.get("epoch", 0)
+        if not isinstance(epoch, int) or epoch > self.epoch:
+            raise HvpsError(f"rank {rank} reported response-cache epoch {epoch!r}, but rank 0 has recorded "
+                            f"only {self.epoch} responses: the ranks' caches disagree")
+        requests = [Request.from_wire(item) if isinstance(item, dict) else self._lookup(item, rank)
+                    for item in message["requests"]]
+        self._worker_epochs[rank] = epoch
+        self._prune()
+        return requests
+
+    def encode_responses(self, responses: list) -> list:
+        """The wire form of ``responses`` (bits where every request is cached), recording each."""
+        wire = []
+        for response in responses:
+            bits = self._bits_of(response)
+            if bits is None:
+                wire.append(to_wire(response))
+            else:
+                item: dict = {"kind": response.kind, "bits": bits}
+                if response.per_rank:
+                    item["per_rank"] = response.per_rank
+                wire.append(item)
+            self.record(response)
+        return wire
+
+    def _bits_of(self, response: Response) -> Optional[list]:
+        if self.capacity <= 0 or response.error or response.kind in _UNCACHED or not response.requests:
+            return None
+        bits = [self._bits.get(request) for request in response.requests]
+        return None if None in bits else bits
+
+    def _lookup(self, bit: object, rank: int) -> Request:
+        if isinstance(bit, int) and not isinstance(bit, bool):
+            request = self._requests.get(bit)
+            if request is not None:
+                return request
+            if bit in self._retired:
+                return self._retired[bit][0]
+        raise HvpsError(f"rank {rank} named response-cache bit {bit!r}, which this rank's cache does not hold "
+                        f"(epoch {self.epoch}): the ranks' caches disagree")
+
+    def _prune(self) -> None:
+        """Forget evicted requests that every worker has seen evicted."""
+        if not self._retired:
+            return
+        oldest = min((self._worker_epochs.get(rank, 0) for rank in self._workers), default=self.epoch)
+        for bit in [b for b, (_, evicted_at) in self._retired.items() if evicted_at <= oldest]:
+            del self._retired[bit]

@@ -1,0 +1,152 @@
+"""Supported element types and the reduction arithmetic shared by every backend."""
+
+from __future__ import annotations
+
+import enum
+import functools
+import sys
+
+import ml_dtypes
+import numpy as np
+
+from .views import as_tensor
+
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+
+SUPPORTED = {
+    np.dtype(np.float16): "float16",
+    bfloat16: "bfloat16",
+    np.dtype(np.float32): "float32",
+    np.dtype(np.float64): "float64",
+    np.dtype(np.int8): "int8",
+    np.dtype(np.int16): "int16",
+    np.dtype(np.int32): "int32",
+    np.dtype(np.int64): "int64",
+    np.dtype(np.uint8): "uint8",
+    np.dtype(np.bool_): "bool",
+}
+
+ITEMSIZE = {name: dtype.itemsize for dtype, name in SUPPORTED.items()}
+BY_NAME = {name: dtype for dtype, name in SUPPORTED.items()}
+
+
+class ReduceOp(enum.Enum):
+    """Reduction applied by allreduce and reducescatter (Horovod's names)."""
+
+    Average = "average"
+    Sum = "sum"
+    Min = "min"
+    Max = "max"
+    Product = "product"
+    #: Adaptive summation (Maleki et al., MLSys 2021); floating-point allreduce only, see ``adasum.py``
+    Adasum = "adasum"
+
+
+_UFUNC = {
+    ReduceOp.Sum: np.add,
+    ReduceOp.Average: np.add,
+    ReduceOp.Min: np.minimum,
+    ReduceOp.Max: np.maximum,
+    ReduceOp.Product: np.multiply,
+}
+_BOOL_UFUNC = {
+    ReduceOp.Sum: np.logical_or,
+    ReduceOp.Max: np.logical_or,
+    ReduceOp.Min: np.logical_and,
+    ReduceOp.Product: np.logical_and,
+}
+
+
+def check_dtype(dtype: np.dtype) -> np.dtype:
+    """Return ``dtype`` if hvps can move it, else raise TypeError."""
+    dtype = np.dtype(dtype)
+    if dtype not in SUPPORTED:
+        names = ", ".join(SUPPORTED.values())
+        raise TypeError(f"hvps does not support dtype {dtype}; supported: {names}")
+    return dtype
+
+
+def check_reducible(dtype: np.dtype, op: ReduceOp) -> None:
+    """Raise TypeError where ``op`` makes no sense for ``dtype``."""
+    check_dtype(dtype)
+    if dtype == np.bool_ and op is ReduceOp.Average:
+        raise TypeError("Average is not defined for bool tensors; use Sum (logical or) or Min (logical and)")
+    if op is ReduceOp.Adasum and dtype.kind != "f" and dtype != bfloat16:
+        raise TypeError(f"Adasum combines floating-point tensors only, not {SUPPORTED[dtype]}")
+
+
+def combine(op: ReduceOp, dtype: np.dtype):
+    """``f(a, b, out=)``: folds two contributions of ``dtype`` under ``op``, elementwise.
+
+    numpy's float16 and bfloat16 loops are scalar and about 10x slower than
+    float32; when PyTorch is already loaded its vectorised kernels do those.
+    """
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return _BOOL_UFUNC[op]
+    if dtype in (np.float16, bfloat16) and "torch" in sys.modules:
+        return functools.partial(_torch_half, _TORCH_FUNC[op])
+    return _UFUNC[op]
+
+
+_TORCH_FUNC = {
+    ReduceOp.Sum: "add",
+    ReduceOp.Average: "add",
+    ReduceOp.Min: "minimum",
+    ReduceOp.Max: "maximum",
+    ReduceOp.Product: "mul",
+}
+
+
+def cast(array: np.ndarray, dtype) -> np.ndarray:
+    """``array.astype(dtype)``; casts to or from float16/bfloat16 use PyTorch's kernels when it is loaded.
+
+    numpy's half-precision casts are scalar loops, 10-20x slower.
+    """
+    dtype = np.dtype(dtype)
+    if array.dtype == dtype:
+        return array
+    halves = (np.dtype(np.float16), bfloat16)
+    # Only float32 <-> half: torch rounds float64 -> half through float32 (twice), numpy once.
+    fast = {array.dtype, dtype} <= {np.dtype(np.float32), *halves} and {array.dtype, dtype} & set(halves)
+    if "torch" not in sys.modules or not fast:
+        return array.astype(dtype)
+    out = np.empty(array.shape, dtype=dtype)
+    as_tensor(out).copy_(as_tensor(np.ascontiguousarray(array).reshape(array.shape)))  # keeps 0-d 0-d
+    return out
+
+
+def _torch_half(func: str, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    import torch
+
+    getattr(torch, func)(as_tensor(a), as_tensor(b), out=as_tensor(out))
+
+
+def scale(array: np.ndarray, factor: float) -> None:
+    """Multiply ``array`` by ``factor`` in place; integers go through float64 and truncate."""
+    if factor == 1.0 or array.size == 0:
+        return
+    if array.dtype == np.bool_:
+        raise TypeError("prescale/postscale factors are not defined for bool tensors")
+    if np.issubdtype(array.dtype, np.integer):
+        array[...] = (array * factor).astype(array.dtype)
+    elif array.dtype in (np.float16, bfloat16):
+        array[...] = (array.astype(np.float32) * np.float32(factor)).astype(array.dtype)
+    else:
+        np.multiply(array, array.dtype.type(factor), out=array)
+
+
+def divide(array: np.ndarray, divisor: int) -> None:
+    """Average's final step: integers divide rounding toward zero (as Horovod's scaling by 1/size casts),
+    floats divide exactly."""
+    if divisor == 1 or array.size == 0:
+        return
+    if np.issubdtype(array.dtype, np.integer):
+        negative = array < 0
+        np.abs(array, out=array)
+        np.floor_divide(array, divisor, out=array)
+        np.negative(array, out=array, where=negative)
+    elif array.dtype in (np.float16, bfloat16):
+        array[...] = (array.astype(np.float32) / np.float32(divisor)).astype(array.dtype)
+    else:
+        np.divide(array, array.dtype.type(divisor), out=array)

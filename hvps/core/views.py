@@ -1,0 +1,64 @@
+"""Zero-copy views between numpy arrays and torch tensors.
+
+numpy has no bfloat16 or float8; ml_dtypes gives numpy those types, and torch cannot read them.
+This module is the one place that knows it: such tensors travel through a same-width integer
+(``view(torch.int16)`` for bfloat16, ``view(torch.uint8)`` for float8), in both directions.
+torch is imported only when a view is made.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+#: torch dtype name -> (ml_dtypes name, integer carrier of the same width)
+_CARRIED = {
+    "bfloat16": ("bfloat16", np.int16),
+    "float8_e4m3fn": ("float8_e4m3fn", np.uint8),
+    "float8_e5m2": ("float8_e5m2", np.uint8),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _tables() -> tuple:
+    """({torch dtype: (numpy dtype, torch carrier)}, {numpy dtype name: (torch dtype, numpy carrier)})."""
+    import torch
+
+    to_numpy, to_torch = {}, {}
+    for torch_name, (ml_name, carrier) in _CARRIED.items():
+        kind = getattr(torch, torch_name, None)
+        if kind is None:
+            continue
+        numpy_dtype = np.dtype(getattr(ml_dtypes, ml_name))
+        to_numpy[kind] = (numpy_dtype, torch.from_numpy(np.empty(0, carrier)).dtype)
+        to_torch[numpy_dtype.name] = (kind, np.dtype(carrier))
+    return to_numpy, to_torch
+
+
+def as_tensor(array: Any) -> Any:
+    """A torch tensor sharing memory with a numpy ``array``; a tensor is returned as it is."""
+    if not isinstance(array, np.ndarray):
+        return array
+    import torch
+
+    carried = _tables()[1].get(array.dtype.name)
+    if carried is None:
+        return torch.from_numpy(array)
+    kind, carrier = carried
+    return torch.from_numpy(array.view(carrier)).view(kind)
+
+
+def as_array(tensor: Any) -> np.ndarray:
+    """A numpy view of a CPU tensor's memory (bfloat16 and float8 as ml_dtypes arrays).
+
+    Raises TypeError for dtypes neither numpy nor ml_dtypes can hold (complex32, quantized, ...).
+    """
+    tensor = tensor.detach()
+    carried = _tables()[0].get(tensor.dtype)
+    if carried is None:
+        return tensor.numpy()
+    numpy_dtype, carrier = carried
+    return tensor.view(carrier).numpy().view(numpy_dtype)

@@ -1,0 +1,82 @@
+"""Horovod's build and capability queries (``hvd.nccl_built()``, ``hvd.mpi_enabled()``, ...).
+
+Horovod answers what it was compiled with; hvps answers what this process can
+use now, which is what scripts that branch on these calls want to know.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from . import state as runtime
+
+
+def _torch_distributed():
+    if "torch" not in sys.modules:  # never import torch on behalf of numpy or TensorFlow users
+        return None
+    import torch.distributed as dist
+
+    return dist if dist.is_available() else None
+
+
+def mpi_built() -> bool:
+    """Always True: MPI (mpi4py) is hvps's bootstrap and control plane."""
+    return True
+
+
+def mpi_enabled() -> bool:
+    """Whether collectives may run over MPI (every backend but tdist and horovod)."""
+    return runtime.settings().backend in ("mpi", "auto")
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI runs with MPI_THREAD_MULTIPLE."""
+    from mpi4py import MPI
+
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def gloo_built() -> bool:
+    """Whether torch.distributed's gloo is available (for ``HVPS_BACKEND=tdist``)."""
+    dist = _torch_distributed()
+    return bool(dist and dist.is_gloo_available())
+
+
+def gloo_enabled() -> bool:
+    """Whether host buffers go over gloo (``HVPS_BACKEND=tdist``)."""
+    return runtime.settings().backend == "tdist"
+
+
+def nccl_built() -> int:
+    """NCCL's version as Horovod reports it (e.g. 22703 for 2.27.3), or 0 without CUDA and NCCL."""
+    dist = _torch_distributed()
+    if not dist or not dist.is_nccl_available():
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    major, minor, patch = torch.cuda.nccl.version()[:3]
+    return major * 10000 + minor * 100 + patch
+
+
+def cuda_built() -> bool:
+    """Whether the loaded PyTorch has CUDA and sees a GPU."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_available())
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+__all__ = ["mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
+           "cuda_built", "rocm_built", "ddl_built", "ccl_built"]

@@ -1,0 +1,389 @@
+"""The background thread that owns every data-plane call.
+
+Each rank queues collectives locally; the thread announces them to rank 0's
+coordinator (at most once per cycle, so that tensors arriving together fuse),
+which answers with the responses every rank executes in the same order (see
+``negotiation.py``). Between messages the thread blocks in ``select`` on the
+control plane (``control.py``), so it takes no CPU from training while it waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from typing import Optional
+
+from .. import metrics as _metrics
+from ..control.negotiation import ADD_SET, GLOBAL_SET, JOIN, REMOVE_SET, SHUTDOWN, Coordinator, Request
+from ..control.plane import ControlPlane
+from ..control.response_cache import ResponseCache
+from ..core.errors import DuplicateNameError, HvpsError
+from ..core.handle import Handle
+from ..core.timeline import Timeline
+from ..dataplane.buffers import FusionBuffer
+from ..dataplane.executors import EXECUTORS, Context, Entry
+from .autotune import Autotuner, Setting
+
+log = logging.getLogger("hvps")
+
+#: after local work arrives, the engine polls its queue for this many cycles before it
+#: goes back to sleeping until woken
+_ACTIVE_CYCLES = 20
+
+
+def poll_timeout(deadline: float, now: float) -> float:
+    """Seconds from ``now`` to ``deadline`` for ``select``, in whole microseconds.
+
+    ``(now + cycle) - now`` is a hair above a cycle in floating point, and ``select`` rounds up
+    to the next millisecond: unrounded, every 1 ms cycle lasted 2 ms.
+    """
+    return max(0.0, math.floor((deadline - now) * 1e6) / 1e6)
+
+
+class Engine:
+    """Queues collectives, negotiates them with the other ranks and runs them on a backend."""
+
+    def __init__(self, comm, backend, settings) -> None:
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.settings = settings
+        self.backend = backend
+        #: process set id -> Context, for the sets this rank belongs to
+        self.contexts = {GLOBAL_SET: Context(backend, self.rank, self.size, fusion=FusionBuffer())}
+        self.control = ControlPlane(comm)
+        self.coordinator = (
+            Coordinator(self.size, settings.fusion_threshold, settings.stall_check_seconds)
+            if self.rank == 0
+            else None
+        )
+        self.cache = ResponseCache(settings.cache_capacity, self.size, self.rank)
+        #: the fusion threshold and cycle time in force (HVPS_AUTOTUNE changes them during a run)
+        self.fusion_threshold, self.cycle_s = settings.fusion_threshold, settings.cycle_time_ms / 1000.0
+        #: rank 0's search, when HVPS_AUTOTUNE=1; its settings reach the other ranks with the next responses
+        self.autotuner = (Autotuner(Setting(settings.fusion_threshold, settings.cycle_time_ms),
+                                    settings.autotune_warmup_steps, settings.autotune_steps_per_sample)
+                          if settings.autotune and self.rank == 0 else None)
+        self._tuning: Optional[dict] = None
+        #: time this rank's engine thread spent negotiating (announcing, matching, encoding, decoding)
+        self.negotiation_seconds = 0.0
+        self._lock = threading.Lock()
+        self._queue: deque = deque()
+        self._queued_names: set = set()
+        self._wake_pending = False
+        #: until then the engine polls its queue every cycle (submitters need not wake it)
+        self._active_until = 0.0
+        #: set (under the lock) when the engine may block longer than a cycle: then submitters wake it
+        self._sleeping = False
+        self._unannounced: list = []
+        self._last_announce = 0.0
+        self._pending: dict[str, Entry] = {}
+        self._failure: Optional[BaseException] = None
+        self._stopping = False
+        self.timeline = None
+        if settings.timeline and settings.timeline != "DYNAMIC":  # DYNAMIC: start_timeline() later
+            self.start_timeline(settings.timeline)
+        if self.autotuner is not None:
+            self._tune(self.autotuner.first())
+        self._thread = threading.Thread(target=self._run, name="hvps-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from user threads -------------------------------------------------
+    def submit(self, entry: Entry) -> Handle:
+        """Queue ``entry`` and return its handle."""
+        return self.submit_all([entry])[0]
+
+    def submit_all(self, entries: list) -> list:
+        """Queue every entry, or none of them (a name in flight raises first); returns their handles."""
+        with self._lock:
+            if self._failure is not None:
+                raise HvpsError(f"the hvps engine stopped: {self._failure}") from self._failure
+            if self._stopping:
+                raise HvpsError("hvps is shutting down: call hvps.init() again")
+            seen: set = set()
+            for name in (entry.request.name for entry in entries):
+                if name in self._pending or name in self._queued_names or name in seen:
+                    raise DuplicateNameError(
+                        f"a collective named '{name}' is already in flight on rank {self.rank}; "
+                        "names must be unique among outstanding operations"
+                    )
+                seen.add(name)
+            for entry in entries:
+                # join() waits for ranks still training, for as long as they train: no watchdog.
+                patience = math.inf if entry.request.kind == JOIN else self.settings.stall_check_seconds
+                entry.handle = Handle(entry.request.name, (entry.inputs, entry.outputs), patience,
+                                      expedite=self._expedite)
+                self._queue.append(entry)
+                self._queued_names.add(entry.request.name)
+            # A wake-up costs the submitting (training) thread a syscall, a context
+            # switch and the GIL (~150 us). Backward hooks submit in bursts, so while
+            # the engine is active it polls its queue every cycle instead (as
+            # Horovod's cycle does); after a quiet spell a collective wakes it at once.
+            wake = self._claim_wake(self._sleeping)
+        if wake:
+            self.control.wake()
+        return [entry.handle for entry in entries]
+
+    def _expedite(self) -> None:
+        """A thread is about to block on a collective: if it still sits in the queue, wake the
+        engine now instead of letting it wait for the next cycle.  The wake-up's cost falls on a
+        thread that would only wait anyway, and a synchronous call saves up to a cycle per rank."""
+        with self._lock:
+            wake = self._claim_wake(bool(self._queue))
+        if wake:
+            self.control.wake()
+
+    def _claim_wake(self, wanted: bool) -> bool:
+        """Whether the caller should wake the engine (it holds the lock): once until it runs."""
+        wake = wanted and not self._wake_pending
+        self._wake_pending = self._wake_pending or wake
+        return wake
+
+    def step_done(self) -> None:
+        """A training step ended on this rank (the adapters call it once per optimizer step)."""
+        if self.autotuner is not None and not self.autotuner.done:
+            setting = self.autotuner.step(time.monotonic())
+            if setting is not None:
+                self._tune(setting)
+
+    def _tune(self, setting: Setting) -> None:
+        """Apply ``setting`` here (rank 0) and send it to the other ranks with the next responses."""
+        self.coordinator.fusion_threshold = setting.fusion_threshold
+        tuning = {"fusion_threshold": setting.fusion_threshold, "cycle_time_ms": setting.cycle_time_ms}
+        self._apply_tuning(tuning)
+        with self._lock:
+            self._tuning = tuning
+
+    def _apply_tuning(self, tuning: dict) -> None:
+        self.fusion_threshold = int(tuning["fusion_threshold"])
+        self.cycle_s = float(tuning["cycle_time_ms"]) / 1000.0
+
+    def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
+        """Write the timeline to ``path`` from now on (rank 0 writes; other ranks keep none)."""
+        if self.rank != 0:
+            return
+        old, self.timeline = self.timeline, Timeline(path, mark_cycles)
+        if old is not None:
+            old.close()
+
+    def stop_timeline(self) -> None:
+        """Stop writing the timeline and close its file."""
+        old, self.timeline = self.timeline, None
+        if old is not None:
+            old.close()
+
+    def shutdown(self) -> bool:
+        """Agree with the other ranks to stop, then stop the thread.
+
+        Returns whether MPI can still finalize normally: not after a collective
+        failed midway or while the thread is stuck inside one.
+        """
+        if self._failure is None:
+            handle = self.submit(Entry(Request("shutdown", SHUTDOWN), []))
+            try:
+                handle.wait(timeout=self.settings.stall_check_seconds + 5)
+            except HvpsError as exc:
+                log.warning("hvps shutdown did not complete on all ranks: %s", exc)
+        with self._lock:
+            self._stopping = True
+        self.control.wake()
+        self._thread.join(timeout=5)
+        stuck = self._thread.is_alive()
+        self._fail_all(HvpsError("hvps was shut down before this collective completed"))
+        if not stuck:
+            self.control.close()
+        self.stop_timeline()
+        return not stuck and self._failure is None
+
+    # -- the engine thread ----------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                timeout = self._timeout()
+                with self._lock:  # decided together with submit(), so no wake-up is lost
+                    if self._queue:
+                        timeout = 0.0
+                    # "More than a cycle", with slack: (now + cycle) - now rounds to a hair above
+                    # a cycle, which would make every submission pay for a wake-up while active.
+                    self._sleeping = timeout is None or timeout > 1.5 * self.cycle_s
+                messages, closed = self.control.poll(timeout)
+                self._take_queue()
+                if self.rank == 0:
+                    self._coordinate(messages, closed)
+                else:
+                    self._work(messages, closed)
+        except BaseException as exc:  # noqa: BLE001 - surfaced on every handle
+            if isinstance(exc, HvpsError):
+                log.error("hvps rank %d: %s", self.rank, exc)
+            else:
+                log.exception("hvps engine thread failed on rank %d", self.rank)
+            _metrics.on_engine_failure()
+            with self._lock:
+                self._failure = exc
+            self._fail_all(HvpsError(f"the hvps engine stopped on rank {self.rank} after: {exc}"))
+
+    def _timeout(self) -> Optional[float]:
+        """How long poll may block: a cycle while active, else until the next announcement or
+        stall deadline, else forever."""
+        now = time.monotonic()
+        deadlines = []
+        if now < self._active_until:
+            deadlines.append(now + self.cycle_s)
+        if self._unannounced:
+            deadlines.append(self._last_announce + self.cycle_s)
+        if self.coordinator is not None and self.coordinator.next_deadline() is not None:
+            deadlines.append(self.coordinator.next_deadline())
+        return poll_timeout(min(deadlines), now) if deadlines else None
+
+    def _take_queue(self) -> None:
+        with self._lock:
+            self._wake_pending = self._sleeping = False
+            new = list(self._queue)
+            self._queue.clear()
+            self._queued_names.clear()
+            for entry in new:  # under the lock: a name is always either queued or pending
+                self._pending[entry.request.name] = entry
+            if new:  # more is likely to follow (a backward pass): poll for a while
+                self._active_until = time.monotonic() + _ACTIVE_CYCLES * self.cycle_s
+        self._unannounced.extend(e.request for e in new)
+
+    def _due_announcements(self) -> list:
+        """Local requests to announce now.
+
+        At once when nothing else is awaiting an answer (lowest latency);
+        otherwise at most once per cycle, so that a burst of tensors fuses.
+        """
+        now = time.monotonic()
+        if not self._unannounced:
+            return []
+        in_flight = len(self._pending) > len(self._unannounced)
+        if in_flight and now < self._last_announce + self.cycle_s:
+            return []
+        due, self._unannounced = self._unannounced, []
+        self._last_announce = now
+        return due
+
+    def _coordinate(self, messages: list, closed: list) -> None:
+        started = time.perf_counter()
+        now = time.monotonic()
+        self.coordinator.submit(0, self.cache.canonical(self._due_announcements()), now)
+        for source, message in messages:
+            self.coordinator.submit(source, self.cache.resolve(source, message), now)
+        for rank in closed:
+            self.coordinator.rank_died(rank, "its control connection closed (the process exited or was killed)")
+        responses = self.coordinator.poll(time.monotonic())
+        if responses and self.size > 1:  # alone, rank 0 has no one to tell (nor a cache to keep)
+            wire = {"responses": self.cache.encode_responses(responses)}
+            if self._tuning is not None:
+                with self._lock:
+                    wire["tuning"], self._tuning = self._tuning, None
+            self.control.send_to_workers(wire)
+        self.negotiation_seconds += time.perf_counter() - started
+        self._execute(responses)
+
+    def _work(self, messages: list, closed: list) -> None:
+        started = time.perf_counter()
+        due = self._due_announcements()
+        if due:
+            self.control.send(0, self.cache.announce(due))
+        responses: list = []
+        for _, message in messages:
+            responses += self.cache.decode_responses(message["responses"])
+            if "tuning" in message:
+                self._apply_tuning(message["tuning"])
+        self.negotiation_seconds += time.perf_counter() - started
+        self._execute(responses)
+        if closed and not self._stopping:
+            raise HvpsError("lost the connection to rank 0 (the coordinator): it exited or its host is unreachable")
+
+    def _execute(self, responses: list) -> None:
+        for response in responses:
+            entries = [self._pending.pop(name, None) for name in response.names]
+            if response.error:
+                self._report_error(response, entries)
+            elif response.kind in (ADD_SET, REMOVE_SET):
+                self._change_sets(response, entries)
+            elif response.kind in (JOIN, SHUTDOWN):
+                self._stopping = self._stopping or response.kind == SHUTDOWN
+                for entry in entries:
+                    if entry is not None:
+                        entry.handle.set_result(response.last_joined if response.kind == JOIN else None)
+            else:
+                self._run_collective(response, entries)
+
+    def _change_sets(self, response, entries: list) -> None:
+        """Build (or free) the data plane of an agreed process set, on its members only."""
+        req = response.requests[0]
+        try:
+            if response.kind == ADD_SET and self.rank in req.splits:
+                ranks = tuple(req.splits)
+                backend = self.backend if len(ranks) == self.size else self.backend.subset(ranks)
+                self.contexts[req.root] = Context(backend, ranks.index(self.rank), len(ranks), ranks,
+                                                  self.contexts[GLOBAL_SET].fusion)
+            elif response.kind == REMOVE_SET:
+                context = self.contexts.pop(req.root, None)
+                if context is not None and context.backend is not self.backend:
+                    context.backend.close()
+        except Exception as exc:
+            for entry in entries:
+                if entry is not None:
+                    entry.handle.set_error(exc)
+            raise
+        for entry in entries:
+            if entry is not None:
+                entry.handle.set_result(req.root)
+
+    def _run_collective(self, response, entries: list) -> None:
+        context = self.contexts.get(response.requests[0].process_set)
+        if context is None:  # a set this rank is not in: its members run it
+            return
+        started = time.monotonic()
+        for entry in entries:
+            if entry is not None:
+                entry.handle.mark_started()
+        try:
+            with context.backend.ordered(entries):
+                results = EXECUTORS[response.kind](context, response, entries)
+        except Exception as exc:
+            # Ranks may now disagree on which messages are in flight: nothing after
+            # this can be trusted, so the engine stops (see _run) and says why.
+            for entry in entries:
+                if entry is not None:
+                    entry.handle.set_error(exc)
+            raise
+        timeline = self.timeline
+        if timeline is not None:
+            self._trace(timeline, response, entries, started)
+        for entry, result in zip(entries, results):
+            if entry is not None:
+                entry.handle.set_result(result)
+        _metrics.on_collective(response, entries, started, self.fusion_threshold)
+
+    @staticmethod
+    def _trace(timeline, response, entries: list, started: float) -> None:
+        ended = time.monotonic()
+        for entry in entries:
+            if entry is not None:
+                name = entry.request.name
+                timeline.span(name, "NEGOTIATE", entry.handle.submitted_at, started)
+                timeline.span(name, response.kind.upper(), started, ended,
+                                   {"fused": len(response.names), "dtype": entry.request.dtype})
+
+    def _report_error(self, response, entries: list) -> None:
+        mine = [e for e in entries if e is not None]
+        _metrics.on_collective_error(response.error, bool(mine))
+        if not mine:
+            log.warning("rank %d: %s", self.rank, response.error)
+        for entry in mine:
+            entry.handle.set_error(HvpsError(response.error))
+
+    def _fail_all(self, error: HvpsError) -> None:
+        with self._lock:
+            entries = list(self._pending.values()) + list(self._queue)
+            self._pending.clear()
+            self._queue.clear()
+            self._queued_names.clear()
+        for entry in entries:
+            if not entry.handle.poll():
+                entry.handle.set_error(error)

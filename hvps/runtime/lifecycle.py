@@ -1,0 +1,110 @@
+"""``init`` and ``shutdown``: build the topology, settings, backend and engine, and take them down.
+
+Kept apart from ``state`` (what is running) so that the modules ``init`` wires together (engine,
+process sets, metrics) can read the state without importing the code that builds it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+
+from .. import metrics
+from ..core.errors import HvpsError
+from ..core.mpi_env import mpi_defaults
+from ..core.settings import Settings
+from ..dataplane import backends
+from . import state
+from .engine import Engine
+from .process_sets import reset as reset_process_sets
+from .process_sets import setup as setup_process_sets
+from .state import Topology
+
+
+def _node_comms(comm):
+    """Communicators over this node's ranks and over the ranks sharing this local rank.
+
+    ``HVPS_LOCAL_SIZE=k`` overrides the discovery: consecutive blocks of k ranks
+    count as one node (to emulate several nodes on one machine, e.g. in tests).
+    """
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    override = os.environ.get("HVPS_LOCAL_SIZE")
+    if override:
+        if not override.isdigit() or int(override) < 1 or size % int(override):
+            raise HvpsError(f"HVPS_LOCAL_SIZE={override!r} must be a positive divisor of the job size ({size})")
+        local = comm.Split(color=rank // int(override), key=rank)
+    else:
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    cross = comm.Split(color=local.Get_rank(), key=rank)
+    return local, cross
+
+
+def _topology(comm, local, cross) -> Topology:
+    return Topology(comm.Get_rank(), comm.Get_size(), local.Get_rank(), local.Get_size(),
+                    cross.Get_rank(), cross.Get_size())
+
+
+def init(comm=None, process_sets=None) -> None:
+    """Start hvps on ``comm`` (default: MPI.COMM_WORLD). Calling it again is a no-op.
+
+    Reads ``HVPS_*`` settings from the environment and starts the engine thread.
+    ``process_sets`` (ProcessSets or lists of ranks) are registered on every rank, in order.
+    """
+    with state._state.lock:
+        if state._state.engine is not None:
+            return
+        _start(comm)
+    topology = state.topology()
+    metrics.set_job_identity((topology.rank, topology.local_rank))
+    setup_process_sets(process_sets)
+    metrics.start_from_env()  # HVPS_METRICS_PORT: serve this rank's metrics on port + local rank
+
+
+def _start(comm) -> None:
+    """Build the topology, settings, backend and engine (under the state lock)."""
+    mpi_defaults(os.environ)  # before MPI initialises: HOME for Open MPI 5, no spinning waits
+    from mpi4py import MPI
+
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        raise HvpsError(
+            "MPI was initialized without thread support; hvps needs MPI_THREAD_SERIALIZED or better "
+            "(do not set mpi4py.rc.thread_level below 'serialized')"
+        )
+    comm = MPI.COMM_WORLD if comm is None else comm
+    local, cross = _node_comms(comm)
+    topology = _topology(comm, local, cross)
+    settings = Settings.from_env().resolved(single_host=topology.local_size == topology.size)
+    try:
+        backend = backends.build(settings, comm, local, cross)
+    finally:
+        local.Free()
+        cross.Free()
+    state._state.topology = topology
+    state._state.settings = settings
+    state._state.engine = Engine(comm, backend, settings)
+
+
+def shutdown() -> None:
+    """Stop the engine on every rank (collective). Safe to call when not initialized."""
+    reset_process_sets()
+    metrics.set_job_identity(None)
+    with state._state.lock:
+        engine, state._state.engine = state._state.engine, None
+        if engine is None:
+            return
+        state._state.topology = None
+        if engine.shutdown():
+            engine.backend.close()
+            return
+    # A collective failed midway or is stuck inside MPI (a peer or link died):
+    # MPI cannot finalize, so end the job rather than hang at exit.
+    from mpi4py import MPI
+
+    logging.getLogger("hvps").error("hvps: a collective failed midway; aborting the MPI job")
+    MPI.COMM_WORLD.Abort(1)
+
+
+atexit.register(shutdown)
