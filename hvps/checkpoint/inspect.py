@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..core.errors import HvpsError
-from ..core.settings import env_number
+from ..core.settings import env_number, env_text
 from .format import CheckpointError, Entry, Header, IncompatibleCheckpointError, Reader, read_header_local
 from .safety import KEY_ENV
 
@@ -43,9 +43,11 @@ DEFAULT_TIMEOUT = 10.0
 PER_GIB = 1.0  # extra seconds per GiB of file
 MEMORY_LIMIT = 1 << 30  # heap the helper may add after start-up (the manifest is at most 64 MiB)
 START_TIMEOUT = 120.0  # importing h5py on a loaded node (not the file's fault)
-# The helper imports hvps' checkpoint modules without hvps/__init__ (numpy and h5py only).
-_BOOT = ("import sys, types\n"
-         "pkg = types.ModuleType('hvps'); pkg.__path__ = [sys.argv[1]]; sys.modules['hvps'] = pkg\n"
+# The helper imports hvps' checkpoint modules without the package __init__s of hvps and
+# hvps.checkpoint (numpy and h5py only, no engine).
+_BOOT = ("import os, sys, types\n"
+         "for name, path in (('hvps', sys.argv[1]), ('hvps.checkpoint', os.path.join(sys.argv[1], 'checkpoint'))):\n"
+         "    pkg = types.ModuleType(name); pkg.__path__ = [path]; sys.modules[name] = pkg\n"
          "from hvps.checkpoint.inspect import serve\n"
          "serve(int(sys.argv[2]))\n")
 
@@ -119,7 +121,7 @@ class _Helper:
         rfd, wfd = os.pipe()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, str(Path(__file__).resolve().parent), str(wfd)],
+                [sys.executable, "-c", _BOOT, str(Path(__file__).resolve().parent.parent), str(wfd)],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=(wfd,))
         except OSError as exc:
             os.close(rfd)
@@ -154,7 +156,7 @@ class _Helper:
         return line
 
     def ask(self, path: Path, timeout: float) -> Optional[dict]:
-        key = os.environ.get(KEY_ENV) or None
+        key = env_text(KEY_ENV)
         self.proc.stdin.write(json.dumps({"path": str(path), "key": key}).encode() + b"\n")
         self.proc.stdin.flush()
         line = self.read_line(time.monotonic() + timeout)

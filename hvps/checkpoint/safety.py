@@ -22,6 +22,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..core.settings import env_text
+
 KEY_ENV = "HVPS_CHECKPOINT_KEY"
 SIGNATURE_ATTR = "manifest_hmac"
 #: storage dtypes a dataset may have (numeric and bool; ml_dtypes are stored as signed ints)
@@ -43,7 +45,7 @@ class Defect(ValueError):
 
 def checkpoint_key() -> Optional[bytes]:
     """The key from ``HVPS_CHECKPOINT_KEY``, or None."""
-    text = os.environ.get(KEY_ENV)
+    text = env_text(KEY_ENV)
     return text.encode() if text else None
 
 

@@ -27,6 +27,7 @@ import time
 from typing import Optional
 
 from ..core.errors import HvpsError
+from ..core.settings import env_text
 from .handshake import ServerHandshake, client_handshake
 from .wire import MAX_AUTHENTICATED, FrameReader, ProtocolError, Session, encode
 
@@ -57,10 +58,10 @@ def candidate_addresses() -> list:
     ``--network-interface``) restricts to one interface; otherwise every
     interface's IPv4 address, loopback last.
     """
-    explicit = os.environ.get("HVPS_CONTROL_ADDR")
+    explicit = env_text("HVPS_CONTROL_ADDR")
     if explicit:
         return [explicit]
-    wanted = os.environ.get("HVPS_NETWORK_INTERFACE")
+    wanted = env_text("HVPS_NETWORK_INTERFACE")
     names = [wanted] if wanted else [name for _, name in socket.if_nameindex()]
     found = [a for a in (interface_address(n) for n in names) if a]
     if wanted and not found:
@@ -70,7 +71,7 @@ def candidate_addresses() -> list:
 
 def listen_address() -> str:
     """Where rank 0 listens: the address of ``HVPS_NETWORK_INTERFACE`` when set, else every interface."""
-    return candidate_addresses()[0] if os.environ.get("HVPS_NETWORK_INTERFACE") else ""
+    return candidate_addresses()[0] if env_text("HVPS_NETWORK_INTERFACE") else ""
 
 
 class ConnectionClosed(Exception):

@@ -1,12 +1,70 @@
-"""Tunables read from ``HVPS_*`` environment variables (Horovod's ``HOROVOD_*`` equivalents)."""
+"""Every ``HVPS_*`` environment variable: what it means, and the one place it is read.
+
+``VARIABLES`` lists them all (the README's settings table says the same, and
+``tests/test_settings_coverage.py`` fails when code names a variable that is missing here or
+there, or reads one from ``os.environ`` outside this module). ``Settings.from_env()`` reads the
+engine's at ``init``; the others are read where they are used, through :func:`env_text`,
+:func:`env_number` and :func:`env_choice`, which check the name against ``VARIABLES``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Mapping, Optional
 
 from .errors import HvpsError
+
+#: name -> what it does (one line; the README's table has the defaults and the details)
+VARIABLES: dict[str, str] = {
+    # the engine (Settings)
+    "HVPS_FUSION_THRESHOLD": "bytes per fusion buffer; 0 turns fusion off",
+    "HVPS_CYCLE_TIME": "ms between negotiation cycles",
+    "HVPS_STALL_CHECK_TIME_SECONDS": "a collective missing on some rank fails after this long",
+    "HVPS_ALLREDUCE_ALGORITHM": "ring, mpi or auto",
+    "HVPS_RING_CHUNK_BYTES": "message size of the ring algorithm",
+    "HVPS_BACKEND": "data plane: mpi, tdist, horovod or auto",
+    "HVPS_HIERARCHICAL_ALLREDUCE": "1: reduce within nodes, across nodes, within nodes again",
+    "HVPS_CACHE_CAPACITY": "requests the response cache keeps; 0 turns it off",
+    "HVPS_AUTOTUNE": "1: tune the fusion threshold and cycle time from step times",
+    "HVPS_AUTOTUNE_WARMUP_STEPS": "steps each autotune candidate runs before it is measured",
+    "HVPS_AUTOTUNE_STEPS_PER_SAMPLE": "steps each autotune candidate is measured over",
+    "HVPS_TIMELINE": "file rank 0 writes a Chrome-trace timeline to from init on",
+    # topology and the control plane
+    "HVPS_LOCAL_SIZE": "ranks per node, overriding discovery",
+    "HVPS_NETWORK_INTERFACE": "interface whose address the control plane (and gloo) offers",
+    "HVPS_CONTROL_ADDR": "address rank 0's control plane binds and offers, overriding the interface",
+    "HVPS_DYNAMIC_PROCESS_SETS": "1: process sets may be added and removed after init",
+    # metrics
+    "HVPS_METRICS_PORT": "serve Prometheus metrics on this port + local rank",
+    "HVPS_METRICS_ADDR": "address the metrics exporter binds",
+    "HVPS_METRICS_TLS_CERT": "PEM certificate: serve metrics over TLS",
+    "HVPS_METRICS_TLS_KEY": "PEM key of HVPS_METRICS_TLS_CERT",
+    "HVPS_METRICS_BASIC_AUTH_FILE": "file whose first line is user:password for the metrics endpoint",
+    # checkpoints
+    "HVPS_CHECKPOINT_KEY": "secret that signs checkpoints (HMAC) and is required to load them",
+    "HVPS_CHECKPOINT_INSPECT_TIMEOUT": "s the sandboxed helper may take over a file's metadata; 0: in process",
+    # TensorFlow
+    "HVPS_TF_BUCKET_BYTES": "bytes of dense gradients per overlapped allreduce bucket",
+    # the launcher (hvpsrun sets or reads these)
+    "HVPS_MPIRUN": "the mpirun for hvpsrun, the benchmarks and the tests",
+    "HVPS_CHECKPOINT_DIR": "checkpoint directory hvpsrun --checkpoint-dir hands to the script",
+    "HVPS_RESTART_COUNT": "which try of an hvpsrun --enable-recovery job this is",
+    "HVPS_DOCTOR": "1: the Slurm GPU recipes run hvps doctor on every rank first",
+}
+
+
+def _known(name: str) -> str:
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not an hvps setting; add it to hvps.core.settings.VARIABLES and the README")
+    return name
+
+
+def env_text(name: str, default: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """``$name`` (``default`` when unset or empty)."""
+    value = (os.environ if env is None else env).get(_known(name))
+    return default if value in (None, "") else value
 
 ALGORITHMS = ("auto", "mpi", "ring")
 BACKENDS = ("auto", "mpi", "tdist", "horovod")
@@ -15,8 +73,8 @@ BACKENDS = ("auto", "mpi", "tdist", "horovod")
 def env_number(name: str, default: float, kind=float) -> float:
     """``$name`` as ``kind`` (``default`` when unset or empty); a clear HvpsError when it is not a
     number or is negative."""
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
+    raw = env_text(name)
+    if raw is None:
         return default
     try:
         value = kind(raw)
@@ -27,8 +85,9 @@ def env_number(name: str, default: float, kind=float) -> float:
     return value
 
 
-def _env_choice(name: str, default: str, choices: tuple) -> str:
-    value = (os.environ.get(name) or default).lower()
+def env_choice(name: str, default: str, choices: tuple) -> str:
+    """``$name`` lower-cased, one of ``choices`` (``default`` when unset); HvpsError otherwise."""
+    value = env_text(name, default).lower()
     if value not in choices:
         raise HvpsError(f"{name}={value!r} is unknown; choose one of {', '.join(choices)}")
     return value
@@ -69,11 +128,11 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> "Settings":
-        algorithm = _env_choice("HVPS_ALLREDUCE_ALGORITHM", cls.algorithm, ALGORITHMS)
+        algorithm = env_choice("HVPS_ALLREDUCE_ALGORITHM", cls.algorithm, ALGORITHMS)
         return cls(
-            backend=_env_choice("HVPS_BACKEND", cls.backend, BACKENDS),
-            hierarchical=_env_choice("HVPS_HIERARCHICAL_ALLREDUCE", "0", ("0", "1")) == "1",
-            autotune=_env_choice("HVPS_AUTOTUNE", "0", ("0", "1")) == "1",
+            backend=env_choice("HVPS_BACKEND", cls.backend, BACKENDS),
+            hierarchical=env_choice("HVPS_HIERARCHICAL_ALLREDUCE", "0", ("0", "1")) == "1",
+            autotune=env_choice("HVPS_AUTOTUNE", "0", ("0", "1")) == "1",
             autotune_warmup_steps=int(env_number("HVPS_AUTOTUNE_WARMUP_STEPS", cls.autotune_warmup_steps, int)),
             autotune_steps_per_sample=int(env_number("HVPS_AUTOTUNE_STEPS_PER_SAMPLE", cls.autotune_steps_per_sample,
                                                      int)) or 1,
@@ -83,5 +142,5 @@ class Settings:
             stall_check_seconds=env_number("HVPS_STALL_CHECK_TIME_SECONDS", cls.stall_check_seconds),
             algorithm=algorithm,
             ring_chunk_bytes=int(env_number("HVPS_RING_CHUNK_BYTES", cls.ring_chunk_bytes, int)) or cls.ring_chunk_bytes,
-            timeline=os.environ.get("HVPS_TIMELINE", ""),
+            timeline=env_text("HVPS_TIMELINE", ""),
         )

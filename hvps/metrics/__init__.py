@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Any, Callable, Optional, Tuple
 
+from ..core.settings import env_text
+
 log = logging.getLogger("hvps")
 
 DEFAULT_ADDR = "127.0.0.1"
@@ -107,14 +109,14 @@ def serve(port: Optional[int] = None, addr: Optional[str] = None, *, certfile: O
     from .server import MetricsServer, read_basic_auth_file
 
     if port is None:
-        if not os.environ.get(ENV_PORT, "").isdigit():
+        port = _port_from_env()
+        if port is None:
             raise ValueError(f"serve() needs a port, or {ENV_PORT} set to one")
-        port = int(os.environ[ENV_PORT])
-    addr = addr or os.environ.get(ENV_ADDR) or DEFAULT_ADDR
-    certfile = certfile or os.environ.get(ENV_CERT) or None
-    keyfile = keyfile or os.environ.get(ENV_KEY) or None
-    if basic_auth is None and os.environ.get(ENV_AUTH):
-        basic_auth = read_basic_auth_file(os.environ[ENV_AUTH])
+    addr = addr or env_text(ENV_ADDR, DEFAULT_ADDR)
+    certfile = certfile or env_text(ENV_CERT)
+    keyfile = keyfile or env_text(ENV_KEY)
+    if basic_auth is None and env_text(ENV_AUTH):
+        basic_auth = read_basic_auth_file(env_text(ENV_AUTH))
     rank, local_rank = _identity()
     with _lock:
         if _exporter is not None:
@@ -143,19 +145,27 @@ def stop() -> None:
         exporter.close()
 
 
+def _port_from_env() -> Optional[int]:
+    """``HVPS_METRICS_PORT`` as a port number (None when unset); ValueError when it is not one."""
+    raw = env_text(ENV_PORT)
+    if raw is None:
+        return None
+    if not raw.isdigit() or int(raw) > 65535:
+        raise ValueError(f"{ENV_PORT}={raw!r} is not a port number")
+    return int(raw)
+
+
 def start_from_env() -> Optional[Exporter]:
     """At ``hvps.init()``: serve when ``HVPS_METRICS_PORT`` is set and nothing is served yet.
 
     A bad setting or a taken port is logged, not raised: ``init`` is collective, and one rank
     failing it would leave the others waiting.
     """
-    raw = os.environ.get(ENV_PORT, "")
-    if not raw or _exporter is not None:
-        return _exporter
     try:
-        if not raw.isdigit() or int(raw) > 65535:
-            raise ValueError(f"{ENV_PORT}={raw!r} is not a port number")
-        exporter = serve(int(raw))
+        port = _port_from_env()
+        if port is None or _exporter is not None:
+            return _exporter
+        exporter = serve(port)
     except (OSError, ValueError, RuntimeError) as exc:
         log.error("hvps: metrics are off on this rank: %s", exc)
         return None

@@ -13,7 +13,7 @@ import os
 from .. import metrics
 from ..core.errors import HvpsError
 from ..core.mpi_env import mpi_defaults
-from ..core.settings import Settings
+from ..core.settings import Settings, env_text
 from ..dataplane import backends
 from . import state
 from .engine import Engine
@@ -31,7 +31,7 @@ def _node_comms(comm):
     from mpi4py import MPI
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    override = os.environ.get("HVPS_LOCAL_SIZE")
+    override = env_text("HVPS_LOCAL_SIZE")
     if override:
         if not override.isdigit() or int(override) < 1 or size % int(override):
             raise HvpsError(f"HVPS_LOCAL_SIZE={override!r} must be a positive divisor of the job size ({size})")

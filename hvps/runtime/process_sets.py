@@ -13,6 +13,7 @@ import os
 from typing import Any, Optional, Sequence
 
 from ..control.negotiation import ADD_SET, GLOBAL_SET, REMOVE_SET, Request
+from ..core.settings import env_text
 from ..dataplane.executors import Entry
 from . import state as runtime
 
@@ -103,8 +104,8 @@ _registry = _Registry()
 
 
 def _dynamic_allowed() -> bool:
-    return any(os.environ.get(v, "0") not in ("", "0") for v in ("HOROVOD_DYNAMIC_PROCESS_SETS",
-                                                                    "HVPS_DYNAMIC_PROCESS_SETS"))
+    return (os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0") not in ("", "0")
+            or env_text("HVPS_DYNAMIC_PROCESS_SETS", "0") != "0")
 
 
 def resolve(process_set: Optional[ProcessSet]) -> tuple:

@@ -1,0 +1,101 @@
+"""Every ``HVPS_*`` variable the code names is listed in ``hvps.core.settings.VARIABLES`` and in the
+README's settings table, and only ``hvps.core.settings`` reads one from ``os.environ``."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from hvps.core.settings import VARIABLES, env_text
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = ROOT / "hvps" / "core" / "settings.py"
+NAME = re.compile(r"HVPS_[A-Z0-9]+(?:_[A-Z0-9]+)*(?![A-Z0-9_])")  # a trailing "_" is a prefix, not a name
+
+
+def _sources():
+    for base in ("hvps", "adapters"):
+        for path in sorted((ROOT / base).rglob("*.py")):
+            yield path, ast.parse(path.read_text(), str(path))
+
+
+def _strings(tree):
+    return [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+
+
+def _module_constants(tree) -> dict:
+    return {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            for target in node.targets if isinstance(target, ast.Name)}
+
+
+def _is_os_environ(node) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "environ"
+            and isinstance(node.value, ast.Name) and node.value.id == "os")
+
+
+def environ_reads(tree) -> list:
+    """HVPS_* names read through os.environ.get / os.environ[...] / os.getenv in ``tree``."""
+    constants = _module_constants(tree)
+
+    def name_of(arg):
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            return arg.value
+        if isinstance(arg, ast.Name):
+            return constants.get(arg.id)
+        return None
+
+    found = []
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Call) and node.args:
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr == "get" and _is_os_environ(func.value):
+                key = name_of(node.args[0])
+            elif (isinstance(func, ast.Attribute) and func.attr == "getenv"
+                  and isinstance(func.value, ast.Name) and func.value.id == "os"):
+                key = name_of(node.args[0])
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_os_environ(node.value):
+            key = name_of(node.slice)
+        if key and key.startswith("HVPS_"):
+            found.append(key)
+    return found
+
+
+def test_every_named_variable_is_listed():
+    named = {}
+    for path, tree in _sources():
+        for text in _strings(tree):
+            for name in NAME.findall(text):
+                named.setdefault(name, path.relative_to(ROOT))
+    missing = {name: str(where) for name, where in named.items() if name not in VARIABLES}
+    assert not missing, f"named in the code but not in hvps.core.settings.VARIABLES: {missing}"
+
+
+def test_every_listed_variable_is_in_the_readme_table():
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## Settings", 1)[1].split("\n## ", 1)[0]
+    assert not [name for name in VARIABLES if f"`{name}`" not in table]
+
+
+def test_only_settings_reads_the_environment():
+    readers = {f"{path.relative_to(ROOT)}: {name}" for path, tree in _sources() if path != SETTINGS
+               for name in environ_reads(tree)}
+    assert not readers, f"read from os.environ outside hvps.core.settings: {sorted(readers)}"
+
+
+def test_the_checks_see_what_they_look_for():
+    tree = ast.parse('import os\nKEY = "HVPS_X"\na = os.environ.get(KEY)\nb = os.environ["HVPS_Y"]\n'
+                     'c = os.getenv("HVPS_Z")\nos.environ["HVPS_W"] = "1"\n')
+    assert environ_reads(tree) == ["HVPS_X", "HVPS_Y", "HVPS_Z"]
+    assert NAME.findall("set HVPS_METRICS_* or HVPS_STALL_CHECK_TIME_SECONDS=3") == ["HVPS_STALL_CHECK_TIME_SECONDS"]
+
+
+def test_unlisted_names_are_refused(monkeypatch):
+    monkeypatch.setenv("HVPS_FUSION_THRESHOLD", "")
+    assert env_text("HVPS_FUSION_THRESHOLD", "7") == "7"
+    with pytest.raises(KeyError, match="not an hvps setting"):
+        env_text("HVPS_NO_SUCH_SETTING")
