@@ -192,7 +192,7 @@ class _Leaf:
     dtype: str  # logical dtype name
 
 
-def _flatten(tree: Mapping, prefix: str, where: str, leaves: list, groups: dict) -> None:
+def flatten_tree(tree: Mapping, prefix: str, where: str, leaves: list, groups: dict) -> None:
     """Walk a nested mapping: arrays become leaves, mappings groups, anything else JSON attributes."""
     attrs = {}
     groups[prefix] = attrs
@@ -209,13 +209,13 @@ def _flatten(tree: Mapping, prefix: str, where: str, leaves: list, groups: dict)
                 arr = arr.view(store) if arr.dtype.itemsize == store.itemsize and arr.dtype.kind == "V" else arr.astype(store)
             leaves.append(_Leaf(child, arr, np.dtype(value.dtype).name))
         elif isinstance(value, Mapping):
-            _flatten(value, child, label, leaves, groups)
+            flatten_tree(value, child, label, leaves, groups)
         else:
             attrs[key] = to_json(value, label)
 
 
 @dataclass
-class Entry:
+class DatasetEntry:
     """One dataset as listed in the manifest, and where its bytes sit in a flat buffer."""
 
     path: str
@@ -237,7 +237,7 @@ class Header:
 
     path: Path
     attrs: dict  # root attributes (without manifest_sha256)
-    entries: list  # [Entry]
+    entries: list  # [DatasetEntry]
     groups: dict  # HDF5 group path -> {attr: json value}
     total_bytes: int = 0  # size of the flat buffer, alignment included
     offsets: Optional[dict] = None  # path -> file offset of a contiguous dataset's bytes, else None
@@ -265,7 +265,7 @@ def is_per_rank_compression(path: str) -> bool:
     return path.startswith("/compression/")
 
 
-def _layout(entries: list) -> int:
+def place_in_buffer(entries: list) -> int:
     """Assign each entry its place in a flat buffer: shared sections first, then the
     per-rank compression state rank after rank (so a rank's part is one slice)."""
     pos = 0
@@ -398,7 +398,7 @@ def write_file(path: os.PathLike, sections: Mapping[str, Mapping], root_attrs: M
             continue
         if not isinstance(tree, Mapping):
             raise CheckpointError(f"section {name!r} must be a mapping, got {type(tree).__name__}")
-        _flatten(tree, f"/{name}", name, leaves, groups)
+        flatten_tree(tree, f"/{name}", name, leaves, groups)
     attrs = {k: to_json(v, f"root attribute {k}") for k, v in root_attrs.items()}
 
     pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hvps-ckpt-sha")
@@ -447,7 +447,7 @@ def write_file(path: os.PathLike, sections: Mapping[str, Mapping], root_attrs: M
             hashes = _hash_batches(pool, [leaf.array for leaf in leaves])
             fd = os.open(path, os.O_WRONLY)
             _write_all(fd, jobs, fsync)  # raises OSError (e.g. ENOSPC)
-            entries = [Entry(leaf.path, leaf.dtype, leaf.array.dtype.str, tuple(leaf.array.shape),
+            entries = [DatasetEntry(leaf.path, leaf.dtype, leaf.array.dtype.str, tuple(leaf.array.shape),
                              int(leaf.array.nbytes), digest)
                        for leaf, digest in zip(leaves, [d for fut in hashes for d in fut.result()])]
             manifest = {"format_version": FORMAT_VERSION, "root": attrs,
@@ -467,7 +467,7 @@ def write_file(path: os.PathLike, sections: Mapping[str, Mapping], root_attrs: M
             os.close(fd)
         pool.shutdown(wait=True, cancel_futures=True)
     header = Header(path, attrs, entries, groups)
-    header.total_bytes = _layout(entries)
+    header.total_bytes = place_in_buffer(entries)
     return header
 
 
@@ -550,7 +550,7 @@ def _read_header(path: Path, f) -> Header:
             got = json.loads(got)
         if got != v and not (isinstance(v, float) and math.isnan(v)):
             problems.append(f"root attribute {k}: file says {got!r}, manifest says {v!r}")
-    entries = [Entry(d["path"], d["dtype"], d["storage"], tuple(d["shape"]), int(d["nbytes"]), d["sha256"])
+    entries = [DatasetEntry(d["path"], d["dtype"], d["storage"], tuple(d["shape"]), int(d["nbytes"]), d["sha256"])
                for d in manifest["datasets"]]
     listed = {e.path for e in entries}
     found = set()
@@ -589,7 +589,7 @@ def _read_header(path: Path, f) -> Header:
     if problems:
         raise CheckpointError("file contents do not match its manifest", path, problems)
     header = Header(path, attrs, entries, manifest["groups"], offsets=offsets)
-    header.total_bytes = _layout(entries)
+    header.total_bytes = place_in_buffer(entries)
     return header
 
 

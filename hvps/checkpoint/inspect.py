@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from ..core.errors import HvpsError
 from ..core.settings import env_number, env_text
-from .format import CheckpointError, Entry, Header, IncompatibleCheckpointError, Reader, read_header_local
+from .format import CheckpointError, DatasetEntry, Header, IncompatibleCheckpointError, Reader, read_header_local
 from .safety import KEY_ENV
 
 TIMEOUT_ENV = "HVPS_CHECKPOINT_INSPECT_TIMEOUT"
@@ -240,7 +240,7 @@ def inspect_header(path: Path) -> Header:
         cls = IncompatibleCheckpointError if answer["incompatible"] else CheckpointError
         raise cls(answer["error"], path, answer["problems"])
     h: dict[str, Any] = answer["header"]
-    entries = [Entry(p, d, s, tuple(shape), n, sha, start) for p, d, s, shape, n, sha, start in h["entries"]]
+    entries = [DatasetEntry(p, d, s, tuple(shape), n, sha, start) for p, d, s, shape, n, sha, start in h["entries"]]
     return Header(path, h["attrs"], entries, h["groups"], total_bytes=h["total_bytes"], offsets=h["offsets"])
 
 

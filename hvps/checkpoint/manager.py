@@ -58,18 +58,18 @@ from .. import api
 from .. import metrics as _metrics
 from .format import (
     CheckpointError,
-    Entry,
+    DatasetEntry,
     Header,
     IncompatibleCheckpointError,
     Reader,
-    _flatten,
-    _layout,
     aligned_empty,
     build_trees,
     chunk_bounds,
+    flatten_tree,
     fsync_path,
     is_per_rank_compression,
     padded,
+    place_in_buffer,
     root_attributes,
     write_file,
 )
@@ -178,10 +178,10 @@ def _pack(tree: Optional[Mapping]) -> tuple:
     if tree is None:
         return None, np.empty(0, np.uint8)
     leaves, groups = [], {}
-    _flatten(tree, "", "", leaves, groups)
-    entries = [Entry(leaf.path, leaf.dtype, leaf.array.dtype.str, tuple(leaf.array.shape), int(leaf.array.nbytes), "")
+    flatten_tree(tree, "", "", leaves, groups)
+    entries = [DatasetEntry(leaf.path, leaf.dtype, leaf.array.dtype.str, tuple(leaf.array.shape), int(leaf.array.nbytes), "")
                for leaf in leaves]
-    total = _layout(entries)
+    total = place_in_buffer(entries)
     buf = aligned_empty(total)
     for e, leaf in zip(entries, leaves):
         buf[e.start:e.start + e.nbytes] = memoryview(leaf.array).cast("B")
@@ -200,7 +200,7 @@ def _relayout(entries: list, keep) -> list:
     out, pos = [], 0
     for e in entries:
         if keep(e.path):
-            out.append(Entry(e.path, e.dtype, e.storage, e.shape, e.nbytes, e.sha256, pos))
+            out.append(DatasetEntry(e.path, e.dtype, e.storage, e.shape, e.nbytes, e.sha256, pos))
             pos += padded(e.nbytes)
     return out
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
-import os
 import re
 from typing import Any, Optional
 
