@@ -13,11 +13,11 @@ from .compressors import CastCompressor, DensitySchedule, Int8Compressor, NoneCo
 from .memory import DgcMemory, NoMemory, ResidualMemory
 from .pipeline import CompressionStats, GradientCompression
 from .registry import DGC_WARMUP, REGISTRY, Compression, bf16, create, dgc, fp16, int8, none, topk
-from .summable import SummablePlan, summable_plan
+from .summable import summable_plan
 
 __all__ = [
     "Compression", "GradientCompression", "CompressionStats", "create", "REGISTRY",
     "Compressor", "Memory", "Communicator", "Allreduce", "Allgather",
     "NoneCompressor", "CastCompressor", "Int8Compressor", "TopKCompressor", "DensitySchedule",
-    "NoMemory", "ResidualMemory", "DgcMemory", "DGC_WARMUP", "SummablePlan", "summable_plan",
+    "NoMemory", "ResidualMemory", "DgcMemory", "DGC_WARMUP", "summable_plan",
 ]

@@ -48,7 +48,7 @@ class Compressor(abc.ABC):
         return compensated - self.decompress(payloads, ctx)
 
     def prescale(self, size: int) -> float:
-        """Factor applied before ``compress`` when averaging (casts use 1/size to avoid overflow)."""
+        """Factor applied before ``compress`` when averaging (casts: ``scaling.overflow_guard``)."""
         return 1.0
 
     def check(self, array: np.ndarray) -> None:

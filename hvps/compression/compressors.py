@@ -6,7 +6,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from ..core import dtypes
+from ..core import dtypes, scaling
 from .base import Compressor
 from .selection import exact_topk, sampled_topk
 
@@ -37,8 +37,9 @@ class NoneCompressor(Compressor):
 class CastCompressor(Compressor):
     """Send floating-point gradients as float16 or bfloat16, halving the bytes.
 
-    Averaging prescales by 1/size before the cast, as PyTorch's
-    ``fp16_compress_hook`` does, so that the sum cannot overflow float16.
+    Averaging scales by 1/size (``scaling.overflow_guard``) in the gradient's own dtype before the
+    cast, so that the half-precision sum cannot overflow where the average would not. PyTorch's
+    ``fp16_compress_hook`` casts first and divides the float16 copy.
     """
 
     summable = True
@@ -54,7 +55,7 @@ class CastCompressor(Compressor):
         return dtypes.cast(payloads[0], ctx.dtype).reshape(ctx.shape)
 
     def prescale(self, size):
-        return 1.0 / size
+        return scaling.overflow_guard(size)
 
 
 class Int8Compressor(Compressor):

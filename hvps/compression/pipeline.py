@@ -8,19 +8,13 @@ from typing import Optional
 
 import numpy as np
 
+from ..core import scaling
 from ..core.dtypes import ReduceOp
 from ..core.handle import Handle
 from ..runtime import state as runtime
 from .base import Communicator, Compressor, Memory
 from .communicators import choose
 from .memory import NoMemory
-
-
-def _scaled(array: np.ndarray, factor: float) -> np.ndarray:
-    """``array * factor`` in ``array``'s dtype, multiplied in float64 for float64 arrays (a float32
-    factor such as 1/3 would cost them their precision) and in float32 for the others."""
-    wide = np.float64 if array.dtype == np.float64 else np.float32
-    return (array * np.asarray(factor, dtype=wide)).astype(array.dtype, copy=False)
 
 
 @dataclass
@@ -83,20 +77,18 @@ class GradientCompression:
         size = runtime.size()
         self.compressor.check(array)
         communicator = self.communicator()
-        average = op is ReduceOp.Average
+        # the communicator averages in place where it can and no guard applies; else it sums
+        plan = scaling.sum_plan(op, lambda: size, self.compressor.prescale,
+                                collective_averages=communicator.averages)
         started = time.perf_counter()
         compensated = self.memory.compensate(array, name)
-        prescale = self.compressor.prescale(size) if average else 1.0
-        if prescale != 1.0:
-            compensated = _scaled(compensated, prescale)
+        if plan.before != 1.0:
+            compensated = scaling.scaled(compensated, plan.before)
         payloads, ctx = self.compressor.compress(compensated, name)
         self.memory.update(compensated, name, self.compressor, payloads, ctx)
         self.stats.compress_seconds += time.perf_counter() - started
         received_estimate = self._count(array, payloads, size)
         own_bytes = sum(p.nbytes for p in payloads)
-        # Where the communicator averages and nothing was prescaled, it divides in place.
-        in_place = average and prescale == 1.0 and communicator.averages
-        factor = 1.0 if in_place else (1.0 / size if average else 1.0) / prescale
 
         def rebuild(received: list) -> np.ndarray:
             # Received bytes are counted when they arrive: what came, where the communicator knows.
@@ -104,12 +96,12 @@ class GradientCompression:
             self.stats.bytes_received += received_estimate if actual is None else actual
             started = time.perf_counter()
             result = communicator.rebuild(self.compressor, received, ctx)
-            if factor != 1.0:
-                result = _scaled(result, factor)
+            if plan.after != 1.0:
+                result = scaling.scaled(result, plan.after)
             self.stats.decompress_seconds += time.perf_counter() - started
             return result
 
-        return communicator.start(payloads, name, in_place).then(rebuild)
+        return communicator.start(payloads, name, plan.op is ReduceOp.Average).then(rebuild)
 
     def _count(self, array: np.ndarray, payloads: list, size: int) -> int:
         """Count the exchange and the bytes sent; returns the estimate of the bytes to receive."""

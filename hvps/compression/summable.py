@@ -3,31 +3,29 @@
 When an adapter runs the allreduce itself, on the framework's own tensors (a grouped allreduce,
 ``hvd.allreduce(..., compression=...)``, a fused gradient op), the compression runs as tensor ops
 around it. This module is that one implementation for every adapter, which supplies only a small
-:class:`TensorOps` (cast, scale, dtype questions).
-
-One overflow rule on every path, the same that ``GradientCompression.start`` applies to numpy
-arrays: when averaging, a cast compressor scales each tensor by 1/size *before* the cast and the
-ranks sum, so a float16 sum of large gradients cannot overflow where their average would not.
+:class:`CompressionOps` (cast, scale, dtype questions). The scaling steps (the casts' overflow
+guard, Average, the caller's prescale and postscale) are planned by ``hvps.core.scaling.sum_plan``,
+as ``GradientCompression.start`` plans them for numpy arrays.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable, Protocol
 
+from ..core import scaling
 from ..core.dtypes import ReduceOp
+from ..core.scaling import SumPlan
 from .base import Compressor
 from .compressors import CastCompressor, NoneCompressor
 from .horovod import TensorCompressor
 from .pipeline import GradientCompression
 
 
-class TensorOps(Protocol):
-    """What the summable compressions need from a framework's tensors."""
+class CompressionOps(scaling.TensorOps, Protocol):
+    """What the summable compressions need from a framework's tensors, beyond scaling."""
 
     #: where non-summable compressions run instead, for the error message
     pipeline_users: str
-
-    def is_floating(self, tensor: Any) -> bool: ...
 
     def dtype(self, tensor: Any) -> Any: ...
 
@@ -36,42 +34,17 @@ class TensorOps(Protocol):
 
     def cast(self, tensor: Any, dtype: Any) -> Any: ...
 
-    def scale(self, tensor: Any, factor: float) -> Any:
-        """``tensor * factor`` in ``tensor``'s dtype (differentiable)."""
-
-
-class SummablePlan(NamedTuple):
-    """Scale by ``before``, compress, allreduce with ``op``/``prescale``/``postscale``,
-    decompress, scale by ``after`` (1.0: skip that step)."""
-
-    before: float
-    op: ReduceOp
-    prescale: float
-    postscale: float
-    after: float
-
 
 def summable_plan(compressor: Compressor, op: ReduceOp, size: Callable[[], int], prescale: float = 1.0,
-                  postscale: float = 1.0, all_floating: bool = True) -> SummablePlan:
-    """The plan for reducing tensors with ``op`` over ``size()`` ranks through ``compressor``, with
-    the caller's ``prescale``/``postscale`` (Horovod's ``gradient_predivide_factor`` f gives 1/f, f).
-
-    Under the guard, the caller's prescale joins the scaling before the cast and its postscale
-    the scaling after, so the result is ``postscale * sum(prescale * x) / size`` as without it.
-    The guard needs every tensor to be floating point (casts leave integers alone, and a sum
-    of integers would then not be divided). ``size`` is called only when the guard applies, so
-    that a collective's own checks of its process set come first otherwise.
-    """
-    if op is not ReduceOp.Average or not all_floating or isinstance(compressor, NoneCompressor):
-        return SummablePlan(1.0, op, prescale, postscale, 1.0)
-    ranks = size()
-    guard = compressor.prescale(ranks)
-    if guard == 1.0:
-        return SummablePlan(1.0, op, prescale, postscale, 1.0)
-    return SummablePlan(guard * prescale, ReduceOp.Sum, 1.0, 1.0, postscale * (1.0 / ranks) / guard)
+                  postscale: float = 1.0, all_floating: bool = True) -> SumPlan:
+    """``scaling.sum_plan`` for reducing tensors through ``compressor``, whose ``prescale`` is the
+    guard. The guard needs every tensor to be floating point (casts leave integers alone, and a
+    sum of integers would then not be divided)."""
+    guarded = all_floating and not isinstance(compressor, NoneCompressor)
+    return scaling.sum_plan(op, size, compressor.prescale if guarded else None, prescale, postscale)
 
 
-def compress_tensor(pipeline: GradientCompression, tensor: Any, ops: TensorOps) -> tuple:
+def compress_tensor(pipeline: GradientCompression, tensor: Any, ops: CompressionOps) -> tuple:
     """Horovod's ``compress(tensor) -> (tensor, ctx)`` for a summable ``pipeline``, as ``ops``."""
     compressor = pipeline.compressor
     if isinstance(compressor, NoneCompressor):
@@ -86,37 +59,36 @@ def compress_tensor(pipeline: GradientCompression, tensor: Any, ops: TensorOps) 
     raise ValueError(f"{pipeline!r} is not a summable compression: use it through {ops.pipeline_users}")
 
 
-def decompress_tensor(pipeline: GradientCompression, tensor: Any, ctx: Any, ops: TensorOps) -> Any:
+def decompress_tensor(pipeline: GradientCompression, tensor: Any, ctx: Any, ops: CompressionOps) -> Any:
     """Undo :func:`compress_tensor`."""
     if isinstance(pipeline.compressor, TensorCompressor):
         return pipeline.compressor.horovod.decompress(tensor, ctx)
     return tensor if ctx is None else ops.cast(tensor, ctx)
 
 
-def compress_for_sum(pipeline: GradientCompression, tensors: list, ops: TensorOps, op: ReduceOp,
+def compress_for_sum(pipeline: GradientCompression, tensors: list, ops: CompressionOps, op: ReduceOp,
                      size: Callable[[], int],
                      prescale: float = 1.0, postscale: float = 1.0) -> tuple:
     """``(payloads, ctxs, plan)``: ``tensors`` scaled and compressed for one (grouped) allreduce
     or reducescatter that ``plan`` describes."""
     plan = summable_plan(pipeline.compressor, op, size, prescale, postscale,
                          all_floating=all(ops.is_floating(t) for t in tensors))
-    scaled = tensors if plan.before == 1.0 else [ops.scale(t, plan.before) for t in tensors]
-    pairs = [compress_tensor(pipeline, t, ops) for t in scaled]
+    pairs = [compress_tensor(pipeline, t, ops) for t in scaling.scale_all(tensors, plan.before, ops)]
     return [c for c, _ in pairs], [ctx for _, ctx in pairs], plan
 
 
-def decompress_sum(pipeline: GradientCompression, outputs: list, ctxs: list, plan: SummablePlan,
-                   ops: TensorOps) -> list:
+def decompress_sum(pipeline: GradientCompression, outputs: list, ctxs: list, plan: SumPlan,
+                   ops: CompressionOps) -> list:
     """Undo :func:`compress_for_sum` on the collective's ``outputs``."""
     out = [decompress_tensor(pipeline, o, ctx, ops) for o, ctx in zip(outputs, ctxs)]
-    return out if plan.after == 1.0 else [ops.scale(o, plan.after) for o in out]
+    return scaling.scale_all(out, plan.after, ops)
 
 
 class Summable:
     """The functions above bound to one adapter's ``ops``, taking what users pass as
     ``compression=`` (``as_pipeline`` turns it into a ``GradientCompression``)."""
 
-    def __init__(self, ops: TensorOps, as_pipeline: Callable[[Any], GradientCompression]) -> None:
+    def __init__(self, ops: CompressionOps, as_pipeline: Callable[[Any], GradientCompression]) -> None:
         self.ops, self.as_pipeline = ops, as_pipeline
 
     def compress_tensor(self, compression: Any, tensor: Any) -> tuple:
@@ -132,6 +104,6 @@ class Summable:
         """``(payloads, ctxs, plan)`` for one (grouped) allreduce or reducescatter of ``tensors``."""
         return compress_for_sum(self.as_pipeline(compression), tensors, self.ops, op, size, prescale, postscale)
 
-    def decompress_sum(self, compression: Any, outputs: list, ctxs: list, plan: SummablePlan) -> list:
+    def decompress_sum(self, compression: Any, outputs: list, ctxs: list, plan: SumPlan) -> list:
         """Undo ``compress_for_sum`` on the collective's ``outputs``."""
         return decompress_sum(self.as_pipeline(compression), outputs, ctxs, plan, self.ops)

@@ -2,9 +2,10 @@
 
 The core moves numpy arrays; backends that run on PyTorch (``tdist``, CUDA-aware
 MPI) also take torch tensors, CPU or CUDA, which then go through the engine
-unconverted. These helpers are the only places that tell the two apart, so the
-executors in ``collectives.py`` stay framework-neutral. torch is never imported
-here: a tensor can only arrive when the caller has imported it already.
+unconverted. The executors (``dataplane/executors.py``) ask these helpers, and
+``scaling`` for prescale, postscale and Average, so that they stay
+framework-neutral. torch is imported here only to make a tensor, which happens
+only when the caller has imported it already.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def dtype_name(array: Any) -> str:
 def _torch_dtype(name: str):
     import torch
 
-    return getattr(torch, "bool" if name == "bool" else name)
+    return getattr(torch, name)
 
 
 def empty(like: Any, shape: tuple) -> Any:
@@ -65,38 +66,6 @@ def zeros(shape: tuple, dtype: str, device: str) -> Any:
 
 def copy_of(array: Any) -> Any:
     return array.copy() if is_numpy(array) else array.clone()
-
-
-def scale(array: Any, factor: float) -> None:
-    """Multiply in place; integers truncate, halves compute in float32 (as ``dtypes.scale``)."""
-    if is_numpy(array):
-        dtypes.scale(array, factor)
-        return
-    if factor == 1.0 or array.numel() == 0:
-        return
-    if array.dtype.is_floating_point and array.element_size() > 2:
-        array.mul_(factor)
-    elif array.dtype.is_floating_point:
-        array.copy_(array.float() * factor)
-    elif array.dtype == _torch_dtype("bool"):
-        raise TypeError("prescale/postscale factors are not defined for bool tensors")
-    else:
-        array.copy_((array.double() * factor).trunc())
-
-
-def divide(array: Any, divisor: int) -> None:
-    """Average's last step in place: integers round toward zero, floats divide exactly (as ``dtypes.divide``)."""
-    if is_numpy(array):
-        dtypes.divide(array, divisor)
-        return
-    if divisor == 1 or array.numel() == 0:
-        return
-    if array.dtype.is_floating_point and array.element_size() > 2:
-        array.div_(divisor)
-    elif array.dtype.is_floating_point:
-        array.copy_(array.float() / divisor)
-    else:
-        array.div_(divisor, rounding_mode="trunc")
 
 
 def is_tensor(array: Any) -> bool:

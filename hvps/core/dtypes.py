@@ -120,33 +120,3 @@ def _torch_half(func: str, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> Non
     import torch
 
     getattr(torch, func)(as_tensor(a), as_tensor(b), out=as_tensor(out))
-
-
-def scale(array: np.ndarray, factor: float) -> None:
-    """Multiply ``array`` by ``factor`` in place; integers go through float64 and truncate."""
-    if factor == 1.0 or array.size == 0:
-        return
-    if array.dtype == np.bool_:
-        raise TypeError("prescale/postscale factors are not defined for bool tensors")
-    if np.issubdtype(array.dtype, np.integer):
-        array[...] = (array * factor).astype(array.dtype)
-    elif array.dtype in (np.float16, bfloat16):
-        array[...] = (array.astype(np.float32) * np.float32(factor)).astype(array.dtype)
-    else:
-        np.multiply(array, array.dtype.type(factor), out=array)
-
-
-def divide(array: np.ndarray, divisor: int) -> None:
-    """Average's final step: integers divide rounding toward zero (as Horovod's scaling by 1/size casts),
-    floats divide exactly."""
-    if divisor == 1 or array.size == 0:
-        return
-    if np.issubdtype(array.dtype, np.integer):
-        negative = array < 0
-        np.abs(array, out=array)
-        np.floor_divide(array, divisor, out=array)
-        np.negative(array, out=array, where=negative)
-    elif array.dtype in (np.float16, bfloat16):
-        array[...] = (array.astype(np.float32) / np.float32(divisor)).astype(array.dtype)
-    else:
-        np.divide(array, array.dtype.type(divisor), out=array)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..control.negotiation import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER, Request
-from ..core import arrays
+from ..core import arrays, scaling
 from ..core.dtypes import ReduceOp
 from ..core.handle import Handle
 from .adasum import adasum_allreduce
@@ -46,12 +46,6 @@ class Context:
         self.size = size
         self.ranks = tuple(ranks) or tuple(range(size))
         self.fusion = fusion if fusion is not None else FusionBuffer()
-
-
-def _finish(ctx: Context, array, op: ReduceOp, postscale: float) -> None:
-    if op is ReduceOp.Average:
-        arrays.divide(array, ctx.size)
-    arrays.scale(array, postscale)
 
 
 def _span(ins: list, outs: list):
@@ -90,15 +84,10 @@ def _reduced_alone(array, count: int) -> bool:
 
 def _reduce_where_it_lives(ctx: Context, src, dst, op: ReduceOp, first: Request) -> None:
     """``dst = postscale * op(prescale * src)`` over the set, with no staging copy."""
-    wire_op = ReduceOp.Sum if op is ReduceOp.Average else op
-    if first.prescale != 1.0:
-        if dst is not src:
-            dst[...] = src
-        arrays.scale(dst, first.prescale)
-        src = dst
+    src = scaling.prescaled(src, first.prescale, out=dst)
     if arrays.numel(dst):
-        ctx.backend.allreduce(src.reshape(-1), dst.reshape(-1), wire_op)
-    _finish(ctx, dst, op, first.postscale)
+        ctx.backend.allreduce(src.reshape(-1), dst.reshape(-1), scaling.wire_op(op))
+    scaling.finish(dst, op, ctx.size, first.postscale)
 
 
 def _reduce_packed(ctx: Context, ins: list, outs: list, op: ReduceOp, first: Request) -> None:
@@ -196,16 +185,13 @@ def run_reducescatter(ctx: Context, response, entries: list) -> list:
     (entry,) = entries
     req = entry.request
     op = ReduceOp(req.op)
-    src = entry.inputs[0]
-    if req.prescale != 1.0:
-        src = arrays.copy_of(src)
-        arrays.scale(src, req.prescale)
+    src = scaling.prescaled(entry.inputs[0], req.prescale)
     rows = reducescatter_rows(src.shape[0] if src.ndim else 1, ctx.size)
     row = math.prod(src.shape[1:])
     out = arrays.empty(src, (rows[ctx.rank],) + tuple(src.shape[1:]))
     ctx.backend.reducescatter(src.reshape(-1), out.reshape(-1), [n * row for n in rows],
-                              ReduceOp.Sum if op is ReduceOp.Average else op)
-    _finish(ctx, out, op, req.postscale)
+                              scaling.wire_op(op))
+    scaling.finish(out, op, ctx.size, req.postscale)
     return [out]
 
 
@@ -219,10 +205,10 @@ def run_adasum(ctx: Context, response, entries: list) -> list:
         src, out = entry.inputs[0], entry.outputs[0]
     if out is not src:
         out[...] = src
-    arrays.scale(out, req.prescale)
+    scaling.scale(out, req.prescale)
     if arrays.numel(out):
         adasum_allreduce(ctx.backend, out.reshape(-1), ctx.rank, ctx.size)
-    arrays.scale(out, req.postscale)
+    scaling.scale(out, req.postscale)
     if entry is None:
         return [None]
     return [list(entry.outputs) if entry.grouped else out]

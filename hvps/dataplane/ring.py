@@ -1,12 +1,14 @@
 """hvps's own allreduce over point-to-point messages, bandwidth-optimal and deterministic.
 
-Two phases, each moving ``(n-1)/n`` of the buffer per rank, as the ring
-all-reduce does (Patarasuk & Yuan, 2009):
+Two phases, each moving ``(n-1)/n`` of the buffer per rank, the volume of the
+ring all-reduce (Patarasuk & Yuan, 2009); only the second is a ring:
 
-1. reduce-scatter by pairwise exchange: rank ``t`` owns segment ``t`` and
-   receives every other rank's contribution to it; it folds them **in rank
-   order**, so each element's result is the same whatever the buffer layout
-   (fused or not, chunk size, segment bounds);
+1. reduce-scatter by pairwise exchange, not around a ring: rank ``t`` owns
+   segment ``t``; it sends each other rank its contribution to that rank's
+   segment and receives every other rank's contribution to its own, directly
+   (``n-1`` messages each way in flight at once); it folds them **in rank order**, so each element's result
+   is the same whatever the buffer layout (fused or not, chunk size, segment
+   bounds);
 2. ring allgather: each owner's reduced segment travels around the ring.
 
 Work is chunked (``chunk_bytes`` per message) so reduction runs on cache-warm
@@ -76,7 +78,8 @@ def wait_all(requests: list, peers: list, timeout: float) -> None:
 
 def ring_allreduce(comm, sendbuf: np.ndarray, recvbuf: np.ndarray, ufunc, to_wire, chunk_bytes: int,
                    timeout: float = 60.0, workspace=None) -> None:
-    """Reduce 1-D ``sendbuf`` over ``comm`` into ``recvbuf`` (may be the same array) with ``ufunc``.
+    """Reduce 1-D ``sendbuf`` over ``comm`` into ``recvbuf`` (may be the same array) with ``ufunc``:
+    a pairwise-exchange reduce-scatter, then a ring allgather (see the module).
 
     ``ufunc(a, b, out=)`` folds two contributions; ``to_wire(array)`` turns a
     slice into an MPI buffer spec. Messages are non-blocking and the next
