@@ -1,11 +1,11 @@
 """``--apply`` and ``--revert``: only safe, reversible changes, each recorded in a JSON state file
 before the next one is made, so ``--revert`` can put back exactly what was there.
 
+The record holds known settings only and is checked before anything is undone (:mod:`.record`).
 The seed's unsafe advice is refused by name, with the reason (:data:`REFUSED`).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -14,6 +14,7 @@ from typing import Callable, Optional, TextIO
 
 from .checks_cpu import THP
 from .host import Host
+from .record import RecordError, check_step, load, persistence_argv, remove, save
 
 STATE_NAME = "doctor-state.json"
 
@@ -58,8 +59,7 @@ def _plan_governor(host: Host) -> list:
 
 
 def _plan_persistence(host: Host) -> list:
-    return [{"action": "persistence", "kind": "command", "do": ["nvidia-smi", "-i", str(g["index"]), "-pm", "1"],
-             "undo": ["nvidia-smi", "-i", str(g["index"]), "-pm", "0"]}
+    return [{"action": "persistence", "kind": "nvidia-smi", "gpu": g["index"], "before": 0, "after": 1}
             for g in host.gpus().get("gpus", []) if not g.get("persistence")]
 
 
@@ -73,36 +73,32 @@ ACTIONS = {a.name: a for a in (
 def default_state_path(host: Host) -> Path:
     """/var/lib/hvps for root, else the user's state directory; inside the tree under --root."""
     if not host.real:
-        return host.path(f"/var/lib/hvps/{STATE_NAME}")
+        return host.inside(f"/var/lib/hvps/{STATE_NAME}")
     if os.geteuid() == 0:
         return Path("/var/lib/hvps") / STATE_NAME
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(base) / "hvps" / STATE_NAME
 
 
-def _save(path: Path, steps: list) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"hvps_doctor_state": 1, "changes": steps}, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def _describe(step: dict) -> str:
     if step["kind"] == "write":
         return f"{step['action']}: {step['path']}: {step['before']} -> {step['after']}"
-    return f"{step['action']}: {' '.join(step['do'])} (undo: {' '.join(step['undo'])})"
+    do, undo = (" ".join(persistence_argv(step["gpu"], step[k])) for k in ("after", "before"))
+    return f"{step['action']}: {do} (undo: {undo})"
 
 
 def _do(host: Host, step: dict, undo: bool = False) -> Optional[str]:
-    """Carry out one step (or its undo); an error message, or None."""
+    """Carry out one checked step (or its undo); an error message, or None."""
+    value = step["before"] if undo else step["after"]
     if step["kind"] == "write":
         try:
-            host.write(step["path"], step["before"] if undo else step["after"])
+            host.write(step["path"], value)
         except OSError as exc:
             return f"cannot write {step['path']}: {exc.strerror or exc} (needs root)"
         return None
-    rc, out = host.run(step["undo"] if undo else step["do"])
-    return None if rc == 0 else f"{' '.join(step['undo'] if undo else step['do'])} failed ({rc}): {out}"
+    argv = persistence_argv(step["gpu"], value)
+    rc, out = host.run(argv)
+    return None if rc == 0 else f"{' '.join(argv)} failed ({rc}): {out}"
 
 
 def apply(host: Host, names: list, state: Path, yes: bool, out: Optional[TextIO] = None,
@@ -121,11 +117,17 @@ def apply(host: Host, names: list, state: Path, yes: bool, out: Optional[TextIO]
         print(f"hvps doctor: unknown --apply action(s) {', '.join(unknown)}; choose from "
               f"{', '.join(ACTIONS)} (or all)", file=out)
         return 2
-    if state.exists():
+    if state.exists() or state.is_symlink():
         print(f"hvps doctor: {state} records changes not yet reverted; run 'hvps doctor --revert' first "
               "so that the original settings stay recoverable", file=out)
         return 2
     steps = [s for n in wanted for s in ACTIONS[n].plan(host)]
+    try:
+        for s in steps:
+            check_step(s)
+    except RecordError as exc:
+        print(f"hvps doctor: cannot record this change, so it is not made: {exc}", file=out)
+        return 2
     if not steps:
         print("hvps doctor: nothing to change", file=out)
         return 0
@@ -146,31 +148,35 @@ def apply(host: Host, names: list, state: Path, yes: bool, out: Optional[TextIO]
         if error:
             print(f"hvps doctor: {error}; {len(done)} change(s) made and recorded in {state}", file=out)
             if done:
-                _save(state, done)
+                save(state, done)
             return 1
         done.append(s)
-        _save(state, done)
+        save(state, done)
     print(f"hvps doctor: {len(done)} change(s) made; recorded in {state}", file=out)
     return 0
 
 
 def revert(host: Host, state: Path, out: Optional[TextIO] = None) -> int:
     """Undo what ``state`` records, newest first. Exit status 0 when all is undone (the file is
-    removed), 1 when something could not be (the file keeps what is left)."""
+    removed), 1 when something could not be (the file keeps what is left), 2 when the record is
+    refused (not this user's, writable by others, or naming anything but known settings)."""
     out = out or sys.stdout
     try:
-        steps = json.loads(state.read_text())["changes"]
+        steps = load(state)
     except FileNotFoundError:
         print(f"hvps doctor: no recorded changes in {state}; nothing to revert", file=out)
         return 0
+    except RecordError as exc:
+        print(f"hvps doctor: refusing --revert: {exc}; nothing changed", file=out)
+        return 2
     while steps:
         error = _do(host, steps[-1], undo=True)
         if error:
-            _save(state, steps)
+            save(state, steps)
             print(f"hvps doctor: {error}; {len(steps)} change(s) left in {state}", file=out)
             return 1
         print(f"  reverted {_describe(steps[-1])}", file=out)
         steps.pop()
-    state.unlink()
+    remove(state)
     print("hvps doctor: every recorded change reverted", file=out)
     return 0

@@ -22,7 +22,9 @@ matters, and the fix.
 
 EPILOG = """\
 exit status: 0 when no check fails (warnings allowed); 1 when a check fails, or an --apply or
---revert step fails; 2 for bad usage, a refused or declined --apply.
+--revert step fails; 2 for bad usage, a refused or declined --apply, or a refused --revert record
+(one not owned by this user, writable by group or others, or naming anything but the settings
+--apply changes).
 --apply refuses, with the reason, the seed's unsafe advice: rt-priority (chrt -f 99 for training)
 and min-granularity (kernel.sched_min_granularity_ns=99).
 """

@@ -14,6 +14,7 @@ import glob as globlib
 import json
 import os
 import re
+import stat
 import subprocess
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -74,16 +75,36 @@ class Host:
     def exists(self, path: str) -> bool:
         return self.path(path).exists()
 
-    def write(self, path: str, value: str) -> None:
-        """Write ``value`` as a sysfs attribute. Under a fake root a choice file keeps its
-        list and moves the brackets, as the kernel shows it after such a write."""
+    def inside(self, path: str) -> Path:
+        """``path`` inside the root with its folders' symlinks resolved; PermissionError when it
+        has a ``..`` or leads out of the root. Its last name is opened with O_NOFOLLOW by the callers."""
+        if ".." in Path(path).parts:
+            raise PermissionError(f"{path}: '..' is not allowed")
         target = self.path(path)
-        if not self.real:
-            old = target.read_text().strip()
-            words = old.replace("[", "").replace("]", "").split()
-            if _CHOICE.search(old) and value in words:
-                value = " ".join(f"[{w}]" if w == value else w for w in words)
-        target.write_text(value + "\n")
+        resolved = target.parent.resolve() / target.name
+        if not resolved.is_relative_to(self.root):
+            raise PermissionError(f"{path} leads out of {self.root} (through a symlink)")
+        return resolved
+
+    def write(self, path: str, value: str) -> None:
+        """Write ``value`` as a sysfs attribute: an existing regular file inside the root, never
+        through a symlink. Under a fake root a choice file keeps its list and moves the brackets,
+        as the kernel shows it after such a write."""
+        target = self.inside(path)
+        fd = os.open(target, (os.O_WRONLY if self.real else os.O_RDWR) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise PermissionError(f"{path} is not a regular file")
+            if not self.real:
+                old = os.read(fd, 1 << 16).decode(errors="replace").strip()
+                words = old.replace("[", "").replace("]", "").split()
+                if _CHOICE.search(old) and value in words:
+                    value = " ".join(f"[{w}]" if w == value else w for w in words)
+                os.ftruncate(fd, 0)
+                os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, (value + "\n").encode())
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------ non-file facts
     def fact(self, key: str, probe: Callable[[], Any]) -> Any:
@@ -149,7 +170,12 @@ class Host:
         """Run a command: ``(exit status, output)``. Under a fake root the command is only
         appended to ``commands.log`` in the tree (nothing on the real machine changes)."""
         if not self.real:
-            with open(self.root / "commands.log", "a") as f:
+            try:
+                fd = os.open(self.inside("/commands.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                             0o644)
+            except OSError as exc:
+                return 126, f"cannot log to {self.root}/commands.log: {exc.strerror or exc}"
+            with os.fdopen(fd, "a") as f:
                 f.write(" ".join(argv) + "\n")
             return 0, ""
         try:
