@@ -18,6 +18,7 @@ from .check_build import check_build
 from .errors import LaunchError
 from .mpi_command import build_mpirun_command, default_num_proc, launch_environment, split_mpi_args
 from .mpi_discovery import MpiImpl, find_mpirun
+from .mpi_transport import exposure_warning, single_node_allocation
 from .settings import LaunchSettings, parse_args
 from .slurm_command import (
     PmixProbe,
@@ -133,6 +134,11 @@ def prepare(settings: LaunchSettings, env: Mapping[str, str], cpu_count: Optiona
         temp_files.append(_ipv6_hostfile(hosts))
     cmd = build_mpirun_command(settings, env, mpi=mpi, hosts=hosts, cpu_count=cpu_count, in_allocation=in_allocation,
                                hostfile=temp_files[0] if temp_files else None)
+    one_host = single_node_allocation(env) if in_allocation else hostlib.is_local_only(hosts)
+    warning = mpi.impl is MpiImpl.OPEN_MPI and exposure_warning(one_host, settings.network_interfaces,
+                                                                split_mpi_args(settings.mpi_args), env)
+    if warning:
+        print(f"hvpsrun: warning: {warning}", file=sys.stderr, flush=True)
     if in_allocation:  # threads per rank from the allocation's tasks per node, as for srun
         full = dict(mpi_defaults(srun_environment(settings, env, num_proc, cpu_count)))
     else:

@@ -6,7 +6,9 @@ Per MPI implementation (detected from ``mpirun --version``, as horovodrun does):
   hostfile for IPv6 literals, which only 5.x can address), ``-x VAR`` forwards the environment,
   ``--tag-output``; ``--allow-run-as-root`` for root and ``--oversubscribe`` when a
   localhost-only run has more ranks than cores. 5.x's prterun rejects the single-dash
-  ``-bind-to`` that 4.1 also took, so only the double-dash forms are used.
+  ``-bind-to`` that 4.1 also took, so only the double-dash forms are used. On one host the
+  TCP BTL is off (shared memory and self only); across hosts it is bound to
+  ``--network-interface`` (:mod:`hvps.runner.mpi_transport`).
 * MPICH (Hydra): ``-bind-to none -map-by slot``, ``-hosts host:slots``,
   ``-genvlist``, ``-l`` to label output.
 * Intel MPI (Hydra): ``-hosts host1,host2 -ppn N`` (equal slots per host), ``-genvlist``.
@@ -22,6 +24,7 @@ from ..core.mpi_env import mpi_defaults
 from . import hosts as hostlib
 from .errors import LaunchError
 from .mpi_discovery import MpiImpl, MpiLauncher
+from .mpi_transport import open_mpi_transport_args, single_node_allocation
 from .settings import LaunchSettings
 
 #: what build_mpirun_command assumes when not told (unit tests, docs)
@@ -119,6 +122,7 @@ def build_mpirun_command(settings: LaunchSettings, env: Mapping[str, str], *,
     cpu_count = (os.cpu_count() or 1) if cpu_count is None else cpu_count
     euid = os.geteuid() if euid is None else euid
     local_only = hostlib.is_local_only(hosts, local_names)
+    one_host = single_node_allocation(env) if in_allocation else local_only
 
     own = rank_environment(settings, env, num_proc, hosts, cpu_count)
     forwarded = sorted(set(own) | {k for k in env if is_forwarded(k)})
@@ -142,8 +146,7 @@ def build_mpirun_command(settings: LaunchSettings, env: Mapping[str, str], *,
                 raise LaunchError("Open MPI's -H cannot carry IPv6 addresses; hvpsrun passes them in a hostfile")
             cmd += ["-H", hostlib.hosts_arg(hosts)]
         cmd += OPEN_MPI_NO_BINDING
-        if nics:
-            cmd += ["--mca", "btl_tcp_if_include", nics, "--mca", "oob_tcp_if_include", nics]
+        cmd += open_mpi_transport_args(mpi.version, one_host, settings.network_interfaces, mpi_args, env)
         for key in forwarded:
             cmd += ["-x", key]
     else:

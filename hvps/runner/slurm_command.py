@@ -29,6 +29,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from . import hosts as hostlib
 from .errors import LaunchError
 from .mpi_command import rank_environment
+from .mpi_transport import shared_memory_btls, single_node_allocation
 from .settings import LAUNCHERS, LaunchSettings
 
 #: seconds each probe command may take (a step normally starts in well under a second)
@@ -194,6 +195,8 @@ def srun_environment(settings: LaunchSettings, env: Mapping[str, str], num_proc:
         full["OMP_NUM_THREADS"] = str(cpus_per_task)
     own = rank_environment(settings, full, tasks_per_node, [], cpu_count)
     full.update(own)
+    if single_node_allocation(env):  # no TCP BTL listener on one node; 5.x takes vader as sm's alias
+        full.setdefault("OMPI_MCA_btl", shared_memory_btls((4, 1)))
     if settings.network_interfaces:
         nics = ",".join(settings.network_interfaces)
         full.setdefault("OMPI_MCA_btl_tcp_if_include", nics)

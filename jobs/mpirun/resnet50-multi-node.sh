@@ -5,7 +5,8 @@
 # path on every host (shared file system), and mpirun must reach the hosts (ssh, or an rsh
 # agent given in MPI_ARGS, e.g. the netns testbed's: MPI_ARGS="$(cat $TB_STATE/mpirun-args)").
 # Environment (defaults): HOSTFILE=./hostfile; NP=total slots of HOSTFILE; MPIRUN=hvpsrun's choice (python -m hvps.runner.mpi_discovery);
-# MPI_ARGS=''; NIC='' (e.g. eth0: restricts MPI TCP traffic to it); plus jobs/common.sh's.
+# MPI_ARGS=''; NIC='' (e.g. eth0: Open MPI's TCP transport and runtime use only it; without it they use
+# every interface, and the script warns); plus jobs/common.sh's.
 # Result: $RESULTS_DIR/resnet50-mpirun-multi-np$NP.json
 set -euo pipefail
 source "$(dirname "$0")/../common.sh"
@@ -15,8 +16,8 @@ NP=${NP:-$(awk '!/^#/ && NF { n = 1; for (i = 2; i <= NF; i++) if ($i ~ /^slots=
 MPIRUN=${MPIRUN:-$("$HVPS_PYTHON" -m hvps.runner.mpi_discovery)}
 MPI_ARGS=${MPI_ARGS:-}
 NIC=${NIC:-}
-NIC_ARGS=""
-[ -n "$NIC" ] && NIC_ARGS="--mca btl_tcp_if_include $NIC --mca oob_tcp_if_include $NIC -x NCCL_SOCKET_IFNAME=$NIC"
+NIC_ARGS=$("$HVPS_PYTHON" -m hvps.runner.mpi_transport --mpirun "$MPIRUN" --nic "$NIC" --mpi-args "$MPI_ARGS")
+[ -n "$NIC" ] && NIC_ARGS="$NIC_ARGS -x NCCL_SOCKET_IFNAME=$NIC"
 ROOT_FLAG=""; [ "$(id -u)" = 0 ] && ROOT_FLAG="--allow-run-as-root"
 # shellcheck disable=SC2086
 exec "$MPIRUN" -np "$NP" --hostfile "$HOSTFILE" $ROOT_FLAG --bind-to none --map-by slot \

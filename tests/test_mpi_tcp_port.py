@@ -1,0 +1,199 @@
+"""Open MPI's TCP BTL port: hvpsrun keeps it closed on one host and binds it to the training
+interface across hosts; a 3-byte connection to a rank's port must not freeze a 2-rank job."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT, _base_env, mpi_launcher, mpirun_argv
+
+from hvps.runner.launch import prepare
+from hvps.runner.mpi_command import build_mpirun_command
+from hvps.runner.mpi_discovery import MpiImpl, MpiLauncher
+from hvps.runner.mpi_transport import exposure_warning, open_mpi_transport_args, tcp_btl_on
+from hvps.runner.settings import parse_args
+from hvps.runner.slurm_command import srun_environment
+
+LOCAL = {"localhost", "127.0.0.1", "thisbox"}
+HOLD_SECONDS = 4.0
+
+#: one rank: hvps allreduces in a loop, a timestamp after each; rank 0 ends the loop (for both
+#: ranks, through an allreduce) two seconds after the test writes OUT/released
+RANK_PROGRAM = """
+import json, os, sys, time
+import numpy as np
+import hvps
+out = sys.argv[1]
+hvps.init()
+rank = hvps.rank()
+x = np.random.default_rng(rank).random(1024).astype(np.float32)
+expected = hvps.allreduce(x, name="warmup", op=hvps.Sum)
+open(os.path.join(out, f"pid{rank}"), "w").write(str(os.getpid()))
+stamps, i, released, start = [], 0, None, time.monotonic()
+while True:
+    got = hvps.allreduce(x, name=f"a{i % 4}", op=hvps.Sum)
+    stamps.append(time.time())
+    i += 1
+    if i % 20 == 0:
+        if released is None and os.path.exists(os.path.join(out, "released")):
+            released = time.monotonic()
+        stop = rank == 0 and ((released is not None and time.monotonic() - released > 2)
+                              or time.monotonic() - start > 120)
+        if hvps.allreduce(np.array([float(stop)]), name="stop", op=hvps.Sum)[0] > 0:
+            break
+assert np.allclose(got, expected)
+json.dump(stamps, open(os.path.join(out, f"stamps{rank}.json"), "w"))
+hvps.shutdown()
+"""
+
+
+def build(argv, env=None, version=(5, 0, 11), impl=MpiImpl.OPEN_MPI, **kw):
+    kw.setdefault("cpu_count", 8)
+    kw.setdefault("euid", 1000)
+    kw.setdefault("local_names", LOCAL)
+    return build_mpirun_command(parse_args(argv), env or {}, mpi=MpiLauncher("mpirun", "PATH", impl, version), **kw)
+
+
+def mca(cmd) -> dict:
+    """``--mca NAME VALUE`` pairs of a command line (a repeated NAME keeps every value)."""
+    found: dict = {}
+    for i, flag in enumerate(cmd[:-2]):
+        if flag == "--mca":
+            found.setdefault(cmd[i + 1], []).append(cmd[i + 2])
+    return found
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("version,btl", [((5, 0, 11), "self,sm"), ((4, 1, 4), "self,vader")])
+def test_one_host_runs_without_the_tcp_btl(version, btl):
+    for argv in (["-np", "2", "python", "t.py"], ["-np", "2", "-H", "localhost:2", "python", "t.py"]):
+        assert mca(build(argv, version=version)) == {"btl": [btl]}
+    assert not tcp_btl_on(btl) and tcp_btl_on(None) and tcp_btl_on("tcp,self") and not tcp_btl_on("^tcp,openib")
+
+
+@pytest.mark.unit
+def test_across_hosts_the_tcp_btl_is_bound_to_the_training_interface():
+    cmd = build(["-np", "4", "-H", "a:2,b:2", "--network-interface", "ib0", "python", "t.py"])
+    assert mca(cmd) == {"btl_tcp_if_include": ["ib0"], "oob_tcp_if_include": ["ib0"]}
+    assert exposure_warning(False, ("ib0",), [], {}) is None
+    assert "--network-interface" in exposure_warning(False, (), [], {})
+    assert mca(build(["-np", "4", "-H", "a:2,b:2", "python", "t.py"])) == {}
+
+
+@pytest.mark.unit
+def test_the_users_own_choice_is_never_given_twice():
+    """prterun refuses a parameter set twice; a flag would override the user's OMPI_MCA_* variable."""
+    cmd = build(["-np", "2", "--mpi-args=--mca btl tcp,self", "python", "t.py"])
+    assert mca(cmd) == {"btl": ["tcp,self"]}
+    assert mca(build(["-np", "2", "python", "t.py"], {"OMPI_MCA_btl": "tcp,self"})) == {}
+    # a default hostfile in the environment (the netns testbed's) or hosts in --mpi-args: not "one host"
+    assert mca(build(["-np", "2", "python", "t.py"], {"PRTE_MCA_prte_default_hostfile": "/h"})) == {}
+    assert mca(build(["-np", "2", "--mpi-args=--hostfile /h", "python", "t.py"])) == {}
+    cmd = build(["-np", "4", "-H", "a:2,b:2", "--network-interface", "eth1",
+                 "--mpi-args=--mca btl_tcp_if_include 10.0.0.0/24", "python", "t.py"])
+    assert mca(cmd) == {"btl_tcp_if_include": ["10.0.0.0/24"], "oob_tcp_if_include": ["eth1"]}
+    assert exposure_warning(False, (), ["--mca", "btl", "self,sm"], {}) is None
+    assert exposure_warning(False, (), [], {"OMPI_MCA_btl_tcp_if_include": "eth0"}) is None
+
+
+@pytest.mark.unit
+def test_slurm_and_mpich():
+    one_node = {"SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "2"}
+    cmd = build(["-np", "2", "python", "t.py"], one_node, in_allocation=True)
+    assert mca(cmd) == {"btl": ["self,sm"]}
+    two_nodes = dict(one_node, SLURM_JOB_NUM_NODES="2")
+    assert mca(build(["-np", "2", "python", "t.py"], two_nodes, in_allocation=True)) == {}
+    settings = parse_args(["-np", "2", "python", "t.py"])
+    assert srun_environment(settings, one_node, 2, 8)["OMPI_MCA_btl"] == "self,vader"  # 5.x: an alias of sm
+    assert "OMPI_MCA_btl" not in srun_environment(settings, two_nodes, 2, 8)
+    assert srun_environment(settings, dict(one_node, OMPI_MCA_btl="tcp,self"), 2, 8)["OMPI_MCA_btl"] == "tcp,self"
+    assert open_mpi_transport_args((5, 0), True, (), [], {}) == ["--mca", "btl", "self,sm"]
+    assert "--mca" not in build(["-np", "2", "python", "t.py"], impl=MpiImpl.MPICH, version=(4, 2))
+
+
+def test_hvpsrun_warns_when_open_mpi_would_listen_everywhere(capsys):
+    if mpi_launcher().impl is not MpiImpl.OPEN_MPI:
+        pytest.skip("needs Open MPI")
+    env = dict(os.environ, HVPS_MPIRUN=mpi_launcher().path)
+    launch = prepare(parse_args(["-np", "2", sys.executable, "-c", "0"]), env)
+    assert "warning" not in capsys.readouterr().err and mca(launch.argv)["btl"][0].startswith("self,")
+    prepare(parse_args(["-np", "2", "-H", "localhost:1,10.255.255.1:1", sys.executable, "-c", "0"]), env)
+    assert "hvpsrun: warning: Open MPI's TCP transport will listen on every interface" in capsys.readouterr().err
+    prepare(parse_args(["-np", "2", "-H", "localhost:1,10.255.255.1:1", "--network-interface", "lo",
+                        sys.executable, "-c", "0"]), env)
+    assert "warning" not in capsys.readouterr().err
+
+
+def _listeners(pid: int) -> list:
+    """``(address, port)`` of the TCP sockets ``pid`` listens on (``ss -tlnp``)."""
+    out = subprocess.run(["ss", "-tlnpH"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        if f"pid={pid}," in line:
+            host, _, port = line.split()[3].rpartition(":")
+            found.append((host.strip("[]"), int(port)))
+    return found
+
+
+def _connect(host: str, port: int) -> socket.socket:
+    v6 = ":" in host
+    target = ("::1" if v6 else "127.0.0.1") if host in ("*", "0.0.0.0", "::") else host
+    s = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET)
+    s.settimeout(5)
+    s.connect((target, port))
+    s.sendall(b"abc")
+    return s
+
+
+def hold_attack(out: Path, proc: subprocess.Popen, hold: float) -> dict:
+    """Once both ranks run, hold a 3-byte connection to every TCP port they listen on for ``hold``
+    seconds; the longest gap between allreduces during the hold and before it."""
+    deadline = time.monotonic() + 120
+    while not all((out / f"pid{r}").exists() for r in (0, 1)):
+        assert proc.poll() is None and time.monotonic() < deadline, "the job did not start"
+        time.sleep(0.1)
+    time.sleep(2)
+    pids = [int((out / f"pid{r}").read_text()) for r in (0, 1)]
+    ports = [(pid, h, p) for pid in pids for h, p in _listeners(pid)]
+    start = time.time()
+    socks = [_connect(h, p) for _, h, p in ports]
+    time.sleep(hold)
+    for s in socks:
+        s.close()
+    end = time.time()
+    (out / "released").write_text("")
+    proc.wait(timeout=180)
+    stamps = json.loads((out / "stamps0.json").read_text())
+    gaps = [(a, b - a) for a, b in itertools.pairwise(stamps)]
+    return {"listeners": ports, "before": max(g for a, g in gaps if a < start),
+            "during": max((g for a, g in gaps if start - 1 <= a <= end), default=0.0),
+            "iterations": len(stamps), "returncode": proc.returncode}
+
+
+@pytest.mark.timeout(300)
+def test_a_stray_connection_does_not_freeze_a_one_host_job(tmp_path):
+    """The audit's attack: 3 bytes to a rank's MPI port froze every collective while held."""
+    program = tmp_path / "rank.py"
+    program.write_text(RANK_PROGRAM)
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd, env = mpirun_argv(2, [sys.executable, str(program), str(out)], _base_env(None))
+    log = open(tmp_path / "job.log", "wb")
+    proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        result = hold_attack(out, proc, HOLD_SECONDS)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        log.close()
+    assert result["returncode"] == 0, (tmp_path / "job.log").read_text()[-3000:]
+    assert result["during"] < HOLD_SECONDS / 2, (result, " ".join(cmd))
