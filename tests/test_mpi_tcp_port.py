@@ -1,5 +1,6 @@
 """Open MPI's TCP BTL port: hvpsrun keeps it closed on one host and binds it to the training
-interface across hosts; a 3-byte connection to a rank's port must not freeze a 2-rank job."""
+interface across hosts; a 3-byte connection to a rank's port must not freeze a 2-rank job;
+hvps doctor warns when the TCP BTL would listen on every interface."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT, _base_env, mpi_launcher, mpirun_argv
 
+from hvps.doctor import REGISTRY, Context, Host
+from hvps.doctor.host import FACTS_FILE
 from hvps.runner.launch import prepare
 from hvps.runner.mpi_command import build_mpirun_command
 from hvps.runner.mpi_discovery import MpiImpl, MpiLauncher
@@ -197,3 +200,58 @@ def test_a_stray_connection_does_not_freeze_a_one_host_job(tmp_path):
         log.close()
     assert result["returncode"] == 0, (tmp_path / "job.log").read_text()[-3000:]
     assert result["during"] < HOLD_SECONDS / 2, (result, " ".join(cmd))
+
+
+def _doctor_host(tmp_path: Path, env: dict, mpi: str = "Open MPI 5.0.11", files: dict = None) -> Host:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    for rel, text in (files or {}).items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    (tmp_path / FACTS_FILE).write_text(json.dumps({"env": env, "software": {"mpi": mpi}}))
+    return Host(str(tmp_path))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("env,ctx,verdict", [
+    ({}, {}, "ok"),                                                   # not in a job: nothing listens yet
+    ({"OMPI_MCA_btl": "self,sm"}, {"world_size": 2}, "ok"),           # what hvpsrun passes on one host
+    ({"OMPI_MCA_btl": "^tcp"}, {"world_size": 2}, "ok"),
+    ({"OMPI_MCA_btl_tcp_if_include": "ib0"}, {"world_size": 4, "multi_host": True}, "ok"),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, {}, "warn"),                      # plain mpirun: TCP BTL on every interface
+    ({}, {"world_size": 2}, "warn"),
+    ({"OMPI_MCA_btl": "tcp,self"}, {}, "warn"),
+])
+def test_doctor_warns_when_the_tcp_btl_listens_everywhere(tmp_path, env, ctx, verdict):
+    row = REGISTRY["net.mpi_tcp"].func(_doctor_host(tmp_path, env), Context(**ctx))
+    assert row.verdict == verdict, row
+    assert row.why and (row.fix or verdict == "ok")
+    if verdict == "warn":
+        assert "every interface" in row.value and "--network-interface" in row.fix and "self,sm" in row.fix
+
+
+@pytest.mark.unit
+def test_doctor_reads_the_users_mca_params_file_and_skips_mpich(tmp_path):
+    host = _doctor_host(tmp_path / "a", {"HOME": "/home/u", "OMPI_COMM_WORLD_SIZE": "2"},
+                        files={"home/u/.openmpi/mca-params.conf": "# site\nbtl = self,vader\n"})
+    assert REGISTRY["net.mpi_tcp"].func(host, Context()).verdict == "ok"
+    row = REGISTRY["net.mpi_tcp"].func(_doctor_host(tmp_path / "b", {}, mpi="MPICH 4.2.0"), Context(world_size=2))
+    assert row.verdict == "skip" and "FI_TCP_IFACE" in row.why
+
+
+@pytest.mark.timeout(300)
+def test_doctor_under_mpirun_sees_what_the_ranks_were_given(tmp_path):
+    """hvps's mpirun line (btl self,sm on one host) is ok; the same line without it warns."""
+    if mpi_launcher().impl is not MpiImpl.OPEN_MPI:
+        pytest.skip("needs Open MPI")
+    verdicts = {}
+    for name in ("hvpsrun", "plain"):
+        report = tmp_path / f"{name}.json"
+        cmd, env = mpirun_argv(2, [sys.executable, "-m", "hvps.doctor", "--all-ranks", "--only", "net.mpi_tcp",
+                                   "--json", "--output", str(report)], _base_env(None))
+        if name == "plain":
+            i = cmd.index("btl")
+            del cmd[i - 1:i + 2]
+        proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        verdicts[name] = json.loads(report.read_text())["checks"][0]["verdict"]
+    assert verdicts == {"hvpsrun": "ok", "plain": "warn"}

@@ -1,9 +1,10 @@
-"""Network checks: the interface the control plane and MPI use, RDMA devices, and whether NCCL
-and hvps were told the same interface."""
+"""Network checks: the interface the control plane and MPI use, RDMA devices, whether NCCL
+and hvps were told the same interface, and where Open MPI's TCP transport listens."""
 from __future__ import annotations
 
 from typing import Optional
 
+from ..runner.mpi_transport import mca_value, tcp_btl_on
 from .base import Check, Context, check
 from .host import Host
 
@@ -102,3 +103,48 @@ def ifname(host: Host, ctx: Context) -> Check:
     if bool(nccl) != bool(hvps_nic):
         return Check("net.ifname", "warn", value, why + "; only one of them is set", fix)
     return Check("net.ifname", "ok", value, why)
+
+
+#: what marks a process started by an MPI launcher (Open MPI, PMIx)
+MPI_JOB_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+
+
+def open_mpi_param(host: Host, name: str) -> Optional[str]:
+    """An Open MPI MCA parameter as its processes read it: ``OMPI_MCA_<name>`` (mpirun passes its
+    ``--mca`` flags to the ranks this way), else ``$HOME/.openmpi/mca-params.conf``; None if unset."""
+    value = mca_value(name, [], host.env)
+    if value is not None or not host.env.get("HOME"):
+        return value
+    for line in (host.read(f"{host.env['HOME']}/.openmpi/mca-params.conf") or "").splitlines():
+        key, sep, rest = line.split("#", 1)[0].partition("=")
+        if sep and key.strip() == name:
+            value = rest.strip()
+    return value
+
+
+@check("net.mpi_tcp", "network")
+def mpi_tcp(host: Host, ctx: Context) -> Check:
+    why = ("Open MPI's TCP BTL listens in every rank on every interface (0.0.0.0 and [::]); one connection that "
+           "sends a few bytes and stays open freezes every collective of the job for as long as it is held "
+           "(SECURITY.md)")
+    fix = ("one host: start the job with hvpsrun (it passes --mca btl self,sm) or set OMPI_MCA_btl=self,sm "
+           "(Open MPI 4.1: self,vader); across hosts: hvpsrun --network-interface NIC (btl_tcp_if_include) on a "
+           "training network that only the job's hosts can reach")
+    mpi = host.software().get("mpi") or ""
+    if mpi and "Open MPI" not in mpi:
+        return Check("net.mpi_tcp", "skip", f"{mpi}: not Open MPI", why + "; MPICH's ch4/ofi netmod picks its "
+                     "interface through libfabric (FI_TCP_IFACE, FI_SOCKETS_IFACE), which hvps does not set")
+    btl, include = open_mpi_param(host, "btl"), open_mpi_param(host, "btl_tcp_if_include")
+    data = {"btl": btl, "btl_tcp_if_include": include}
+    if not tcp_btl_on(btl):
+        return Check("net.mpi_tcp", "ok", f"TCP BTL off (btl={btl})", why, data=data)
+    shown = f"btl={btl or '(default: every component)'}"
+    if include:
+        return Check("net.mpi_tcp", "ok", f"{shown}, btl_tcp_if_include={include}", why + "; its traffic stays on "
+                     f"{include}, but the listening socket still binds every address (Open MPI 5.0.11): keep the "
+                     "training network isolated", data=data)
+    if ctx.world_size > 1 or ctx.multi_host or btl is not None or any(k in host.env for k in MPI_JOB_ENV):
+        return Check("net.mpi_tcp", "warn", f"{shown}, btl_tcp_if_include unset: listens on every interface",
+                     why, fix, data)
+    return Check("net.mpi_tcp", "ok", "not in an MPI job (hvpsrun keeps the TCP BTL off on one host and binds it to "
+                 "--network-interface across hosts)", why, data=data)
