@@ -4,6 +4,11 @@ A hook on every parameter fires once its gradient has been accumulated and
 starts an asynchronous allreduce, so communication overlaps the rest of the
 backward pass; ``step()`` waits for the outstanding handles and then steps the
 wrapped optimizer.
+
+A dense gradient's path from its hook to ``Engine.submit_all`` is four Python
+frames (the hook, ``_start``, ``allreduce_gradients_async``, ``submit_all``), with
+one dtype check, one handle and one finisher (:class:`_Install`); the compression
+and its scaling plan are resolved once, in ``__init__``.
 """
 
 from __future__ import annotations
@@ -16,18 +21,22 @@ import torch
 import hvps
 from hvps import HvpsError, ProcessSet, global_process_set
 from hvps import metrics as _metrics
+from hvps.api.collectives import allreduce_gradients_async
+from hvps.compression import summable
 from hvps.core.views import as_tensor
 
-from .compression import as_gradient_compression, compress_for_sum, decompress_sum
+from .compression import OPS, as_gradient_compression
 from .mpi_ops import Adasum, Average, Sum, grouped_allreduce_async_, sparse_allreduce_handle
-from .tensors import host_buffer, to_numpy
+from .tensors import core_view, host_buffer, to_numpy
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
-    Shares ``param_groups`` and ``state`` with the wrapped optimizer, so LR
-    schedulers and checkpoints see one optimizer.
+    The result is an instance of ``type(optimizer)`` too (a subclass made for it, named like
+    it), as Horovod's is. It shares ``param_groups`` and ``state`` with the wrapped optimizer,
+    so LR schedulers and checkpoints see one optimizer, and ``state_dict()`` is the wrapped
+    optimizer's own.
 
     With ``process_set``, gradients are averaged over that set's ranks; on ranks outside it
     the optimizer steps on local gradients. With ``op=Adasum`` (Horovod's delta optimizer),
@@ -37,6 +46,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     (Horovod's overflow guard for fp16 sums). With int8, top-k or DGC compression the values
     travel compressed and are averaged after decompression, so f would cancel out and is not applied.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "DistributedOptimizer":
+        if cls is not DistributedOptimizer:  # already the subclass (copies, pickles)
+            return super().__new__(cls)
+        optimizer = args[0] if args else kwargs.get("optimizer")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        return super().__new__(_wrapper_class(type(optimizer)))
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
                  compression: Any = None, backward_passes_per_step: int = 1, op=Average,
@@ -51,7 +68,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if gradient_predivide_factor != 1.0 and op is not Average:
             raise ValueError("gradient_predivide_factor is only defined for op=Average")
         hvps.size()  # raises HvpsError before init
-        super().__init__(optimizer.param_groups, optimizer.defaults)
+        torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self._inner = optimizer
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
@@ -63,6 +80,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"groups needs a summable compression (none, fp16, bf16), not {self.compression!r}")
         self._op = op
         self._predivide = gradient_predivide_factor
+        #: summable compressions: the scaling around the fused allreduce (predivide, fp16 guard), once
+        self._plan = self._summable_plan()
+        self._summable = self.compression.summable
         self._sparse_as_dense = sparse_as_dense
         #: parameters whose sparse gradient travels dense this step (made sparse again once reduced)
         self._densified: set = set()
@@ -131,32 +151,69 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 mapping[p] = group
         return mapping
 
+    def _summable_plan(self) -> tuple:
+        """How summable gradients are scaled around their allreduce: the predivide factor f as
+        prescale 1/f and postscale f (Average only), joined with the cast's overflow guard."""
+        pre, post = (1.0 / self._predivide, self._predivide) if self._op is Average else (1.0, 1.0)
+        return summable.summable_plan(self.compression.compressor, self._op, self.process_set.size, pre, post)
+
     # -- the backward hook --------------------------------------------------------
     def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if self._handles.get(p) is not None and self._delay[p] <= 0:
+        delay = self._delay[p] - 1
+        if delay < 0 and self._handles.get(p) is not None:
             raise HvpsError(
                 "gradients were computed more than backward_passes_per_step times before step(); "
                 "increase backward_passes_per_step to accumulate gradients locally"
             )
-        self._delay[p] -= 1
-        if self._delay[p] == 0:
+        self._delay[p] = delay
+        if delay == 0:
             self._start(p)
         else:
             self._handles.setdefault(p, None)
 
     def _start(self, p: torch.Tensor) -> None:
-        group = self._groups.get(p)
+        """Start reducing ``p``'s gradient, or its group's once every member is ready."""
+        group = self._groups.get(p) if self._groups else None
         if group is None:
-            self._handles[p] = self._allreduce_grad_async(p)
-            return
-        ready = self._group_ready.setdefault(group, set())
-        ready.add(p)
-        self._handles[p] = None
-        if len(ready) == len(group):
-            handle = self._allreduce_group_async(group)
-            for member in group:
-                self._handles[member] = handle
+            members, name = (p,), f"grad.{self._parameter_names[p]}"
+        else:
+            ready = self._group_ready.setdefault(group, set())
+            ready.add(p)
+            self._handles[p] = None
+            if len(ready) < len(group):
+                return
             del self._group_ready[group]
+            first = self._parameter_names[group[0]]
+            members, name = group, (f"grad.{first}" if len(group) == 1 else f"grad.group.{first}.{len(group)}")
+        install = _Install(self, members)
+        if install.views is None:  # sparse, int8/top-k/DGC, or a group of several dtypes
+            handle = self._start_unfused(members, install, name)
+        else:
+            plan = self._plan
+            handle = allreduce_gradients_async(install.views, install.dtype, name, plan.op, plan.prescale,
+                                               plan.postscale, self.process_set).finish_with(install)
+        if group is None:
+            self._handles[p] = handle
+            return
+        for member in group:
+            self._handles[member] = handle
+
+    def _start_unfused(self, members: tuple, install: "_Install", name: str) -> hvps.Handle:
+        """The paths besides one fused allreduce: sparse gradients (allgathered), numpy compressors
+        (int8, top-k, DGC) and groups whose gradients have different dtypes or devices."""
+        p, grad = members[0], install.grads[0]
+        if grad.is_sparse:  # sparse_allreduce_handle averages
+            return sparse_allreduce_handle(grad, name, self._op, self.process_set).then(
+                lambda reduced: setattr(p, "grad", reduced.coalesce()))
+        if not self.compression.summable:
+            # int8, top-k, DGC: numpy compressors exchange float32 values and average after
+            # decompressing, so a predivide factor would cancel out: none is applied.
+            buffer = host_buffer(grad)
+            return self.compression.start(to_numpy(buffer), name, self._op).then(
+                lambda result: _install(p, as_tensor(result).view(buffer.shape)))
+        plan = self._plan
+        return grouped_allreduce_async_(install.payloads, name=name, op=plan.op, prescale_factor=plan.prescale,
+                                        postscale_factor=plan.postscale, process_set=self.process_set).then(install)
 
     def _prepare_grad(self, p: torch.Tensor) -> torch.Tensor:
         if p.grad is None:  # not used this step on this rank; other ranks may have a gradient
@@ -165,39 +222,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             p.grad = p.grad.to_dense()
             self._densified.add(p)
         return p.grad
-
-    def _allreduce_grad_async(self, p: torch.Tensor) -> hvps.Handle:
-        grad = self._prepare_grad(p)
-        name = f"grad.{self._parameter_names[p]}"
-        if grad.is_sparse:
-            return sparse_allreduce_handle(grad, name, self._op, self.process_set).then(
-                lambda reduced: setattr(p, "grad", reduced.coalesce()))
-        if self.compression.summable:
-            return self._allreduce_group_async((p,))
-        # int8, top-k, DGC: numpy compressors exchange float32 values and average after
-        # decompressing, so a predivide factor would cancel out: none is applied.
-        buffer = host_buffer(grad)
-        return self.compression.start(to_numpy(buffer), name, self._op).then(
-            lambda result: self._install(p, as_tensor(result).view(buffer.shape)))
-
-    def _allreduce_group_async(self, group: tuple) -> hvps.Handle:
-        """One fused allreduce of ``group``'s gradients (summable compression, cast as torch ops);
-        the handle's ``wait()`` installs the averages."""
-        grads = [self._prepare_grad(p) for p in group]
-        pre, post = (1.0 / self._predivide, self._predivide) if self._op is Average else (1.0, 1.0)
-        payloads, ctxs, plan = compress_for_sum(self.compression, grads, self._op, self.process_set.size, pre,
-                                                post)
-        self.compression.record(sum(g.nbytes for g in grads), payloads)
-        first = self._parameter_names[group[0]]
-        name = f"grad.{first}" if len(group) == 1 else f"grad.group.{first}.{len(group)}"
-        handle = grouped_allreduce_async_(payloads, name=name, op=plan.op, prescale_factor=plan.prescale,
-                                          postscale_factor=plan.postscale, process_set=self.process_set)
-
-        def install(outputs: list) -> None:
-            for member, grad in zip(group, decompress_sum(self.compression, outputs, ctxs, plan)):
-                self._install(member, grad)
-
-        return handle.then(install)
 
     # -- synchronisation ---------------------------------------------------------------
     def synchronize(self) -> None:
@@ -223,11 +247,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         _metrics.on_sync_end(self.compression)
         hvps.step_done()
         self._synchronized = True
-
-    @staticmethod
-    def _install(p: torch.Tensor, grad: torch.Tensor) -> None:
-        if grad.data_ptr() != p.grad.data_ptr() or grad.device != p.grad.device:
-            p.grad.copy_(grad)
 
     def compression_stats(self) -> dict:
         """Bytes sent and received, compression ratio and (de)compression time since the last reset."""
@@ -309,3 +328,81 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self._inner!r})"
+
+
+def _install(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """Make ``p.grad`` hold ``grad``'s values (nothing to do when they are the same memory)."""
+    if grad.data_ptr() != p.grad.data_ptr() or grad.device != p.grad.device:
+        p.grad.copy_(grad)
+
+
+class _Install:
+    """A gradient's (or a group's) one finisher: prepared in the hook, run by the handle's ``wait()``.
+
+    In the hook it takes the members' gradients (``_prepare_grad``) and, for a summable
+    compression, scales and compresses them (``payloads``) and finds what the core moves for
+    each (``views``, sharing the payloads' memory or staged on the host) and their dtype, checked
+    once. ``views`` stays None where one fused allreduce cannot take them (sparse, non-summable,
+    dtypes or devices that differ). Called with the collective's result, it counts the exchange
+    in the compression's stats, copies staged values back, decompresses, scales and installs
+    every member's gradient.
+    """
+
+    __slots__ = ("members", "grads", "payloads", "ctxs", "buffers", "views", "dtype", "pipeline", "after")
+
+    def __init__(self, opt: DistributedOptimizer, members: tuple) -> None:
+        self.members = members
+        self.views = None
+        pipeline = self.pipeline = opt.compression
+        before = opt._plan.before
+        self.after = opt._plan.after
+        grads, payloads, ctxs, views, buffers, kinds = [], [], [], [], [], set()
+        for p in members:
+            grad = opt._prepare_grad(p)
+            grads.append(grad)
+            if grad.is_sparse or not opt._summable:
+                continue
+            payload, ctx = summable.compress_tensor(pipeline, grad if before == 1.0 else OPS.scale(grad, before), OPS)
+            view, buffer, dtype = core_view(payload)
+            payloads.append(payload)
+            ctxs.append(ctx)
+            views.append(view)
+            buffers.append(buffer)
+            kinds.add((dtype, buffer.device))
+        self.grads, self.payloads, self.ctxs, self.buffers = grads, payloads, ctxs, buffers
+        if len(payloads) < len(members):  # sparse, or a numpy compressor (int8, top-k, DGC)
+            if len(members) > 1:
+                raise ValueError("groups cannot reduce sparse gradients: pass sparse_as_dense=True")
+            return
+        if len(kinds) == 1:
+            self.views, self.dtype = views, kinds.pop()[0]
+
+    def __call__(self, _result: Any) -> None:
+        self.pipeline.record(sum(g.nbytes for g in self.grads), self.payloads)
+        staged = self.views is not None
+        for i, member in enumerate(self.members):
+            payload = self.payloads[i]
+            if staged:  # the core reduced the view in place: staged copies go back first
+                buffer = self.buffers[i]
+                if buffer.data_ptr() != payload.data_ptr() or buffer.device != payload.device:
+                    payload.copy_(buffer)
+            grad = summable.decompress_tensor(self.pipeline, payload, self.ctxs[i], OPS)
+            _install(member, grad if self.after == 1.0 else OPS.scale(grad, self.after))
+
+
+#: wrapped optimizer class -> its DistributedOptimizer subclass
+_WRAPPER_CLASSES: dict = {}
+
+
+def _wrapper_class(base: type) -> type:
+    """The class of ``DistributedOptimizer(optimizer)`` for an optimizer of class ``base``: a subclass of
+    both, named like ``base`` (as Horovod names it), so that ``isinstance(opt, base)`` holds."""
+    if issubclass(base, DistributedOptimizer):
+        return base
+    cls = _WRAPPER_CLASSES.get(base)
+    if cls is None:
+        cls = type(base.__name__, (DistributedOptimizer, base),
+                   {"__module__": DistributedOptimizer.__module__, "__doc__": DistributedOptimizer.__doc__,
+                    "__qualname__": f"DistributedOptimizer[{base.__qualname__}]"})
+        _WRAPPER_CLASSES[base] = cls
+    return cls

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 import hvps
-from hvps.core import arrays
 from hvps.core.views import as_array, as_tensor
 from hvps.runtime import state as runtime
 
@@ -31,13 +30,22 @@ _TO_NUMPY = {
     torch.uint8: np.dtype(np.uint8),
     torch.bool: np.dtype(np.bool_),
 }
+#: hvps's dtype name for every torch dtype it moves
+_NAMES = {**{dtype: np_dtype.name for dtype, np_dtype in _TO_NUMPY.items()}, torch.bfloat16: "bfloat16"}
+
+
+def dtype_name(tensor: torch.Tensor) -> str:
+    """hvps's name for ``tensor``'s dtype (``float32``, ``bfloat16``, ...); TypeError for dtypes hvps cannot move."""
+    name = _NAMES.get(tensor.dtype)
+    if name is None:
+        supported = ", ".join(str(d) for d in _NAMES)
+        raise TypeError(f"hvps does not support tensors of dtype {tensor.dtype}; supported: {supported}")
+    return name
 
 
 def check_dtype(tensor: torch.Tensor) -> None:
     """Raise TypeError for dtypes hvps cannot move."""
-    if tensor.dtype not in _TO_NUMPY and tensor.dtype != torch.bfloat16:
-        supported = ", ".join(str(d) for d in [*_TO_NUMPY, torch.bfloat16])
-        raise TypeError(f"hvps does not support tensors of dtype {tensor.dtype}; supported: {supported}")
+    dtype_name(tensor)
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -61,8 +69,7 @@ def _warn_staging(tensor: torch.Tensor) -> None:
 
 def takes_tensor(tensor: torch.Tensor) -> bool:
     """Whether the running backend moves ``tensor`` as it is (no numpy view, no staging)."""
-    check_dtype(tensor)
-    return runtime.engine().backend.takes(tensor.device.type, arrays.dtype_name(tensor))
+    return runtime.engine().backend.takes(tensor.device.type, dtype_name(tensor))
 
 
 def host_buffer(tensor: torch.Tensor) -> torch.Tensor:
@@ -77,11 +84,18 @@ def host_buffer(tensor: torch.Tensor) -> torch.Tensor:
 
 def core_buffer(tensor: torch.Tensor) -> tuple:
     """``(array, buffer)``: what the core moves for ``tensor``, and the tensor that shares its memory."""
-    if takes_tensor(tensor):
+    array, buffer, _ = core_view(tensor)
+    return array, buffer
+
+
+def core_view(tensor: torch.Tensor) -> tuple:
+    """``(array, buffer, dtype name)``: :func:`core_buffer` and hvps's name for the dtype, checked once."""
+    name = dtype_name(tensor)
+    if runtime.engine().backend.takes(tensor.device.type, name):
         buffer = tensor if tensor.is_contiguous() and not tensor.requires_grad else tensor.detach().contiguous()
-        return buffer, buffer
+        return buffer, buffer, name
     buffer = host_buffer(tensor)
-    return to_numpy(buffer), buffer
+    return as_array(buffer), buffer, name
 
 
 def core_input(tensor: torch.Tensor) -> Any:

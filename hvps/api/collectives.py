@@ -34,7 +34,7 @@ from ..core.handle import Handle
 from ..dataplane.adasum import is_power_of_two
 from ..dataplane.executors import Entry, reducescatter_rows
 from ..runtime import state as runtime
-from ..runtime.process_sets import ProcessSet, resolve
+from ..runtime.process_sets import ProcessSet, global_process_set, resolve
 
 Average, Sum, Min, Max, Product, Adasum = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max,
                                            ReduceOp.Product, ReduceOp.Adasum)
@@ -241,6 +241,31 @@ def _allreduce_async(values, op, name, prescale_factor, postscale_factor, outs, 
     if len(handles) == 1:
         return handles[0]
     return GroupHandle(base, list(zip(plan, handles)), len(inputs))
+
+
+def allreduce_gradients_async(buffers: list, dtype: str, name: str, op: ReduceOp, prescale_factor: float,
+                              postscale_factor: float, process_set: Optional[ProcessSet] = None) -> Handle:
+    """Start reducing ``buffers`` in place as one collective: the short path of a gradient hook.
+
+    The caller has prepared them: C-contiguous, all of hvps dtype ``dtype`` on one device (numpy
+    arrays, or tensors the backend takes, as ``_prepare`` gives), ``op`` one of Sum and Average
+    (no Adasum), ``name`` given. The collective is named and scaled as ``grouped_allreduce_async``
+    names and scales it; the handle yields the only buffer, or the list of them.
+    """
+    engine = runtime.engine()
+    if process_set is None or process_set is global_process_set:
+        set_id, label = GLOBAL_SET, f"{ALLREDUCE}.{name}"
+    else:
+        set_id = resolve(process_set)[0]
+        label = _name(ALLREDUCE, name, set_id)
+    first = buffers[0]
+    device = "cpu" if isinstance(first, np.ndarray) else first.device.type
+    shapes = (tuple(first.shape),) if len(buffers) == 1 else tuple(tuple(b.shape) for b in buffers)
+    request = Request(label, ALLREDUCE, dtype, shapes, op._value_, prescale=float(prescale_factor),
+                      postscale=float(postscale_factor), device=device, process_set=set_id)
+    entry = Entry(request, buffers, list(buffers), grouped=len(buffers) > 1,
+                  ready_event=None if device == "cpu" else arrays.ready_event(buffers))
+    return engine.submit_all([entry])[0]
 
 
 def allreduce_async(array: Any, op: Any = Average, name: Optional[str] = None, prescale_factor: float = 1.0,

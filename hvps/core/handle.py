@@ -35,9 +35,16 @@ class Handle:
         #: called once by the first wait() that would block: the engine then starts the
         #: collective now instead of at its next cycle (the waiter has nothing else to do)
         self._expedite = expedite
-        #: a handle made by ``then``: the handle it waits for, and what turns that one's result into its own
+        #: a handle made by ``then``: the handle it waits for; ``_finish`` turns that one's result (or,
+        #: set by ``finish_with``, this handle's own) into the result ``wait()`` returns
         self._source: Optional[Handle] = None
         self._finish: Optional[Callable[[Any], Any]] = None
+
+    def finish_with(self, finish: Callable[[Any], Any]) -> "Handle":
+        """Make this handle's result ``finish(result)``, computed once, by the first ``wait()`` that
+        succeeds (a gradient's one finisher, without a second handle). Returns the handle."""
+        self._finish = finish
+        return self
 
     def then(self, finish: Callable[[Any], Any]) -> "Handle":
         """A handle on the same collective whose result is ``finish(this handle's result)``, computed once,
@@ -73,6 +80,9 @@ class Handle:
             raise self._error
         if self.event is not None:
             self.event.wait()  # the waiter's current CUDA stream waits; the host does not
+        if self._finish is not None:
+            self._result = self._finish(self._result)
+            self._finish = None
         return self._result
 
     def _check_watchdog(self, now: float) -> None:

@@ -102,20 +102,23 @@ class Engine:
             if self._stopping:
                 raise HvpsError("hvps is shutting down: call hvps.init() again")
             seen: set = set()
-            for name in (entry.request.name for entry in entries):
+            for entry in entries:
+                name = entry.request.name
                 if name in self._pending or name in self._queued_names or name in seen:
                     raise DuplicateNameError(
                         f"a collective named '{name}' is already in flight on rank {self.rank}; "
                         "names must be unique among outstanding operations"
                     )
                 seen.add(name)
+            handles = []
             for entry in entries:
                 # join() waits for ranks still training, for as long as they train: no watchdog.
-                patience = math.inf if entry.request.kind == JOIN else self.settings.stall_check_seconds
-                entry.handle = Handle(entry.request.name, (entry.inputs, entry.outputs), patience,
-                                      expedite=self._expedite)
+                request = entry.request
+                patience = math.inf if request.kind == JOIN else self.settings.stall_check_seconds
+                entry.handle = Handle(request.name, (entry.inputs, entry.outputs), patience, expedite=self._expedite)
+                handles.append(entry.handle)
                 self._queue.append(entry)
-                self._queued_names.add(entry.request.name)
+                self._queued_names.add(request.name)
             # A wake-up costs the submitting (training) thread a syscall, a context
             # switch and the GIL (~150 us). Backward hooks submit in bursts, so while
             # the engine is active it polls its queue every cycle instead (as
@@ -123,7 +126,7 @@ class Engine:
             wake = self._claim_wake(self._sleeping)
         if wake:
             self.control.wake()
-        return [entry.handle for entry in entries]
+        return handles
 
     def _expedite(self) -> None:
         """A thread is about to block on a collective: if it still sits in the queue, wake the
