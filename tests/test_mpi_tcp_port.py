@@ -20,7 +20,7 @@ from conftest import REPO_ROOT, _base_env, mpi_launcher, mpirun_argv
 from hvps.doctor import REGISTRY, Context, Host
 from hvps.doctor.host import FACTS_FILE
 from hvps.runner.launch import prepare
-from hvps.runner.mpi_command import build_mpirun_command
+from hvps.runner.mpi_command import build_mpirun_command, rank_environment
 from hvps.runner.mpi_discovery import MpiImpl, MpiLauncher
 from hvps.runner.mpi_transport import exposure_warning, open_mpi_transport_args, tcp_btl_on
 from hvps.runner.settings import parse_args
@@ -121,6 +121,14 @@ def test_slurm_and_mpich():
     assert srun_environment(settings, dict(one_node, OMPI_MCA_btl="tcp,self"), 2, 8)["OMPI_MCA_btl"] == "tcp,self"
     assert open_mpi_transport_args((5, 0), True, (), [], {}) == ["--mca", "btl", "self,sm"]
     assert "--mca" not in build(["-np", "2", "python", "t.py"], impl=MpiImpl.MPICH, version=(4, 2))
+    # MPICH's ch4:ofi listener follows libfabric's interface variables, not Hydra's -iface
+    argv = ["-np", "2", "--network-interface", "ib0,eth0", "python", "t.py"]
+    cmd = build(argv, impl=MpiImpl.MPICH, version=(5, 0, 2))
+    genv = cmd[cmd.index("-genvlist") + 1].split(",")
+    assert {"FI_TCP_IFACE", "FI_SOCKETS_IFACE"} <= set(genv) and cmd[cmd.index("-iface") + 1] == "ib0"
+    settings = parse_args(argv)
+    assert rank_environment(settings, {}, 2, [], 8)["FI_TCP_IFACE"] == "ib0"
+    assert "FI_TCP_IFACE" not in rank_environment(settings, {"FI_TCP_IFACE": "eth9"}, 2, [], 8)
 
 
 def test_hvpsrun_warns_when_open_mpi_would_listen_everywhere(capsys):

@@ -132,8 +132,9 @@ def mpi_tcp(host: Host, ctx: Context) -> Check:
            "training network that only the job's hosts can reach")
     mpi = host.software().get("mpi") or ""
     if mpi and "Open MPI" not in mpi:
-        return Check("net.mpi_tcp", "skip", f"{mpi}: not Open MPI", why + "; MPICH's ch4/ofi netmod picks its "
-                     "interface through libfabric (FI_TCP_IFACE, FI_SOCKETS_IFACE), which hvps does not set")
+        return Check("net.mpi_tcp", "skip", f"{mpi}: not Open MPI", why + "; MPICH's ch4:ofi netmod binds one "
+                     "interface's address, chosen by libfabric (FI_TCP_IFACE, FI_SOCKETS_IFACE: hvpsrun "
+                     "--network-interface sets them)")
     btl, include = open_mpi_param(host, "btl"), open_mpi_param(host, "btl_tcp_if_include")
     data = {"btl": btl, "btl_tcp_if_include": include}
     if not tcp_btl_on(btl):

@@ -10,7 +10,8 @@ Per MPI implementation (detected from ``mpirun --version``, as horovodrun does):
   TCP BTL is off (shared memory and self only); across hosts it is bound to
   ``--network-interface`` (:mod:`hvps.runner.mpi_transport`).
 * MPICH (Hydra): ``-bind-to none -map-by slot``, ``-hosts host:slots``,
-  ``-genvlist``, ``-l`` to label output.
+  ``-genvlist``, ``-l`` to label output. ``-iface`` covers Hydra's own connections; the ch4:ofi
+  netmod's listener follows ``FI_TCP_IFACE``/``FI_SOCKETS_IFACE``, set from ``--network-interface``.
 * Intel MPI (Hydra): ``-hosts host1,host2 -ppn N`` (equal slots per host), ``-genvlist``.
 """
 
@@ -34,6 +35,8 @@ DEFAULT_LAUNCHER = MpiLauncher("mpirun", "PATH", MpiImpl.OPEN_MPI, (5, 0))
 FORWARD_PREFIXES = ("HVPS_", "NCCL_")
 FORWARD_NAMES = ("OMP_NUM_THREADS", "PATH", "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER",
                  "LD_LIBRARY_PATH", "VIRTUAL_ENV")
+#: libfabric's interface choice for its tcp and sockets providers (one interface each)
+LIBFABRIC_IFACE = ("FI_TCP_IFACE", "FI_SOCKETS_IFACE")
 #: Open MPI 4.1 and 5.0 (prterun) both take the double-dash forms; 5.0 rejects '-bind-to'.
 OPEN_MPI_NO_BINDING = ["--bind-to", "none", "--map-by", "slot"]
 HYDRA_NO_BINDING = ["-bind-to", "none", "-map-by", "slot"]
@@ -59,6 +62,9 @@ def rank_environment(settings: LaunchSettings, env: Mapping[str, str], num_proc:
         own["NCCL_SOCKET_IFNAME"] = ",".join(settings.network_interfaces)
     if settings.network_interfaces and "HVPS_NETWORK_INTERFACE" not in env:
         own["HVPS_NETWORK_INTERFACE"] = settings.network_interfaces[0]  # the control plane's address
+    for name in LIBFABRIC_IFACE:  # MPICH's ch4:ofi netmod (and Open MPI's ofi parts) listen there, not everywhere
+        if settings.network_interfaces and name not in env:
+            own[name] = settings.network_interfaces[0]
     return own
 
 
