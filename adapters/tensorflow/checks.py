@@ -2,20 +2,20 @@
 
 Horovod raises argument errors before anything is submitted, the same way on every rank; inside a
 graph that means at trace time, in Python, rather than from the stateful op when it runs. These
-helpers make the core's own checks early: process-set membership, the reduce op, dtype and op
-together, Adasum's rules.
+helpers make the core's own checks early: process-set membership, dtype and op together, Adasum's
+rules (``hvps.adapters.common.ops`` resolves the op itself).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 import hvps
 from hvps import ReduceOp
-from hvps.api.collectives import _as_op, _check_adasum
+from hvps.api.collectives import _check_adasum
 from hvps.core import dtypes
 from hvps.runtime.process_sets import resolve
 
@@ -26,15 +26,6 @@ def members(process_set: Any) -> tuple:
     """``(set size, this rank's index in the set)``; raises if the set is unknown or excludes this rank."""
     _, ranks = resolve(process_set)
     return len(ranks), ranks.index(hvps.rank())
-
-
-def reduce_op(average: Optional[bool], op: Any) -> ReduceOp:
-    """Horovod's ``average`` (deprecated) / ``op`` pair as one ReduceOp (default Average)."""
-    if average is not None and op is not None:
-        raise ValueError("give either average (deprecated) or op, not both")
-    if op is not None:
-        return _as_op(op)
-    return ReduceOp.Sum if average is False else ReduceOp.Average
 
 
 def check_reduce(tensor: tf.Tensor, op: ReduceOp, process_set: Any) -> None:

@@ -1,8 +1,9 @@
 """Gradient compression for TensorFlow: the core's compressors, plus Horovod-style ones.
 
 ``hvd.Compression.none`` / ``.fp16`` / ``.bf16`` / ``.int8`` / ``.topk(d)`` /
-``.dgc(d)`` are ``hvps.compression.GradientCompression`` objects (the same
-``Compression`` as the core's and the PyTorch adapter's). Build a stateful one
+``.dgc(d)`` are ``hvps.compression.GradientCompression`` objects: this is the
+core's ``Compression`` namespace itself (the PyTorch adapter's subclasses each
+object to add Horovod's ``compress``/``decompress`` on torch tensors). Build a stateful one
 (``topk``, ``dgc``: error feedback and momentum live in it) once and pass that
 object to every step. A Horovod-style compressor (a class or object with
 ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx)`` on
@@ -90,7 +91,7 @@ def is_fusable(pipeline: GradientCompression) -> bool:
 
 
 class _TensorFlowOps:
-    """``hvps.compression.summable.TensorOps`` for tf.Tensors."""
+    """``hvps.compression.summable.CompressionOps`` (and so ``hvps.core.scaling.TensorOps``) for tf.Tensors."""
 
     pipeline_users = "DistributedGradientTape or the Keras DistributedOptimizer"
     is_floating = staticmethod(lambda t: t.dtype.is_floating)
@@ -98,6 +99,7 @@ class _TensorFlowOps:
     dtype_named = staticmethod(lambda name: tf.as_dtype(name))
     cast = staticmethod(tf.cast)
     scale = staticmethod(lambda t, factor: t * tf.cast(factor, t.dtype))
+    divide = staticmethod(lambda t, divisor: t / tf.cast(divisor, t.dtype))
 
 
 OPS = _TensorFlowOps()

@@ -30,38 +30,22 @@ import tensorflow as tf
 
 import hvps
 from hvps import ReduceOp
+from hvps.adapters.common import options
 from hvps.compression import GradientCompression
 
 from . import overlap
-from .compression import as_gradient_compression, compress_for_sum, decompress_sum, is_fusable
-from .mpi_ops import Average, _check_process_set, _resolve_op, _sparse_allreduce
+from .compression import OPS, as_gradient_compression, compress_for_sum, decompress_sum, is_fusable
+from .mpi_ops import Average, _check_process_set, _sparse_allreduce
 from .tensors import run
 
 
-def scale_factors(op: ReduceOp, gradient_predivide_factor: float) -> tuple:
-    """(prescale, postscale) for Horovod's gradient_predivide_factor (Average only)."""
-    if gradient_predivide_factor != 1.0:
-        if op is not ReduceOp.Average:
-            raise ValueError("gradient_predivide_factor is only defined for op=Average")
-        return 1.0 / gradient_predivide_factor, gradient_predivide_factor
-    return 1.0, 1.0
-
-
-def check_compression(pipeline: GradientCompression, op: ReduceOp) -> None:
-    """Raise ValueError when ``pipeline`` cannot reduce with ``op`` (compressed exchanges sum or average)."""
-    if not is_fusable(pipeline) and op not in (ReduceOp.Average, ReduceOp.Sum):
-        raise ValueError(f"{pipeline!r} reduces gradients with Average or Sum only, not {op.name}")
-
-
-def gradient_options(op: Any, gradient_predivide_factor: float, compression: Any) -> tuple:
-    """``(op, pipeline, prescale, postscale)`` for reducing gradients, every argument checked:
-    ValueError for a predivide factor without Average or a compression that cannot use ``op``,
-    TypeError for something that is not a compression."""
-    op = _resolve_op(None, op)
-    prescale, postscale = scale_factors(op, gradient_predivide_factor)
-    pipeline = as_gradient_compression(compression)
-    check_compression(pipeline, op)
-    return op, pipeline, prescale, postscale
+def gradient_options(op: Any, gradient_predivide_factor: float, compression: Any,
+                     backward_passes_per_step: int = 1) -> options.GradientOptions:
+    """``(op, pipeline, prescale, postscale)`` for reducing gradients, every argument checked
+    (``hvps.adapters.common.options.gradient_options``): ValueError for a predivide factor without
+    Average or a compression that cannot use ``op``, TypeError for something that is not a compression."""
+    return options.gradient_options(op, gradient_predivide_factor, compression, as_gradient_compression,
+                                    backward_passes_per_step=backward_passes_per_step, fusable=is_fusable)
 
 
 def variable_name(variable: Any, fallback: str = "tensor") -> str:
@@ -101,8 +85,8 @@ def variable_key(variable: Any) -> Any:
 
 def _divided(grad: Any, divisor: int) -> Any:
     if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(grad.values / tf.cast(divisor, grad.values.dtype), grad.indices, grad.dense_shape)
-    return grad / tf.cast(divisor, grad.dtype)
+        return tf.IndexedSlices(OPS.divide(grad.values, divisor), grad.indices, grad.dense_shape)
+    return OPS.divide(grad, divisor)
 
 
 def allreduce_gradients(grads: Sequence[Any], op: ReduceOp = Average, compression: Any = None,

@@ -28,6 +28,7 @@ import tensorflow as tf
 
 import hvps
 from hvps import global_process_set
+from hvps.adapters.common.controls import CompressionControls
 from hvps.compression.horovod import from_name
 
 from .compression import is_fusable
@@ -35,7 +36,7 @@ from .gradients import allreduce_gradients, gradient_options, reduce_shared_grad
 from .mpi_ops import Average, _check_process_set
 
 
-class DistributedOptimizer(keras.optimizers.Optimizer):
+class DistributedOptimizer(CompressionControls, keras.optimizers.Optimizer):
     """Applies gradients averaged over all ranks with the wrapped Keras 3 optimizer.
 
     ``backward_passes_per_step=N`` accumulates N local gradients and communicates
@@ -60,9 +61,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a Keras 3 keras.optimizers.Optimizer, got {type(optimizer)}")
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("the optimizer is already a DistributedOptimizer")
-        if backward_passes_per_step < 1:
-            raise ValueError("backward_passes_per_step must be >= 1")
-        op, compression, _, _ = gradient_options(op, gradient_predivide_factor, compression)
+        op, compression, _, _ = gradient_options(op, gradient_predivide_factor, compression, backward_passes_per_step)
         process_set = None if process_set is global_process_set else process_set
         if process_set is not None and not is_fusable(compression):
             _check_process_set(process_set)
@@ -132,15 +131,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
         return reduce_shared_gradients(grads, variables, self._local_vars, reduce, self.scale_local_gradients,
                                        self.process_set)
-
-    def compression_stats(self) -> dict:
-        """Bytes sent and received, compression ratio and (de)compression time of this rank since
-        the last ``compression.stats.reset()``."""
-        return self.compression.stats.as_dict()
-
-    def set_epoch(self, epoch: int) -> None:
-        """Tell the compression the epoch (DGC's density warm-up); takes effect without retracing."""
-        self.compression.set_epoch(epoch)
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)

@@ -25,15 +25,16 @@ import tensorflow as tf
 
 import hvps
 from hvps import ProcessSet, ReduceOp, global_process_set
+from hvps.adapters.common.ops import resolve_op
+from hvps.core import scaling
 
-from .checks import check_reduce, check_rows, members, reduce_op
-from .compression import Compression, compress_for_sum, decompress_sum
+from .checks import check_reduce, check_rows, members
+from .compression import OPS, Compression, compress_for_sum, decompress_sum
 from .tensors import as_tensor, check_dtype, run
 
 Average, Sum, Min, Max, Product, Adasum = hvps.Average, hvps.Sum, hvps.Min, hvps.Max, hvps.Product, hvps.Adasum
 
 _DIFFERENTIABLE_OPS = (ReduceOp.Sum, ReduceOp.Average, ReduceOp.Adasum)
-_resolve_op = reduce_op
 
 
 def _check_process_set(process_set: Any) -> None:
@@ -108,8 +109,7 @@ def _sparse_allreduce(slices: tf.IndexedSlices, op: ReduceOp, name: Optional[str
     if prescale_factor != 1.0 or postscale_factor != 1.0:
         raise NotImplementedError("prescale_factor and postscale_factor are not supported with tf.IndexedSlices")
     values, indices = grouped_allgather([slices.values, slices.indices], name=name, process_set=process_set)
-    if op is ReduceOp.Average:
-        values = values / tf.cast(members(process_set)[0], values.dtype)
+    values = scaling.averaged(values, op, members(process_set)[0], OPS)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
@@ -122,7 +122,7 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
     ``tf.IndexedSlices`` are allgathered (values and indices) instead; Average then divides the
     values by the set size.
     """
-    op = reduce_op(average, op)
+    op = resolve_op(average, op)
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse_allreduce(tensor, op, name, process_set, prescale_factor, postscale_factor)
     (compressed,), ctxs, plan = compress_for_sum(compression, [as_tensor(tensor)], op, lambda: members(process_set)[0],
@@ -137,7 +137,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
                       process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
                       name: Optional[str] = None) -> list:
     """Reduce several tensors as one fused collective (per dtype); IndexedSlices are allgathered."""
-    op = reduce_op(average, op)
+    op = resolve_op(average, op)
     if not tensors:
         return list(tensors)
     out: list = [None] * len(tensors)

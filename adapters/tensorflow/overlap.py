@@ -1,8 +1,8 @@
 """Gradient allreduces that overlap the backward pass: buckets, each a "start" and a "finish" op.
 
-``allreduce_gradients`` (DistributedGradientTape, the Keras DistributedOptimizer) used to reduce
-every dense gradient in one stateful op, which inside a ``tf.function`` could only run once the
-whole backward pass had produced every gradient. Here the gradients are grouped into buckets of
+Inside a ``tf.function``, one stateful op over every dense gradient could run only once the whole
+backward pass had produced every gradient. ``allreduce_gradients`` (DistributedGradientTape, the
+Keras DistributedOptimizer) therefore groups the gradients into buckets of
 about :func:`bucket_bytes` bytes, in *reverse* variable order (the backward pass produces the
 last layers' gradients first), and every bucket gets two stateful ``tf.numpy_function`` ops:
 
@@ -14,7 +14,7 @@ All starts are created first (bucket order), then all finishes. TensorFlow's aut
 dependencies run a function's stateful ops in creation order, so start k waits only for its own
 gradients and for start k-1, and runs while the backward pass is still computing the earlier
 layers' gradients; the finishes (which block) come after the last start, i.e. after the backward
-pass. The order of submission is the same on every rank, as before.
+pass. The order of submission is the same on every rank.
 
 Names: buckets are named collectives, ``<name or "grads">.bucket<k>`` (the core scopes them by
 kind and process set). Named, because the start ops may run on different executor threads
@@ -47,6 +47,7 @@ from hvps import HvpsError, ReduceOp
 from hvps.core.settings import env_number
 
 from .checks import check_reduce
+from .mpi_ops import _grouped_allreduce, _zeros_if_none
 from .tensors import run
 
 #: like PyTorch DDP's default bucket_cap_mb: a few buckets for ResNet-50's 97.5 MiB of gradients
@@ -208,8 +209,6 @@ def start_buckets(tensors: Sequence[tf.Tensor], op: ReduceOp, name: Optional[str
 def finish_buckets(started: Started) -> list:
     """The reduced tensors of :func:`start_buckets`, in input order. Differentiable like
     ``mpi_ops._grouped_allreduce``: the gradient is the same allreduce of the output gradients."""
-    from .mpi_ops import _grouped_allreduce, _zeros_if_none  # noqa: PLC0415 (import cycle)
-
     xs = started.tensors
     outs: list = [None] * len(xs)
     try:

@@ -18,6 +18,7 @@ import tensorflow as tf
 import hvps
 from hvps import ProcessSet, ReduceOp, global_process_set
 from hvps.api.collectives import _scatter_op
+from hvps.core import scaling
 
 from .checks import check_reduce, check_rows, members
 from .compression import Compression, compress_for_sum, decompress_sum
@@ -82,7 +83,7 @@ def _grouped_reducescatter(tensors: Sequence[tf.Tensor], op: ReduceOp, name: Opt
         check_rows(t, "reducescatter")
         check_reduce(t, op, process_set)
     set_size = members(process_set)[0]
-    factor = prescale_factor * postscale_factor * (set_size if op is ReduceOp.Sum else 1)
+    factor = scaling.gradient_factor(op, set_size, prescale_factor, postscale_factor)
 
     @tf.custom_gradient
     def forward(*xs):

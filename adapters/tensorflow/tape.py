@@ -8,13 +8,14 @@ import tensorflow as tf
 
 import hvps
 from hvps import ProcessSet, global_process_set
+from hvps.adapters.common.controls import CompressionControls
 
 from .compression import is_fusable
 from .gradients import allreduce_gradients, gradient_options, reduce_shared_gradients, variable_key, variable_name
 from .mpi_ops import Average, _check_process_set
 
 
-class _DistributedGradientTape(tf.GradientTape):
+class _DistributedGradientTape(CompressionControls, tf.GradientTape):
     """Shares the recorded tape of the wrapped one; only ``gradient`` differs."""
 
     def __init__(self, tape: tf.GradientTape, compression, sparse_as_dense: bool, op,
@@ -54,16 +55,6 @@ class _DistributedGradientTape(tf.GradientTape):
         reduced = reduce_shared_gradients(flat, flat_sources, self._hvps_local_sources, reduce,
                                           self._hvps_scale_local, self._hvps_process_set)
         return tf.nest.pack_sequence_as(grads, reduced)
-
-    def compression_stats(self) -> dict:
-        """Bytes sent and received, compression ratio and (de)compression time since the last
-        ``compression.stats.reset()``; they live in the compression object, shared by every tape
-        given the same one."""
-        return self.compression.stats.as_dict()
-
-    def set_epoch(self, epoch: int) -> None:
-        """Tell the compression the epoch (DGC's density warm-up); takes effect without retracing."""
-        self.compression.set_epoch(epoch)
 
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",

@@ -19,7 +19,7 @@ from hvps.core.views import as_tensor
 from .tensors import to_numpy
 
 __all__ = ["Compression", "as_gradient_compression", "compress_tensor", "decompress_tensor", "compress_for_sum",
-           "decompress_sum"]
+           "decompress_sum", "OPS"]
 
 
 class TorchCompression(GradientCompression):
@@ -71,7 +71,7 @@ def as_gradient_compression(compression: Any) -> GradientCompression:
 
 
 class _TorchOps:
-    """``hvps.compression.summable.TensorOps`` for torch tensors."""
+    """``hvps.compression.summable.CompressionOps`` (and so ``hvps.core.scaling.TensorOps``) for torch tensors."""
 
     pipeline_users = "DistributedOptimizer"
     is_floating = staticmethod(lambda t: t.is_floating_point())
@@ -79,6 +79,7 @@ class _TorchOps:
     dtype_named = staticmethod(lambda name: getattr(torch, name))
     cast = staticmethod(lambda t, dtype: t.to(dtype))
     scale = staticmethod(lambda t, factor: t * factor)
+    divide = staticmethod(lambda t, divisor: t / divisor)
 
 
 OPS = _TorchOps()

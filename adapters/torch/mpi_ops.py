@@ -13,8 +13,10 @@ import torch
 
 import hvps
 from hvps import ProcessSet, ReduceOp, global_process_set
+from hvps.adapters.common.ops import resolve_op
+from hvps.core import scaling
 
-from .compression import Compression, compress_for_sum, decompress_sum
+from .compression import OPS, Compression, compress_for_sum, decompress_sum
 from .tensors import core_buffer, core_input, from_core
 
 Average, Sum, Min, Max, Product, Adasum = hvps.Average, hvps.Sum, hvps.Min, hvps.Max, hvps.Product, hvps.Adasum
@@ -28,14 +30,6 @@ def synchronize(handle: hvps.Handle) -> Any:
 def poll(handle: hvps.Handle) -> bool:
     """Whether an asynchronous collective has completed; ``synchronize`` then returns at once."""
     return handle.poll()
-
-
-def _resolve_op(average: Optional[bool], op: Optional[ReduceOp]) -> ReduceOp:
-    if average is not None and op is not None:
-        raise ValueError("give either average (deprecated) or op, not both")
-    if op is not None:
-        return op
-    return Sum if average is False else Average
 
 
 def _set_size(process_set: ProcessSet) -> int:
@@ -65,7 +59,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
     """Reduce ``tensors`` in place as one fused collective."""
     pairs = [core_buffer(t) for t in tensors]
     arrays = [array for array, _ in pairs]
-    core = hvps.grouped_allreduce_async(arrays, _resolve_op(average, op), name, prescale_factor,
+    core = hvps.grouped_allreduce_async(arrays, resolve_op(average, op), name, prescale_factor,
                                         postscale_factor, outs=arrays, process_set=process_set)
     return core.then(lambda _: [_writeback(t, buffer) for t, (_, buffer) in zip(tensors, pairs)])
 
@@ -75,7 +69,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Reduce ``tensors`` as one fused collective into new tensors."""
-    core = hvps.grouped_allreduce_async([core_input(t) for t in tensors], _resolve_op(average, op), name,
+    core = hvps.grouped_allreduce_async([core_input(t) for t in tensors], resolve_op(average, op), name,
                                         prescale_factor, postscale_factor, process_set=process_set)
     return core.then(_outputs(tensors))
 
@@ -92,7 +86,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
                     op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Start reducing ``tensor`` over the set's ranks into a new tensor."""
-    core = hvps.allreduce_async(core_input(tensor), _resolve_op(average, op), name, prescale_factor,
+    core = hvps.allreduce_async(core_input(tensor), resolve_op(average, op), name, prescale_factor,
                                 postscale_factor, process_set=process_set)
     return core.then(lambda out: from_core(out, tensor.device))
 
@@ -116,7 +110,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
               compression=Compression.none, op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` over the set's ranks (differentiable); ``compression`` applies on the wire."""
-    op = _resolve_op(average, op)
+    op = resolve_op(average, op)
     (compressed,), ctxs, plan = compress_for_sum(compression, [tensor], op, lambda: _set_size(process_set), prescale_factor,
                                                  postscale_factor)
     summed = _Allreduce.apply(compressed, name, plan.op, plan.prescale, plan.postscale, process_set)
@@ -149,7 +143,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                       compression=Compression.none, op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> list:
     """Reduce several tensors as one fused collective (differentiable)."""
-    op = _resolve_op(average, op)
+    op = resolve_op(average, op)
     payloads, ctxs, plan = compress_for_sum(compression, list(tensors), op, lambda: _set_size(process_set), prescale_factor,
                                             postscale_factor)
     outs = _GroupedAllreduce.apply(name, plan.op, plan.prescale, plan.postscale, process_set, *payloads)
@@ -176,9 +170,8 @@ def sparse_allreduce_handle(tensor: torch.Tensor, name: str, op: ReduceOp,
 
     def result(gathered: list) -> torch.Tensor:
         gathered_indices, gathered_values = gathered
-        if op is Average:
-            gathered_values = gathered_values / size
-        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape)
+        return torch.sparse_coo_tensor(gathered_indices.t(), scaling.averaged(gathered_values, op, size, OPS),
+                                       tensor.shape)
 
     return handle.then(result)
 
@@ -345,7 +338,7 @@ class _Reducescatter(torch.autograd.Function):
         # Horovod's gradient: the members' output gradients gathered back, scaled as the forward
         # pass scaled (a Sum counts every member's contribution)
         ctx.process_set = process_set
-        ctx.factor = prescale_factor * postscale_factor * (_set_size(process_set) if op is Sum else 1)
+        ctx.factor = scaling.gradient_factor(op, _set_size(process_set), prescale_factor, postscale_factor)
         return tuple(grouped_reducescatter_async(list(tensors), name, op, prescale_factor, postscale_factor,
                                                  process_set).wait())
 
