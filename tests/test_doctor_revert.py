@@ -138,6 +138,13 @@ def test_in_tree_symlinks_are_not_followed_out_of_root(tmp_path):
     (root3 / "commands.log").symlink_to(log)
     assert apply(Host(str(root3)), ["persistence"], tmp_path / "s3" / "doctor-state.json", yes=True, out=Out()) == 1
     assert log.read_text() == "secret\n"
+    # the tree's var/lib, where the record goes by default
+    root4 = tree(tmp_path / "t4")
+    (root4 / "var").mkdir()
+    (root4 / "var" / "lib").symlink_to(outside)
+    before = snapshot(outside)
+    assert cli.main(["doctor", "--root", str(root4), "--apply", "thp", "--yes"]) == 2
+    assert snapshot(outside) == before and (root4 / THP / "enabled").read_text() == "[always] madvise never\n"
 
 
 @pytest.mark.unit

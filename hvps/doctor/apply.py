@@ -14,7 +14,7 @@ from typing import Callable, Optional, TextIO
 
 from .checks_cpu import THP
 from .host import Host
-from .record import RecordError, check_step, load, persistence_argv, remove, save
+from .record import RecordError, check_step, load, persistence_argv, save
 
 STATE_NAME = "doctor-state.json"
 
@@ -177,6 +177,6 @@ def revert(host: Host, state: Path, out: Optional[TextIO] = None) -> int:
             return 1
         print(f"  reverted {_describe(steps[-1])}", file=out)
         steps.pop()
-    remove(state)
+    state.unlink()  # a symlink put in its place is removed, never followed
     print("hvps doctor: every recorded change reverted", file=out)
     return 0

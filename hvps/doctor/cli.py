@@ -42,7 +42,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.apply is not None or args.revert:
         host = Host(args.root)
-        state = Path(args.state) if args.state else applying.default_state_path(host)
+        try:
+            state = Path(args.state) if args.state else applying.default_state_path(host)
+        except PermissionError as exc:  # the tree's var/lib/hvps leads out of --root
+            print(f"hvps doctor: {exc}; give --state", file=sys.stderr)
+            return 2
         if args.revert:
             return applying.revert(host, state)
         names = [n.strip() for n in args.apply.split(",") if n.strip()]

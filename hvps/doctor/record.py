@@ -152,7 +152,3 @@ def save(path: Path, steps: list) -> None:
             pass
         raise
 
-
-def remove(path: Path) -> None:
-    """Delete the record (a symlink in its place is deleted, never followed)."""
-    path.unlink()
