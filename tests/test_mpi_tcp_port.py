@@ -138,7 +138,8 @@ def test_hvpsrun_warns_when_open_mpi_would_listen_everywhere(capsys):
     launch = prepare(parse_args(["-np", "2", sys.executable, "-c", "0"]), env)
     assert "warning" not in capsys.readouterr().err and mca(launch.argv)["btl"][0].startswith("self,")
     prepare(parse_args(["-np", "2", "-H", "localhost:1,10.255.255.1:1", sys.executable, "-c", "0"]), env)
-    assert "hvpsrun: warning: Open MPI's TCP transport will listen on every interface" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "hvpsrun: warning: Open MPI's TCP transport will listen on and use every interface" in err
     prepare(parse_args(["-np", "2", "-H", "localhost:1,10.255.255.1:1", "--network-interface", "lo",
                         sys.executable, "-c", "0"]), env)
     assert "warning" not in capsys.readouterr().err

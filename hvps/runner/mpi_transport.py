@@ -11,7 +11,9 @@ therefore:
   vader); no rank then listens for MPI traffic at all;
 * binds it to the training interface across hosts (``btl_tcp_if_include``, from
   ``--network-interface``, as the control plane binds to ``HVPS_NETWORK_INTERFACE``), and
-  warns when it was given no interface.
+  warns when it was given no interface. That keeps MPI's traffic on the interface; the
+  listening socket itself still binds every address (Open MPI 5.0.11, measured), so the
+  training network must be isolated (SECURITY.md).
 
 The user's own choice wins: an MCA parameter already named in ``--mpi-args`` or set as
 ``OMPI_MCA_<name>`` in the environment is never given a second value (prterun refuses a
@@ -84,9 +86,9 @@ def exposure_warning(one_host: bool, nics: Sequence[str], mpi_args: Sequence[str
         return None
     if any(mca_value(n, mpi_args, env) is not None for n in ("btl_tcp_if_include", "btl_tcp_if_exclude")):
         return None
-    return ("Open MPI's TCP transport will listen on every interface of every host, and one stray connection "
-            "to it freezes the job (SECURITY.md); name the training interface: hvpsrun --network-interface NIC "
-            "(NIC=... for the jobs/ recipes)")
+    return ("Open MPI's TCP transport will listen on and use every interface of every host, and one stray "
+            "connection to it freezes the job (SECURITY.md); name the training interface (hvpsrun "
+            "--network-interface NIC; NIC=... for the jobs/ recipes) and keep that network isolated")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
