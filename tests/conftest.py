@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -82,19 +83,26 @@ def mpirun_argv(np, argv, env):
 
 
 class MpiResult:
-    def __init__(self, cmd, returncode, output, reports, np, timed_out, elapsed):
+    """One case of a job: its per-rank reports and output (``case_output``: the ranks' logs of this
+    case; ``output`` adds the job's own output, mpirun's messages included)."""
+
+    def __init__(self, cmd, returncode, output, reports, np, timed_out, elapsed, case_output=None):
         self.cmd = cmd
         self.returncode = returncode
         self.output = output
+        self.case_output = output if case_output is None else case_output
         self.reports = reports  # rank -> dict (may miss ranks that crashed)
         self.np = np
         self.timed_out = timed_out
         self.elapsed = elapsed
+        self.job_failed = False  # the job failed although this case's reports are clean
+        self.case_dir = None  # see run_mpi_cases
+        self.seconds = 0.0  # this case's wall time in the job (its slowest rank)
 
     def describe(self, tail=20000):
         lines = [f"command: {' '.join(map(str, self.cmd))}",
                  f"rc={self.returncode} timed_out={self.timed_out} "
-                 f"elapsed={self.elapsed:.1f}s"]
+                 f"elapsed={self.elapsed:.1f}s (the whole job)"]
         for rank in range(self.np):
             rep = self.reports.get(rank)
             if rep is None:
@@ -109,15 +117,13 @@ class MpiResult:
         lines.append("=== combined output ===\n" + out)
         return "\n".join(lines)
 
-    def assert_all_passed(self, min_passed=1):
-        """rc == 0; every rank reported; >=min_passed passed; no failed,
-        errored, skipped, xfailed or xpassed test on any rank; and every
-        rank ran the same set of tests."""
+    def problems(self, min_passed=1):
+        """What keeps this case from being clean (see :meth:`assert_all_passed`)."""
         problems = []
-        if self.timed_out:
-            problems.append("mpirun timed out (killed)")
-        if self.returncode != 0:
-            problems.append(f"mpirun exit code {self.returncode}")
+        if self.timed_out and len(self.reports) < self.np:
+            problems.append("the job timed out (killed) before this case finished")
+        if self.job_failed:
+            problems.append(f"the job's exit code was {self.returncode} with every case clean")
         nodeids = None
         for rank in range(self.np):
             rep = self.reports.get(rank)
@@ -138,52 +144,110 @@ class MpiResult:
             elif ids != nodeids:
                 problems.append(f"rank {rank} passed a different set of tests than rank 0")
         # Belt and braces: the textual summary must not mention skips/failures.
-        low = self.output.lower()
+        low = self.case_output.lower()
         for word in (" skipped", " failed", " error", " xfailed", " xpassed"):
             for line in low.splitlines():
                 if ("passed" in line or "no tests ran" in line) and word in line and " in " in line:
                     problems.append(f"summary line mentions{word}: {line.strip()}")
                     break
+        return problems
+
+    def clean(self):
+        return not self.problems(min_passed=0)
+
+    def assert_all_passed(self, min_passed=1):
+        """Every rank reported; >=min_passed passed; no failed, errored, skipped, xfailed or xpassed
+        test on any rank; every rank ran the same set of tests; the job neither timed out nor failed
+        outside its cases."""
+        problems = self.problems(min_passed)
         if problems:
             pytest.fail("inner MPI run not clean:\n  " + "\n  ".join(problems)
                         + "\n\n" + self.describe(), pytrace=False)
 
 
-def run_mpi(script_or_args, np, env=None, timeout=300, report_dir=None,
-            extra_pytest_args=(), use_mpirun=True):
-    """Run an inner pytest module under ``mpirun -np <np>``.
+@dataclass(frozen=True)
+class InnerCase:
+    """One inner pytest session of a shared job: its name (unique in the job), what follows
+    ``python -m pytest`` (inner modules, by name in tests/mpi or by path, and options such as ``-k``),
+    the environment it runs under (``HVPS_*`` settings: hvps reads them in ``hvps.init``) and the
+    seconds it may take."""
 
-    ``script_or_args`` is an inner module (path or name relative to
-    tests/mpi) or a list of arguments appended after ``python -m pytest``.
-    Returns an :class:`MpiResult`; never hangs longer than ``timeout``
-    seconds (the whole process group is killed on timeout).
+    name: str
+    args: tuple
+    env: tuple = ()  # sorted (name, value) pairs: see :func:`case`
+    timeout: float = 300
 
-    With ``use_mpirun=False`` the module runs in one plain process (world
-    size 1, MPI singleton init).
+
+def case(name, *args, env=None, timeout=300):
+    """An :class:`InnerCase`; ``args`` are inner modules and pytest options, ``env`` a mapping."""
+    return InnerCase(name, tuple(str(a) for a in args), tuple(sorted((k, str(v)) for k, v in (env or {}).items())),
+                     timeout)
+
+
+def _inner_arg(arg):
+    p = Path(arg)
+    if arg.endswith(".py") and not p.is_absolute() and not p.exists():
+        return str(MPI_DIR / p)
+    return arg
+
+
+def _slice_reports(report_dir, np):
+    reports, logs, seconds = {}, [], 0.0
+    for rank in range(np):
+        try:
+            seconds = max(seconds, float((Path(report_dir) / f"rank{rank}.seconds").read_text()))
+        except (OSError, ValueError):
+            pass
+        f = Path(report_dir) / f"rank{rank}.json"
+        try:
+            rep = json.loads(f.read_text())
+            reports[int(rep["rank"])] = rep
+        except (OSError, ValueError):
+            pass
+        log = Path(report_dir) / f"rank{rank}.log"
+        if log.exists():
+            logs.append(f"--- rank {rank} ---\n" + log.read_text(errors="replace"))
+    return reports, "\n".join(logs), seconds
+
+
+def run_mpi_cases(cases, np, env=None, use_mpirun=True, work_dir=None):
+    """Run ``cases`` (:class:`InnerCase`) one after another in ONE job of ``np`` ranks
+    (``tests/mpi/run_cases.py``): MPI start-up and the framework imports are paid once.
+
+    ``env`` is the job's environment (what mpirun and the interpreter read at start); each case adds
+    its own. A case without ``HVPS_TEST_SHARED_DIR`` gets a fresh shared directory. Returns
+    ``{case name: MpiResult}``; the whole job never runs longer than the sum of the cases' timeouts.
+    With ``use_mpirun=False`` the job is one plain process (world size 1, MPI singleton init).
+
+    Each case has a directory (``MpiResult.case_dir``; ``{case_dir}`` in a case's environment
+    stands for it) under ``work_dir``, which is kept; without ``work_dir`` a temporary one is
+    used and removed.
     """
-    if isinstance(script_or_args, (str, os.PathLike)):
-        p = Path(script_or_args)
-        if not p.is_absolute() and not p.exists():
-            p = MPI_DIR / p
-        args = [str(p)]
-    else:
-        args = [str(a) for a in script_or_args]
+    import tempfile
 
-    own_report_dir = report_dir is None
-    if own_report_dir:
-        import tempfile
-        report_dir = tempfile.mkdtemp(prefix="hvps-reports-")
-    report_dir = str(report_dir)
+    names = [c.name for c in cases]
+    assert len(set(names)) == len(names), f"case names repeat: {names}"
+    own_work = work_dir is None
+    work = Path(tempfile.mkdtemp(prefix="hvps-job-") if own_work else work_dir)
+    plan = []
+    for c in cases:
+        case_dir = work / c.name
+        (case_dir / "shared").mkdir(parents=True)
+        case_env = {k: v.replace("{case_dir}", str(case_dir)) for k, v in c.env}
+        if "HVPS_TEST_SHARED_DIR" not in case_env and not (env or {}).get("HVPS_TEST_SHARED_DIR"):
+            case_env["HVPS_TEST_SHARED_DIR"] = str(case_dir / "shared")
+        plan.append({"name": c.name, "args": [_inner_arg(a) for a in c.args], "env": case_env,
+                     "report_dir": str(case_dir)})
+    (work / "plan.json").write_text(json.dumps({"cases": plan}))
+
     env = _base_env(env)
-    env["HVPS_TEST_REPORT_DIR"] = report_dir
-
-    inner = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-             "-rfEsxX", "--color=no", *extra_pytest_args, *args]
+    inner = [sys.executable, str(MPI_DIR / "run_cases.py"), str(work / "plan.json")]
     if use_mpirun:
         cmd, env = mpirun_argv(np, inner, env)
     else:
         np = 1
         cmd = inner
+    timeout = sum(c.timeout for c in cases)
 
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env,
@@ -200,18 +264,149 @@ def run_mpi(script_or_args, np, env=None, timeout=300, report_dir=None,
             pass
         out, _ = proc.communicate()
     elapsed = time.monotonic() - start
-    text = out.decode("utf-8", "replace")
+    job_output = out.decode("utf-8", "replace")
 
-    reports = {}
-    for f in Path(report_dir).glob("rank*.json"):
-        try:
-            rep = json.loads(f.read_text())
-        except ValueError:
-            continue
-        reports[int(rep["rank"])] = rep
-    if own_report_dir:
-        shutil.rmtree(report_dir, ignore_errors=True)
-    return MpiResult(cmd, proc.returncode, text, reports, np, timed_out, elapsed)
+    results = {}
+    for c, entry in zip(cases, plan):
+        reports, logs, seconds = _slice_reports(entry["report_dir"], np)
+        results[c.name] = MpiResult(cmd, proc.returncode, logs + "\n=== job output ===\n" + job_output,
+                                    reports, np, timed_out, elapsed, case_output=logs)
+        results[c.name].case_dir = None if own_work else Path(entry["report_dir"])
+        results[c.name].seconds = seconds
+    # A job that failed with every case clean (a crash after the last case, an mpirun error) fails them all.
+    if proc.returncode != 0 and not timed_out and all(r.clean() for r in results.values()):
+        for r in results.values():
+            r.job_failed = True
+    if own_work:
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def run_mpi(script_or_args, np, env=None, timeout=300, extra_pytest_args=(), use_mpirun=True):
+    """Run an inner pytest module under ``mpirun -np <np>`` (a job of one case).
+
+    ``script_or_args`` is an inner module (path or name relative to tests/mpi) or a list of
+    arguments appended after ``python -m pytest``. Returns an :class:`MpiResult`; never hangs
+    longer than ``timeout`` seconds (the whole process group is killed on timeout).
+
+    With ``use_mpirun=False`` the module runs in one plain process (world size 1, MPI singleton
+    init). ``env`` goes to the whole job (mpirun and the ranks' start-up read it too).
+    """
+    if isinstance(script_or_args, (str, os.PathLike)):
+        args = [str(script_or_args)]
+    else:
+        args = [str(a) for a in script_or_args]
+    only = case("job", *extra_pytest_args, *args, timeout=timeout)
+    return run_mpi_cases([only], np, env=env, use_mpirun=use_mpirun)["job"]
+
+
+# ---------------------------------------------------------------- jobs shared by a module's tests
+
+@dataclass(frozen=True)
+class JobKey:
+    """What makes two cases able to share a job: the outer module, the rank count, mpirun or not,
+    and the job's own environment."""
+
+    module: str
+    np: int
+    use_mpirun: bool
+    env: tuple
+
+
+def _item_cases(item):
+    """``[(JobKey, InnerCase)]`` that a test marked ``inner_cases(cases=fn, use_mpirun=True, env=None)``
+    needs: ``fn(**its parameters)`` returns ``[(np, InnerCase)]``."""
+    marker = item.get_closest_marker("inner_cases")
+    if marker is None:
+        return []
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    use_mpirun = marker.kwargs.get("use_mpirun", True)
+    env = tuple(sorted((marker.kwargs.get("env") or {}).items()))
+    wanted = marker.kwargs["cases"](**params)
+    return [(JobKey(item.nodeid.split("::")[0], np if use_mpirun else 1, use_mpirun, env), c) for np, c in wanted]
+
+
+class InnerJobs:
+    """Runs each job once per session: every case that the selected tests of one outer module need
+    at one rank count (and job environment), in one job, when the first of those tests asks."""
+
+    def __init__(self, items, tmp_path_factory=None):
+        self.items = items
+        self.results = {}
+        self.tmp_path_factory = tmp_path_factory
+
+    def cases_of(self, key):
+        cases = {}
+        for item in self.items:
+            for k, c in _item_cases(item):
+                if k == key:
+                    assert cases.setdefault(c.name, c) == c, f"two different cases named {c.name} in {key}"
+        return list(cases.values())
+
+    def for_item(self, item):
+        out = {}
+        for key, c in _item_cases(item):
+            if (key, c.name) not in self.results:
+                work = self.tmp_path_factory.mktemp(f"job-np{key.np}") if self.tmp_path_factory else None
+                found = run_mpi_cases(self.cases_of(key), key.np, env=dict(key.env), use_mpirun=key.use_mpirun,
+                                      work_dir=work)
+                self.results.update({(key, name): r for name, r in found.items()})
+            out[c.name] = self.results[(key, c.name)]
+        return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that shares a job may be the one that runs it: its timeout covers the whole job."""
+    jobs = InnerJobs(items)
+    totals = {}
+    for item in items:
+        for key, _ in _item_cases(item):
+            if key not in totals:
+                totals[key] = sum(c.timeout for c in jobs.cases_of(key))
+    for item in items:
+        keys = {key for key, _ in _item_cases(item)}
+        if keys:
+            item.add_marker(pytest.mark.timeout(sum(totals[k] for k in keys) + 120), append=False)
+
+
+_JOBS = []  # the InnerJobs of this session, for the summary below
+
+
+@pytest.fixture(scope="session")
+def inner_jobs(request, tmp_path_factory):
+    jobs = InnerJobs(request.session.items, tmp_path_factory)
+    _JOBS.append(jobs)
+    return jobs
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Shared jobs show up in --durations as one test's setup: with --durations, list their cases too."""
+    count = config.getoption("durations", None)
+    found = [(r.seconds, key, name) for jobs in _JOBS for (key, name), r in jobs.results.items()]
+    if count is None or not found:
+        return
+    found.sort(key=lambda t: -t[0])
+    terminalreporter.write_sep("=", "slowest inner cases (in shared jobs)")
+    for seconds, key, name in found[:count or None]:
+        terminalreporter.write_line(f"{seconds:8.2f}s {key.module} np{key.np} {name}")
+
+
+@pytest.fixture
+def inner_results(request, inner_jobs):
+    """``{case name: MpiResult}`` for this test's ``inner_cases`` (its jobs run when first needed)."""
+    return inner_jobs.for_item(request.node)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """A test marked ``unit`` that starts a process fails: ``pytest -m unit`` must stay quick and
+    self-contained (no MPI job, no helper, no daemon)."""
+    if request.node.get_closest_marker("unit") is not None:
+        def refuse(self, args, *rest, **kwargs):
+            raise AssertionError(f"a test marked unit started a process: {args!r}; remove its unit mark")
+
+        monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    yield
 
 
 @pytest.fixture

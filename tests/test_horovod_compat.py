@@ -1,9 +1,10 @@
 """Outer tests for Horovod compatibility: process sets, argument errors that keep ranks in step,
 the torch adapter's Horovod semantics (gradients, Adasum, SyncBatchNorm, dtypes, join), each
-under mpirun at 2 and 3 ranks, on the MPI data plane and on torch.distributed (gloo)."""
+under mpirun at 2 and 3 ranks, on the MPI data plane and on torch.distributed (gloo); the cases
+at one rank count share one job."""
 
 import pytest
-from conftest import run_mpi
+from conftest import case
 
 NPS = [2, 3]
 CASES = {
@@ -14,10 +15,13 @@ CASES = {
 }
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("case", list(CASES))
+def _cases(np_, case_name):
+    module, env = CASES[case_name]
+    return [(np_, case(case_name, module, env=env, timeout=300))]
+
+
+@pytest.mark.inner_cases(cases=_cases)
+@pytest.mark.parametrize("case_name", list(CASES))
 @pytest.mark.parametrize("np_", NPS, ids=[f"np{n}" for n in NPS])
-def test_horovod_semantics(np_, case, tmp_path):
-    module, env = CASES[case]
-    result = run_mpi(module, np_, env=dict(env, HVPS_TEST_SHARED_DIR=str(tmp_path)), timeout=300)
-    result.assert_all_passed()
+def test_horovod_semantics(np_, case_name, inner_results):
+    inner_results[case_name].assert_all_passed()

@@ -1,11 +1,16 @@
 """Outer tests: run the inner modules in tests/mpi under mpirun with 2 and 3
 ranks and require a clean result on every rank (passed, nothing failed,
-errored or skipped)."""
+errored or skipped).
+
+Every case of this module at one rank count shares one mpirun job (``inner_cases``: one MPI
+start-up and one torch import per job); each test still checks its own cases rank by rank."""
+
+import importlib.util
 
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import run_mpi
+from conftest import case
 
 NPS = [2, 3]
 
@@ -23,37 +28,44 @@ CASES = {
 }
 # The whole foundation suite again on the torch.distributed data plane (gloo on CPU).
 CASES.update({
-    f"{case}-tdist": (module, dict(env, HVPS_BACKEND="tdist"), timeout)
-    for case, (module, env, timeout) in list(CASES.items())
+    f"{name}-tdist": (module, dict(env, HVPS_BACKEND="tdist"), timeout)
+    for name, (module, env, timeout) in list(CASES.items())
     # the algorithm setting is the MPI backend's; one allreduce run suffices. Autotune is the engine's.
-    if case not in ("allreduce-ring", "autotune")
+    if name not in ("allreduce-ring", "autotune")
 })
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", list(CASES))
+def _inner_module_cases(np_, case_name):
+    module, env, timeout = CASES[case_name]
+    return [(np_, case(case_name, module, env=env, timeout=timeout))]
+
+
+@pytest.mark.inner_cases(cases=_inner_module_cases)
+@pytest.mark.parametrize("case_name", list(CASES))
 @pytest.mark.parametrize("np_", NPS, ids=[f"np{n}" for n in NPS])
-def test_inner_module(np_, case, tmp_path):
-    module, env, timeout = CASES[case]
-    env = dict(env, HVPS_TEST_SHARED_DIR=str(tmp_path))
-    result = run_mpi(module, np_, env=env, timeout=timeout)
-    result.assert_all_passed()
+def test_inner_module(np_, case_name, inner_results):
+    inner_results[case_name].assert_all_passed()
 
 
-@pytest.mark.timeout(3600)
-def test_foundation_suite_on_horovod_backend(tmp_path):
+HOROVOD_CASES = ("allreduce-mpi", "collectives", "async", "torch", "torch-train")
+
+
+def _horovod_cases():
+    if importlib.util.find_spec("horovod") is None:
+        return []
+    return [(np_, case(f"{name}-horovod", module, env=dict(env, HVPS_BACKEND="horovod"), timeout=timeout))
+            for name in HOROVOD_CASES for module, env, timeout in [CASES[name]] for np_ in NPS]
+
+
+@pytest.mark.inner_cases(cases=_horovod_cases)
+def test_foundation_suite_on_horovod_backend(inner_results):
     """The same suite with hvps delegating its data plane to Horovod (HVPS_BACKEND=horovod)."""
-    import importlib.util
-
     from hvps.dataplane.backends.horovod import UNAVAILABLE
 
-    if importlib.util.find_spec("horovod") is None:
+    if not inner_results:
         pytest.skip(UNAVAILABLE)
-    for case in ("allreduce-mpi", "collectives", "async", "torch", "torch-train"):
-        module, env, timeout = CASES[case]
-        for np_ in NPS:
-            run_mpi(module, np_, env=dict(env, HVPS_BACKEND="horovod", HVPS_TEST_SHARED_DIR=str(tmp_path)),
-                    timeout=timeout).assert_all_passed()
+    for result in inner_results.values():
+        result.assert_all_passed()
 
 
 def _load(path):
@@ -73,27 +85,28 @@ def _order_may_differ(algorithm, np_, dtype):
     return algorithm == "mpi" and np_ > 2 and (dtype.kind == "f" or dtype.name == "bfloat16")
 
 
-@pytest.mark.timeout(600)
+FUSION_CONFIGS = {"nofusion": {"HVPS_FUSION_THRESHOLD": "0"}, "default": {}, "tiny": {"HVPS_FUSION_THRESHOLD": "4096"}}
+
+
+def _fusion_cases(np_, algorithm):
+    return [(np_, case(f"fusion-{algorithm}-{label}", "mpi_fusion.py", timeout=300,
+                       env=dict(extra, HVPS_ALLREDUCE_ALGORITHM=algorithm, HVPS_TEST_OUTDIR="{case_dir}",
+                                HVPS_CYCLE_TIME="5")))
+            for label, extra in FUSION_CONFIGS.items()]
+
+
+@pytest.mark.inner_cases(cases=_fusion_cases)
 @pytest.mark.parametrize("algorithm", ["mpi", "ring"])
 @pytest.mark.parametrize("np_", NPS, ids=[f"np{n}" for n in NPS])
-def test_fusion_on_off_bit_identical(np_, algorithm, tmp_path):
+def test_fusion_on_off_bit_identical(np_, algorithm, inner_results):
     """Same async workload with fusion disabled (threshold 0), with the
     default threshold and with a tiny threshold (tensors bigger than the
     buffer): every result must be bit-identical across the runs."""
-    configs = {"nofusion": {"HVPS_FUSION_THRESHOLD": "0"},
-               "default": {},
-               "tiny": {"HVPS_FUSION_THRESHOLD": "4096"}}
     outputs = {}
-    for label, extra in configs.items():
-        out = tmp_path / label
-        out.mkdir()
-        env = dict(extra, HVPS_ALLREDUCE_ALGORITHM=algorithm, HVPS_TEST_OUTDIR=str(out),
-                   HVPS_CYCLE_TIME="5", HVPS_TEST_SHARED_DIR=str(tmp_path))
-        if label == "default":
-            env.pop("HVPS_FUSION_THRESHOLD", None)
-        result = run_mpi("mpi_fusion.py", np_, env=env, timeout=300)
+    for label in FUSION_CONFIGS:
+        result = inner_results[f"fusion-{algorithm}-{label}"]
         result.assert_all_passed()
-        outputs[label] = [_load(out / f"rank{r}.npz") for r in range(np_)]
+        outputs[label] = [_load(result.case_dir / f"rank{r}.npz") for r in range(np_)]
 
     problems = []
     base = outputs["nofusion"]
@@ -123,32 +136,39 @@ def test_fusion_on_off_bit_identical(np_, algorithm, tmp_path):
                     pytrace=False)
 
 
-@pytest.mark.timeout(900)
+def _hierarchical_cases(backend):
+    env = {"HVPS_BACKEND": backend, "HVPS_HIERARCHICAL_ALLREDUCE": "1", "HVPS_LOCAL_SIZE": "2",
+           "HVPS_TEST_EXPECT_BACKEND": f"hierarchical-{backend}", "HVPS_TEST_EXPECT_LOCAL_SIZE": "2"}
+    return [(4, case(f"hierarchical-{backend}-{module[4:-3]}", module, env=env, timeout=600))
+            for module in ("mpi_topology.py", "mpi_allreduce.py")]
+
+
+@pytest.mark.inner_cases(cases=_hierarchical_cases)
 @pytest.mark.parametrize("backend", ["mpi", "tdist"])
-def test_hierarchical_allreduce_on_emulated_nodes(backend, tmp_path):
+def test_hierarchical_allreduce_on_emulated_nodes(backend, inner_results):
     """4 ranks as 2 emulated nodes of 2 (HVPS_LOCAL_SIZE): the whole allreduce suite through
     reduce-scatter in the node, allreduce across nodes, allgather in the node."""
-    env = {"HVPS_BACKEND": backend, "HVPS_HIERARCHICAL_ALLREDUCE": "1", "HVPS_LOCAL_SIZE": "2",
-           "HVPS_TEST_EXPECT_BACKEND": f"hierarchical-{backend}", "HVPS_TEST_EXPECT_LOCAL_SIZE": "2",
-           "HVPS_TEST_SHARED_DIR": str(tmp_path)}
-    for module in ("mpi_topology.py", "mpi_allreduce.py"):
-        result = run_mpi(module, 4, env=env, timeout=600)
+    for result in inner_results.values():
         result.assert_all_passed()
 
 
-@pytest.mark.timeout(900)
+def _tdist_vs_mpi_cases(np_):
+    return [(np_, case(f"{module[4:-3]}-{backend}-vs", module, timeout=300,
+                       env={"HVPS_BACKEND": backend, "HVPS_TEST_OUTDIR": "{case_dir}", "HVPS_TEST_EXPECT_BACKEND": backend}))
+            for backend in ("mpi", "tdist") for module in ("mpi_topology.py", "mpi_fusion.py")]
+
+
+@pytest.mark.inner_cases(cases=_tdist_vs_mpi_cases)
 @pytest.mark.parametrize("np_", NPS, ids=[f"np{n}" for n in NPS])
-def test_tdist_matches_mpi_backend(np_, tmp_path):
+def test_tdist_matches_mpi_backend(np_, inner_results):
     """The same fused workload on both data planes: integer and bool results bit-identical,
     floats within rounding (gloo sums in its own order)."""
     outputs = {}
     for backend in ("mpi", "tdist"):
-        out = tmp_path / backend
-        out.mkdir()
-        env = {"HVPS_BACKEND": backend, "HVPS_TEST_OUTDIR": str(out), "HVPS_TEST_SHARED_DIR": str(tmp_path)}
-        run_mpi("mpi_topology.py", np_, env=dict(env, HVPS_TEST_EXPECT_BACKEND=backend)).assert_all_passed()
-        run_mpi("mpi_fusion.py", np_, env=env, timeout=300).assert_all_passed()
-        outputs[backend] = [_load(out / f"rank{r}.npz") for r in range(np_)]
+        inner_results[f"topology-{backend}-vs"].assert_all_passed()
+        fusion = inner_results[f"fusion-{backend}-vs"]
+        fusion.assert_all_passed()
+        outputs[backend] = [_load(fusion.case_dir / f"rank{r}.npz") for r in range(np_)]
     problems, exact = [], 0
     for r in range(np_):
         mpi, tdist = outputs["mpi"][r], outputs["tdist"][r]

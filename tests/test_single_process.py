@@ -1,9 +1,10 @@
 """Single-rank runs: hvps.init() in a plain process (no mpirun) works as
 world size 1; the generic inner modules run there unchanged (trivial
-reductions, every op must still return correct results)."""
+reductions, every op must still return correct results). The single-process cases share one
+process, the multi-rank lifecycle cases one job per rank count."""
 
 import pytest
-from conftest import run_mpi
+from conftest import case
 
 CASES = {
     "lifecycle": ("mpi_lifecycle.py", {}),
@@ -18,18 +19,18 @@ CASES = {
 }
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("case", list(CASES))
-def test_single_process(case, tmp_path):
-    module, env = CASES[case]
-    env = dict(env, HVPS_TEST_SHARED_DIR=str(tmp_path))
-    result = run_mpi(module, 1, env=env, timeout=300, use_mpirun=False)
-    result.assert_all_passed()
+def _single_cases(case_name):
+    module, env = CASES[case_name]
+    return [(1, case(case_name, module, env=env, timeout=300))]
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.inner_cases(cases=_single_cases, use_mpirun=False)
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_single_process(case_name, inner_results):
+    inner_results[case_name].assert_all_passed()
+
+
+@pytest.mark.inner_cases(cases=lambda np_: [(np_, case("lifecycle", "mpi_lifecycle.py", timeout=150))])
 @pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
-def test_lifecycle_multirank(np_, tmp_path):
-    result = run_mpi("mpi_lifecycle.py", np_, env={"HVPS_TEST_SHARED_DIR": str(tmp_path)},
-                     timeout=150)
-    result.assert_all_passed()
+def test_lifecycle_multirank(np_, inner_results):
+    inner_results["lifecycle"].assert_all_passed()

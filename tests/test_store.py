@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import run_mpi
+from conftest import case
 
 from hvps.store import HashPartition, RangePartition, RowAdagrad, RowAdam, RowCache, RowSGD
 from hvps.store.init import hash_uniform
@@ -12,6 +12,7 @@ from hvps.store.optim import make_optimizer
 from hvps.store.tiers import DiskTier, HostTier
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cls", [HashPartition, RangePartition])
 @pytest.mark.parametrize("rows,parts", [(1, 1), (10, 3), (97, 4), (64, 2), (5, 7)])
 def test_partitions_are_bijections(cls, rows, parts):
@@ -25,11 +26,13 @@ def test_partitions_are_bijections(cls, rows, parts):
         assert torch.equal(p.global_ids(o, mine), ids[owner == o])
 
 
+@pytest.mark.unit
 def test_hash_partition_spreads_hot_neighbours():
     owners = HashPartition(1_000_000, 2).owner(torch.arange(1000))
     assert abs(int((owners == 0).sum()) - 500) <= 5
 
 
+@pytest.mark.unit
 def test_initial_values_depend_only_on_seed_and_id():
     a = hash_uniform(torch.tensor([3, 7, 11]), 8, seed=1, low=-1, high=1)
     b = hash_uniform(torch.tensor([11, 3]), 8, seed=1, low=-1, high=1)
@@ -44,6 +47,7 @@ def _tier_with_rows(rows=10, width=2):
     return tier
 
 
+@pytest.mark.unit
 def test_lru_cache_evicts_least_recent_and_writes_back():
     tier = _tier_with_rows()
     cache = RowCache(tier, capacity=3)
@@ -58,6 +62,7 @@ def test_lru_cache_evicts_least_recent_and_writes_back():
     assert cache.stats.hits == 2 and cache.stats.misses == 4
 
 
+@pytest.mark.unit
 def test_lfu_cache_keeps_frequent_rows():
     cache = RowCache(_tier_with_rows(), capacity=2, policy="lfu")
     for _ in range(3):
@@ -67,6 +72,7 @@ def test_lfu_cache_keeps_frequent_rows():
     assert int(cache.slot_of[4]) >= 0 and int(cache.slot_of[6]) == -1
 
 
+@pytest.mark.unit
 def test_cache_smaller_than_a_batch_bypasses_to_the_tier():
     tier = _tier_with_rows()
     cache = RowCache(tier, capacity=2)
@@ -78,6 +84,7 @@ def test_cache_smaller_than_a_batch_bypasses_to_the_tier():
     assert cache.stats.bytes_bypass > 0
 
 
+@pytest.mark.unit
 def test_disk_tier_reads_what_it_wrote(tmp_path):
     tier = DiskTier(6, 3, tmp_path / "shard.f32")
     tier.fill(lambda start, stop: torch.ones(stop - start, 3))
@@ -89,6 +96,7 @@ def test_disk_tier_reads_what_it_wrote(tmp_path):
     assert not (tmp_path / "shard.f32").exists()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["sgd", "adagrad"])
 def test_row_optimizers_equal_dense_torch_bit_for_bit(name):
     """Rows not in the batch: dense torch leaves them as they are, so row-wise = dense."""
@@ -109,6 +117,7 @@ def test_row_optimizers_equal_dense_torch_bit_for_bit(name):
     assert torch.equal(records[:, :4], param.detach())
 
 
+@pytest.mark.unit
 def test_row_adam_matches_sparse_adam():
     torch.manual_seed(1)
     emb = torch.nn.Embedding(6, 3, sparse=True)
@@ -125,6 +134,7 @@ def test_row_adam_matches_sparse_adam():
     torch.testing.assert_close(records[:, :3], emb.weight.detach(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.unit
 def test_optimizer_arguments_are_checked():
     with pytest.raises(ValueError, match="unknown row optimizer"):
         make_optimizer("lamb")
@@ -136,11 +146,15 @@ def test_optimizer_arguments_are_checked():
     assert math.isclose(make_optimizer("adam", lr=0.2).lr, 0.2)
 
 
-@pytest.mark.timeout(300)
+def _store_case(np_, backend):
+    env = {"HVPS_DYNAMIC_PROCESS_SETS": "1", "HVPS_BACKEND": backend}
+    return [(np_, case(f"store-{backend}", "mpi_store.py", env=env, timeout=240))]
+
+
+@pytest.mark.inner_cases(cases=_store_case)
 @pytest.mark.parametrize("np_,backend", [(2, "mpi"), (3, "mpi"), (2, "tdist")], ids=["np2", "np3", "np2-tdist"])
-def test_store_multirank(np_, backend, tmp_path):
+def test_store_multirank(np_, backend, inner_results):
     """tests/mpi/mpi_store.py: bit-exact SGD vs nn.EmbeddingBag/nn.Embedding on the global batch,
     Adagrad/Adam vs torch, prefetch (synchronous and with staleness), staleness, bad input, config mismatch, checkpoint re-sharding and fallback
     (and once on the torch.distributed data plane: the store only uses hvps's alltoall)."""
-    env = {"HVPS_TEST_SHARED_DIR": str(tmp_path), "HVPS_DYNAMIC_PROCESS_SETS": "1", "HVPS_BACKEND": backend}
-    run_mpi("mpi_store.py", np_, env=env, timeout=240).assert_all_passed(min_passed=21)
+    inner_results[f"store-{backend}"].assert_all_passed(min_passed=21)

@@ -1,15 +1,16 @@
 """Outer tests of the TensorFlow 2 / Keras 3 adapter: the inner modules
 ``tests/mpi/mpi_tf_ops.py``, ``mpi_tf_train.py``, ``mpi_tf_compat.py`` (Horovod compatibility) and
 ``mpi_tf_overlap.py`` (gradient buckets overlapping the backward pass) under mpirun with 2 and 3 ranks
-and ``mpi_tf_compression.py`` with 3 (clean on every rank), plus single-process
-checks in subprocesses (the outer run never imports TensorFlow)."""
+and ``mpi_tf_compression.py`` with 3 (clean on every rank; the cases at one rank count share one
+job, so TensorFlow is imported once per rank), plus single-process checks in subprocesses (the
+outer run never imports TensorFlow)."""
 
 import importlib.util
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT, run_mpi
+from conftest import REPO_ROOT, case
 
 NPS = [2, 3]
 HAVE_TF = importlib.util.find_spec("tensorflow") is not None and importlib.util.find_spec("keras") is not None
@@ -20,28 +21,32 @@ CASES = {"ops": ("mpi_tf_ops.py", 300), "train": ("mpi_tf_train.py", 300), "comp
          "overlap": ("mpi_tf_overlap.py", 300)}
 
 
+# Ranks trace their tf.functions (model.fit's train function: seconds) at different speeds on a
+# loaded box: the core's 3 s test default for the stall check would report that skew as a stall.
+JOB_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "HVPS_STALL_CHECK_TIME_SECONDS": "60"}
+
+
+def _tf_cases(np_, case_name):
+    module, timeout = CASES[case_name]
+    return [(np_, case(case_name, module, timeout=timeout))] if HAVE_TF else []
+
+
 @needs_tf
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.inner_cases(cases=_tf_cases, env=JOB_ENV)
+@pytest.mark.parametrize("case_name", list(CASES))
 @pytest.mark.parametrize("np_", NPS, ids=[f"np{n}" for n in NPS])
-def test_tensorflow_inner_module(np_, case, tmp_path):
-    module, timeout = CASES[case]
-    # Ranks trace their tf.functions (model.fit's train function: seconds) at different speeds on a
-    # loaded box: the core's 3 s test default for the stall check would report that skew as a stall.
-    env = {"HVPS_TEST_SHARED_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2", "HVPS_STALL_CHECK_TIME_SECONDS": "60"}
-    result = run_mpi(module, np_, env=env, timeout=timeout)
-    result.assert_all_passed(min_passed=5)
+def test_tensorflow_inner_module(np_, case_name, inner_results):
+    inner_results[case_name].assert_all_passed(min_passed=5)
 
 
 @needs_tf
-@pytest.mark.timeout(400)
-def test_tensorflow_compression(tmp_path):
+@pytest.mark.inner_cases(cases=lambda: [(3, case("compression", "mpi_tf_compression.py", timeout=300))] if HAVE_TF else [],
+                         env=JOB_ENV)
+def test_tensorflow_compression(inner_results):
     """Compressed gradients (top-k, int8) through the tape and the Keras optimizer. Three ranks only:
     that is where summing in rank order is what keeps the ranks bit-identical (two ranks' sums commute),
     and every TF rank costs ~10 s of import on a small box."""
-    env = {"HVPS_TEST_SHARED_DIR": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "2", "HVPS_STALL_CHECK_TIME_SECONDS": "60"}
-    result = run_mpi("mpi_tf_compression.py", 3, env=env, timeout=300)
-    result.assert_all_passed(min_passed=5)
+    inner_results["compression"].assert_all_passed(min_passed=5)
 
 
 def _python(code):
