@@ -199,6 +199,10 @@ CASES = [
     ("net.interface", "fail", {}, {"env": {"HVPS_NETWORK_INTERFACE": "ib0"}}, {}),
     ("net.interface", "fail", {"sys/class/net/eth0/operstate": "down"}, {}, {}),
     ("net.interface", "fail", {}, {"addresses": {}}, {}),
+    ("net.mpi_tcp", "ok", {}, {}, {}),
+    ("net.mpi_tcp", "ok", {}, {"env": {"OMPI_MCA_btl": "self,sm"}}, {"world_size": 2}),
+    ("net.mpi_tcp", "warn", {}, {"env": {"OMPI_COMM_WORLD_SIZE": "2"}}, {}),
+    ("net.mpi_tcp", "skip", {}, {"software": dict(HEALTHY_FACTS["software"], mpi="MPICH 4.2.0")}, {}),
     ("net.rdma", "ok", {}, {}, {}),
     ("net.rdma", "ok", {IB_PORT + "state": "4: ACTIVE", IB_PORT + "link_layer": "Ethernet"}, {}, {}),
     ("net.rdma", "warn", {IB_PORT + "state": "1: DOWN", IB_PORT + "link_layer": "InfiniBand"}, {}, {}),
@@ -224,6 +228,7 @@ def _id(case) -> str:
     return f"{name}-{verdict}-" + "-".join(sorted(files) + sorted(facts) + sorted(ctx))[:60]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_check_verdicts(tmp_path, case):
     name, verdict, files, facts, ctx = case
@@ -240,12 +245,14 @@ def test_every_check_has_cases_and_a_healthy_tree_is_all_ok(tmp_path):
     assert {r.name: r.verdict for r in rows} == {name: "ok" for name in REGISTRY}
 
 
+@pytest.mark.unit
 def test_no_gpu_is_skip_with_the_reason(tmp_path):
     rows = collect(Host(str(make_tree(tmp_path, facts={"gpu": NO_GPU}))), Context(), only="gpu")
     assert {r.verdict for r in rows} == {"skip"}
     assert "NVMLError_LibraryNotFound" in rows[0].value
 
 
+@pytest.mark.unit
 def test_driver_table_and_nccl_interface_matching():
     assert driver_verdict("580.65.06", "13.0")[0] == "ok"
     assert driver_verdict("535.104.05", "12.4")[0] == "warn"  # minor-version compatibility only
@@ -264,6 +271,7 @@ def test_driver_table_and_nccl_interface_matching():
     ({"proc/1/cgroup": "12:memory:/docker/0123abcd"}, {}, "docker"),
     ({}, {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}, "kubernetes"),
 ])
+@pytest.mark.unit
 def test_container_detection_and_its_fixes(tmp_path, files, env, expected):
     host = Host(str(make_tree(tmp_path, files, {"env": env, "statvfs:/dev/shm": {"total": 64 * MiB, "free": 0},
                                                 "rlimit_memlock": [65536, 65536]})))
@@ -284,6 +292,7 @@ def doctor(capsys, *args) -> tuple:
     return rc, out.out, out.err
 
 
+@pytest.mark.unit
 def test_json_report_structure_and_exit_status(tmp_path, capsys):
     rc, out, _ = doctor(capsys, "--root", str(make_tree(tmp_path / "a")), "--json")
     report = json.loads(out)
@@ -299,6 +308,7 @@ def test_json_report_structure_and_exit_status(tmp_path, capsys):
     assert {c["name"] for c in report["checks"]} == {n for n, s in REGISTRY.items() if s.group == "cpu"}
 
 
+@pytest.mark.unit
 def test_table_output(tmp_path, capsys):
     tree = make_tree(tmp_path, {THP + "enabled": "[always] madvise never"}, {"gpu": NO_GPU})
     rc, out, _ = doctor(capsys, "--root", str(tree))
@@ -314,6 +324,7 @@ def test_table_output(tmp_path, capsys):
     assert out_file.read_text() == out
 
 
+@pytest.mark.unit
 def test_help_and_bad_flags(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["doctor", "--help"])
@@ -343,6 +354,7 @@ def _snapshot(root: Path) -> dict:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
+@pytest.mark.unit
 def test_apply_and_revert_round_trip(tmp_path, capsys):
     tree = make_tree(tmp_path / "t", APPLY_FILES, {"gpu": gpus(persistence=False)})
     before = _snapshot(tree)
@@ -366,6 +378,7 @@ def test_apply_and_revert_round_trip(tmp_path, capsys):
     assert doctor(capsys, "--root", str(tree), "--revert")[0] == 0  # nothing left: a no-op
 
 
+@pytest.mark.unit
 def test_apply_asks_first_and_a_no_changes_nothing(tmp_path):
     tree = make_tree(tmp_path, APPLY_FILES)
     before, lines = _snapshot(tree), []
@@ -384,6 +397,7 @@ def test_apply_asks_first_and_a_no_changes_nothing(tmp_path):
     assert "choose from thp, governor, persistence" in "".join(lines)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("action,reason", [("rt-priority", "starves kernel threads"),
                                            ("min-granularity", "context switches")])
 def test_apply_refuses_the_seeds_unsafe_advice(tmp_path, capsys, action, reason):
@@ -405,6 +419,7 @@ def test_this_machine_as_it_is():
     assert rows["software"]["data"]["hvps"] and rows["sched.policy"]["verdict"] == "ok"
 
 
+@pytest.mark.unit
 def test_merge_names_the_ranks_that_differ():
     rows = [{"rank": r, "host": h, "checks": [{"name": "software", "verdict": "ok", "value": f"torch {v}",
                                                "why": "w", "fix": "", "data": {"torch": v, "hvps": "0.1"}},

@@ -42,6 +42,7 @@ operations: call them on one process (the ``hvps ckpt`` command line uses them).
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import secrets
@@ -413,7 +414,7 @@ class CheckpointManager:
         candidates = []
         if group.is_root:
             candidates = [v.path for v in reversed(self.list())] if latest else [self.path_of(int(version))]
-        for attempt in range(10**9):
+        for attempt in itertools.count():
             path = candidates[attempt] if group.is_root and attempt < len(candidates) else None
             header = reader = None
             status: Any = "none"
@@ -428,25 +429,23 @@ class CheckpointManager:
             msg = None
             if group.is_root:
                 if isinstance(status, CheckpointError):
-                    fatal = not latest or isinstance(status, IncompatibleCheckpointError)
-                    msg = ("error" if fatal else "skip", str(status))
+                    incompatible = isinstance(status, IncompatibleCheckpointError)
+                    msg = ("error" if not latest or incompatible else "skip", str(status), incompatible)
                 elif status == "none":
-                    msg = ("none", None)
+                    msg = ("none", None, False)
                 else:
                     msg = ("ok", {"attrs": header.attrs, "entries": header.entries, "groups": header.groups,
-                                  "path": str(path)})
-            msg = group.bcast_obj(msg, f"ckpt.load.meta.{attempt}")
-            kind, payload = msg
+                                  "path": str(path)}, False)
+            kind, payload, incompatible = group.bcast_obj(msg, f"ckpt.load.meta.{attempt}")
             if kind == "none":
                 if not latest:
                     raise CheckpointError(f"no checkpoint for epoch {version}", self.path_of(int(version)))
                 return None
-            if kind in ("skip", "error"):
-                if kind == "skip":  # every rank says why it falls back
-                    warnings.warn(f"skipping checkpoint: {payload}", RuntimeWarning, stacklevel=2)
-                if kind == "error":
-                    raise status if group.is_root else IncompatibleCheckpointError(payload) \
-                        if "saved per rank" in payload or "format version" in payload else CheckpointError(payload)
+            if kind == "error":  # the root's own exception; the others the same class and text
+                raise status if group.is_root else (IncompatibleCheckpointError if incompatible
+                                                    else CheckpointError)(payload)
+            if kind == "skip":  # every rank says why it falls back
+                warnings.warn(f"skipping checkpoint: {payload}", RuntimeWarning, stacklevel=2)
                 continue
             ok, checkpoint = self._transfer(group, payload, reader, attempt, drop_compression_state)
             if ok is True:
@@ -455,7 +454,6 @@ class CheckpointManager:
                 warnings.warn(f"skipping checkpoint: {ok}", RuntimeWarning, stacklevel=2)
             if not latest:
                 raise ok if isinstance(ok, CheckpointError) else CheckpointError(str(ok))
-        return None  # pragma: no cover
 
     @staticmethod
     def _check_world_size(header: Header, size: int, drop: bool) -> None:
