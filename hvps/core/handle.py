@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+import _thread
 import time
 from typing import Any, Callable, Optional
 
@@ -12,18 +12,25 @@ from .errors import HvpsError
 #: time (plus a second): the coordinator reports stalls first and more
 #: precisely, but it cannot reach a rank whose link or coordinator is gone.
 _WATCHDOG_FACTOR = 1.5
+#: serialises the first ``set_result``/``set_error`` of any handle (the engine thread, a waiter's
+#: watchdog and shutdown may race to finish one): exactly one of them opens the handle's gate
+_SETTING = _thread.allocate_lock()
 
 
 class Handle:
     """An in-flight collective; owns its input and output buffers until it completes."""
 
-    __slots__ = ("name", "_done", "_result", "_error", "_buffers", "_submitted", "_started", "_limit", "event",
-                 "_expedite", "_source", "_finish")
+    __slots__ = ("name", "_done", "_gate", "_result", "_error", "_buffers", "_submitted", "_started", "_limit",
+                 "event", "_expedite", "_source", "_finish")
 
     def __init__(self, name: str, buffers: tuple = (), stall_seconds: float = 60.0,
                  expedite: Optional[Callable[[], None]] = None) -> None:
         self.name = name
-        self._done = threading.Event()
+        #: whether the result or error is in; ``_gate`` is held until then (waiters block on it:
+        #: a bare lock costs a fraction of a threading.Event, and a handle is made per gradient)
+        self._done = False
+        self._gate = _thread.allocate_lock()
+        self._gate.acquire()
         self._result: Any = None
         self._error: Optional[BaseException] = None
         self._buffers = buffers
@@ -55,22 +62,25 @@ class Handle:
 
     def poll(self) -> bool:
         """Whether the collective has finished (successfully or not); never blocks."""
-        return self._done.is_set() or (self._source is not None and self._source.poll())
+        return self._done or (self._source is not None and self._source.poll())
 
     done = poll
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until the collective finishes and return its result; raise HvpsError if it failed."""
         if self._source is not None:
-            if not self._done.is_set():
+            if not self._done:
                 self._result = self._finish(self._source.wait(timeout))
-                self._done.set()
+                self._done = True
             return self._result
         deadline = None if timeout is None else time.monotonic() + timeout
         expedite, self._expedite = self._expedite, None
-        if expedite is not None and not self._done.is_set():
+        if expedite is not None and not self._done:
             expedite()
-        while not self._done.wait(0.5):
+        while not self._done:
+            if self._gate.acquire(timeout=0.5):
+                self._gate.release()  # the gate stays open for every other waiter
+                break
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise HvpsError(f"timed out after {timeout} s waiting for '{self.name}'")
@@ -107,16 +117,25 @@ class Handle:
         self._started = time.monotonic()
 
     def set_result(self, result: Any) -> None:
-        if not self._done.is_set():
+        """Finish with ``result`` (the first finish counts)."""
+        with _SETTING:
+            if self._done:
+                return
             self._result = result
-            self._done.set()
+            self._open()
 
     def set_error(self, error: BaseException) -> None:
-        if self._done.is_set():
-            return
-        if isinstance(error, HvpsError):
+        """Finish with ``error`` (as HvpsError; the first finish counts)."""
+        if not isinstance(error, HvpsError):
+            wrapped = HvpsError(f"'{self.name}' failed: {error}")
+            wrapped.__cause__ = error
+            error = wrapped
+        with _SETTING:
+            if self._done:
+                return
             self._error = error
-        else:
-            self._error = HvpsError(f"'{self.name}' failed: {error}")
-            self._error.__cause__ = error
-        self._done.set()
+            self._open()
+
+    def _open(self) -> None:
+        self._done = True
+        self._gate.release()
