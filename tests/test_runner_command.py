@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hvps.runner import hosts as hostlib
@@ -16,6 +18,8 @@ from hvps.runner.mpi_command import (
 from hvps.runner.mpi_discovery import MpiImpl, MpiLauncher, classify_mpi_version, parse_mpi_version
 from hvps.runner.settings import LaunchSettings, build_parser, parse_args
 from hvps.runner.slurm_command import build_srun_command, in_slurm_allocation, srun_environment
+
+pytestmark = pytest.mark.unit
 
 LOCAL = {"localhost", "127.0.0.1", "thisbox"}
 CMD = ("python", "train.py")
@@ -277,5 +281,6 @@ def test_srun_with_hosts():
 
 def test_settings_dataclass_is_frozen():
     s = LaunchSettings(command=CMD, num_proc=2)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         s.num_proc = 3
+    assert s.num_proc == 2

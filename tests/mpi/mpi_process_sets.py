@@ -1,5 +1,6 @@
 """Inner multi-rank tests: process sets, and argument errors that leave every rank in step."""
 
+import copy
 import os
 
 import numpy as np
@@ -38,7 +39,10 @@ def test_set_queries(halves):
     assert mine.ranks[mine.rank()] == hvps.rank()
     assert other.rank() == -1
     assert mine.size() == len(mine.ranks)
-    assert mine != other and mine == mine
+    assert mine != other
+    twin = copy.copy(mine)  # another object for the same registered set: equal by id, same hash
+    assert twin is not mine and twin == mine and hash(twin) == hash(mine) and {mine: 1}[twin] == 1
+    assert hvps.ProcessSet(list(mine.ranks)) != mine, "an unregistered set equals only itself"
     assert hvps.global_process_set.size() == hvps.size()
 
 
