@@ -9,6 +9,8 @@ import pytest
 
 from hvps.dataplane.adasum import adasum_allreduce, is_power_of_two
 
+pytestmark = pytest.mark.unit
+
 
 class ThreadedPlane:
     """``sendrecv`` between threads standing for ranks (the only primitive Adasum needs)."""

@@ -6,6 +6,8 @@ from hvps.core.errors import HvpsError
 from hvps.core.settings import Settings
 from hvps.runtime.autotune import CYCLES_MS, THRESHOLDS, Autotuner, MiB, Setting
 
+pytestmark = pytest.mark.unit
+
 
 def _drive(tuner: Autotuner, step_time, steps: int = 200) -> list:
     """Run ``steps`` steps whose duration is ``step_time(setting in force)``; returns the settings applied."""

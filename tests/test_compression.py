@@ -19,6 +19,8 @@ from hvps.compression import memory as memory_module
 from hvps.compression.communicators import Allgather, Allreduce, choose
 from hvps.compression.selection import exact_topk, sampled_topk
 
+pytestmark = pytest.mark.unit
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FLOATS = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
 SHAPES = [(), (0,), (1,), (7,), (3, 5, 4), (129, 67)]

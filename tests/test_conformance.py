@@ -27,6 +27,7 @@ def parse_summary(text: str) -> tuple:
     return counts, float(last.group("seconds"))
 
 
+@pytest.mark.unit
 def test_parse_summary():
     counts, seconds = parse_summary("FAILED x\n3 failed, 100 passed, 12 skipped, 5 warnings in 33.30s\n")
     assert counts == {"failed": 3, "passed": 100, "skipped": 12, "warnings": 5} and seconds == 33.3

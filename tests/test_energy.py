@@ -29,6 +29,7 @@ def set_energy(path, energy_uj):
     (path / "energy_uj").write_text(f"{energy_uj}\n")
 
 
+@pytest.mark.unit
 def test_rapl_sums_packages_only(tmp_path):
     """Two packages count; their core/dram subdomains, psys and the MMIO copy do not."""
     pkg0 = domain(tmp_path, "intel-rapl:0", "package-0", 1_000_000)
@@ -49,6 +50,7 @@ def test_rapl_sums_packages_only(tmp_path):
     assert reading["source"] == "rapl:package-0+package-1" and reading["reason"] is None
 
 
+@pytest.mark.unit
 def test_rapl_wraparound(tmp_path):
     pkg = domain(tmp_path, "intel-rapl:0", "package-0", MAX_RANGE - 2_000_000)
     meter = EnergyMeter(powercap_root=str(tmp_path)).start()
@@ -56,6 +58,7 @@ def test_rapl_wraparound(tmp_path):
     assert meter.stop()["joules"] == pytest.approx(5.0)
 
 
+@pytest.mark.unit
 def test_rapl_psys_only_when_no_package(tmp_path):
     psys = domain(tmp_path, "intel-rapl:0", "psys", 0)
     meter = EnergyMeter(powercap_root=str(tmp_path)).start()
@@ -64,6 +67,7 @@ def test_rapl_psys_only_when_no_package(tmp_path):
     assert reading["joules"] == pytest.approx(7.5) and reading["source"] == "rapl:psys"
 
 
+@pytest.mark.unit
 def test_no_powercap_gives_none_and_the_reason(tmp_path):
     reading = EnergyMeter(powercap_root=str(tmp_path / "missing")).start().stop(images=4)
     assert reading["joules"] is None and reading["watts"] is None and reading["joules_per_image"] is None
@@ -72,6 +76,7 @@ def test_no_powercap_gives_none_and_the_reason(tmp_path):
     assert "no intel-rapl:N package domains" in empty["reason"]
 
 
+@pytest.mark.unit
 def test_unreadable_counter_gives_the_reason(tmp_path):
     pkg = domain(tmp_path, "intel-rapl:0", "package-0", 0)
     if os.geteuid() == 0:  # root reads any file: make the counter unreadable another way
@@ -85,6 +90,7 @@ def test_unreadable_counter_gives_the_reason(tmp_path):
     assert reading["joules"] is None and expected in reading["reason"]
 
 
+@pytest.mark.unit
 def test_gpu_meter_without_a_gpu_says_why():
     from hvps.metrics.nvml import close_nvml, open_nvml
 
@@ -96,6 +102,7 @@ def test_gpu_meter_without_a_gpu_says_why():
     assert reading["joules"] is None and reading["reason"] == reason
 
 
+@pytest.mark.unit
 def test_combine_adds_gpus_and_hosts_and_skips_shared_counters():
     gpu = [{"joules": 10.0, "seconds": 2.0, "images": None, "source": "nvml", "reason": None},
            {"joules": 14.0, "seconds": 3.0, "images": None, "source": "nvml", "reason": None}]

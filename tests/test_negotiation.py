@@ -1,6 +1,10 @@
 """The coordinator's bookkeeping, without MPI: matching, mismatches, stalls, fusion, join."""
 
+import pytest
+
 from hvps.control.negotiation import ALLGATHER, ALLREDUCE, BROADCAST, JOIN, SHUTDOWN, Coordinator, Request
+
+pytestmark = pytest.mark.unit
 
 MIB = 1024 * 1024
 

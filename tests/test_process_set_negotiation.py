@@ -1,6 +1,10 @@
 """The coordinator's bookkeeping for process sets, without MPI: membership, stalls, set changes."""
 
+import pytest
+
 from hvps.control.negotiation import ADD_SET, ALLGATHER, ALLREDUCE, REMOVE_SET, Coordinator, Request
+
+pytestmark = pytest.mark.unit
 
 
 def on_set(name, set_id, kind=ALLREDUCE, rows=4):

@@ -14,6 +14,8 @@ from hvps.control.handshake import ServerHandshake
 from hvps.control.negotiation import ALLREDUCE, Coordinator, Request
 from hvps.control.wire import MAX_UNAUTHENTICATED, FrameReader, ProtocolError, Session, encode, frame, parse_object
 
+pytestmark = pytest.mark.unit
+
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
                            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),

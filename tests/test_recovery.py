@@ -89,6 +89,7 @@ def test_sigkill_mid_epoch_recovers_bit_for_bit(tmp_path):
     assert np.abs(got["momentum.0"]).sum() > 0
 
 
+@pytest.mark.unit
 def test_harness_checkpoint_flags(monkeypatch, capsys):
     """The ResNet-50 harness's --epochs/--checkpoint-dir/--resume: defaults, the
     HVPS_CHECKPOINT_DIR fallback that hvpsrun --checkpoint-dir sets, and the modes they refuse."""

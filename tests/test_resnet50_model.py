@@ -2,7 +2,10 @@
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.unit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

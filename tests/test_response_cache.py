@@ -10,6 +10,8 @@ from hvps.control.negotiation import ALLGATHER, ALLREDUCE, JOIN, Request, Respon
 from hvps.control.response_cache import ResponseCache
 from hvps.core.errors import HvpsError
 
+pytestmark = pytest.mark.unit
+
 
 def _request(i: int, shape=(4,)) -> Request:
     return Request(f"grad.{i}", ALLREDUCE, "float32", (shape,), "sum")

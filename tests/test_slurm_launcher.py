@@ -20,6 +20,8 @@ from hvps.runner.slurm_command import (
     srun_failure,
 )
 
+pytestmark = pytest.mark.unit
+
 LIST_22_05 = "MPI plugin types are...\n\tpmix\n\tnone\n\tcray_shasta\n\tpmi2\nspecific pmix plugin versions " \
              "available: pmix_v4\n"
 LIST_OLD = "srun: MPI types are...\nsrun: none\nsrun: pmix_v3\nsrun: pmix\nsrun: pmi2\n"

@@ -6,6 +6,8 @@ import pytest
 
 import hvps
 
+pytestmark = pytest.mark.unit
+
 MSG = "hvps is not initialized: call hvps.init()"
 
 X = np.arange(6, dtype=np.float32)
