@@ -302,10 +302,14 @@ def run_mpi(script_or_args, np, env=None, timeout=300, extra_pytest_args=(), use
 
 # ---------------------------------------------------------------- jobs shared by a module's tests
 
+# The share name of the smaller multi-rank modules (checkpoints, compression, the store, process
+# sets and Horovod semantics, threads, control-plane attacks): one job per rank count for all of them.
+SHARED_JOBS = "multirank-modules"
+
 @dataclass(frozen=True)
 class JobKey:
-    """What makes two cases able to share a job: the outer module, the rank count, mpirun or not,
-    and the job's own environment."""
+    """What makes two cases able to share a job: the outer module (or the name several modules share),
+    the rank count, mpirun or not, and the job's own environment."""
 
     module: str
     np: int
@@ -314,8 +318,9 @@ class JobKey:
 
 
 def _item_cases(item):
-    """``[(JobKey, InnerCase)]`` that a test marked ``inner_cases(cases=fn, use_mpirun=True, env=None)``
-    needs: ``fn(**its parameters)`` returns ``[(np, InnerCase)]``."""
+    """``[(JobKey, InnerCase)]`` that a test marked ``inner_cases(cases=fn, use_mpirun=True, env=None,
+    share=None)`` needs: ``fn(**its parameters)`` returns ``[(np, InnerCase)]``. Tests of several modules
+    that give the same ``share`` name share their jobs too."""
     marker = item.get_closest_marker("inner_cases")
     if marker is None:
         return []
@@ -323,12 +328,14 @@ def _item_cases(item):
     use_mpirun = marker.kwargs.get("use_mpirun", True)
     env = tuple(sorted((marker.kwargs.get("env") or {}).items()))
     wanted = marker.kwargs["cases"](**params)
-    return [(JobKey(item.nodeid.split("::")[0], np if use_mpirun else 1, use_mpirun, env), c) for np, c in wanted]
+    module = marker.kwargs.get("share") or item.nodeid.split("::")[0]
+    return [(JobKey(module, np if use_mpirun else 1, use_mpirun, env), c) for np, c in wanted]
 
 
 class InnerJobs:
-    """Runs each job once per session: every case that the selected tests of one outer module need
-    at one rank count (and job environment), in one job, when the first of those tests asks."""
+    """Runs each job once per session: every case that the selected tests of one outer module (or of
+    the modules sharing a name) need at one rank count (and job environment), in one job, when the
+    first of those tests asks."""
 
     def __init__(self, items, tmp_path_factory=None):
         self.items = items

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import case
+from conftest import SHARED_JOBS, case
 
 from hvps.store import HashPartition, RangePartition, RowAdagrad, RowAdam, RowCache, RowSGD
 from hvps.store.init import hash_uniform
@@ -151,7 +151,7 @@ def _store_case(np_, backend):
     return [(np_, case(f"store-{backend}", "mpi_store.py", env=env, timeout=240))]
 
 
-@pytest.mark.inner_cases(cases=_store_case)
+@pytest.mark.inner_cases(cases=_store_case, share=SHARED_JOBS)
 @pytest.mark.parametrize("np_,backend", [(2, "mpi"), (3, "mpi"), (2, "tdist")], ids=["np2", "np3", "np2-tdist"])
 def test_store_multirank(np_, backend, inner_results):
     """tests/mpi/mpi_store.py: bit-exact SGD vs nn.EmbeddingBag/nn.Embedding on the global batch,
