@@ -210,13 +210,18 @@ def _slice_reports(report_dir, np):
     return reports, "\n".join(logs), seconds
 
 
+def _case_done(report_dir, np):
+    return all((Path(report_dir) / f"rank{rank}.seconds").exists() for rank in range(np))
+
+
 def run_mpi_cases(cases, np, env=None, use_mpirun=True, work_dir=None):
     """Run ``cases`` (:class:`InnerCase`) one after another in ONE job of ``np`` ranks
     (``tests/mpi/run_cases.py``): MPI start-up and the framework imports are paid once.
 
     ``env`` is the job's environment (what mpirun and the interpreter read at start); each case adds
     its own. A case without ``HVPS_TEST_SHARED_DIR`` gets a fresh shared directory. Returns
-    ``{case name: MpiResult}``; the whole job never runs longer than the sum of the cases' timeouts.
+    ``{case name: MpiResult}``. A case that runs past its timeout gets the job killed (it and the cases
+    after it then fail; those before it keep their results).
     With ``use_mpirun=False`` the job is one plain process (world size 1, MPI singleton init).
 
     Each case has a directory (``MpiResult.case_dir``; ``{case_dir}`` in a case's environment
@@ -247,22 +252,30 @@ def run_mpi_cases(cases, np, env=None, use_mpirun=True, work_dir=None):
     else:
         np = 1
         cmd = inner
-    timeout = sum(c.timeout for c in cases)
-
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     timed_out = False
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
+    # Each case keeps its own time limit: its clock starts when the case before it has ended on
+    # every rank (the first case's at the job's start, so MPI start-up counts against it).
+    current, case_start = 0, start
+    while True:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            out, _ = proc.communicate(timeout=1.0)
+            break
+        except subprocess.TimeoutExpired:
             pass
-        out, _ = proc.communicate()
+        while current < len(cases) and _case_done(plan[current]["report_dir"], np):
+            current, case_start = current + 1, time.monotonic()
+        if current < len(cases) and time.monotonic() - case_start > cases[current].timeout:
+            timed_out = True
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            out, _ = proc.communicate()
+            break
     elapsed = time.monotonic() - start
     job_output = out.decode("utf-8", "replace")
 
