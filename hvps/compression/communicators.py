@@ -6,7 +6,8 @@ from ..api import collectives as ops
 from .base import Communicator, Compressor
 
 
-def _bus_factor(size: int) -> float:
+def bus_factor(size: int) -> float:
+    """The share of a buffer a ring allreduce sends (and receives) on every rank: 2(n-1)/n."""
     return 2.0 * (size - 1) / size if size > 1 else 0.0
 
 
@@ -24,8 +25,7 @@ class Allreduce(Communicator):
         return compressor.decompress(received, ctx)
 
     def wire_bytes(self, payloads, size):
-        # A ring allreduce sends and receives 2(n-1)/n of the buffer on every rank.
-        moved = int(sum(p.nbytes for p in payloads) * _bus_factor(size))
+        moved = int(sum(p.nbytes for p in payloads) * bus_factor(size))
         return moved, moved
 
 

@@ -13,7 +13,7 @@ from ..core.dtypes import ReduceOp
 from ..core.handle import Handle
 from ..runtime import state as runtime
 from .base import Communicator, Compressor, Memory
-from .communicators import choose
+from .communicators import bus_factor, choose
 from .memory import NoMemory
 
 
@@ -110,7 +110,7 @@ class GradientCompression:
     def _count_bytes(self, dense_nbytes: int, payloads: list, size: int) -> int:
         sent, received = self.communicator().wire_bytes(payloads, size)
         self.stats.exchanges += 1
-        self.stats.dense_bytes += int(dense_nbytes * 2 * (size - 1) / size) if size > 1 else 0
+        self.stats.dense_bytes += int(dense_nbytes * bus_factor(size))
         self.stats.bytes_sent += sent
         return received
 
