@@ -309,16 +309,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- delegate state to the wrapped optimizer -------------------------------------
     def state_dict(self) -> dict:
+        """The wrapped optimizer's ``state_dict()`` (torch's integer keys, nothing of the wrapper's)."""
         return self._inner.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load into the wrapped optimizer and share its new groups and state again."""
         self._inner.load_state_dict(state_dict)
         self.param_groups = self._inner.param_groups
         self.state = self._inner.state
 
     def add_param_group(self, param_group: dict) -> None:
+        """Add ``param_group`` to the wrapped optimizer, with hooks on its parameters."""
         if not hasattr(self, "_inner"):  # called by Optimizer.__init__ for the shared groups
-            return super().add_param_group(param_group)
+            return torch.optim.Optimizer.add_param_group(self, param_group)
         self._inner.add_param_group(param_group)
         for p in param_group["params"] if isinstance(param_group["params"], list) else [param_group["params"]]:
             self._parameter_names.setdefault(p, f"param.{len(self._parameter_names)}")
