@@ -21,6 +21,8 @@ import torch
 import hvps
 from hvps import HvpsError, ProcessSet, global_process_set
 from hvps import metrics as _metrics
+from hvps.adapters.common.controls import CompressionControls
+from hvps.adapters.common.options import gradient_options
 from hvps.api.collectives import allreduce_gradients_async
 from hvps.compression import summable
 from hvps.core.views import as_tensor
@@ -30,7 +32,7 @@ from .mpi_ops import Adasum, Average, Sum, grouped_allreduce_async_, sparse_allr
 from .tensors import core_view, host_buffer, to_numpy
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
     """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
     The result is an instance of ``type(optimizer)`` too (a subclass made for it, named like
@@ -61,27 +63,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  sparse_as_dense: bool = False, process_set: ProcessSet = global_process_set) -> None:
         if num_groups and groups is None:  # Horovod's deprecated spelling of groups=<int>
             groups = num_groups
-        if backward_passes_per_step < 1:
-            raise ValueError("backward_passes_per_step must be >= 1")
-        if op not in (Average, Sum, Adasum):
-            raise ValueError(f"DistributedOptimizer reduces gradients with Average, Sum or Adasum, not {op}")
-        if gradient_predivide_factor != 1.0 and op is not Average:
-            raise ValueError("gradient_predivide_factor is only defined for op=Average")
+        # Adasum reduces parameter updates, uncompressed: any compression is accepted with it
+        op, self.compression, prescale, postscale = gradient_options(
+            op, gradient_predivide_factor, compression, as_gradient_compression,
+            backward_passes_per_step=backward_passes_per_step, ops=(Average, Sum, Adasum),
+            compressed_ops=(Average, Sum, Adasum))
         hvps.size()  # raises HvpsError before init
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self._inner = optimizer
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
-        self.compression = as_gradient_compression(compression)
         self.process_set = process_set
         if process_set is not global_process_set and not self.compression.summable:
             raise ValueError(f"process sets need a summable compression (none, fp16, bf16), not {self.compression!r}")
         if groups is not None and not self.compression.summable:
             raise ValueError(f"groups needs a summable compression (none, fp16, bf16), not {self.compression!r}")
         self._op = op
-        self._predivide = gradient_predivide_factor
-        #: summable compressions: the scaling around the fused allreduce (predivide, fp16 guard), once
-        self._plan = self._summable_plan()
+        #: summable compressions: the scaling around the fused allreduce (the predivide factor's
+        #: prescale and postscale, the casts' overflow guard), planned once
+        self._plan = summable.summable_plan(self.compression.compressor, op, process_set.size, prescale, postscale)
         self._summable = self.compression.summable
         self._sparse_as_dense = sparse_as_dense
         #: parameters whose sparse gradient travels dense this step (made sparse again once reduced)
@@ -150,12 +150,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in group:
                 mapping[p] = group
         return mapping
-
-    def _summable_plan(self) -> tuple:
-        """How summable gradients are scaled around their allreduce: the predivide factor f as
-        prescale 1/f and postscale f (Average only), joined with the cast's overflow guard."""
-        pre, post = (1.0 / self._predivide, self._predivide) if self._op is Average else (1.0, 1.0)
-        return summable.summable_plan(self.compression.compressor, self._op, self.process_set.size, pre, post)
 
     # -- the backward hook --------------------------------------------------------
     def _on_grad_ready(self, p: torch.Tensor) -> None:
@@ -247,14 +241,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         _metrics.on_sync_end(self.compression)
         hvps.step_done()
         self._synchronized = True
-
-    def compression_stats(self) -> dict:
-        """Bytes sent and received, compression ratio and (de)compression time since the last reset."""
-        return self.compression.stats.as_dict()
-
-    def set_epoch(self, epoch: int) -> None:
-        """Tell the compression the epoch (DGC's density warm-up)."""
-        self.compression.set_epoch(epoch)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
