@@ -176,12 +176,13 @@ class InnerCase:
     args: tuple
     env: tuple = ()  # sorted (name, value) pairs: see :func:`case`
     timeout: float = 300
+    job: str = ""  # cases with different labels never share a job (e.g. one that needs a fresh process)
 
 
-def case(name, *args, env=None, timeout=300):
+def case(name, *args, env=None, timeout=300, job=""):
     """An :class:`InnerCase`; ``args`` are inner modules and pytest options, ``env`` a mapping."""
     return InnerCase(name, tuple(str(a) for a in args), tuple(sorted((k, str(v)) for k, v in (env or {}).items())),
-                     timeout)
+                     timeout, job)
 
 
 def _inner_arg(arg):
@@ -342,7 +343,8 @@ def _item_cases(item):
     env = tuple(sorted((marker.kwargs.get("env") or {}).items()))
     wanted = marker.kwargs["cases"](**params)
     module = marker.kwargs.get("share") or item.nodeid.split("::")[0]
-    return [(JobKey(module, np if use_mpirun else 1, use_mpirun, env), c) for np, c in wanted]
+    return [(JobKey(f"{module}#{c.job}" if c.job else module, np if use_mpirun else 1, use_mpirun, env), c)
+            for np, c in wanted]
 
 
 class InnerJobs:
