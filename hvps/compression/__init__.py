@@ -20,4 +20,5 @@ __all__ = [
     "Compressor", "Memory", "Communicator", "Allreduce", "Allgather",
     "NoneCompressor", "CastCompressor", "Int8Compressor", "TopKCompressor", "DensitySchedule",
     "NoMemory", "ResidualMemory", "DgcMemory", "DGC_WARMUP", "summable_plan",
+    "none", "fp16", "bf16", "int8", "topk", "dgc",
 ]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import os
 import secrets
 import selectors
 import socket
