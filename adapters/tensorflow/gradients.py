@@ -31,6 +31,7 @@ import tensorflow as tf
 import hvps
 from hvps import ReduceOp
 from hvps.adapters.common import options
+from hvps.api.collectives import check_name
 from hvps.compression import GradientCompression
 
 from . import overlap
@@ -100,6 +101,7 @@ def allreduce_gradients(grads: Sequence[Any], op: ReduceOp = Average, compressio
     Ranks outside ``process_set`` get their gradients back unreduced, as in Horovod.
     """
     op, pipeline, prescale, postscale = gradient_options(op, gradient_predivide_factor, compression)
+    name = check_name(name)  # before it is built into the gradients' names
     fused = is_fusable(pipeline)
     if not fused:
         _check_process_set(process_set)

@@ -26,6 +26,7 @@ import tensorflow as tf
 import hvps
 from hvps import ProcessSet, ReduceOp, global_process_set
 from hvps.adapters.common.ops import resolve_op
+from hvps.api.collectives import check_name
 from hvps.core import scaling
 
 from .checks import check_reduce, check_rows, members
@@ -138,6 +139,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
                       name: Optional[str] = None) -> list:
     """Reduce several tensors as one fused collective (per dtype); IndexedSlices are allgathered."""
     op = resolve_op(average, op)
+    name = check_name(name)  # before it is built into the sparse tensors' names
     if not tensors:
         return list(tensors)
     out: list = [None] * len(tensors)

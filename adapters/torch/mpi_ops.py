@@ -14,6 +14,7 @@ import torch
 import hvps
 from hvps import ProcessSet, ReduceOp, global_process_set
 from hvps.adapters.common.ops import resolve_op
+from hvps.api.collectives import check_name
 from hvps.core import scaling
 
 from .compression import OPS, Compression, compress_for_sum, decompress_sum
@@ -165,7 +166,7 @@ def sparse_allreduce_handle(tensor: torch.Tensor, name: str, op: ReduceOp,
     sparse = tensor.coalesce() if not tensor.is_coalesced() else tensor
     # indices and values travel as one grouped allgather: both are submitted, or neither
     handle = grouped_allgather_async([sparse._indices().t().contiguous(), sparse._values().contiguous()],
-                                     name=f"sparse.{name}", process_set=process_set)
+                                     name=f"sparse.{check_name(name)}", process_set=process_set)
     size = _set_size(process_set)
 
     def result(gathered: list) -> torch.Tensor:

@@ -78,11 +78,25 @@ def _track_unnamed(handles: list) -> None:
             _unnamed["handles"] = [h for h in _unnamed["handles"] if not h.poll()]
 
 
+def check_name(name: Any) -> Optional[str]:
+    """``name`` if it is a str or None; TypeError otherwise.
+
+    The one check of a collective's name (the framework adapters pass names through it): anything
+    else would be turned into text, and ``str(object())`` differs by rank, so the job would stall
+    instead of failing at once on every rank.
+    """
+    if name is None or isinstance(name, str):
+        return name
+    raise TypeError(f"a collective's name must be a str (the same on every rank) or None, not "
+                    f"{type(name).__name__} {name!r}")
+
+
 def _name(kind: str, name: Optional[str], set_id: int = GLOBAL_SET) -> str:
     """User names are namespaced by kind (and set); unnamed ops are numbered per set and kind.
 
     Call it only once every argument has been checked: the counter must advance on every rank alike.
     """
+    check_name(name)
     scope = kind if set_id == GLOBAL_SET else f"{kind}.set{set_id}"
     if name:
         return f"{scope}.{name}"
@@ -253,6 +267,7 @@ def allreduce_gradients_async(buffers: list, dtype: str, name: str, op: ReduceOp
     names and scales it; the handle yields the only buffer, or the list of them.
     """
     engine = runtime.engine()
+    check_name(name)
     if process_set is None or process_set is global_process_set:
         set_id, label = GLOBAL_SET, f"{ALLREDUCE}.{name}"
     else:

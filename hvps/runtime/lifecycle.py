@@ -89,6 +89,8 @@ def _start(comm) -> None:
 
 def shutdown() -> None:
     """Stop the engine on every rank (collective). Safe to call when not initialized."""
+    if state.forked():  # the engine is the parent's: leave it (and the job) alone
+        return
     reset_process_sets()
     metrics.set_job_identity(None)
     with state._state.lock:

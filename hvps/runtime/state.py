@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -30,9 +31,32 @@ class _State:
         self.engine = None
         self.topology: Optional[Topology] = None
         self.settings: Optional[Settings] = None
+        #: the pid of the process that ran ``init``, in a child forked after it (None elsewhere)
+        self.forked_from: Optional[int] = None
+
+    def after_fork_in_child(self) -> None:
+        """The child has a copy of the engine but not its thread, and shares the parent's control
+        connection: from now on it must never submit anything (see ``engine``)."""
+        self.lock = threading.Lock()  # the parent may have held it at the fork
+        if self.engine is not None and self.forked_from is None:
+            self.forked_from = os.getppid()
 
 
 _state = _State()
+os.register_at_fork(after_in_child=_state.after_fork_in_child)
+
+
+def forked() -> bool:
+    """Whether this process is a child forked after ``init`` (hvps refuses to run collectives in it)."""
+    return _state.forked_from is not None
+
+
+def forked_error() -> HvpsError:
+    return HvpsError(
+        f"hvps cannot be used in a child process forked after init (this is pid {os.getpid()}; rank "
+        f"{_state.topology.rank if _state.topology else '?'} is pid {_state.forked_from}): run collectives in the "
+        "process that called hvps.init(), and start helper processes with multiprocessing's 'spawn' or "
+        "'forkserver' method if they must use hvps")
 
 
 def is_initialized() -> bool:
@@ -45,6 +69,8 @@ def engine():
     current = _state.engine
     if current is None:
         raise HvpsError(NOT_INITIALIZED)
+    if _state.forked_from is not None:
+        raise forked_error()
     return current
 
 

@@ -178,3 +178,82 @@ def test_everything_still_works_at_the_end(request):
     for i in range(5):
         _healthy(f"{request.node.name}/{i}")
     hvps.barrier()
+
+
+@pytest.mark.parametrize("bad", [object(), 7, b"bytes", ("a", "b")], ids=["object", "int", "bytes", "tuple"])
+def test_non_str_name_is_a_type_error_on_every_rank(bad):
+    """str(object()) differs by rank: taken as a name, it would stall the job instead of failing."""
+    t0 = time.monotonic()
+    with pytest.raises(TypeError, match=r"name must be a str"):
+        hvps.allreduce(np.ones(3, np.float32), name=bad)
+    with pytest.raises(TypeError, match=r"name must be a str"):
+        hvps.allgather_async(np.ones(3, np.float32), name=bad)
+    with pytest.raises(TypeError, match=r"name must be a str"):
+        hvps.broadcast_object({"x": 1}, root_rank=0, name=bad)
+    assert time.monotonic() - t0 < 0.5 * STALL
+    _healthy("after-non-str-name")
+
+
+def test_non_str_name_through_the_torch_adapter():
+    torch = pytest.importorskip("torch")
+    import hvps.adapters.torch as hvd
+
+    t0 = time.monotonic()
+    with pytest.raises(TypeError, match=r"name must be a str"):
+        hvd.allreduce(torch.ones(3), name=object())
+    with pytest.raises(TypeError, match=r"name must be a str"):
+        hvd.sparse_allreduce_async(torch.ones(3).to_sparse(), name=object(), op=hvd.Sum)
+    with pytest.raises(TypeError, match=r"name must be a str"):
+        hvd.broadcast_(torch.ones(3), root_rank=0, name=object())
+    assert time.monotonic() - t0 < 0.5 * STALL
+    _healthy("after-torch-non-str-name")
+
+
+def test_collective_in_a_child_forked_after_init_fails_at_once():
+    """The child has a copy of the engine but not its thread, and it must never write to the parent's
+    control connection: every collective refuses at once, and its exit leaves the job alone."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave without running the parent's atexit handlers
+        os.close(read)
+        try:
+            t0 = time.monotonic()
+            try:
+                hvps.allreduce(np.ones(3, np.float32), name="from.child")
+                report = "no error"
+            except hvps.HvpsError as exc:
+                report = f"{time.monotonic() - t0:.3f} {exc}"
+            try:
+                hvps.barrier()
+            except hvps.HvpsError as exc:
+                report += f"\n{exc}"
+            os.write(write, report.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        report = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    first, _, second = report.partition("\n")
+    seconds, _, message = first.partition(" ")
+    assert "hvps cannot be used in a child process forked after init" in message, report
+    assert "hvps cannot be used in a child process forked after init" in second, report
+    assert float(seconds) < 0.5, report
+    _healthy("after-fork")
+
+
+def test_a_forked_child_that_exits_normally_leaves_the_job_alone():
+    """A child that ends through Python's normal exit runs the atexit handlers it inherited; hvps's
+    must not shut the parent's engine down, send on its connection or abort the MPI job."""
+    import atexit
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            atexit._run_exitfuncs()  # what the child's normal exit would run
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    _healthy("after-fork-exit")
