@@ -5,18 +5,23 @@ metric values come from tests/mpi/mpi_metrics.py in a one-rank hvps process (MPI
 """
 
 import base64
-import logging
+import os
+import select
 import shutil
 import socket
 import ssl
 import subprocess
+import threading
+import time
 import urllib.error
 import urllib.request
 
 import pytest
-from conftest import run_mpi
+from conftest import SHARED_JOBS, case, run_mpi
 
 from hvps import metrics
+from hvps.core.errors import HvpsError
+from hvps.metrics import server
 
 
 def free_ports(count=1):
@@ -48,11 +53,11 @@ def exporter_cleanup():
     metrics.stop()
 
 
-def get(url, auth=None, context=None):
+def get(url, auth=None, context=None, scheme="Basic", timeout=10):
     request = urllib.request.Request(url)
     if auth is not None:
-        request.add_header("Authorization", "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode())
-    with urllib.request.urlopen(request, timeout=10, context=context) as response:
+        request.add_header("Authorization", f"{scheme} " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode())
+    with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
         return response.status, response.read().decode()
 
 
@@ -95,14 +100,19 @@ def test_port_plus_local_rank_from_launcher_environment(exporter_cleanup, monkey
     assert 'rank="7"' in get(exporter.url)[1]
 
 
-def test_taken_port_is_logged_not_raised(monkeypatch, caplog):
+def test_taken_port_is_an_error_naming_the_port(monkeypatch):
+    """Metrics asked for on a port another socket holds (a squatter would get the scrapers'
+    credentials): an HvpsError naming the port and what to do, from serve() and at init."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        monkeypatch.setenv("HVPS_METRICS_PORT", str(taken.getsockname()[1]))
-        with caplog.at_level(logging.ERROR, logger="hvps"):
-            assert metrics.start_from_env() is None
-    assert "metrics are off on this rank" in caplog.text
+        port = taken.getsockname()[1]
+        with pytest.raises(HvpsError, match=rf"127\.0\.0\.1:{port}: port {port} is already taken.*TLS"):
+            metrics.serve(port)
+        assert metrics.current() is None
+        monkeypatch.setenv("HVPS_METRICS_PORT", str(port))
+        with pytest.raises(HvpsError, match=f"port {port} is already taken"):
+            metrics.start_from_env()
     assert metrics.current() is None
 
 
@@ -147,6 +157,130 @@ def test_tls_with_a_self_signed_certificate(exporter_cleanup, tmp_path):
         get(exporter.url.replace("https://", "http://"), ("u", "p"))
     # The server still answers afterwards (a failed handshake does not stop it).
     assert get(exporter.url, ("u", "p"), context=trusted)[0] == 200
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory):
+    return _self_signed(tmp_path_factory.mktemp("cert"))
+
+
+@pytest.mark.parametrize("scheme", ["basic", "BASIC", "bAsIc"])
+def test_basic_auth_scheme_is_case_insensitive_over_tls(exporter_cleanup, certificate, scheme):
+    """RFC 7235 2.1: the auth scheme is case-insensitive; the credentials are not."""
+    cert, key = certificate
+    exporter = metrics.serve(0, certfile=str(cert), keyfile=str(key), basic_auth=("u", "p"))
+    trusted = ssl.create_default_context(cafile=str(cert))
+    status, body = get(exporter.url, ("u", "p"), context=trusted, scheme=scheme)
+    assert status == 200 and "hvps_info{" in body
+    for wrong in (("u", "P"), ("U", "p")):
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            get(exporter.url, wrong, context=trusted, scheme=scheme)
+        assert caught.value.code == 401
+
+
+def _server_side_sockets(port):
+    """Connected TCP sockets of this process whose local port is ``port``: the server's ends."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" and fields[9] in inodes and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                count += 1
+    return count
+
+
+def _serve(transport, certificate, **kwargs):
+    """An exporter over ``transport`` (http, tls) and a client context for it."""
+    if transport == "http":
+        return metrics.serve(0, **kwargs), None
+    cert, key = certificate
+    return (metrics.serve(0, certfile=str(cert), keyfile=str(key), **kwargs),
+            ssl.create_default_context(cafile=str(cert)))
+
+
+@pytest.mark.parametrize("transport", ["http", "tls"])
+def test_slow_loris_takes_bounded_sockets_and_threads(exporter_cleanup, certificate, transport):
+    """300 connections that never finish their request (over TLS: never say hello) hold at most
+    MAX_CONNECTIONS sockets and no thread of their own; a real scrape still gets through."""
+    threads_before = threading.active_count()
+    exporter, context = _serve(transport, certificate, basic_auth=("u", "p"))
+    held = []
+    try:
+        for _ in range(300):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", exporter.port))
+            held.append(s)
+        time.sleep(0.3)
+        if transport == "http":
+            for s in held:  # a request head that never ends
+                try:
+                    s.send(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+                except OSError:
+                    pass
+        time.sleep(0.7)
+        assert _server_side_sockets(exporter.port) <= server.MAX_CONNECTIONS
+        assert threading.active_count() <= threads_before + 1 + server.WORKERS
+        status, body = get(exporter.url, ("u", "p"), context=context, timeout=5)
+        assert status == 200 and "hvps_info{" in body
+        assert _server_side_sockets(exporter.port) <= server.MAX_CONNECTIONS
+    finally:
+        for s in held:
+            s.close()
+
+
+def _client_hello():
+    """The first bytes of a TLS handshake, to send one at a time."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ssl.create_default_context().wrap_bio(incoming, outgoing, server_hostname="127.0.0.1")
+    with pytest.raises(ssl.SSLWantReadError):
+        obj.do_handshake()
+    return outgoing.read()
+
+
+@pytest.mark.parametrize("client", ["idle", "trickle"])
+@pytest.mark.parametrize("transport", ["http", "tls"])
+def test_deadline_closes_a_connection_that_never_completes(exporter_cleanup, certificate, monkeypatch,
+                                                           transport, client):
+    """One deadline from accept (here 0.5 s) covers the TLS handshake and the request head: a
+    connection that sends nothing, or one byte every 0.1 s, is closed by then. Before, the limit
+    was 10 s per read, so a trickle was kept forever."""
+    monkeypatch.setattr(server, "REQUEST_DEADLINE", 0.5)
+    exporter, _ = _serve(transport, certificate)
+    payload = _client_hello() if transport == "tls" else b"GET /metrics HTTP/1.1\r\nX-Slow: " + b"a" * 100
+    closed = False
+    with socket.create_connection(("127.0.0.1", exporter.port), timeout=5) as s:
+        for i in range(40):  # 4 s at most
+            try:
+                if client == "trickle":
+                    s.send(payload[i:i + 1])
+                if select.select([s], [], [], 0.1)[0]:
+                    closed = s.recv(4096) == b""
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+            if closed:
+                break
+    assert closed, f"the server still held a {client} connection after 4 s (its deadline: 0.5 s)"
+    status, body = get(exporter.url, context=ssl.create_default_context(cafile=str(certificate[0]))
+                       if transport == "tls" else None)
+    assert status == 200 and "hvps_info{" in body
+
+
+@pytest.mark.inner_cases(cases=lambda np_: [(np_, case("metrics_squat", "mpi_metrics_squat.py", timeout=90))],
+                         share=SHARED_JOBS)
+@pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
+def test_squatted_port_of_rank_1_is_an_error_there(np_, inner_results):
+    """A local user who binds rank 1's port first: hvps.init raises on rank 1, naming the port
+    (tests/mpi/mpi_metrics_squat.py); the other ranks serve on their own ports."""
+    inner_results["metrics_squat"].assert_all_passed(min_passed=1)
 
 
 @pytest.mark.unit

@@ -25,6 +25,7 @@ Settings (read at ``hvps.init()``; :func:`serve` takes the same as arguments):
 
 from __future__ import annotations
 
+import errno
 import functools
 import ipaddress
 import logging
@@ -34,6 +35,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Tuple
 
+from ..core.errors import HvpsError
 from ..core.settings import env_text
 
 log = logging.getLogger("hvps")
@@ -101,12 +103,12 @@ def serve(port: Optional[int] = None, addr: Optional[str] = None, *, certfile: O
     """Serve this rank's metrics on ``addr:port + local_rank`` (``port`` 0: any free port).
 
     Arguments left out come from ``HVPS_METRICS_*`` (see the module's docstring); ``basic_auth``
-    is ``(user, password)``. Raises RuntimeError while an exporter is running, OSError when the
-    port is taken.
+    is ``(user, password)``. Raises RuntimeError while an exporter is running, and HvpsError
+    (naming the port) when the port is taken or cannot be bound.
     """
     global _sink, _exporter
     from .instruments import Instruments
-    from .server import MetricsServer, read_basic_auth_file
+    from .server import BindFailed, MetricsServer, read_basic_auth_file
 
     if port is None:
         port = _port_from_env()
@@ -123,7 +125,14 @@ def serve(port: Optional[int] = None, addr: Optional[str] = None, *, certfile: O
             raise RuntimeError(f"hvps metrics are already served at {_exporter.url}; close() that exporter first")
         instruments = Instruments(rank, local_rank, socket.gethostname())
         bound = port + local_rank if port and offset_by_local_rank else port
-        server = MetricsServer(instruments.registry, addr, bound, certfile, keyfile, basic_auth)
+        try:
+            server = MetricsServer(instruments.registry, addr, bound, certfile, keyfile, basic_auth)
+        except BindFailed as exc:
+            instruments.close()
+            raise HvpsError(_bind_failure(exc, addr, port, bound, rank, local_rank)) from exc
+        except BaseException:
+            instruments.close()
+            raise
         _exporter = Exporter(instruments, server)
         _sink = instruments
     if not _is_loopback(addr) and (not certfile or basic_auth is None):
@@ -131,6 +140,19 @@ def serve(port: Optional[int] = None, addr: Optional[str] = None, *, certfile: O
                     "read them", rank, _exporter.url, " or ".join(
                         w for w, off in (("TLS", not certfile), ("basic auth", basic_auth is None)) if off))
     return _exporter
+
+
+def _bind_failure(exc: OSError, addr: str, port: int, bound: int, rank: int, local_rank: int) -> str:
+    where = (f"port {bound} ({ENV_PORT}={port} + local rank {local_rank})" if bound != port
+             else f"port {bound}")
+    if exc.errno == errno.EADDRINUSE:
+        return (f"hvps metrics of rank {rank} cannot listen on {addr}:{bound}: {where} is already taken by another "
+                "process. Whoever holds it would receive your scrapers' requests, credentials included. Find it "
+                f"(`ss -ltnp 'sport = :{bound}'`) and stop it, or choose a base port whose next ranks-per-host ports "
+                f"are all free ({ENV_PORT}); serve with TLS ({ENV_CERT}/{ENV_KEY}) and have Prometheus verify the "
+                "certificate (tls_config ca_file) so that a squatter cannot pass for this rank")
+    return (f"hvps metrics of rank {rank} cannot listen on {addr}:{bound} ({where}): {exc}; "
+            f"check {ENV_ADDR} and {ENV_PORT}")
 
 
 def current() -> Optional[Exporter]:
@@ -158,17 +180,23 @@ def _port_from_env() -> Optional[int]:
 def start_from_env() -> Optional[Exporter]:
     """At ``hvps.init()``: serve when ``HVPS_METRICS_PORT`` is set and nothing is served yet.
 
-    A bad setting or a taken port is logged, not raised: ``init`` is collective, and one rank
-    failing it would leave the others waiting.
+    Metrics were asked for, so what stops them is an HvpsError from ``init`` on this rank, not a
+    log line: a taken port (whoever holds it would get the scrapers' credentials), a bad setting,
+    an unreadable certificate or auth file. The other ranks' ``init`` returns; they fail their
+    first collective after the stall time (``HVPS_STALL_CHECK_TIME_SECONDS``), which this rank
+    never submits, and the job ends with this rank's error printed first.
     """
     try:
         port = _port_from_env()
         if port is None or _exporter is not None:
             return _exporter
         exporter = serve(port)
-    except (OSError, ValueError, RuntimeError) as exc:
-        log.error("hvps: metrics are off on this rank: %s", exc)
-        return None
+    except HvpsError:
+        raise
+    except (OSError, ValueError) as exc:
+        files = ", ".join(f"{name}={env_text(name)}" for name in (ENV_CERT, ENV_KEY, ENV_AUTH) if env_text(name))
+        raise HvpsError(f"hvps metrics ({ENV_PORT}={env_text(ENV_PORT)}) cannot start on this rank: {exc}"
+                        + (f"; check {files}" if files else "")) from exc
     log.info("hvps: metrics at %s", exporter.url)
     return exporter
 
