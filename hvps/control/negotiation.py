@@ -114,7 +114,7 @@ def to_wire(message) -> dict:
 class _Pending:
     first_seen: float
     by_rank: dict
-    #: submissions that complete it when no rank has joined or died (its set's size; 0: unknown set)
+    #: submissions that complete it when no rank has joined (its set's size; 0: unknown set)
     needed: int = 0
 
 
@@ -128,7 +128,6 @@ class Coordinator:
         self._table: dict[str, _Pending] = {}
         self._joined: list[int] = []
         self._shutdown: set[int] = set()
-        self._dead: dict[int, str] = {}
         #: process set id -> its ranks (the global set, then those added since)
         self.sets: dict[int, tuple] = {GLOBAL_SET: tuple(range(size))}
 
@@ -142,11 +141,6 @@ class Coordinator:
         if not self._table:
             return None
         return min(p.first_seen for p in self._table.values()) + self.stall_seconds
-
-    def rank_died(self, rank: int, reason: str) -> None:
-        """Fail, from now on, every collective that waits for ``rank``."""
-        self._dead[rank] = reason
-        self._shutdown.add(rank)
 
     def submit(self, rank: int, requests: list, now: float) -> None:
         """Record requests that ``rank`` announced at time ``now``."""
@@ -169,8 +163,8 @@ class Coordinator:
         joined = set(self._joined)
         #: ranks that were waiting in a collective reported as stalled in this poll
         released: set = set()
-        #: without joined or dead ranks or a stall, a collective short of submissions needs no look
-        settled = not (joined or self._dead)
+        #: without joined ranks or a stall, a collective short of submissions needs no look
+        settled = not joined
         for name in list(self._table):
             pending = self._table[name]
             if (settled and not released and len(pending.by_rank) < pending.needed
@@ -185,11 +179,7 @@ class Coordinator:
             # join() only excuses ranks from collectives on the global set
             present = set(pending.by_rank) | (joined if set_id == GLOBAL_SET else set())
             if not present.issuperset(members):
-                dead = sorted(set(self._dead).intersection(members) - present)
-                if dead:
-                    ready.append(self._lost(name, pending, dead))
-                    del self._table[name]
-                elif (set(members) - present) & released:
+                if (set(members) - present) & released:
                     pending.first_seen = now
                 elif now - pending.first_seen >= self.stall_seconds:
                     ready.append(self._stalled(name, pending, present, members))
@@ -252,18 +242,6 @@ class Coordinator:
                 f"did not submit it within {self.stall_seconds:g} s (HVPS_STALL_CHECK_TIME_SECONDS). "
                 "Every rank must submit the same collectives; check for rank-dependent control flow "
                 "or a rank that died or stopped early."
-            ),
-        )
-
-    def _lost(self, name: str, pending: _Pending, dead: list) -> Response:
-        kind = next(iter(pending.by_rank.values())).kind
-        why = "; ".join(f"rank {r}: {self._dead[r]}" for r in dead)
-        return Response(
-            kind,
-            [name],
-            error=(
-                f"hvps: ranks {dead} exited before submitting {kind} '{name}' "
-                f"(submitted by ranks {sorted(pending.by_rank)}): {why}"
             ),
         )
 

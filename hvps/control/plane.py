@@ -4,7 +4,8 @@ MPI offers no way to wait for a message without spinning a core, so the engine
 negotiates over plain sockets instead: its thread blocks in ``select`` until a
 message, a local submission or a deadline arrives, costing no CPU while it
 waits and answering within microseconds. A closed connection tells at once
-that a rank has died. Messages are JSON, never pickle.
+that a rank has died, even while the engine is busy in a transfer: a watch thread
+notices it (``liveness.py``). Messages are JSON, never pickle.
 
 Rank 0's port is open to the network while ``init`` runs, so anything may connect.
 A connection is trusted only after a mutual challenge-response proves it holds the
@@ -23,11 +24,12 @@ import socket
 import struct
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from ..core.errors import HvpsError
 from ..core.settings import env_text
 from .handshake import ServerHandshake, client_handshake
+from .liveness import CLOSED, PeerWatch
 from .wire import MAX_AUTHENTICATED, FrameReader, ProtocolError, Session, encode
 
 log = logging.getLogger("hvps")
@@ -36,8 +38,10 @@ _SIOCGIFADDR = 0x8915
 HANDSHAKE_SECONDS = 5.0
 #: connections rank 0 keeps in handshake at once; more are refused until some finish
 _MAX_PENDING = 64
-_REQUESTS = frozenset({"requests", "epoch"})
-_RESPONSES = frozenset({"responses", "tuning"})
+#: what workers send rank 0, and rank 0 the workers; "bye" ends a connection on purpose (close()),
+#: "lost" is rank 0's last word when ranks died (see liveness.py)
+_REQUESTS = frozenset({"requests", "epoch", "bye"})
+_RESPONSES = frozenset({"responses", "tuning", "bye", "lost"})
 
 
 def interface_address(name: str) -> Optional[str]:
@@ -78,7 +82,11 @@ class ConnectionClosed(Exception):
 
 
 class _Peer:
-    """One authenticated, non-blocking connection."""
+    """One authenticated, non-blocking connection.
+
+    Its engine thread reads it; the watch thread too, once the peer's end has closed (to find its
+    last words), so reading holds ``lock``, and what the watch read waits in ``stash``.
+    """
 
     def __init__(self, sock: socket.socket, rank: int, session: Session, reader: FrameReader,
                  accepts: frozenset) -> None:
@@ -86,6 +94,16 @@ class _Peer:
         self.accepts = accepts
         self.reader.limit = MAX_AUTHENTICATED
         self.outbox = bytearray()
+        #: shut our sending side once the outbox is out (rank 0's last word: see ControlPlane.farewell)
+        self.closing = False
+        self.lock = threading.Lock()
+        self.stash: list = []
+        #: the stream has ended (the peer's end closed, or it broke the protocol)
+        self.ended = False
+        #: how it ended: with a goodbye, with rank 0's notice of lost ranks, or neither (a dead peer)
+        self.said_bye = False
+        self.notice: dict = {}
+        self.judged = False
 
     def flush(self) -> None:
         """Send what the socket takes now (never blocks)."""
@@ -98,21 +116,75 @@ class _Peer:
                 self.outbox.clear()
                 raise ConnectionClosed(str(exc)) from exc
             del self.outbox[:sent]
+        if self.closing:
+            self.closing = False
+            try:
+                self.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
 
-    def receive(self) -> list:
-        try:
-            data = self.sock.recv(1 << 20)
-        except BlockingIOError:
-            return []
-        except OSError as exc:
-            raise ConnectionClosed(str(exc)) from exc
-        if not data:
-            raise ConnectionClosed("connection closed")
-        try:
-            return [self.session.open(payload, self.accepts) for payload in self.reader.feed(data)]
-        except ProtocolError as exc:
-            log.error("hvps control plane: dropping rank %d: %s", self.rank, exc)
-            raise ConnectionClosed(str(exc)) from exc
+    def read(self) -> list:
+        """The messages that have arrived: what the watch read first, then what the socket holds now.
+        ``ended`` then tells whether the stream is over."""
+        with self.lock:
+            messages, self.stash = self.stash, []
+            messages += self._receive(until_end=False)
+            return messages
+
+    def drain(self) -> None:
+        """The peer's end has closed: read all that is left into the stash (the watch thread)."""
+        with self.lock:
+            self.stash += self._receive(until_end=True)
+
+    def _receive(self, until_end: bool) -> list:
+        messages: list = []
+        while not self.ended:
+            try:
+                data = self.sock.recv(1 << 20)
+            except BlockingIOError:
+                self.ended = until_end  # the peer shut its end: nothing more will come
+                break
+            except OSError:
+                self.ended = True
+                break
+            if not data:
+                self.ended = True
+                break
+            try:
+                for payload in self.reader.feed(data):
+                    message = self.session.open(payload, self.accepts)
+                    if "bye" in message:
+                        self.said_bye = True
+                    elif "lost" in message:
+                        self.notice = _lost_ranks(message["lost"])
+                    else:
+                        messages.append(message)
+            except ProtocolError as exc:
+                log.error("hvps control plane: dropping rank %d: %s", self.rank, exc)
+                self.ended = True
+                break
+            if not until_end:
+                break
+        return messages
+
+    def judge(self) -> dict:
+        """Once the stream has ended, and only the first time: the ranks it tells are lost
+        (rank 0's notice, else this peer unless it said goodbye). Empty otherwise."""
+        with self.lock:
+            if not self.ended or self.judged:
+                return {}
+            self.judged = True
+            return self.notice or ({} if self.said_bye else {self.rank: CLOSED})
+
+
+def _lost_ranks(value: object) -> dict:
+    """Rank 0's notice ``{"rank": why}`` as ``{rank: why}``; ProtocolError if it is not one."""
+    if not isinstance(value, dict) or not value:
+        raise ProtocolError("a notice of lost ranks must name them")
+    try:
+        return {int(rank): str(why) for rank, why in value.items()}
+    except ValueError:
+        raise ProtocolError("a notice of lost ranks must name them by number") from None
 
 
 class _Writer(threading.Thread):
@@ -191,6 +263,10 @@ class ControlPlane:
             self._selector.register(peer.sock, selectors.EVENT_READ, peer)
         self._writer = _Writer(self.peers)
         self._writer.start()
+        self._watch: Optional[PeerWatch] = None
+        self._on_lost: Optional[Callable[[dict], None]] = None
+        #: peers whose stream the watch found ended: the next poll drops them
+        self._ended: list = []
 
     def _accept(self, listener: socket.socket, key: bytes, timeout: float) -> None:
         """Run handshakes side by side until every other rank has proved itself."""
@@ -294,6 +370,38 @@ class ControlPlane:
             "(hvpsrun --network-interface) or HVPS_CONTROL_ADDR to an address every host can reach"
         )
 
+    def watch(self, on_lost: Callable[[dict], None]) -> None:
+        """From now on, call ``on_lost({rank: why})`` (from any thread, at once) when ranks die: a peer's
+        connection ends without a goodbye, or rank 0's last word names the ranks it lost. A goodbye
+        (a peer that shut down) is not a loss: ``poll`` reports that connection as closed."""
+        self._on_lost = on_lost
+        if self.peers:
+            self._watch = PeerWatch([(peer.sock, peer) for peer in self.peers.values()], self._hung_up)
+            self._watch.start()
+
+    def _hung_up(self, peer: _Peer) -> None:
+        """The watch thread saw ``peer``'s end close: read its last words, judge, and let the engine's
+        next poll take what it read and drop the connection."""
+        peer.drain()
+        self._ended.append(peer)
+        self._judge(peer)
+        self.wake()
+
+    def _judge(self, peer: _Peer) -> None:
+        lost = peer.judge()
+        if lost and self._on_lost is not None:
+            self._on_lost(lost)
+
+    def farewell(self, lost: dict) -> None:
+        """Rank 0's last word: tell every other rank which ranks were lost, then shut our sending side
+        (so that a rank whose engine is busy notices at once too, through its watch)."""
+        body = encode({"lost": {str(rank): why for rank, why in lost.items()}})
+        for rank, peer in list(self.peers.items()):
+            if rank not in lost:
+                with self._writer.lock:
+                    peer.closing = True
+                self._send_encoded(rank, body)
+
     def wake(self) -> None:
         """Interrupt a ``poll`` in progress (called by user threads after queueing work)."""
         try:
@@ -309,6 +417,10 @@ class ControlPlane:
         """``send`` to every other rank, encoding ``message`` once."""
         body = encode(message)
         for rank in range(1, self.size):
+            self._send_encoded(rank, body)
+
+    def _send_to_all(self, body: bytes) -> None:
+        for rank in list(self.peers):
             self._send_encoded(rank, body)
 
     def _send_encoded(self, rank: int, body: bytes) -> None:
@@ -330,11 +442,14 @@ class ControlPlane:
         """Wait up to ``timeout`` s (None: until something happens).
 
         Returns ``(messages, closed)``: a list of ``(rank, message)`` and the ranks
-        whose connection closed.
+        whose connection closed. A closed connection that tells of lost ranks is also
+        reported to ``watch``'s callback, before this returns.
         """
         messages, closed = [], []
-        for key, _ in self._selector.select(timeout):
-            peer = key.data
+        ready = [key.data for key, _ in self._selector.select(timeout)]
+        if self._ended:
+            ready += [self._ended.pop() for _ in range(len(self._ended))]
+        for peer in ready:
             if peer is None:
                 try:
                     while self._wake_r.recv(4096):
@@ -342,9 +457,11 @@ class ControlPlane:
                 except BlockingIOError:
                     pass
                 continue
-            try:
-                messages.extend((peer.rank, m) for m in peer.receive())
-            except ConnectionClosed:
+            if self.peers.get(peer.rank) is not peer:
+                continue  # dropped already
+            messages.extend((peer.rank, m) for m in peer.read())
+            if peer.ended:
+                self._judge(peer)
                 closed.append(peer.rank)
                 self._drop(peer)
         return messages, closed
@@ -356,7 +473,10 @@ class ControlPlane:
             peer.sock.close()
 
     def close(self) -> None:
-        """Send what is queued (for up to 2 s) and close every socket."""
+        """Say goodbye, send what is queued (for up to 2 s) and close every socket."""
+        if self._watch is not None:
+            self._watch.stop()
+        self._send_to_all(encode({"bye": True}))
         self._writer.stop()
         for peer in list(self.peers.values()):
             self._drop(peer)

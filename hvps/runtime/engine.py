@@ -17,6 +17,7 @@ from collections import deque
 from typing import Optional
 
 from .. import metrics as _metrics
+from ..control.liveness import PeerLost
 from ..control.negotiation import ADD_SET, GLOBAL_SET, JOIN, REMOVE_SET, SHUTDOWN, Coordinator, Request
 from ..control.plane import ControlPlane
 from ..control.response_cache import ResponseCache
@@ -79,6 +80,8 @@ class Engine:
         self._unannounced: list = []
         self._last_announce = 0.0
         self._pending: dict[str, Entry] = {}
+        #: the entries of the response being executed (taken out of _pending): a dead rank fails them too
+        self._running: list = []
         self._failure: Optional[BaseException] = None
         self._stopping = False
         self.timeline = None
@@ -86,6 +89,8 @@ class Engine:
             self.start_timeline(settings.timeline)
         if self.autotuner is not None:
             self._tune(self.autotuner.first())
+        # A dead rank fails what is in flight at once, even while this thread is inside a transfer.
+        self.control.watch(self._peers_lost)
         self._thread = threading.Thread(target=self._run, name="hvps-engine", daemon=True)
         self._thread.start()
 
@@ -176,33 +181,42 @@ class Engine:
         if old is not None:
             old.close()
 
-    def shutdown(self) -> bool:
+    def shutdown(self) -> Optional[str]:
         """Agree with the other ranks to stop, then stop the thread.
 
-        Returns whether MPI can still finalize normally: not after a collective
-        failed midway or while the thread is stuck inside one.
+        Returns None when MPI can still finalize normally, else why not (the job must then be
+        aborted, or finalize would wait for ranks that will never get there): the engine failed (a
+        collective failed midway, a rank died), the thread is stuck inside a collective, rank 0 left
+        collectives of this rank unanswered (it is stopped or unreachable), or the ranks did not
+        agree to stop.
         """
-        if self._failure is None:
+        why = self._failure and f"the hvps engine stopped: {str(self._failure).removeprefix('hvps: ')}"
+        unanswered = sorted(entry.request.name for entry in list(self._pending.values()) if entry.handle.poll())
+        if why is None and unanswered:  # failed by a waiter's watchdog: rank 0 never answered them
+            why = f"rank 0 (the coordinator) never answered {unanswered[:3]}"
+        if why is None:
             handle = self.submit(Entry(Request("shutdown", SHUTDOWN), []))
             try:
                 handle.wait(timeout=self.settings.stall_check_seconds + 5)
             except HvpsError as exc:
-                log.warning("hvps shutdown did not complete on all ranks: %s", exc)
+                why = f"the ranks did not agree to shut down: {exc}"
         with self._lock:
             self._stopping = True
         self.control.wake()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=5 if why is None else 1)  # a failed engine's thread is gone, or stuck
         stuck = self._thread.is_alive()
+        if stuck and why is None:
+            why = "the hvps engine thread is stuck inside a collective"
         self._fail_all(HvpsError("hvps was shut down before this collective completed"))
         if not stuck:
             self.control.close()
         self.stop_timeline()
-        return not stuck and self._failure is None
+        return why
 
     # -- the engine thread ----------------------------------------------------------
     def _run(self) -> None:
         try:
-            while not self._stopping:
+            while not self._stopping and self._failure is None:
                 timeout = self._timeout()
                 with self._lock:  # decided together with submit(), so no wake-up is lost
                     if self._queue:
@@ -217,14 +231,30 @@ class Engine:
                 else:
                     self._work(messages, closed)
         except BaseException as exc:  # noqa: BLE001 - surfaced on every handle
+            with self._lock:
+                first, self._failure = self._failure is None, self._failure or exc
+            if not first:
+                return  # a rank died meanwhile (_peers_lost): this is a consequence, already reported
             if isinstance(exc, HvpsError):
                 log.error("hvps rank %d: %s", self.rank, exc)
             else:
                 log.exception("hvps engine thread failed on rank %d", self.rank)
             _metrics.on_engine_failure()
-            with self._lock:
-                self._failure = exc
             self._fail_all(HvpsError(f"the hvps engine stopped on rank {self.rank} after: {exc}"))
+
+    def _peers_lost(self, lost: dict) -> None:
+        """Ranks died (the control plane's watch, or this thread's poll): fail every collective in
+        flight at once, naming them, and stop. Rank 0 passes the word on to the other ranks."""
+        error = PeerLost(lost)
+        with self._lock:
+            if self._failure is not None or self._stopping:
+                return
+            self._failure = error
+        log.error("hvps rank %d: %s", self.rank, error)
+        if self.rank == 0:
+            self.control.farewell(error.lost)
+        self._fail_all(lambda entry: error.for_collective(entry.request.kind, entry.request.name))
+        self.control.wake()
 
     def _timeout(self) -> Optional[float]:
         """How long poll may block: a cycle while active, else until the next announcement or
@@ -273,8 +303,11 @@ class Engine:
         self.coordinator.submit(0, self.cache.canonical(self._due_announcements()), now)
         for source, message in messages:
             self.coordinator.submit(source, self.cache.resolve(source, message), now)
-        for rank in closed:
-            self.coordinator.rank_died(rank, "its control connection closed (the process exited or was killed)")
+        if closed and not self._stopping:  # a worker said goodbye without the others: it left the job
+            self._peers_lost({rank: "it shut its control connection down alone (its hvps engine stopped)"
+                              for rank in closed})
+        if self._failure is not None:
+            return
         responses = self.coordinator.poll(time.monotonic())
         if responses and self.size > 1:  # alone, rank 0 has no one to tell (nor a cache to keep)
             wire = {"responses": self.cache.encode_responses(responses)}
@@ -297,12 +330,15 @@ class Engine:
                 self._apply_tuning(message["tuning"])
         self.negotiation_seconds += time.perf_counter() - started
         self._execute(responses)
-        if closed and not self._stopping:
-            raise HvpsError("lost the connection to rank 0 (the coordinator): it exited or its host is unreachable")
+        if closed and not self._stopping:  # rank 0 said goodbye before agreeing to stop with the others
+            self._peers_lost({0: "it shut its control connection down alone (its hvps engine stopped)"})
 
     def _execute(self, responses: list) -> None:
         for response in responses:
+            if self._failure is not None:  # a rank died meanwhile: every handle has its error
+                return
             entries = [self._pending.pop(name, None) for name in response.names]
+            self._running = [entry for entry in entries if entry is not None]
             if response.error:
                 self._report_error(response, entries)
             elif response.kind in (ADD_SET, REMOVE_SET):
@@ -314,6 +350,7 @@ class Engine:
                         entry.handle.set_result(response.last_joined if response.kind == JOIN else None)
             else:
                 self._run_collective(response, entries)
+        self._running = []
 
     def _change_sets(self, response, entries: list) -> None:
         """Build (or free) the data plane of an agreed process set, on its members only."""
@@ -381,12 +418,19 @@ class Engine:
         for entry in mine:
             entry.handle.set_error(HvpsError(response.error))
 
-    def _fail_all(self, error: HvpsError) -> None:
+    def _fail_all(self, error) -> None:
+        """Fail every collective in flight with ``error``, or with ``error(entry)`` (one per collective)."""
         with self._lock:
             entries = list(self._pending.values()) + list(self._queue)
             self._pending.clear()
             self._queue.clear()
             self._queued_names.clear()
-        for entry in entries:
-            if not entry.handle.poll():
+        for entry in entries + self._running:
+            if entry.handle.poll():
+                continue
+            if isinstance(error, BaseException):
                 entry.handle.set_error(error)
+            else:
+                failure = error(entry)
+                _metrics.on_collective_error(str(failure), True)
+                entry.handle.set_error(failure)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 
 from .. import metrics
 from ..core.errors import HvpsError
@@ -98,15 +99,30 @@ def shutdown() -> None:
         if engine is None:
             return
         state._state.topology = None
-        if engine.shutdown():
+        why = engine.shutdown()
+        if why is None:
             engine.backend.close()
             return
-    # A collective failed midway or is stuck inside MPI (a peer or link died):
-    # MPI cannot finalize, so end the job rather than hang at exit.
-    from mpi4py import MPI
+    end_job(why)
 
-    logging.getLogger("hvps").error("hvps: a collective failed midway; aborting the MPI job")
-    MPI.COMM_WORLD.Abort(1)
+
+def end_job(why: str) -> None:
+    """End the whole job now, saying ``why``: MPI's abort (mpirun then ends every rank), or, without
+    MPI, this process's exit (its closed control connections tell the others at once).
+
+    For an engine that failed (a collective failed midway, a rank died or stopped answering): MPI's
+    finalize, which mpi4py runs after the atexit handlers, waits for every rank, and would wait
+    forever for one that is stopped or stuck. The user's error is printed before (atexit runs after
+    Python has printed the traceback).
+    """
+    logging.getLogger("hvps").error("hvps: %s; aborting the job rather than waiting for every rank in "
+                                    "MPI_Finalize", why)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.COMM_WORLD.Abort(1)
+    os._exit(1)
 
 
 atexit.register(shutdown)

@@ -1,0 +1,76 @@
+"""One rank of tests/test_dead_ranks.py's jobs: a rank that dies or stops, and what the others see.
+
+``MODE=kill``: every rank runs allreduces (a large one, so the ranks are inside the data plane);
+rank ``VICTIM`` SIGKILLs itself once its large allreduce has started, after writing the time to
+``$OUT/killed``. Every other rank catches the HvpsError, writes ``time\\nmessage`` to ``$OUT/err.R``,
+waits (briefly) for the other survivors' files, and exits 3.
+
+``MODE=stop``: after a barrier, rank 0 SIGSTOPs itself outside any collective (writing the time to
+``$OUT/stopped``); the others then start an allreduce and let its HvpsError end the script
+uncaught, as a training script would.
+"""
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+import hvps
+
+OUT = Path(os.environ["OUT"])
+MODE = os.environ["MODE"]
+
+hvps.init()
+rank, size = hvps.rank(), hvps.size()
+small = np.ones(16, np.float32)
+large = np.ones(int(os.environ.get("ELEMENTS", str(16 << 20))), np.float32)  # 64 MiB: long enough to be inside it
+
+
+def kill_self_soon(handle) -> None:
+    """SIGKILL this process as soon as ``handle``'s collective has started moving data."""
+    def run():
+        while handle._started is None and not handle.poll():
+            time.sleep(0.001)
+        time.sleep(0.05)
+        (OUT / "killed").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+if MODE == "kill":
+    victim = int(os.environ["VICTIM"])
+    try:
+        for step in range(3):
+            hvps.allreduce(small, name=f"small.{step}", op=hvps.Sum)
+        hvps.barrier()
+        handle = hvps.allreduce_async(large, name="large", op=hvps.Sum)
+        if rank == victim:
+            kill_self_soon(handle)
+        handle.wait()
+        hvps.allreduce(small, name="after", op=hvps.Sum)
+        print(f"rank {rank}: NO ERROR", flush=True)
+    except hvps.HvpsError as exc:
+        (OUT / f"err.{rank}").write_text(f"{time.time()!r}\n{exc}")
+        print(f"rank {rank} raised: {exc}", flush=True)
+    # Let every survivor record what it saw before the first one's exit aborts the job.
+    deadline = time.monotonic() + 10
+    survivors = [r for r in range(size) if r != victim]
+    while time.monotonic() < deadline and not all((OUT / f"err.{r}").exists() for r in survivors):
+        time.sleep(0.02)
+    sys.exit(3)
+
+if MODE == "stop":
+    hvps.allreduce(small, name="warm", op=hvps.Sum)
+    hvps.barrier()
+    if rank == 0:
+        (OUT / "stopped").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(600)
+    time.sleep(0.2)
+    hvps.allreduce(small, name="after.stop", op=hvps.Sum)  # raises: rank 0 never answers
+    print(f"rank {rank}: NO ERROR", flush=True)
