@@ -51,9 +51,11 @@ class Context:
 def _span(ins: list, outs: list):
     """One flat array over ``ins`` if they are reduced in place and lie back to back in memory, in order.
 
-    Gradients kept in one flat buffer fuse this way without being copied into
-    and out of the fusion buffer. Whether a rank uses the span or the fusion
-    buffer does not change what travels. Host (numpy) arrays only.
+    Tensors kept in one flat buffer fuse this way without being copied into and
+    out of the fusion buffer. Whether a rank uses the span or the fusion buffer
+    is a fact of its own memory, so it may differ between ranks: it must not
+    change what travels (one backend call over the same elements either way).
+    Host (numpy) arrays only.
     """
     if not all(arrays.is_numpy(a) for a in ins):
         return None
@@ -124,17 +126,20 @@ def run_allreduce(ctx: Context, response, entries: list) -> list:
         else:
             ins.extend(entry.inputs)
             outs.extend(entry.outputs)
-    span = _span(ins, outs) if len(ins) > 1 else None
-    if span is not None:  # in place on tensors that lie back to back: no copies at all
-        _reduce_where_it_lives(ctx, span, span, op, first)
-    else:
-        large = [i for i, a in enumerate(ins) if _reduced_alone(a, len(ins))]
-        for i in large:
-            _reduce_where_it_lives(ctx, ins[i], outs[i], op, first)
-        if len(large) < len(ins):
-            chosen = set(large)
-            _reduce_packed(ctx, [a for i, a in enumerate(ins) if i not in chosen],
-                           [a for i, a in enumerate(outs) if i not in chosen], op, first)
+    # Which tensors go alone depends only on the agreed response (sizes, devices), never on where
+    # this rank's memory lies: every rank must make the same backend calls over the same elements.
+    alone = [_reduced_alone(a, len(ins)) for a in ins]
+    for a, out, single in zip(ins, outs, alone):
+        if single:
+            _reduce_where_it_lives(ctx, a, out, op, first)
+    packed_ins = [a for a, single in zip(ins, alone) if not single]
+    if packed_ins:
+        packed_outs = [out for out, single in zip(outs, alone) if not single]
+        span = _span(packed_ins, packed_outs)
+        if span is not None:  # in place on tensors that lie back to back: no copies at all
+            _reduce_where_it_lives(ctx, span, span, op, first)
+        else:
+            _reduce_packed(ctx, packed_ins, packed_outs, op, first)
     results = []
     for entry in entries:
         if entry is not None:

@@ -93,3 +93,26 @@ def test_large_members_of_a_fused_group_are_reduced_where_they_live(in_place):
                 check_allreduce_result(np.asarray(out), x, op, size, pre, post, what=f"{key} member {k}")
                 if in_place:
                     assert out is mine[k] or np.shares_memory(out, mine[k]), f"{key} member {k} not in place"
+
+
+@pytest.mark.parametrize("op", ["Sum", "Average"])
+def test_members_in_one_flat_buffer_on_some_ranks_only(op):
+    """Where a rank's tensors lie is its own affair: rank 0 hands in views of one flat buffer (in
+    place, back to back), the others separate arrays. Large members mixed with small ones must
+    still make every rank run the same backend calls, and every result matches numpy."""
+    from hvps.dataplane.executors import REDUCED_ALONE_BYTES
+
+    size, rank = hvps.size(), hvps.rank()
+    edge = REDUCED_ALONE_BYTES // 4  # float32 elements at the boundary
+    shapes = [(5,), (edge + 3,), (301,), (edge * 2,), (17, 3)]
+    key = f"layout/{op}"
+    ins = [all_inputs(np.float32, shape, f"{key}/{k}", size, op) for k, shape in enumerate(shapes)]
+    if rank == 0:
+        flat = np.concatenate([x[rank].reshape(-1) for x in ins])
+        bounds = np.cumsum([0] + [int(np.prod(s)) for s in shapes])
+        mine = [flat[lo:hi].reshape(s) for lo, hi, s in zip(bounds, bounds[1:], shapes)]
+    else:
+        mine = [x[rank].copy() for x in ins]
+    outs = hvps.grouped_allreduce(mine, op=getattr(hvps, op), outs=mine, name=key)
+    for k, (out, x) in enumerate(zip(outs, ins)):
+        check_allreduce_result(np.asarray(out), x, op, size, what=f"{key} member {k} (rank 0 flat)")

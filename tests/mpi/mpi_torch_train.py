@@ -148,3 +148,39 @@ def test_too_many_backward_passes_raises():
     opt.step()
     opt.zero_grad()
     _assert_same_on_all_ranks(model, "after too-many-passes test")
+
+
+def test_one_gib_gradient_beside_small_ones():
+    """A 1 GiB gradient (a 128k x 2,048 fp32 embedding is one) through DistributedOptimizer,
+    mixed with small ones: every rank ends the step with the average of every rank's gradient."""
+    import numpy as np
+
+    size, rank = hvd.size(), hvd.rank()
+    numel = 1 << 28  # 2**30 bytes of float32
+    big = torch.nn.Parameter(torch.zeros(numel))
+    small = _mlp(7)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD([big, *small.parameters()], lr=1.0),
+        named_parameters=[("big", big), *small.named_parameters()])
+
+    def touched(r):  # rank r's gradient: random values at random places, zero elsewhere
+        rng = np.random.default_rng(4242 + r)
+        return torch.from_numpy(rng.integers(0, numel, 4096)), \
+            torch.from_numpy(rng.standard_normal(4096).astype(np.float32))
+
+    idx, vals = touched(rank)
+    x, y = _data(rank)
+    loss = (big[idx] * vals).sum() + torch.nn.functional.mse_loss(small(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+    every = [touched(r) for r in range(size)]
+    places, slot = torch.cat([i for i, _ in every]).unique(return_inverse=True)
+    expected = torch.zeros(len(places)).index_add_(0, slot, torch.cat([v for _, v in every]) / size)
+    with torch.no_grad():  # SGD with lr 1 from zeros: the parameter is minus the averaged gradient
+        assert torch.allclose(-big[places], expected, rtol=1e-5, atol=1e-6), \
+            f"rank {rank}: the 1 GiB gradient's average is wrong where ranks' gradients are not zero"
+        assert int(torch.count_nonzero(big)) == int(torch.count_nonzero(expected)), \
+            f"rank {rank}: the 1 GiB gradient's average is not zero where every rank's gradient is"
+    _assert_same_on_all_ranks(small, "after the 1 GiB step")
