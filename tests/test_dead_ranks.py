@@ -60,11 +60,13 @@ def run_job(tmp: Path, np_: int, env: dict, mpi_args: str = "", timeout: float =
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("np_,victim", [(3, 0), (3, 2), (2, 1)], ids=["np3-rank0", "np3-rank2", "np2-rank1"])
-def test_killed_rank_is_named_by_every_survivor_within_2s(tmp_path, np_, victim):
-    # A stall time far above 2 s: only the closed control connection can explain a fast error.
-    rc, out, _ = run_job(tmp_path, np_, {"MODE": "kill", "VICTIM": str(victim), "HVPS_STALL_CHECK_TIME_SECONDS": "20"},
-                         mpi_args=_keep_survivors_flag(), timeout=90)
+@pytest.mark.parametrize("np_,victim,backend", [(3, 0, "mpi"), (3, 2, "mpi"), (2, 1, "mpi"), (3, 2, "tdist")],
+                         ids=["np3-rank0", "np3-rank2", "np2-rank1", "np3-rank2-tdist"])
+def test_killed_rank_is_named_by_every_survivor_within_2s(tmp_path, np_, victim, backend):
+    # A stall time far above 2 s: only the closed control connection can explain a fast error. On the
+    # torch.distributed data plane gloo notices the reset connection too, without naming the dead rank.
+    env = {"MODE": "kill", "VICTIM": str(victim), "HVPS_STALL_CHECK_TIME_SECONDS": "20", "HVPS_BACKEND": backend}
+    rc, out, _ = run_job(tmp_path, np_, env, mpi_args=_keep_survivors_flag(), timeout=90)
     # (the exit status is not checked: Open MPI 5's recovery mode may return 0 after a rank's abort)
     assert rc is not None, "the job hung:\n" + out
     assert "NO ERROR" not in out, out
@@ -76,7 +78,7 @@ def test_killed_rank_is_named_by_every_survivor_within_2s(tmp_path, np_, victim)
         assert record.exists(), f"rank {rank} never raised:\n{out}"
         raised, message = record.read_text().split("\n", 1)
         delay = float(raised) - killed
-        print(f"np={np_} victim={victim}: rank {rank} raised {delay:.3f} s after the kill: {message}")
+        print(f"np={np_} victim={victim} {backend}: rank {rank} raised {delay:.3f} s after the kill: {message}")
         assert delay < 2.0, f"rank {rank} raised {delay:.2f} s after the kill: {message}"
         named = {int(r) for r in re.findall(r"\branks? \[?(\d+(?:, \d+)*)\]?", message) for r in r.split(", ")}
         assert named == {victim}, f"rank {rank} named ranks {sorted(named)}, not [{victim}]: {message}"
@@ -95,7 +97,8 @@ def test_workers_end_the_job_when_a_stopped_coordinator_never_answers(tmp_path, 
     stopped = float((tmp_path / "stopped").read_text())
     ended = time.time()
     message = "'allreduce.after.stop' got no answer from the coordinator (rank 0)"
-    assert out.count(message) == np_ - 1, out
+    # (the first worker's abort may end another before it prints its own error)
+    assert out.count(message) >= 1, out
     assert out.index(message) < out.index("aborting"), "the error must be shown before the job is aborted:\n" + out
     print(f"np={np_}: the job ended {ended - stopped:.1f} s after rank 0 stopped (watchdog {watchdog:g} s)")
     assert ended - stopped < watchdog + 6.0, out

@@ -33,6 +33,9 @@ log = logging.getLogger("hvps")
 #: after local work arrives, the engine polls its queue for this many cycles before it
 #: goes back to sleeping until woken
 _ACTIVE_CYCLES = 20
+#: after a collective failed in the data plane, how long the engine waits for the control plane to
+#: tell which rank died (it knows within milliseconds of the kernel closing the dead rank's sockets)
+_LOSS_GRACE_SECONDS = 1.0
 
 
 def poll_timeout(deadline: float, now: float) -> float:
@@ -83,6 +86,8 @@ class Engine:
         #: the entries of the response being executed (taken out of _pending): a dead rank fails them too
         self._running: list = []
         self._failure: Optional[BaseException] = None
+        #: set once ranks were found dead (_peers_lost)
+        self._lost = threading.Event()
         self._stopping = False
         self.timeline = None
         if settings.timeline and settings.timeline != "DYNAMIC":  # DYNAMIC: start_timeline() later
@@ -254,6 +259,7 @@ class Engine:
         if self.rank == 0:
             self.control.farewell(error.lost)
         self._fail_all(lambda entry: error.for_collective(entry.request.kind, entry.request.name))
+        self._lost.set()  # after the handles have their errors (_run_collective waits for it)
         self.control.wake()
 
     def _timeout(self) -> Optional[float]:
@@ -387,7 +393,10 @@ class Engine:
                 results = EXECUTORS[response.kind](context, response, entries)
         except Exception as exc:
             # Ranks may now disagree on which messages are in flight: nothing after
-            # this can be trusted, so the engine stops (see _run) and says why.
+            # this can be trusted, so the engine stops (see _run) and says why. A failed transfer
+            # is most often a dead peer, which the data plane may notice first without naming it:
+            # the control plane's word on which rank died (_peers_lost) is the error to give.
+            self._lost.wait(_LOSS_GRACE_SECONDS)
             for entry in entries:
                 if entry is not None:
                     entry.handle.set_error(exc)
