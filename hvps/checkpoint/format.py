@@ -241,6 +241,7 @@ class Header:
     groups: dict  # HDF5 group path -> {attr: json value}
     total_bytes: int = 0  # size of the flat buffer, alignment included
     offsets: Optional[dict] = None  # path -> file offset of a contiguous dataset's bytes, else None
+    manifest_sha256: str = ""  # the manifest's SHA-256 (the root of the file's digest chain)
 
     @property
     def epoch(self) -> int:
@@ -456,7 +457,7 @@ def write_file(path: os.PathLike, sections: Mapping[str, Mapping], root_attrs: M
             f.create_dataset(MANIFEST, data=blob)
             for k, v in attrs.items():
                 f.attrs[k] = v if isinstance(v, (int, float, str)) and not isinstance(v, bool) else _dumps(v)
-            f.attrs["manifest_sha256"] = hashlib.sha256(blob.tobytes()).hexdigest()
+            manifest_digest = f.attrs["manifest_sha256"] = hashlib.sha256(blob.tobytes()).hexdigest()
             signature = sign(blob.tobytes(), checkpoint_key())
             if signature is not None:
                 f.attrs[SIGNATURE_ATTR] = signature
@@ -466,7 +467,7 @@ def write_file(path: os.PathLike, sections: Mapping[str, Mapping], root_attrs: M
         if fd >= 0:
             os.close(fd)
         pool.shutdown(wait=True, cancel_futures=True)
-    header = Header(path, attrs, entries, groups)
+    header = Header(path, attrs, entries, groups, manifest_sha256=manifest_digest)
     header.total_bytes = place_in_buffer(entries)
     return header
 
@@ -588,7 +589,7 @@ def _read_header(path: Path, f) -> Header:
                 problems.append(f"group {gpath}: attribute {k} differs from the manifest")
     if problems:
         raise CheckpointError("file contents do not match its manifest", path, problems)
-    header = Header(path, attrs, entries, manifest["groups"], offsets=offsets)
+    header = Header(path, attrs, entries, manifest["groups"], offsets=offsets, manifest_sha256=digest)
     header.total_bytes = place_in_buffer(entries)
     return header
 
@@ -681,7 +682,7 @@ class Reader:
                     dst = buf[e.start:e.start + e.nbytes]
                     if e.nbytes:
                         if offset is not None:
-                            _pread_all(fd, dst, offset, self.path, e.path)
+                            pread_all(fd, dst, offset, self.path, e.path)
                         else:
                             target = dst.view(np.dtype(e.storage)).reshape(e.shape)
                             f[e.path].read_direct(target)
@@ -723,7 +724,7 @@ class Reader:
             self._pool = None
 
 
-def _pread_all(fd: int, dst: np.ndarray, offset: int, path: Path, name: str) -> None:
+def pread_all(fd: int, dst: np.ndarray, offset: int, path: Path, name: str) -> None:
     view = memoryview(dst).cast("B")
     done = 0
     while done < len(view):

@@ -67,7 +67,7 @@ def deadline_s(path: Path) -> float:
 # ----------------------------------------------------------------------------- helper side
 def _header_json(h: Header) -> dict:
     return {"attrs": h.attrs, "entries": [dataclasses.astuple(e) for e in h.entries], "groups": h.groups,
-            "total_bytes": h.total_bytes, "offsets": h.offsets}
+            "total_bytes": h.total_bytes, "offsets": h.offsets, "manifest_sha256": h.manifest_sha256}
 
 
 def _answer(path: str) -> dict:
@@ -241,7 +241,8 @@ def inspect_header(path: Path) -> Header:
         raise cls(answer["error"], path, answer["problems"])
     h: dict[str, Any] = answer["header"]
     entries = [DatasetEntry(p, d, s, tuple(shape), n, sha, start) for p, d, s, shape, n, sha, start in h["entries"]]
-    return Header(path, h["attrs"], entries, h["groups"], total_bytes=h["total_bytes"], offsets=h["offsets"])
+    return Header(path, h["attrs"], entries, h["groups"], total_bytes=h["total_bytes"], offsets=h["offsets"],
+                  manifest_sha256=h["manifest_sha256"])
 
 
 @atexit.register

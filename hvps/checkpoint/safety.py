@@ -34,7 +34,7 @@ MAX_RANK = 32  # dimensions of one tensor
 _COMPACT_LIMIT = 64 << 10  # HDF5 caps compact datasets at 64 KiB
 _LZF = 32000  # the only filter hvps writes (compress=True)
 _LZF_MAX_RATIO = 128  # lzf expands at most ~100x: more is a decompression bomb
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _SECTION_PATH = re.compile(r"^/(model|optimizer|compression|rng|extra)(/[^/]+)+$")
 
 
@@ -84,60 +84,60 @@ def logical_allowed(name: str, storage: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- manifest schema
-def _need(cond: bool, where: str, what: str) -> None:
+def need(cond: bool, where: str, what: str) -> None:
     if not cond:
         raise Defect(f"manifest {where}: {what}")
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _check_dataset(i: int, d: Any) -> None:
     where = f"datasets[{i}]"
-    _need(isinstance(d, dict), where, "must be an object")
-    _need(set(d) == {"path", "dtype", "storage", "shape", "nbytes", "sha256"}, where,
+    need(isinstance(d, dict), where, "must be an object")
+    need(set(d) == {"path", "dtype", "storage", "shape", "nbytes", "sha256"}, where,
           f"keys must be path, dtype, storage, shape, nbytes, sha256 (got {sorted(map(str, d))[:8]})")
     path = d["path"]
-    _need(isinstance(path, str) and _SECTION_PATH.match(path) is not None and len(path) < 4096, where,
+    need(isinstance(path, str) and _SECTION_PATH.match(path) is not None and len(path) < 4096, where,
           f"path {str(path)[:80]!r} is not /<section>/<name> in a known section")
-    _need(isinstance(d["storage"], str) and d["storage"] in ALLOWED_STORAGE, where,
+    need(isinstance(d["storage"], str) and d["storage"] in ALLOWED_STORAGE, where,
           f"storage dtype {str(d['storage'])[:40]!r} is not an allowed numeric type")
-    _need(isinstance(d["dtype"], str) and logical_allowed(d["dtype"], d["storage"]), where,
+    need(isinstance(d["dtype"], str) and logical_allowed(d["dtype"], d["storage"]), where,
           f"dtype {str(d['dtype'])[:40]!r} is not allowed for storage {d['storage']}")
     shape = d["shape"]
-    _need(isinstance(shape, list) and len(shape) <= MAX_RANK and all(_is_int(n) and n >= 0 for n in shape),
+    need(isinstance(shape, list) and len(shape) <= MAX_RANK and all(is_int(n) and n >= 0 for n in shape),
           where, f"shape must be a list of at most {MAX_RANK} non-negative integers")
     expected = math.prod(shape) * np.dtype(d["storage"]).itemsize
-    _need(_is_int(d["nbytes"]) and d["nbytes"] == expected, where,
+    need(is_int(d["nbytes"]) and d["nbytes"] == expected, where,
           f"nbytes {d['nbytes']!r} != shape x itemsize = {expected}")
-    _need(isinstance(d["sha256"], str) and _SHA256.match(d["sha256"]) is not None, where, "sha256 must be 64 hex digits")
+    need(isinstance(d["sha256"], str) and SHA256_HEX.match(d["sha256"]) is not None, where, "sha256 must be 64 hex digits")
 
 
 def check_manifest(manifest: Any, format_version: int) -> None:
     """Raise Defect unless ``manifest`` has the structure, types and ranges hvps writes."""
-    _need(isinstance(manifest, dict), "", "must be a JSON object")
-    _need(set(manifest) == {"format_version", "root", "datasets", "groups"}, "",
+    need(isinstance(manifest, dict), "", "must be a JSON object")
+    need(set(manifest) == {"format_version", "root", "datasets", "groups"}, "",
           f"keys must be format_version, root, datasets, groups (got {sorted(map(str, manifest))[:8]})")
-    _need(manifest["format_version"] == format_version and _is_int(manifest["format_version"]),
+    need(manifest["format_version"] == format_version and is_int(manifest["format_version"]),
           "format_version", f"{manifest['format_version']!r} != the file's {format_version}")
     root = manifest["root"]
-    _need(isinstance(root, dict), "root", "must be an object")
+    need(isinstance(root, dict), "root", "must be an object")
     for key in ("epoch", "world_size"):
-        _need(_is_int(root.get(key)) and root[key] >= (1 if key == "world_size" else 0), f"root.{key}",
+        need(is_int(root.get(key)) and root[key] >= (1 if key == "world_size" else 0), f"root.{key}",
               f"{root.get(key)!r} is not a {'positive' if key == 'world_size' else 'non-negative'} integer")
-    _need(_is_int(root.get("step", -1)) and root.get("step", -1) >= -1, "root.step", "must be an integer >= -1")
+    need(is_int(root.get("step", -1)) and root.get("step", -1) >= -1, "root.step", "must be an integer >= -1")
     datasets = manifest["datasets"]
-    _need(isinstance(datasets, list), "datasets", "must be a list")
+    need(isinstance(datasets, list), "datasets", "must be a list")
     seen = set()
     for i, d in enumerate(datasets):
         _check_dataset(i, d)
-        _need(d["path"] not in seen, f"datasets[{i}]", f"path {d['path']} is listed twice")
+        need(d["path"] not in seen, f"datasets[{i}]", f"path {d['path']} is listed twice")
         seen.add(d["path"])
     groups = manifest["groups"]
-    _need(isinstance(groups, dict), "groups", "must be an object")
+    need(isinstance(groups, dict), "groups", "must be an object")
     for g, attrs in groups.items():
-        _need(g.startswith("/") and isinstance(attrs, dict), f"groups[{g[:80]!r}]",
+        need(g.startswith("/") and isinstance(attrs, dict), f"groups[{g[:80]!r}]",
               "must map a group path to an object of attributes")
 
 

@@ -4,16 +4,29 @@ A reasoned exception to "only rank 0 writes": a table may be larger than any one
 memory, so funnelling it through rank 0 is not an option.  Saving epoch N:
 
 1. every member writes its shard of each table to ``store-epoch-N/<table>.<member>-of-<members>.h5``
-   (temporary name, fsync, rename), with the rows' global ids and SHA-256 digests;
-2. rank 0 gathers the digests and writes ``store-epoch-N/MANIFEST.json`` the same way;
+   (temporary name, fsync, rename).  A shard is a file of the dense checkpoint format
+   (:mod:`hvps.checkpoint.format`): datasets ``/model/ids`` (the rows' global ids) and
+   ``/model/records`` (embedding and optimizer state per row), the row optimizer's state as
+   ``/optimizer`` attributes, the table, member and member count as ``/extra`` attributes, all
+   listed with their SHA-256 in the file's manifest (and signed with ``HVPS_CHECKPOINT_KEY``);
+2. rank 0 gathers each shard's manifest digest and writes ``store-epoch-N/MANIFEST.json``;
 3. the dense checkpoint of epoch N (``CheckpointManager.save``) is written last and records the
-   manifest's digest.  A version therefore counts only when every shard and the manifest
-   are there: the dense file is the commit record.
+   store manifest's digest.  A version therefore counts only when every shard and the manifest
+   are there: the dense file is the commit record, and its digest chain (dense file -> store
+   manifest -> each shard's manifest -> each dataset and attribute) covers every byte a load uses.
 
-Loading tries versions newest first and rejects (with a warning) one whose dense file,
-manifest or any shard is missing or fails its digest, falling back to the previous one.
-Shards saved by a different number of members are re-sharded: every member reads every
-saved shard and keeps the rows its new partition gives it.
+Loading reads everything as untrusted input, with the dense checkpoint's defences: a shard
+must be a regular file in its folder, named as the store manifest (schema-checked, at most
+64 MiB) says, and its HDF5 structure is inspected in the sandboxed helper
+(:mod:`hvps.checkpoint.inspect`: deadline, memory cap, :mod:`hvps.checkpoint.safety`'s checks
+of storage, dtypes, manifest and signature), so a FIFO, external storage or a file declaring
+more than it holds ends in a CheckpointError instead of a hang or an allocation.  The row
+bytes are then read at the offsets the helper checked (``preadv``, no libhdf5 in this
+process), hashed, and kept in a spare tier: the shard is replaced only after every member has
+checked every byte of the version, so a defect found anywhere skips the whole version on
+every rank (a warning naming it) and leaves every table as it was.  Versions are tried newest
+first; shards saved by a different number of members are re-sharded (every member reads every
+saved shard and keeps the rows its new partition gives it).
 """
 
 from __future__ import annotations
@@ -21,64 +34,83 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
+import stat
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
-import h5py
 import numpy as np
 import torch
 
 from hvps import api
-from hvps.checkpoint.format import CheckpointError, fsync_path
+from hvps.checkpoint.format import CheckpointError, from_json, fsync_path, pread_all, root_attributes, write_file
+from hvps.checkpoint.inspect import inspect_header, prestart
+from hvps.checkpoint.safety import MAX_MANIFEST_BYTES, SHA256_HEX, Defect, is_int, need
 
 from .module import _ShardedBase
+from .table import ShardedTable
+from .tiers import Tier, discard_tier
 
 MANIFEST = "MANIFEST.json"
 EXTRA_KEY = "hvps_store_manifest"
-CHUNK_ROWS = 1 << 16
+STORE_FORMAT = "hvps-store"
+STORE_FORMAT_VERSION = 2  # 1: shards with bare ids/records datasets (before the dense file format)
+FRAMEWORK = "hvps.store"  # the shards' root attribute "framework"
+CHUNK_BYTES = 16 << 20  # rows read (and hashed) at a time while loading
+MAX_MEMBERS = 1 << 20
+FOLDER_RE = re.compile(r"^store-epoch-(\d{6,})$")
+TMP_RE = re.compile(r"^\..+\.tmp-\d+-[0-9a-f]{8}$")  # what _atomic_write leaves when its writer dies
+_IDS, _RECORDS = "/model/ids", "/model/records"
+_BAD_NAME = re.compile(r"[/\x00-\x1f\x7f]")
 
 
 def store_dir(directory: os.PathLike, epoch: int) -> Path:
     return Path(directory) / f"store-epoch-{int(epoch):06d}"
 
 
-def _atomic_write(path: Path, write) -> None:
+def shard_name(table: str, member: int, members: int) -> str:
+    return f"{table}.{int(member):05d}-of-{int(members):05d}.h5"
+
+
+def _safe_name(name: Any) -> bool:
+    """Whether ``name`` can name a table's files inside its folder (no path, no control characters)."""
+    return (isinstance(name, str) and 0 < len(name) <= 200 and _BAD_NAME.search(name) is None
+            and not name.startswith("."))
+
+
+def _atomic_write(path: Path, write, fsync: bool = True) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         write(tmp)
-        fsync_path(tmp)
+        if fsync:
+            fsync_path(tmp)
         os.replace(tmp, path)
-        fsync_path(path.parent, directory=True)
+        if fsync:
+            fsync_path(path.parent, directory=True)
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def _write_shard(path: Path, module: _ShardedBase) -> dict:
-    module.synchronize()
-    table = module.table
+# ----------------------------------------------------------------------------- saving
+def write_shard(path: Path, table: ShardedTable, epoch: int, fsync: bool = True) -> dict:
+    """Write ``table``'s shard to ``path`` (atomically); its entry for the store manifest."""
     table.flush()
-    rows, width = table.tier.rows, table.width
-    digest = hashlib.sha256()
-
-    def write(tmp: Path) -> None:
-        with h5py.File(tmp, "w") as f:
-            ids = f.create_dataset("ids", (rows,), dtype="i8")
-            records = f.create_dataset("records", (rows, width), dtype="f4")
-            for start in range(0, rows, CHUNK_ROWS):
-                stop = min(rows, start + CHUNK_ROWS)
-                chunk_ids = table.partition.global_ids(table.member, torch.arange(start, stop)).numpy()
-                chunk = np.ascontiguousarray(table.records(start, stop).numpy())
-                ids[start:stop], records[start:stop] = chunk_ids, chunk
-                digest.update(chunk_ids.tobytes())
-                digest.update(chunk.tobytes())
-            f.attrs["sha256"] = digest.hexdigest()
-            f.attrs["optimizer"] = json.dumps(table.optimizer.state_dict())
-
-    _atomic_write(path, write)
-    return {"file": path.name, "member": table.member, "rows": rows, "sha256": digest.hexdigest()}
+    rows = table.tier.rows
+    ids = table.partition.global_ids(table.member, torch.arange(rows)).numpy()
+    records = np.ascontiguousarray(table.records(0, rows).numpy())
+    members = table.partition.parts
+    sections = {"model": {"ids": ids, "records": records},
+                "optimizer": table.optimizer.state_dict(),
+                "extra": {"table": table.name, "member": table.member, "members": members}}
+    attrs = root_attributes(epoch, None, members, FRAMEWORK, torch.__version__)
+    digest = []
+    _atomic_write(path, lambda tmp: digest.append(write_file(tmp, sections, attrs, fsync=fsync).manifest_sha256),
+                  fsync)
+    return {"file": path.name, "member": table.member, "rows": rows, "sha256": digest[0]}
 
 
 def _modules(stores: Any) -> list:
@@ -96,135 +128,377 @@ def save_stores(manager: Any, epoch: int, stores: Any, extra: Optional[Mapping] 
     and ``extra`` are passed to its ``save``.  Returns what ``save`` returns.
     """
     modules = _modules(stores)
+    for m in modules:
+        if not _safe_name(m.name):
+            raise ValueError(f"store table name {m.name!r} cannot name its checkpoint files: use 1 to 200 "
+                             "characters without '/', control characters or a leading '.'")
+    fsync = getattr(manager, "fsync", True)
     folder = store_dir(manager.directory, epoch)
     folder.mkdir(parents=True, exist_ok=True)
     mine = {}
     for m in modules:
+        m.synchronize()
         parts = m.table.partition.parts
-        entry = _write_shard(folder / f"{m.name}.{m.table.member:05d}-of-{parts:05d}.h5", m)
+        entry = write_shard(folder / shard_name(m.name, m.table.member, parts), m.table, epoch, fsync)
         mine[m.name] = dict(entry, table=m.table.describe(), members=parts)
     gathered = api.allgather_object(mine, name=f"store.ckpt.save.{epoch}")
-    manifest = {"epoch": int(epoch), "tables": {}}
+    manifest = {"format": STORE_FORMAT, "format_version": STORE_FORMAT_VERSION, "epoch": int(epoch), "tables": {}}
     for per_rank in gathered:
         for name, entry in per_rank.items():
             table = manifest["tables"].setdefault(name, {"table": entry["table"], "members": entry["members"],
                                                           "shards": []})
             table["shards"].append({k: entry[k] for k in ("file", "member", "rows", "sha256")})
+    for table in manifest["tables"].values():
+        table["shards"].sort(key=lambda s: s["member"])
     text = json.dumps(manifest, sort_keys=True)
     if api.rank() == 0:
-        _atomic_write(folder / MANIFEST, lambda tmp: tmp.write_text(text))
+        _atomic_write(folder / MANIFEST, lambda tmp: tmp.write_text(text), fsync)
     api.barrier()
     extra = dict(extra or {}, **{EXTRA_KEY: hashlib.sha256(text.encode()).hexdigest()})
     result = manager.save(epoch, extra=extra, **dense)
     if api.rank() == 0:
-        _remove_orphans(manager)
+        _tidy(manager, int(epoch))
     return result
 
 
-def _remove_orphans(manager: Any) -> None:
-    """Drop store folders whose dense version retention removed (or that never committed)."""
+def _tidy(manager: Any, epoch: int) -> None:
+    """After committing ``epoch``: drop the store folders of versions up to it that retention
+    removed (or that never committed), and the temporaries of writers that died in the ones
+    kept.  Anything not named ``store-epoch-NNNNNN`` is left alone, and so are later epochs'
+    folders (the next save may be writing one)."""
     kept = {v.epoch for v in manager.list()}
-    for path in Path(manager.directory).glob("store-epoch-*"):
-        epoch = int(path.name.rsplit("-", 1)[1])
-        if epoch not in kept:
+    for path in Path(manager.directory).iterdir():
+        match = FOLDER_RE.match(path.name)
+        if match is None or int(match.group(1)) > epoch or path.is_symlink() or not path.is_dir():
+            continue
+        if int(match.group(1)) not in kept:
             shutil.rmtree(path, ignore_errors=True)
+            continue
+        for p in path.iterdir():
+            if TMP_RE.match(p.name):
+                try:
+                    p.unlink()
+                except OSError:
+                    pass
 
 
-def _check_shard(path: Path, expected: dict) -> Optional[str]:
-    """Why the shard file at ``path`` is not the one the manifest lists (None when it is)."""
+# ----------------------------------------------------------------------------- reading
+def _open_regular(path: Path) -> int:
+    """A read descriptor of ``path``, which must be a regular file itself (not a symlink, a FIFO,
+    a device, a directory): opened without following links or blocking, then checked."""
     try:
-        digest = hashlib.sha256()
-        with h5py.File(path, "r") as f:
-            ids, records = f["ids"], f["records"]
-            if ids.shape[0] != expected["rows"] or records.shape[0] != expected["rows"]:
-                return f"{path.name}: {ids.shape[0]} rows, the manifest says {expected['rows']}"
-            for start in range(0, expected["rows"], CHUNK_ROWS):
-                stop = min(expected["rows"], start + CHUNK_ROWS)
-                digest.update(np.ascontiguousarray(ids[start:stop]).tobytes())
-                digest.update(np.ascontiguousarray(records[start:stop]).tobytes())
-    except (OSError, KeyError, ValueError) as exc:
-        return f"{path.name}: unreadable ({exc})"
-    if digest.hexdigest() != expected["sha256"]:
-        return f"{path.name}: SHA-256 mismatch"
-    return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CheckpointError("missing", path) from None
+    except OSError as exc:  # ELOOP: a symlink
+        raise CheckpointError(f"cannot be opened as a regular file in its folder ({exc.strerror})", path) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError("is not a regular file (a FIFO, device or directory?)", path)
+    return fd
 
 
-def _version_problems(manager: Any, epoch: int, modules: list) -> list:
-    """Problems with version ``epoch`` found by this rank (its share of the shard files)."""
-    folder = store_dir(manager.directory, epoch)
+def read_store_manifest(folder: Path, epoch: int) -> tuple:
+    """``(bytes, manifest)`` of ``folder``'s store manifest after the schema check; CheckpointError otherwise."""
+    path = folder / MANIFEST
     try:
-        text = (folder / MANIFEST).read_text()
-        manifest = json.loads(text)
-    except (OSError, ValueError) as exc:
-        return [f"epoch {epoch}: no readable store manifest ({exc})"]
-    problems = []
-    if api.rank() == 0:
-        try:
-            manager.verify(epoch)
-        except CheckpointError as exc:
-            problems.append(f"epoch {epoch}: dense checkpoint: {exc}")
-    for m in modules:
-        if m.name not in manifest["tables"]:
-            problems.append(f"epoch {epoch}: table {m.name!r} is not in the manifest")
-    shards = []
-    for name, table in manifest["tables"].items():
-        if len(table["shards"]) != table["members"]:
-            problems.append(f"epoch {epoch}: table {name!r} has {len(table['shards'])} of {table['members']} shards")
-        shards.extend(table["shards"])
-    for k, shard in enumerate(sorted(shards, key=lambda s: s["file"])):
-        if k % api.size() == api.rank():
-            problem = _check_shard(folder / shard["file"], shard)
-            if problem:
-                problems.append(f"epoch {epoch}: {problem}")
-    return problems
+        if not stat.S_ISDIR(os.lstat(folder).st_mode):
+            raise CheckpointError("the store folder is not a directory", folder)
+    except FileNotFoundError:
+        raise CheckpointError("the store folder is missing", folder) from None
+    fd = _open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise CheckpointError(f"the store manifest has {size} bytes (more than {MAX_MANIFEST_BYTES})", path)
+        parts, got = [], 0
+        while got <= MAX_MANIFEST_BYTES:
+            part = os.read(fd, 1 << 20)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        blob = b"".join(parts)
+    finally:
+        os.close(fd)
+    try:
+        manifest = json.loads(blob.decode())
+        check_store_manifest(manifest, epoch)
+    except (ValueError, RecursionError) as exc:  # Defect is a ValueError; so are JSON and UTF-8 errors
+        raise CheckpointError(f"bad store manifest: {exc}", path) from None
+    return blob, manifest
 
 
-def _load_table(folder: Path, module: _ShardedBase, saved: dict) -> None:
-    module.synchronize()
-    table = module.table
-    table.drop_cache()
-    if saved["table"]["embedding_dim"] != table.dim or saved["table"]["num_embeddings"] != table.num_embeddings:
-        raise CheckpointError(f"table {module.name!r}: saved shape differs from the module's")
-    for shard in saved["shards"]:
-        with h5py.File(folder / shard["file"], "r") as f:
-            ids, records = f["ids"], f["records"]
-            if records.shape[1] != table.width:
-                raise CheckpointError(f"table {module.name!r}: saved with another optimizer's state")
-            optimizer = json.loads(f.attrs["optimizer"])
-            for start in range(0, shard["rows"], CHUNK_ROWS):
-                stop = min(shard["rows"], start + CHUNK_ROWS)
-                chunk_ids = torch.from_numpy(np.asarray(ids[start:stop]))
-                mine = table.partition.owner(chunk_ids) == table.member
-                if bool(mine.any()):
-                    rows = torch.from_numpy(np.asarray(records[start:stop]))[mine]
-                    table.overwrite(table.partition.slot(chunk_ids[mine]), rows)
-    table.optimizer.load_state_dict(optimizer)
+def check_store_manifest(manifest: Any, epoch: int) -> None:
+    """Raise Defect unless ``manifest`` has the structure, types and ranges :func:`save_stores` writes."""
+    need(isinstance(manifest, dict), "", "must be a JSON object")
+    need(set(manifest) == {"format", "format_version", "epoch", "tables"}, "",
+         f"keys must be format, format_version, epoch, tables (got {sorted(map(str, manifest))[:8]}; "
+         "a store saved before store format 2 cannot be loaded)")
+    need(manifest["format"] == STORE_FORMAT, "format", f"{str(manifest['format'])[:40]!r} is not {STORE_FORMAT!r}")
+    need(manifest["format_version"] == STORE_FORMAT_VERSION and is_int(manifest["format_version"]),
+         "format_version", f"{str(manifest['format_version'])[:40]!r}: this hvps reads store format "
+                           f"{STORE_FORMAT_VERSION}")
+    need(manifest["epoch"] == epoch and is_int(manifest["epoch"]), "epoch",
+         f"{str(manifest['epoch'])[:40]!r} is not the folder's epoch {epoch}")
+    tables = manifest["tables"]
+    need(isinstance(tables, dict), "tables", "must be an object")
+    for name, entry in tables.items():
+        where = f"tables[{name[:80]!r}]"
+        need(_safe_name(name), where, "is not a table name that can name files")
+        need(isinstance(entry, dict) and set(entry) == {"table", "members", "shards"}, where,
+             "must be an object with keys table, members, shards")
+        described, members, shards = entry["table"], entry["members"], entry["shards"]
+        need(isinstance(described, dict), f"{where}.table", "must be an object")
+        for key in ("num_embeddings", "embedding_dim"):
+            need(is_int(described.get(key)) and described[key] >= 1, f"{where}.table.{key}",
+                 "must be a positive integer")
+        need(isinstance(described.get("optimizer"), str), f"{where}.table.optimizer", "must be a string")
+        need(is_int(members) and 1 <= members <= MAX_MEMBERS, f"{where}.members",
+             f"must be an integer in 1..{MAX_MEMBERS}")
+        need(isinstance(shards, list) and len(shards) == members, f"{where}.shards",
+             f"must be a list of {members} shards")
+        total = 0
+        for k, shard in enumerate(shards):
+            at = f"{where}.shards[{k}]"
+            need(isinstance(shard, dict) and set(shard) == {"file", "member", "rows", "sha256"}, at,
+                 "must be an object with keys file, member, rows, sha256")
+            need(shard["member"] == k and is_int(shard["member"]), f"{at}.member", f"must be {k}")
+            need(shard["file"] == shard_name(name, k, members), f"{at}.file",
+                 f"{str(shard['file'])[:80]!r} is not {shard_name(name, k, members)!r} (shards are "
+                 "files of their own folder)")
+            need(is_int(shard["rows"]) and 0 <= shard["rows"] <= described["num_embeddings"], f"{at}.rows",
+                 f"must be an integer in 0..{described['num_embeddings']}")
+            need(isinstance(shard["sha256"], str) and SHA256_HEX.match(shard["sha256"]) is not None,
+                 f"{at}.sha256", "must be 64 hex digits")
+            total += shard["rows"]
+        need(total == described["num_embeddings"], where,
+             f"its shards hold {total} rows, the table has {described['num_embeddings']}")
 
 
-def load_stores(manager: Any, stores: Any, **dense: Any) -> int:
+@dataclass
+class _Staged:
+    """One table's rows of a version, checked and held in a spare tier until the version commits."""
+
+    module: _ShardedBase
+    tier: Tier
+    steps: int
+
+
+def _shard_header(path: Path, expected: dict, table: ShardedTable, members: int, epoch: int):
+    """The inspected header of shard ``path`` (sandboxed helper), checked against the store manifest
+    and ``table``; the identity of the file inspected."""
+    fd = _open_regular(path)  # refuses FIFOs and links before libhdf5 (in the helper) opens anything
+    try:
+        before = os.fstat(fd)
+    finally:
+        os.close(fd)
+    header = inspect_header(path)
+    if header.manifest_sha256 != expected["sha256"]:
+        raise CheckpointError("is not the shard the store manifest lists (its manifest's SHA-256 differs)", path)
+    rows, problems = expected["rows"], []
+    attrs = header.attrs
+    if attrs.get("framework") != FRAMEWORK or attrs.get("epoch") != epoch or attrs.get("world_size") != members:
+        problems.append(f"root attributes framework={str(attrs.get('framework'))[:40]!r} epoch={attrs.get('epoch')!r} "
+                        f"world_size={attrs.get('world_size')!r}, expected {FRAMEWORK!r}, {epoch}, {members}")
+    owner = header.groups.get("/extra")
+    if owner != {"table": table.name, "member": expected["member"], "members": members}:
+        problems.append(f"/extra says {str(owner)[:200]}, expected table {table.name!r}, member "
+                        f"{expected['member']} of {members}")
+    wanted = {_IDS: ("int64", np.dtype(np.int64).str, (rows,)),
+              _RECORDS: ("float32", np.dtype(np.float32).str, (rows, table.width))}
+    found = {e.path: e for e in header.entries}
+    if set(found) != set(wanted):
+        problems.append(f"datasets {sorted(found)[:8]}, expected {sorted(wanted)}")
+    for p, (dtype, storage, shape) in wanted.items():
+        e = found.get(p)
+        if e is not None and (e.dtype, e.storage, tuple(e.shape)) != (dtype, storage, shape):
+            problems.append(f"dataset {p} is {e.dtype} ({e.storage}) {tuple(e.shape)}, expected {dtype} {shape} "
+                            f"({rows} rows in the store manifest, {table.width} values per record for this "
+                            f"table's optimizer)")
+        elif e is not None and e.nbytes and (header.offsets or {}).get(p) is None:
+            problems.append(f"dataset {p} is not stored contiguously (store shards are never compressed)")
+    state = from_json(header.groups.get("/optimizer"))
+    if not (isinstance(state, dict) and state.get("name") == table.optimizer.name and is_int(state.get("steps"))
+            and state["steps"] >= 0):
+        problems.append(f"optimizer state {str(state)[:200]} is not {table.optimizer.name!r} with a "
+                        "non-negative integer 'steps'")
+    if problems:
+        raise CheckpointError("shard does not fit its store manifest and table", path, problems)
+    return header, state["steps"], (before.st_dev, before.st_ino)
+
+
+def _read_rows(path: Path, rows: int, header, identity: tuple, table: ShardedTable, tier: Tier,
+               seen: torch.Tensor) -> None:
+    """Read the ``rows`` rows of shard ``path`` (hashed against its manifest) and keep those
+    ``table``'s member owns in ``tier``; ``seen`` marks the slots filled."""
+    offsets = header.offsets or {}
+    digest = {p: hashlib.sha256() for p in (_IDS, _RECORDS)}
+    expected = {e.path: e.sha256 for e in header.entries}
+    width = table.width
+    chunk = max(1, CHUNK_BYTES // (width * 4))
+    fd = _open_regular(path)
+    try:
+        if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != identity:
+            raise CheckpointError("was replaced while it was being loaded", path)
+        for start in range(0, rows, chunk):
+            n = min(rows, start + chunk) - start
+            ids = np.empty(n, np.int64)
+            records = np.empty((n, width), np.float32)
+            pread_all(fd, ids, offsets[_IDS] + start * 8, path, _IDS)
+            pread_all(fd, records, offsets[_RECORDS] + start * width * 4, path, _RECORDS)
+            digest[_IDS].update(ids)
+            digest[_RECORDS].update(records)
+            if n and (int(ids.min()) < 0 or int(ids.max()) >= table.num_embeddings):
+                raise CheckpointError(f"holds ids outside 0..{table.num_embeddings - 1}", path)
+            chunk_ids = torch.from_numpy(ids)
+            mine = table.partition.owner(chunk_ids) == table.member
+            if not bool(mine.any()):
+                continue
+            slots = table.partition.slot(chunk_ids[mine])
+            if bool(seen[slots].any()) or torch.unique(slots).numel() != slots.numel():
+                raise CheckpointError("lists a row twice (here or in another shard)", path)
+            seen[slots] = True
+            tier.write(slots, torch.from_numpy(records)[mine])
+    finally:
+        os.close(fd)
+    bad = [p for p, h in digest.items() if h.hexdigest() != expected[p]]
+    if bad:
+        raise CheckpointError(f"checksum mismatch of {', '.join(bad)} (the data was damaged or edited)", path)
+
+
+def stage_table(folder: Path, table: ShardedTable, saved: dict, epoch: int) -> tuple:
+    """``(spare tier, optimizer steps)``: ``table``'s rows of the version in ``folder`` (``saved``
+    is its entry in the checked store manifest), every byte checked; CheckpointError otherwise."""
+    described = saved["table"]
+    if (described["embedding_dim"], described["num_embeddings"]) != (table.dim, table.num_embeddings):
+        raise CheckpointError(f"table {table.name!r}: saved as {described['num_embeddings']} x "
+                              f"{described['embedding_dim']}, the module is {table.num_embeddings} x {table.dim}",
+                              folder)
+    if described["optimizer"] != table.optimizer.name:
+        raise CheckpointError(f"table {table.name!r}: saved with optimizer {described['optimizer'][:40]!r}, "
+                              f"the module uses {table.optimizer.name!r}", folder)
+    members = saved["members"]
+    tier = table.spare_tier()
+    seen = torch.zeros(tier.rows, dtype=torch.bool)
+    steps = set()
+    try:
+        for shard in saved["shards"]:
+            path = folder / shard["file"]
+            header, shard_steps, identity = _shard_header(path, shard, table, members, epoch)
+            steps.add(shard_steps)
+            _read_rows(path, shard["rows"], header, identity, table, tier, seen)
+        if len(steps) > 1:
+            raise CheckpointError(f"table {table.name!r}: its shards disagree on the optimizer's step count "
+                                  f"({sorted(steps)[:4]})", folder)
+        missing = int((~seen).sum())
+        if missing:
+            raise CheckpointError(f"table {table.name!r}: {missing} rows of member {table.member} are in no shard",
+                                  folder)
+    except BaseException:
+        discard_tier(tier)
+        raise
+    return tier, steps.pop() if steps else 0
+
+
+def _problem(exc: Exception) -> str:
+    """One line for ``exc``; anything but a CheckpointError (a bug, out of memory) names its type."""
+    text = str(exc).replace("\n", " ")
+    return text if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {text}"
+
+
+def _agree(problems: list, name: str) -> list:
+    """Every rank's problems (collective), each once, in rank order."""
+    out = []
+    for rank_problems in api.allgather_object(problems, name=name):
+        out.extend(p for p in rank_problems if p not in out)
+    return out
+
+
+def _check_dense(manager: Any, epoch: int) -> tuple:
+    """On rank 0: (problems, the store manifest digest that dense version ``epoch`` committed)."""
+    try:
+        header = manager.verify(epoch)
+    except Exception as exc:  # noqa: BLE001 - rank 0 alone: reported to every rank, not raised here
+        return [f"dense checkpoint: {_problem(exc)}"], None
+    committed = header.groups.get("/extra", {}).get(EXTRA_KEY)
+    if not isinstance(committed, str):
+        return [f"dense checkpoint {header.path} records no store manifest"], None
+    return [], committed
+
+
+def load_stores(manager: Any, stores: Any, version: Union[str, int] = "latest", **dense: Any) -> int:
     """Load the newest complete version into ``stores`` and ``manager`` (collective).
 
     Returns the epoch to resume from (0 when no complete version exists); ``dense`` goes to
     ``manager.load`` (e.g. ``model=``, ``optimizer=`` for the torch adapter's manager).
+    ``version``: "latest" skips (with a warning on every rank) each version with a defect;
+    an epoch number raises CheckpointError on every rank instead.  Either way a table changes
+    only when a whole version has been checked.
     """
     modules = _modules(stores)
-    for version in reversed(manager.list()):
-        problems = _version_problems(manager, version.epoch, modules)
-        everyone = [p for rank_problems in api.allgather_object(problems, name=f"store.ckpt.check.{version.epoch}")
-                    for p in rank_problems]
+    latest = version == "latest"
+    if not latest and not is_int(version):
+        raise ValueError(f"version must be 'latest' or an epoch number, got {version!r}")
+    prestart()  # the inspection helper starts while the collectives below run
+    for m in modules:
+        m.synchronize()
+    epochs = api.broadcast_object([v.epoch for v in reversed(manager.list())] if latest else [int(version)], 0,
+                                  name="store.ckpt.load.versions")
+    for epoch in epochs:
+        folder = store_dir(manager.directory, epoch)
+        # 1. the store manifest (every rank) and the dense file that commits it (rank 0)
+        problems, digest, committed = [], None, None
+        try:
+            blob, manifest = read_store_manifest(folder, epoch)
+            digest = hashlib.sha256(blob).hexdigest()
+            problems += [f"table {m.name!r} is not in the store manifest" for m in modules
+                         if m.name not in manifest["tables"]]
+        except Exception as exc:  # noqa: BLE001 - every rank learns every rank's problems below
+            problems.append(_problem(exc))
+        if api.rank() == 0:
+            dense_problems, committed = _check_dense(manager, epoch)
+            problems += dense_problems
+        gathered = api.allgather_object((problems, digest, committed), name=f"store.ckpt.load.{epoch}.manifest")
+        committed = gathered[0][2]
+        everyone = []
+        for rank, (rank_problems, rank_digest, _) in enumerate(gathered):
+            everyone.extend(p for p in rank_problems if p not in everyone)
+            if committed is not None and rank_digest is not None and rank_digest != committed:
+                everyone.append(f"rank {rank}: {folder / MANIFEST}: not the store manifest the dense checkpoint "
+                                "committed (SHA-256 differs)")
+        # 2. every table's rows, into spare tiers
+        staged: list = []
+        if not everyone:
+            try:
+                for m in modules:
+                    tier, steps = stage_table(folder, m.table, manifest["tables"][m.name], epoch)
+                    staged.append(_Staged(m, tier, steps))
+            except Exception as exc:  # noqa: BLE001 - as above: a problem of this version on every rank
+                problems = [_problem(exc)]
+            else:
+                problems = []
+            everyone = _agree(problems, f"store.ckpt.load.{epoch}.shards")
         if everyone:
-            warnings.warn(f"skipping checkpoint epoch {version.epoch}: {'; '.join(everyone)}", RuntimeWarning,
-                          stacklevel=2)
+            for s in staged:
+                discard_tier(s.tier)
+            if not latest:
+                raise CheckpointError(f"store checkpoint epoch {epoch} cannot be loaded", folder, everyone)
+            warnings.warn(f"skipping checkpoint epoch {epoch}: {'; '.join(everyone)}", RuntimeWarning, stacklevel=2)
             continue
-        start = manager.load(version.epoch, **dense)
-        expected = hashlib.sha256((store_dir(manager.directory, version.epoch) / MANIFEST).read_bytes()).hexdigest()
-        if manager.loaded.extra.get(EXTRA_KEY) != expected:
-            warnings.warn(f"skipping checkpoint epoch {version.epoch}: its manifest is not the one it committed",
-                          RuntimeWarning, stacklevel=2)
-            continue
-        manifest = json.loads((store_dir(manager.directory, version.epoch) / MANIFEST).read_text())
-        for m in modules:
-            _load_table(store_dir(manager.directory, version.epoch), m, manifest["tables"][m.name])
+        # 3. the dense state (verified again as it is read), then the tables
+        try:
+            start = manager.load(epoch, **dense)
+            if manager.loaded.extra.get(EXTRA_KEY) != committed:
+                raise CheckpointError(f"dense checkpoint epoch {epoch} changed while it was loaded "
+                                      "(it no longer commits the store manifest that was checked)", folder)
+        except BaseException:
+            for s in staged:
+                discard_tier(s.tier)
+            raise
+        for s in staged:
+            s.module.table.install(s.tier)
+            s.module.table.optimizer.load_state_dict({"steps": s.steps})
         api.barrier()
         return start
     return 0

@@ -18,7 +18,7 @@ from .cache import RowCache
 from .init import default_bound, hash_uniform
 from .optim import RowOptimizer
 from .partition import Partition, make_partition
-from .tiers import Tier, make_tier
+from .tiers import Tier, discard_tier, make_tier
 
 Initializer = Callable[[torch.Tensor, int], torch.Tensor]  # (global ids, dim) -> [n, dim]
 
@@ -126,8 +126,23 @@ class ShardedTable:
             self.cache.stats = stats
 
     def overwrite(self, slots: torch.Tensor, records: torch.Tensor) -> None:
-        """Replace records in the tier (checkpoint load; call :meth:`drop_cache` first)."""
+        """Replace records in the tier (call :meth:`drop_cache` first)."""
         self.tier.write(slots, records)
+
+    def spare_tier(self) -> Tier:
+        """A new tier of this shard's kind and size, for a checkpoint load to fill before
+        :meth:`install` makes it the shard (so a load that fails leaves the shard as it was)."""
+        path = None
+        if self.options.tier == "disk":
+            base = Path(self.options.disk_dir or ".")
+            path = base / f"{self.name}.shard{self.member}-of-{self.partition.parts}.{os.getpid()}.load.f32"
+        return make_tier(self.options.tier, self.tier.rows, self.width, path)
+
+    def install(self, tier: Tier) -> None:
+        """Make ``tier`` (from :meth:`spare_tier`) the shard: cached rows are forgotten, the old tier freed."""
+        old, self.tier = self.tier, tier
+        self.drop_cache()
+        discard_tier(old)
 
     def memory(self) -> dict:
         """Bytes held: the tier (host or disk) and the cache."""

@@ -133,3 +133,10 @@ def make_tier(kind: str, rows: int, width: int, path: Optional[Union[str, os.Pat
             raise ValueError("the disk tier needs a file path (disk_dir=...)")
         return DiskTier(rows, width, path)
     raise ValueError(f"unknown tier {kind!r}; choose 'host' or 'disk'")
+
+
+def discard_tier(tier: Tier) -> None:
+    """Free a tier that is no longer used (a disk tier's mapping; a host tier goes with its last reference)."""
+    close = getattr(tier, "close", None)
+    if close is not None:
+        close()

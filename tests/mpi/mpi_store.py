@@ -341,7 +341,7 @@ def test_checkpoint_reshards_and_falls_back():
             folder = directory / "store-epoch-000002"
             shard = sorted(folder.glob("ckpt.*.h5"))[0]
             with h5py.File(shard, "r+") as f:  # one flipped value, the file still well-formed
-                f["records"][3, 1] += 1.0
+                f["/model/records"][3, 1] += 1.0
             sorted((directory / "store-epoch-000001").glob("ckpt.*.h5"))[-1].unlink()
         hvd.barrier()
         if subset.included():
