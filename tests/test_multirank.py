@@ -22,7 +22,7 @@ CASES = {
     "async": ("mpi_async.py", {}, 240),
     "errors": ("mpi_errors.py", {"HVPS_STALL_CHECK_TIME_SECONDS": "3"}, 240),
     "torch": ("mpi_torch.py", {}, 420),
-    "torch-train": ("mpi_torch_train.py", {}, 300),
+    "torch-train": ("mpi_torch_train.py", {"HVPS_TEST_ONE_GIB": "1"}, 300),
     "autotune": ("mpi_autotune.py", {"HVPS_AUTOTUNE": "1", "HVPS_AUTOTUNE_WARMUP_STEPS": "1",
                                      "HVPS_AUTOTUNE_STEPS_PER_SAMPLE": "2"}, 240),
 }
@@ -33,6 +33,7 @@ CASES.update({
     # the algorithm setting is the MPI backend's; one allreduce run suffices. Autotune is the engine's.
     if name not in ("allreduce-ring", "autotune")
 })
+CASES["torch-train-tdist"][1].pop("HVPS_TEST_ONE_GIB")  # the 1 GiB step tests the executors and the ring: once suffices
 
 
 def _inner_module_cases(np_, case_name):
