@@ -12,9 +12,9 @@ slowloris, ...), so that a drift in machine speed cancels:
 - ``idle``: nobody connects but the driver's own scraper;
 - ``clients``: --clients threads (in a separate process) each scrape in a loop, with the right
   basic-auth credentials (and, over TLS, a verified handshake), as fast as the server answers;
-- ``slowloris``: --slowloris connections (a separate process, non-blocking sockets) that send
-  their request one byte per --trickle-seconds (over TLS: the ClientHello, byte by byte) and are
-  reopened at once when the server closes them.
+- ``slowloris``: --slowloris connections (a separate process, non-blocking sockets), opened at
+  --slowloris-rate per second, that send their request one byte per --trickle-seconds (over TLS:
+  the ClientHello, byte by byte) and are reopened at once when the server closes them.
 
 Throughout, the driver scrapes once per --scrape-interval as Prometheus would and records each
 scrape's latency and failures. Steps/s of a phase counts from --settle-seconds after its start;
@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="concurrent scraping clients in the clients phase (default: %(default)s)")
     p.add_argument("--slowloris", type=int, default=1000,
                    help="slow-loris connections held in the slowloris phase (default: %(default)s)")
+    p.add_argument("--slowloris-rate", type=float, default=100.0,
+                   help="slow-loris connections opened per second until --slowloris are open (an attacker ramps "
+                        "up, so that the listen queue does not turn them away) (default: %(default)s)")
     p.add_argument("--trickle-seconds", type=float, default=1.0,
                    help="seconds between two bytes of one slow-loris connection (default: %(default)s)")
     p.add_argument("--scrape-interval", type=float, default=0.5,
@@ -84,6 +87,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a legitimate scrape slower than this counts as failed (default: %(default)s)")
     p.add_argument("--nofile", type=int, default=1024,
                    help="soft RLIMIT_NOFILE of the training process (default: %(default)s, the usual ulimit -n)")
+    p.add_argument("--extra-fds", type=int, default=20,
+                   help="descriptors the training process opens (/dev/null) and keeps, so that it holds about "
+                        "what a rank of a 2-rank hvps job holds after init (24 measured; this process alone "
+                        "holds ~5) (default: %(default)s)")
     p.add_argument("--width", type=int, default=256, help="width of the MLP's layers (default: %(default)s)")
     p.add_argument("--batch", type=int, default=32, help="batch size of a training step (default: %(default)s)")
     p.add_argument("--hvps-tree", default=str(REPO),
@@ -108,6 +115,7 @@ def train(args: argparse.Namespace) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(args.nofile, hard), hard))
     torch.set_num_threads(1)
+    kept = [open(os.devnull, "rb") for _ in range(args.extra_fds)]  # noqa: SIM115 - held for the whole run
     exporter = metrics.serve(0, certfile=args.cert or None, keyfile=args.key or None,
                              basic_auth=(USER, PASSWORD))
     print(json.dumps({"url": exporter.url, "port": exporter.port}), flush=True)
@@ -142,11 +150,17 @@ def train(args: argparse.Namespace) -> None:
             # the process's CPU time less the training thread's: the exporter's threads (torch: one thread)
             samples.append((now, steps, time.process_time(), time.thread_time()))
             next_sample = now + 0.1
-            peak_fds = max(peak_fds, len(os.listdir("/proc/self/fd")))
+            try:
+                peak_fds = max(peak_fds, len(os.listdir("/proc/self/fd")))
+            except OSError:  # EMFILE too: listing a folder opens it
+                emfile += 1
+                peak_fds = max(peak_fds, min(args.nofile, hard))
             peak_threads = max(peak_threads, threading.active_count())
     samples.append((time.monotonic(), steps, time.process_time(), time.thread_time()))
     os.unlink(data.name)
     exporter.close()
+    for f in kept:
+        f.close()
     Path(args.out).write_text(json.dumps({"samples": samples, "emfile": emfile, "peak_fds": peak_fds,
                                           "peak_threads": peak_threads}))
 
@@ -236,9 +250,12 @@ def slowloris(args: argparse.Namespace) -> None:
         s.close()
         del conns[s]
 
-    for _ in range(args.slowloris):
-        open_one()
+    started, ramped = time.monotonic(), 0
     while not stop.is_set():
+        due = min(args.slowloris, int((time.monotonic() - started) * args.slowloris_rate) + 1)
+        while ramped < due:
+            open_one()
+            ramped += 1
         for key, _ in sel.select(timeout=0.1):
             s = key.fileobj
             try:
@@ -292,7 +309,8 @@ def run_transport(args: argparse.Namespace, transport: str, folder: str) -> dict
     env = dict(os.environ, PYTHONPATH=args.hvps_tree, OMP_NUM_THREADS="1")
     me = [sys.executable, os.path.abspath(__file__)]
     trainer = subprocess.Popen(me + ["--role", "train", "--cert", cert, "--key", key, "--out", out,
-                                     "--nofile", str(args.nofile), "--width", str(args.width),
+                                     "--nofile", str(args.nofile), "--extra-fds", str(args.extra_fds),
+                                     "--width", str(args.width),
                                      "--batch", str(args.batch)],
                                env=env, stdout=subprocess.PIPE, text=True)
     port = json.loads(trainer.stdout.readline())["port"]
@@ -324,6 +342,7 @@ def run_transport(args: argparse.Namespace, transport: str, folder: str) -> dict
             else:
                 gen = subprocess.Popen(me + ["--role", load, "--port", str(port), "--cert", cert,
                                              "--clients", str(args.clients), "--slowloris", str(args.slowloris),
+                                             "--slowloris-rate", str(args.slowloris_rate),
                                              "--trickle-seconds", str(args.trickle_seconds)],
                                        stdout=subprocess.PIPE, text=True)
                 time.sleep(seconds)
@@ -381,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "hvps_tree": args.hvps_tree,
               "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(),
               "settings": {k: getattr(args, k) for k in ("rounds", "phase_seconds", "slowloris_seconds",
-                                                          "settle_seconds", "clients",
+                                                          "settle_seconds", "clients", "slowloris_rate", "extra_fds",
                                                           "slowloris", "trickle_seconds", "nofile", "width", "batch")},
               "transports": {}}
     with tempfile.TemporaryDirectory(prefix="hvps-metrics-load-") as folder:

@@ -274,6 +274,14 @@ def test_deadline_closes_a_connection_that_never_completes(exporter_cleanup, cer
     assert status == 200 and "hvps_info{" in body
 
 
+def test_oversized_request_head_gets_431(exporter_cleanup):
+    exporter = metrics.serve(0)
+    with socket.create_connection(("127.0.0.1", exporter.port), timeout=3) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * (server.MAX_REQUEST_BYTES + 100))
+        assert s.recv(64).startswith(b"HTTP/1.0 431 ")
+    assert get(exporter.url)[0] == 200
+
+
 @pytest.mark.inner_cases(cases=lambda np_: [(np_, case("metrics_squat", "mpi_metrics_squat.py", timeout=90))],
                          share=SHARED_JOBS)
 @pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
