@@ -141,16 +141,7 @@ def save_stores(manager: Any, epoch: int, stores: Any, extra: Optional[Mapping] 
         parts = m.table.partition.parts
         entry = write_shard(folder / shard_name(m.name, m.table.member, parts), m.table, epoch, fsync)
         mine[m.name] = dict(entry, table=m.table.describe(), members=parts)
-    gathered = api.allgather_object(mine, name=f"store.ckpt.save.{epoch}")
-    manifest = {"format": STORE_FORMAT, "format_version": STORE_FORMAT_VERSION, "epoch": int(epoch), "tables": {}}
-    for per_rank in gathered:
-        for name, entry in per_rank.items():
-            table = manifest["tables"].setdefault(name, {"table": entry["table"], "members": entry["members"],
-                                                          "shards": []})
-            table["shards"].append({k: entry[k] for k in ("file", "member", "rows", "sha256")})
-    for table in manifest["tables"].values():
-        table["shards"].sort(key=lambda s: s["member"])
-    text = json.dumps(manifest, sort_keys=True)
+    text = manifest_text(epoch, api.allgather_object(mine, name=f"store.ckpt.save.{epoch}"))
     if api.rank() == 0:
         _atomic_write(folder / MANIFEST, lambda tmp: tmp.write_text(text), fsync)
     api.barrier()
@@ -159,6 +150,19 @@ def save_stores(manager: Any, epoch: int, stores: Any, extra: Optional[Mapping] 
     if api.rank() == 0:
         _tidy(manager, int(epoch))
     return result
+
+
+def manifest_text(epoch: int, gathered: list) -> str:
+    """The store manifest of ``epoch`` from every rank's ``{table: shard entry + table, members}``."""
+    manifest = {"format": STORE_FORMAT, "format_version": STORE_FORMAT_VERSION, "epoch": int(epoch), "tables": {}}
+    for per_rank in gathered:
+        for name, entry in per_rank.items():
+            table = manifest["tables"].setdefault(name, {"table": entry["table"], "members": entry["members"],
+                                                          "shards": []})
+            table["shards"].append({k: entry[k] for k in ("file", "member", "rows", "sha256")})
+    for table in manifest["tables"].values():
+        table["shards"].sort(key=lambda s: s["member"])
+    return json.dumps(manifest, sort_keys=True)
 
 
 def _tidy(manager: Any, epoch: int) -> None:

@@ -5,8 +5,9 @@ rank then loads: the defect must be a CheckpointError on every rank together (``
 with ``"latest"``, a warning naming it on every rank and a fallback to epoch 0, with no row of any
 table changed by the bad version.  Nothing may hang (FIFOs) or allocate what a file declares.
 
-The case runs with and without HVPS_CHECKPOINT_KEY; with a key, a forged chain of digests is
-refused by the dense file's or the shard's signature instead of the store's own checks.
+Some defects are planted again with HVPS_CHECKPOINT_KEY set (every rank, from the first save on):
+a FIFO must not hang then either, and an edited optimizer state is refused even when the attacker
+recomputed every digest, by the signature of the shard and of the dense file.
 """
 
 import os
@@ -33,7 +34,7 @@ from ckpt_forge import corrupt_global_heap  # noqa: E402
 pytestmark = pytest.mark.timeout(90)
 
 N, D = 61, 4
-KEYED = bool(os.environ.get("HVPS_CHECKPOINT_KEY"))
+KEY = "store-untrusted-test-key-0123456789"
 DEADLINE = float(os.environ.get("HVPS_CHECKPOINT_INSPECT_TIMEOUT", "10"))
 SLACK = 20  # s on top of the inspection deadline: helper start-up on a loaded 2-core machine
 
@@ -245,13 +246,19 @@ DEFECTS = {  # name: (plant, what the warning names without a key, with a key)
 EXACT = ("shard_fifo", "external_fifo", "manifest_to_fifo", "steps_text", "absurd_shape")
 
 
-MATCH = {name: (keyed or unkeyed) if KEYED else unkeyed for name, (_, unkeyed, keyed) in DEFECTS.items()}
+KEYED = ("shard_fifo", "external_fifo", "manifest_to_fifo", "steps_edited", "steps_forged")
+PLANTED = [(name, False) for name, (_, unkeyed, _) in DEFECTS.items() if unkeyed] + [(name, True) for name in KEYED]
 
 
-@pytest.mark.parametrize("name", [name for name, match in MATCH.items() if match is not None])
-def test_defect_falls_back_on_every_rank(name):
-    plant, match = DEFECTS[name][0], MATCH[name]
-    v = Versions(f"u_{name}")
+@pytest.mark.parametrize("name,keyed", PLANTED, ids=[f"{n}{'-key' if k else ''}" for n, k in PLANTED])
+def test_defect_falls_back_on_every_rank(name, keyed, monkeypatch):
+    plant, unkeyed, with_key = DEFECTS[name]
+    match = (with_key or unkeyed) if keyed else unkeyed
+    if keyed:
+        monkeypatch.setenv("HVPS_CHECKPOINT_KEY", KEY)
+    else:
+        monkeypatch.delenv("HVPS_CHECKPOINT_KEY", raising=False)
+    v = Versions(f"u_{name}{'_key' if keyed else ''}")
     v.sabotage(plant)
     v.load_latest(match)
     if name in EXACT:

@@ -1,0 +1,186 @@
+"""Fuzz store checkpoint reading: mutated shard files and store manifests through the checks a
+load runs on each rank (read_store_manifest, then stage_table for every table). Anything but a
+CheckpointError (or a clean load) is a crash.
+
+    python tests/fuzz/fuzz_store.py --seeds CORPUS_DIR VERSION_DIR       (a version and inputs from it)
+    python tests/fuzz/fuzz_store.py CORPUS_DIR -max_total_time=10        (atheris / libFuzzer)
+    python tests/fuzz/fuzz_store.py --random CORPUS_DIR SECONDS           (byte mutation, no atheris)
+    python tests/fuzz/fuzz_store.py --replay DEADLINE FILE...             (through the helper)
+    python tests/fuzz/fuzz_store.py --inprocess FILE                      (one input, as the fuzzer ran it)
+
+An input's first byte chooses what it replaces in a real version saved by two members (table
+``t``, 40 x 4, Adagrad; in $FUZZ_STORE_VERSION, written by ``--seeds``): even, shard 0 of 2 (the
+rest of the input is the file); odd, the store manifest. A replaced shard is listed in the store manifest under its own manifest digest when
+that can be read, as an attacker who rewrites the manifest would, so the checks behind the digest
+(the shard's structure, its rows, their bytes) are reached too. One member of one loads the
+version, re-sharding it: every shard and every row is read.
+
+Metadata is inspected in this process while fuzzing with atheris (HVPS_CHECKPOINT_INSPECT_TIMEOUT=0),
+as in fuzz_checkpoint.py; ``--replay`` feeds what hung or crashed libhdf5 through the helper process.
+Random mode, which has no libFuzzer to survive a hang, inspects through the helper (2 s deadline).
+Prints ``fuzz: N inputs, C crashes`` at the end in random mode.
+"""
+
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+EPOCH, ROWS, DIM, MEMBERS = 1, 40, 4, 2
+_BASE = Path(tempfile.mkdtemp(prefix="hvps-fuzz-store-"))
+_FOLDER = _BASE / f"store-epoch-{EPOCH:06d}"
+_ORIGINAL = Path(os.environ.get("FUZZ_STORE_VERSION", _BASE / "original"))
+_STATE: dict = {}
+
+
+def _table(member: int, members: int):
+    from hvps.store.optim import make_optimizer
+    from hvps.store.table import ShardedTable, StoreOptions
+
+    return ShardedTable("t", ROWS, DIM, make_optimizer("adagrad", 0.1), StoreOptions(), member, members)
+
+
+def make_version(folder: Path) -> None:
+    """A real version of table ``t`` saved by two members (as save_stores writes it)."""
+    from hvps.store.checkpoint import MANIFEST, manifest_text, shard_name, write_shard
+
+    folder.mkdir(parents=True, exist_ok=True)
+    gathered = []
+    for member in range(MEMBERS):
+        table = _table(member, MEMBERS)
+        table.optimizer.steps = 3
+        entry = write_shard(folder / shard_name("t", member, MEMBERS), table, EPOCH, fsync=False)
+        gathered.append({"t": dict(entry, table=table.describe(), members=MEMBERS)})
+    (folder / MANIFEST).write_text(manifest_text(EPOCH, gathered))
+
+
+def seeds(corpus: str, version: str) -> None:
+    """Write a version to ``version`` and the two seed inputs made from it to ``corpus``."""
+    from hvps.store.checkpoint import MANIFEST, shard_name
+
+    make_version(Path(version))
+    Path(corpus).mkdir(parents=True, exist_ok=True)
+    (Path(corpus) / "shard0").write_bytes(b"\0" + (Path(version) / shard_name("t", 0, MEMBERS)).read_bytes())
+    (Path(corpus) / "manifest").write_bytes(b"\1" + (Path(version) / MANIFEST).read_bytes())
+
+
+def _setup() -> None:
+    if not _STATE:
+        if not _ORIGINAL.exists():
+            make_version(_ORIGINAL)
+        _STATE["table"] = _table(0, 1)
+
+
+def one_input(data: bytes):
+    """Put ``data`` in place of a shard or the manifest and check the version as a load does."""
+    from hvps.checkpoint.format import CheckpointError
+    from hvps.checkpoint.inspect import inspect_header
+    from hvps.store.checkpoint import MANIFEST, read_store_manifest, shard_name, stage_table
+    from hvps.store.tiers import discard_tier
+
+    _setup()
+    if _FOLDER.exists():
+        shutil.rmtree(_FOLDER)
+    shutil.copytree(_ORIGINAL, _FOLDER)
+    if not data:
+        return None
+    if data[0] % 2 == 0:
+        shard = _FOLDER / shard_name("t", 0, MEMBERS)
+        shard.write_bytes(data[1:])
+        try:
+            digest = inspect_header(shard).manifest_sha256
+        except CheckpointError:
+            digest = None
+        if digest:
+            manifest = json.loads((_FOLDER / MANIFEST).read_text())
+            manifest["tables"]["t"]["shards"][0]["sha256"] = digest
+            (_FOLDER / MANIFEST).write_text(json.dumps(manifest))
+    else:
+        (_FOLDER / MANIFEST).write_bytes(data[1:])
+    try:
+        _, manifest = read_store_manifest(_FOLDER, EPOCH)
+        if "t" in manifest["tables"]:
+            tier, _ = stage_table(_FOLDER, _STATE["table"], manifest["tables"]["t"], EPOCH)
+            discard_tier(tier)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def _mutate(rnd: random.Random, data: bytes) -> bytes:
+    out = bytearray(data)
+    for _ in range(rnd.randint(1, 8)):
+        choice, at = rnd.random(), rnd.randrange(1, len(out))
+        if choice < 0.6:
+            out[at] = rnd.randrange(256)
+        elif choice < 0.8:
+            out[at:at + 8] = rnd.randbytes(8)
+        elif choice < 0.9:
+            del out[at:at + rnd.randint(1, 64)]
+        else:
+            out[at:at] = rnd.randbytes(rnd.randint(1, 64))
+    return bytes(out)
+
+
+def random_mode(corpus: str, seconds: float, seed: int = 0) -> int:
+    inputs = [open(os.path.join(corpus, n), "rb").read() for n in sorted(os.listdir(corpus))]
+    rnd, runs, crashes = random.Random(seed), 0, 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        data = _mutate(rnd, rnd.choice(inputs))
+        runs += 1
+        try:
+            one_input(data)
+        except Exception as exc:  # noqa: BLE001 - a crash is what we look for
+            crashes += 1
+            print(f"crash: {type(exc).__name__}: {exc}", file=sys.stderr)
+    print(f"fuzz: {runs} inputs, {crashes} crashes")
+    return 1 if crashes else 0
+
+
+def atheris_mode(argv: list) -> None:
+    import atheris
+
+    with atheris.instrument_imports(include=["hvps"]):
+        import hvps.checkpoint.format  # noqa: F401
+        import hvps.checkpoint.safety  # noqa: F401
+        import hvps.store.checkpoint  # noqa: F401
+    atheris.Setup([os.environ.get("HVPS_FUZZ_SELF", argv[0])] + argv[1:], one_input)
+    atheris.Fuzz()
+
+
+def replay(deadline: str, files: list) -> int:
+    """Check each input the way a load does, helper included; 1 if any escapes as a crash."""
+    os.environ["HVPS_CHECKPOINT_INSPECT_TIMEOUT"] = deadline
+    crashes = 0
+    for name in files:
+        try:
+            with open(name, "rb") as f:
+                error = one_input(f.read())
+            outcome = "ok" if error is None else "error " + error.replace("\n", " ")[:300]
+        except Exception as exc:  # noqa: BLE001 - a crash is what we look for
+            crashes += 1
+            outcome = f"crash {type(exc).__name__}: {exc}"
+        print(f"replay: {os.path.basename(name)} {outcome}", flush=True)
+    return 1 if crashes else 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--seeds":
+        seeds(sys.argv[2], sys.argv[3])
+        sys.exit(0)
+    if sys.argv[1] == "--replay":
+        sys.exit(replay(sys.argv[2], sys.argv[3:]))
+    if sys.argv[1] == "--random":
+        os.environ["HVPS_CHECKPOINT_INSPECT_TIMEOUT"] = "2"
+        sys.exit(random_mode(sys.argv[2], float(sys.argv[3])))
+    os.environ["HVPS_CHECKPOINT_INSPECT_TIMEOUT"] = "0"
+    if sys.argv[1] == "--inprocess":  # a Python exception escapes (exit 1); a libhdf5 crash kills it
+        with open(sys.argv[2], "rb") as f:
+            print(f"inprocess: {one_input(f.read())}")
+        sys.exit(0)
+    atheris_mode(sys.argv)
