@@ -111,7 +111,8 @@ def _check_dataset(i: int, d: Any) -> None:
     expected = math.prod(shape) * np.dtype(d["storage"]).itemsize
     need(is_int(d["nbytes"]) and d["nbytes"] == expected, where,
           f"nbytes {d['nbytes']!r} != shape x itemsize = {expected}")
-    need(isinstance(d["sha256"], str) and SHA256_HEX.match(d["sha256"]) is not None, where, "sha256 must be 64 hex digits")
+    need(isinstance(d["sha256"], str) and SHA256_HEX.match(d["sha256"]) is not None, where,
+         "sha256 must be 64 hex digits")
 
 
 def check_manifest(manifest: Any, format_version: int) -> None:

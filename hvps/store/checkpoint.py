@@ -39,6 +39,7 @@ import secrets
 import shutil
 import stat
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
@@ -49,7 +50,7 @@ import torch
 from hvps import api
 from hvps.checkpoint.format import CheckpointError, from_json, fsync_path, pread_all, root_attributes, write_file
 from hvps.checkpoint.inspect import inspect_header, prestart
-from hvps.checkpoint.safety import MAX_MANIFEST_BYTES, SHA256_HEX, Defect, is_int, need
+from hvps.checkpoint.safety import MAX_MANIFEST_BYTES, SHA256_HEX, is_int, need
 
 from .module import _ShardedBase
 from .table import ShardedTable
@@ -289,6 +290,12 @@ class _Staged:
     steps: int
 
 
+def _short(value: Any, limit: int = 160) -> str:
+    """``repr(value)`` cut to ``limit`` characters (values from a file go into messages escaped and bounded)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _shard_header(path: Path, expected: dict, table: ShardedTable, members: int, epoch: int):
     """The inspected header of shard ``path`` (sandboxed helper), checked against the store manifest
     and ``table``; the identity of the file inspected."""
@@ -303,21 +310,23 @@ def _shard_header(path: Path, expected: dict, table: ShardedTable, members: int,
     rows, problems = expected["rows"], []
     attrs = header.attrs
     if attrs.get("framework") != FRAMEWORK or attrs.get("epoch") != epoch or attrs.get("world_size") != members:
-        problems.append(f"root attributes framework={str(attrs.get('framework'))[:40]!r} epoch={attrs.get('epoch')!r} "
-                        f"world_size={attrs.get('world_size')!r}, expected {FRAMEWORK!r}, {epoch}, {members}")
+        problems.append(f"root attributes framework={_short(attrs.get('framework'))} "
+                        f"epoch={_short(attrs.get('epoch'))} world_size={_short(attrs.get('world_size'))}, "
+                        f"expected {FRAMEWORK!r}, {epoch}, {members}")
     owner = header.groups.get("/extra")
     if owner != {"table": table.name, "member": expected["member"], "members": members}:
-        problems.append(f"/extra says {str(owner)[:200]}, expected table {table.name!r}, member "
+        problems.append(f"/extra says {_short(owner)}, expected table {table.name!r}, member "
                         f"{expected['member']} of {members}")
     wanted = {_IDS: ("int64", np.dtype(np.int64).str, (rows,)),
               _RECORDS: ("float32", np.dtype(np.float32).str, (rows, table.width))}
     found = {e.path: e for e in header.entries}
     if set(found) != set(wanted):
-        problems.append(f"datasets {sorted(found)[:8]}, expected {sorted(wanted)}")
+        problems.append(f"datasets {_short(sorted(found))}, expected {sorted(wanted)}")
     for p, (dtype, storage, shape) in wanted.items():
         e = found.get(p)
         if e is not None and (e.dtype, e.storage, tuple(e.shape)) != (dtype, storage, shape):
-            problems.append(f"dataset {p} is {e.dtype} ({e.storage}) {tuple(e.shape)}, expected {dtype} {shape} "
+            problems.append(f"dataset {p} is {e.dtype} ({e.storage}) {_short(tuple(e.shape))}, "
+                            f"expected {dtype} {shape} "
                             f"({rows} rows in the store manifest, {table.width} values per record for this "
                             f"table's optimizer)")
         elif e is not None and e.nbytes and (header.offsets or {}).get(p) is None:
@@ -325,7 +334,7 @@ def _shard_header(path: Path, expected: dict, table: ShardedTable, members: int,
     state = from_json(header.groups.get("/optimizer"))
     if not (isinstance(state, dict) and state.get("name") == table.optimizer.name and is_int(state.get("steps"))
             and state["steps"] >= 0):
-        problems.append(f"optimizer state {str(state)[:200]} is not {table.optimizer.name!r} with a "
+        problems.append(f"optimizer state {_short(state)} is not {table.optimizer.name!r} with a "
                         "non-negative integer 'steps'")
     if problems:
         raise CheckpointError("shard does not fit its store manifest and table", path, problems)
@@ -341,6 +350,7 @@ def _read_rows(path: Path, rows: int, header, identity: tuple, table: ShardedTab
     expected = {e.path: e.sha256 for e in header.entries}
     width = table.width
     chunk = max(1, CHUNK_BYTES // (width * 4))
+    hasher = ThreadPoolExecutor(1, thread_name_prefix="hvps-store-sha")  # in order, beside the reads
     fd = _open_regular(path)
     try:
         if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != identity:
@@ -351,8 +361,8 @@ def _read_rows(path: Path, rows: int, header, identity: tuple, table: ShardedTab
             records = np.empty((n, width), np.float32)
             pread_all(fd, ids, offsets[_IDS] + start * 8, path, _IDS)
             pread_all(fd, records, offsets[_RECORDS] + start * width * 4, path, _RECORDS)
-            digest[_IDS].update(ids)
-            digest[_RECORDS].update(records)
+            hasher.submit(digest[_IDS].update, ids)
+            hasher.submit(digest[_RECORDS].update, records)
             if n and (int(ids.min()) < 0 or int(ids.max()) >= table.num_embeddings):
                 raise CheckpointError(f"holds ids outside 0..{table.num_embeddings - 1}", path)
             chunk_ids = torch.from_numpy(ids)
@@ -366,6 +376,7 @@ def _read_rows(path: Path, rows: int, header, identity: tuple, table: ShardedTab
             tier.write(slots, torch.from_numpy(records)[mine])
     finally:
         os.close(fd)
+        hasher.shutdown(wait=True)
     bad = [p for p, h in digest.items() if h.hexdigest() != expected[p]]
     if bad:
         raise CheckpointError(f"checksum mismatch of {', '.join(bad)} (the data was damaged or edited)", path)

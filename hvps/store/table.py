@@ -136,7 +136,7 @@ class ShardedTable:
         if self.options.tier == "disk":
             base = Path(self.options.disk_dir or ".")
             path = base / f"{self.name}.shard{self.member}-of-{self.partition.parts}.{os.getpid()}.load.f32"
-        return make_tier(self.options.tier, self.tier.rows, self.width, path)
+        return make_tier(self.options.tier, self.tier.rows, self.width, path, zeroed=False)
 
     def install(self, tier: Tier) -> None:
         """Make ``tier`` (from :meth:`spare_tier`) the shard: cached rows are forgotten, the old tier freed."""

@@ -64,9 +64,9 @@ class HostTier(Tier):
 
     kind = "host"
 
-    def __init__(self, rows: int, width: int) -> None:
+    def __init__(self, rows: int, width: int, zeroed: bool = True) -> None:
         super().__init__(rows, width)
-        self.data = torch.zeros(self.rows, self.width)
+        self.data = torch.zeros(self.rows, self.width) if zeroed else torch.empty(self.rows, self.width)
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         return self.data.index_select(0, slots)
@@ -124,10 +124,12 @@ class DiskTier(Tier):
         del self.array
 
 
-def make_tier(kind: str, rows: int, width: int, path: Optional[Union[str, os.PathLike]] = None) -> Tier:
-    """A "host" or "disk" tier; "disk" needs ``path``."""
+def make_tier(kind: str, rows: int, width: int, path: Optional[Union[str, os.PathLike]] = None,
+              zeroed: bool = True) -> Tier:
+    """A "host" or "disk" tier; "disk" needs ``path``.  ``zeroed=False``: a host tier's records
+    start undefined (for a caller that writes every one)."""
     if kind == "host":
-        return HostTier(rows, width)
+        return HostTier(rows, width, zeroed)
     if kind == "disk":
         if path is None:
             raise ValueError("the disk tier needs a file path (disk_dir=...)")

@@ -10,9 +10,10 @@ CheckpointError (or a clean load) is a crash.
 
 An input's first byte chooses what it replaces in a real version saved by two members (table
 ``t``, 40 x 4, Adagrad; in $FUZZ_STORE_VERSION, written by ``--seeds``): even, shard 0 of 2 (the
-rest of the input is the file); odd, the store manifest. A replaced shard is listed in the store manifest under its own manifest digest when
-that can be read, as an attacker who rewrites the manifest would, so the checks behind the digest
-(the shard's structure, its rows, their bytes) are reached too. One member of one loads the
+rest of the input is the file); odd, the store manifest. A replaced shard is listed in the store
+manifest under its own manifest digest when that can be read, as an attacker who rewrites the
+manifest would, so the checks behind the digest (the shard's structure, its rows, their bytes)
+are reached too. One member of one loads the
 version, re-sharding it: every shard and every row is read.
 
 Metadata is inspected in this process while fuzzing with atheris (HVPS_CHECKPOINT_INSPECT_TIMEOUT=0),
