@@ -67,8 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--phase-seconds", type=float, default=6.0,
                    help="length of the idle and clients phases (default: %(default)s)")
     p.add_argument("--slowloris-seconds", type=float, default=20.0,
-                   help="length of the slowloris phase: longer, because connections the kernel's listen queue "
-                        "turns away come back only on TCP's SYN retries, 1, 3, 7, 15 s later (default: %(default)s)")
+                   help="length of the slowloris phase: longer, because the connections ramp up at "
+                        "--slowloris-rate (10 s for 1,000) (default: %(default)s)")
     p.add_argument("--settle-seconds", type=float, default=1.5,
                    help="start of each phase left out of its steps/s, while the load ramps up (default: %(default)s)")
     p.add_argument("--clients", type=int, default=200,
