@@ -178,8 +178,7 @@ def test_basic_auth_scheme_is_case_insensitive_over_tls(exporter_cleanup, certif
         assert caught.value.code == 401
 
 
-def _server_side_sockets(port):
-    """Connected TCP sockets of this process whose local port is ``port``: the server's ends."""
+def _socket_inodes():
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -188,13 +187,21 @@ def _server_side_sockets(port):
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
-    count = 0
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        for line in open(table).read().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A" and fields[9] in inodes and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                count += 1
-    return count
+    return inodes
+
+
+def _server_side_sockets(port):
+    """Connected TCP sockets of this process whose local port is ``port``: the server's ends.
+
+    Only sockets open both before and after reading the tables count (open all along: an inode is
+    never reused while open), so sockets the server closes and opens meanwhile are not counted twice.
+    """
+    before = _socket_inodes()
+    rows = [line.split() for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6")
+            for line in open(table).read().splitlines()[1:]]
+    inodes = before & _socket_inodes()
+    return sum(1 for fields in rows
+               if fields[3] != "0A" and fields[9] in inodes and int(fields[1].rsplit(":", 1)[1], 16) == port)
 
 
 def _serve(transport, certificate, **kwargs):
