@@ -342,9 +342,10 @@ def _shard_header(path: Path, expected: dict, table: ShardedTable, members: int,
 
 
 def _read_rows(path: Path, rows: int, header, identity: tuple, table: ShardedTable, tier: Tier,
-               seen: torch.Tensor) -> None:
+               seen: torch.Tensor, own: bool) -> None:
     """Read the ``rows`` rows of shard ``path`` (hashed against its manifest) and keep those
-    ``table``'s member owns in ``tier``; ``seen`` marks the slots filled."""
+    ``table``'s member owns in ``tier``; ``seen`` marks the slots filled.  ``own``: the shard is
+    this member's own (same partition), so every row in it must be one it owns."""
     offsets = header.offsets or {}
     digest = {p: hashlib.sha256() for p in (_IDS, _RECORDS)}
     expected = {e.path: e.sha256 for e in header.entries}
@@ -367,6 +368,8 @@ def _read_rows(path: Path, rows: int, header, identity: tuple, table: ShardedTab
                 raise CheckpointError(f"holds ids outside 0..{table.num_embeddings - 1}", path)
             chunk_ids = torch.from_numpy(ids)
             mine = table.partition.owner(chunk_ids) == table.member
+            if own and not bool(mine.all()):
+                raise CheckpointError(f"holds rows that member {table.member} does not own", path)
             if not bool(mine.any()):
                 continue
             slots = table.partition.slot(chunk_ids[mine])
@@ -394,15 +397,18 @@ def stage_table(folder: Path, table: ShardedTable, saved: dict, epoch: int) -> t
         raise CheckpointError(f"table {table.name!r}: saved with optimizer {described['optimizer'][:40]!r}, "
                               f"the module uses {table.optimizer.name!r}", folder)
     members = saved["members"]
+    # Saved by as many members with the same partition: this member's rows are all in its own
+    # shard, the only one it reads.  Otherwise it reads every shard and keeps its rows.
+    own = members == table.partition.parts and described.get("partition") == table.partition.describe()
     tier = table.spare_tier()
     seen = torch.zeros(tier.rows, dtype=torch.bool)
     steps = set()
     try:
-        for shard in saved["shards"]:
+        for shard in [saved["shards"][table.member]] if own else saved["shards"]:
             path = folder / shard["file"]
             header, shard_steps, identity = _shard_header(path, shard, table, members, epoch)
             steps.add(shard_steps)
-            _read_rows(path, shard["rows"], header, identity, table, tier, seen)
+            _read_rows(path, shard["rows"], header, identity, table, tier, seen, own)
         if len(steps) > 1:
             raise CheckpointError(f"table {table.name!r}: its shards disagree on the optimizer's step count "
                                   f"({sorted(steps)[:4]})", folder)

@@ -13,8 +13,9 @@ An input's first byte chooses what it replaces in a real version saved by two me
 rest of the input is the file); odd, the store manifest. A replaced shard is listed in the store
 manifest under its own manifest digest when that can be read, as an attacker who rewrites the
 manifest would, so the checks behind the digest (the shard's structure, its rows, their bytes)
-are reached too. One member of one loads the
-version, re-sharding it: every shard and every row is read.
+are reached too. Bit 1 of the first byte chooses who loads it: the single member of a
+one-member table (re-sharding: every shard and every row is read) or member 0 of two (its own
+shard only).
 
 Metadata is inspected in this process while fuzzing with atheris (HVPS_CHECKPOINT_INSPECT_TIMEOUT=0),
 as in fuzz_checkpoint.py; ``--replay`` feeds what hung or crashed libhdf5 through the helper process.
@@ -65,15 +66,18 @@ def seeds(corpus: str, version: str) -> None:
 
     make_version(Path(version))
     Path(corpus).mkdir(parents=True, exist_ok=True)
-    (Path(corpus) / "shard0").write_bytes(b"\0" + (Path(version) / shard_name("t", 0, MEMBERS)).read_bytes())
-    (Path(corpus) / "manifest").write_bytes(b"\1" + (Path(version) / MANIFEST).read_bytes())
+    shard = (Path(version) / shard_name("t", 0, MEMBERS)).read_bytes()
+    manifest = (Path(version) / MANIFEST).read_bytes()
+    for name, first, data in (("shard0", 0, shard), ("manifest", 1, manifest), ("shard0-own", 2, shard),
+                              ("manifest-own", 3, manifest)):
+        (Path(corpus) / name).write_bytes(bytes([first]) + data)
 
 
 def _setup() -> None:
     if not _STATE:
         if not _ORIGINAL.exists():
             make_version(_ORIGINAL)
-        _STATE["table"] = _table(0, 1)
+        _STATE["tables"] = [_table(0, 1), _table(0, MEMBERS)]
 
 
 def one_input(data: bytes):
@@ -105,7 +109,8 @@ def one_input(data: bytes):
     try:
         _, manifest = read_store_manifest(_FOLDER, EPOCH)
         if "t" in manifest["tables"]:
-            tier, _ = stage_table(_FOLDER, _STATE["table"], manifest["tables"]["t"], EPOCH)
+            table = _STATE["tables"][(data[0] >> 1) % 2]
+            tier, _ = stage_table(_FOLDER, table, manifest["tables"]["t"], EPOCH)
             discard_tier(tier)
     except CheckpointError as exc:
         return str(exc)

@@ -78,11 +78,11 @@ def _train(module, seed, steps=2):
 class Versions:
     """Epochs 0 and 1 of table ``name`` saved in a fresh directory; then the module trains on."""
 
-    def __init__(self, name, epochs=2):
+    def __init__(self, name, epochs=2, **storage):
         self.name = name
         self.directory = _shared_dir(name)
         self.manager = CheckpointManager(self.directory, keep_last=None, fsync=False)
-        self.module = ShardedEmbeddingBag(N, D, mode="sum", name=name, optimizer="adagrad", lr=0.1)
+        self.module = ShardedEmbeddingBag(N, D, mode="sum", name=name, optimizer="adagrad", lr=0.1, **storage)
         self.tables, self.steps = [], []
         for epoch in range(epochs):
             _train(self.module, epoch)
@@ -299,6 +299,17 @@ def test_stray_folders_are_ignored_and_temporaries_removed():
     assert all((d / "keep").exists() for d in stray)
     assert not any(t.exists() for t in temporaries)
     assert load_stores(v.manager, [v.module]) == 2
+
+
+def test_disk_tier_falls_back_and_frees_its_spare(tmp_path):
+    """A disk tier with a cache: the spare shard is a file in disk_dir, unlinked once mapped; the
+    skipped version's spare is dropped, the good one's replaces the shard and the cache."""
+    disk = tmp_path / f"rank{hvd.rank()}"
+    v = Versions("u_disk", tier="disk", disk_dir=disk, cache_rows=5)
+    v.sabotage(_steps_edited)
+    v.load_latest(("attribute steps differs from the manifest",))
+    assert list(disk.iterdir()) == []
+    assert v.module.table.tier.kind == "disk" and v.module.table.cache.tier is v.module.table.tier
 
 
 def test_reload_after_a_skipped_version_is_exact():
