@@ -25,8 +25,10 @@ bytes are then read at the offsets the helper checked (``preadv``, no libhdf5 in
 process), hashed, and kept in a spare tier: the shard is replaced only after every member has
 checked every byte of the version, so a defect found anywhere skips the whole version on
 every rank (a warning naming it) and leaves every table as it was.  Versions are tried newest
-first; shards saved by a different number of members are re-sharded (every member reads every
-saved shard and keeps the rows its new partition gives it).
+first.  A member reads only its own shard when the table has the saved member count and
+partition; otherwise the version is re-sharded: every member reads every saved shard and keeps
+the rows its new partition gives it.  Store folders are written in format 2; those of format 1
+(bare ``ids``/``records`` datasets) are refused like any other defect.
 """
 
 from __future__ import annotations
