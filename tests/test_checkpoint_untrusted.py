@@ -115,3 +115,16 @@ def test_inspect_escapes_control_characters(versions, tmp_path, capsys):
     assert cli.main(["ckpt", "inspect", str(tmp_path), "--epoch", "2"]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and "\\x1b]0;owned\\x07" in out
+
+
+def test_file_swapped_for_a_fifo_after_inspection_is_refused(versions, tmp_path):
+    """The reader opens by path again after the helper inspected the file: a FIFO put there in
+    between is refused at once, not waited on."""
+    from hvps.checkpoint.format import Reader
+
+    path = path_of(tmp_path, 2)
+    header = read_header(path)
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        Reader(path, header).read()  # pytest-timeout: no hang

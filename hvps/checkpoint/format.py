@@ -37,6 +37,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -650,10 +651,7 @@ class Reader:
         batch, batch_bytes = [], 0
         bounds = list(bounds or [])
         nxt = 0
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError as exc:
-            raise CheckpointError(f"cannot open: {exc}", self.path) from exc
+        fd = open_regular(self.path)  # swapped for a FIFO after the inspection: refused, not a hang
         try:
             file_size = os.fstat(fd).st_size
             known = header.offsets or {}
@@ -722,6 +720,24 @@ class Reader:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def open_regular(path: os.PathLike, follow_links: bool = True) -> int:
+    """A read descriptor of ``path``, which must be a regular file (not a FIFO, a device or a
+    directory): opened without blocking, then checked; with ``follow_links=False`` a symlink is
+    refused too. CheckpointError otherwise."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow_links else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise CheckpointError("missing", path) from None
+    except OSError as exc:  # ELOOP: a symlink
+        raise CheckpointError(f"cannot be opened as a regular file ({exc.strerror})", path) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError("is not a regular file (a FIFO, device or directory?)", path)
+    os.set_blocking(fd, True)
+    return fd
 
 
 def pread_all(fd: int, dst: np.ndarray, offset: int, path: Path, name: str) -> None:

@@ -50,7 +50,8 @@ import numpy as np
 import torch
 
 from hvps import api
-from hvps.checkpoint.format import CheckpointError, from_json, fsync_path, pread_all, root_attributes, write_file
+from hvps.checkpoint.format import (CheckpointError, from_json, fsync_path, open_regular, pread_all, root_attributes,
+                                    write_file)
 from hvps.checkpoint.inspect import inspect_header, prestart
 from hvps.checkpoint.safety import MAX_MANIFEST_BYTES, SHA256_HEX, is_int, need
 
@@ -190,21 +191,6 @@ def _tidy(manager: Any, epoch: int) -> None:
 
 
 # ----------------------------------------------------------------------------- reading
-def _open_regular(path: Path) -> int:
-    """A read descriptor of ``path``, which must be a regular file itself (not a symlink, a FIFO,
-    a device, a directory): opened without following links or blocking, then checked."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise CheckpointError("missing", path) from None
-    except OSError as exc:  # ELOOP: a symlink
-        raise CheckpointError(f"cannot be opened as a regular file in its folder ({exc.strerror})", path) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointError("is not a regular file (a FIFO, device or directory?)", path)
-    return fd
-
-
 def read_store_manifest(folder: Path, epoch: int) -> tuple:
     """``(bytes, manifest)`` of ``folder``'s store manifest after the schema check; CheckpointError otherwise."""
     path = folder / MANIFEST
@@ -213,7 +199,7 @@ def read_store_manifest(folder: Path, epoch: int) -> tuple:
             raise CheckpointError("the store folder is not a directory", folder)
     except FileNotFoundError:
         raise CheckpointError("the store folder is missing", folder) from None
-    fd = _open_regular(path)
+    fd = open_regular(path, follow_links=False)
     try:
         size = os.fstat(fd).st_size
         if size > MAX_MANIFEST_BYTES:
@@ -301,7 +287,7 @@ def _short(value: Any, limit: int = 160) -> str:
 def _shard_header(path: Path, expected: dict, table: ShardedTable, members: int, epoch: int):
     """The inspected header of shard ``path`` (sandboxed helper), checked against the store manifest
     and ``table``; the identity of the file inspected."""
-    fd = _open_regular(path)  # refuses FIFOs and links before libhdf5 (in the helper) opens anything
+    fd = open_regular(path, follow_links=False)  # refuses FIFOs and links before libhdf5 (in the helper) opens anything
     try:
         before = os.fstat(fd)
     finally:
@@ -354,7 +340,7 @@ def _read_rows(path: Path, rows: int, header, identity: tuple, table: ShardedTab
     width = table.width
     chunk = max(1, CHUNK_BYTES // (width * 4))
     hasher = ThreadPoolExecutor(1, thread_name_prefix="hvps-store-sha")  # in order, beside the reads
-    fd = _open_regular(path)
+    fd = open_regular(path, follow_links=False)
     try:
         if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != identity:
             raise CheckpointError("was replaced while it was being loaded", path)
