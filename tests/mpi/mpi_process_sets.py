@@ -146,14 +146,19 @@ def test_argument_errors_leave_every_rank_in_step(request):
 
 
 def test_duplicate_name_is_a_value_error_and_submits_nothing():
-    size = hvps.size()
-    first = hvps.allreduce_async(np.ones(4), name="dup", op=hvps.Sum)
-    with pytest.raises(ValueError):
-        hvps.allreduce_async(np.ones(4), name="dup")
-    # a grouped call that collides in its second part submits none of its parts
-    other = hvps.allgather_async(np.ones(1), name="grp.1")
-    with pytest.raises(ValueError):
-        hvps.grouped_allgather([np.ones(1), np.ones(1)], name="grp")
+    size, rank = hvps.size(), hvps.rank()
+    if rank == 0:  # the others submit after the barrier: rank 0's collectives are surely in flight
+        first = hvps.allreduce_async(np.ones(4), name="dup", op=hvps.Sum)
+        with pytest.raises(ValueError):
+            hvps.allreduce_async(np.ones(4), name="dup")
+        # a grouped call that collides in its second part submits none of its parts
+        other = hvps.allgather_async(np.ones(1), name="grp.1")
+        with pytest.raises(ValueError):
+            hvps.grouped_allgather([np.ones(1), np.ones(1)], name="grp")
+    hvps.barrier()
+    if rank != 0:
+        first = hvps.allreduce_async(np.ones(4), name="dup", op=hvps.Sum)
+        other = hvps.allgather_async(np.ones(1), name="grp.1")
     assert_exact(first.wait(), np.full(4, float(size)))
     other.wait()
     assert_exact(hvps.grouped_allgather([np.ones(1), np.zeros(1)], name="grp")[1], np.zeros(size))
