@@ -16,10 +16,11 @@ Prints ``fuzz: N inputs, C crashes`` at the end (atheris prints its own ``Done N
 """
 
 import os
-import random
 import sys
 import tempfile
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
 
 _PATH = os.path.join(tempfile.mkdtemp(prefix="hvps-fuzz-"), "ckpt-epoch-000001.h5")
 
@@ -40,72 +41,13 @@ def one_input(data: bytes):
     return None
 
 
-def _mutate(rnd: random.Random, data: bytes) -> bytes:
-    out = bytearray(data)
-    for _ in range(rnd.randint(1, 8)):
-        choice, at = rnd.random(), rnd.randrange(len(out))
-        if choice < 0.6:
-            out[at] = rnd.randrange(256)
-        elif choice < 0.8:
-            out[at:at + 8] = rnd.randbytes(8)
-        elif choice < 0.9:
-            del out[at:at + rnd.randint(1, 64)]
-        else:
-            out[at:at] = rnd.randbytes(rnd.randint(1, 64))
-    return bytes(out)
-
-
-def random_mode(corpus: str, seconds: float, seed: int = 0) -> int:
-    seeds = [open(os.path.join(corpus, n), "rb").read() for n in sorted(os.listdir(corpus))]
-    rnd, runs, crashes = random.Random(seed), 0, 0
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        data = _mutate(rnd, rnd.choice(seeds))
-        runs += 1
-        try:
-            one_input(data)
-        except Exception as exc:  # noqa: BLE001 - a crash is what we look for
-            crashes += 1
-            print(f"crash: {type(exc).__name__}: {exc}", file=sys.stderr)
-    print(f"fuzz: {runs} inputs, {crashes} crashes")
-    return 1 if crashes else 0
-
-
-def atheris_mode(argv: list) -> None:
-    import atheris
-
-    with atheris.instrument_imports(include=["hvps"]):
-        import hvps.checkpoint.format  # noqa: F401
-        import hvps.checkpoint.safety  # noqa: F401
-    # libFuzzer's -fork mode re-runs argv[0]: an executable wrapper when one is given
-    atheris.Setup([os.environ.get("HVPS_FUZZ_SELF", argv[0])] + argv[1:], one_input)
-    atheris.Fuzz()
-
-
-def replay(deadline: str, files: list) -> int:
-    """Read each file the way load() does, helper included; 1 if any escapes as a crash."""
-    os.environ["HVPS_CHECKPOINT_INSPECT_TIMEOUT"] = deadline
-    crashes = 0
-    for name in files:
-        try:
-            with open(name, "rb") as f:
-                error = one_input(f.read())
-            outcome = "ok" if error is None else "error " + error.replace("\n", " ")[:300]
-        except Exception as exc:  # noqa: BLE001 - a crash is what we look for
-            crashes += 1
-            outcome = f"crash {type(exc).__name__}: {exc}"
-        print(f"replay: {os.path.basename(name)} {outcome}", flush=True)
-    return 1 if crashes else 0
-
-
 if __name__ == "__main__":
     if sys.argv[1] == "--replay":
-        sys.exit(replay(sys.argv[2], sys.argv[3:]))
+        sys.exit(driver.replay(one_input, sys.argv[2], sys.argv[3:]))
     os.environ["HVPS_CHECKPOINT_INSPECT_TIMEOUT"] = "0"
-    if sys.argv[1] == "--inprocess":  # a Python exception escapes (exit 1); a libhdf5 crash kills it
-        with open(sys.argv[2], "rb") as f:
-            print(f"inprocess: {one_input(f.read())}")
+    if sys.argv[1] == "--inprocess":
+        driver.in_process(one_input, sys.argv[2])
         sys.exit(0)
     if sys.argv[1] == "--random":
-        sys.exit(random_mode(sys.argv[2], float(sys.argv[3])))
-    atheris_mode(sys.argv)
+        sys.exit(driver.random_mode(one_input, sys.argv[2], float(sys.argv[3])))
+    driver.atheris_mode(one_input, sys.argv, ["hvps.checkpoint.format", "hvps.checkpoint.safety"])
