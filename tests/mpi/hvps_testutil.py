@@ -222,3 +222,21 @@ def check_guarded_average(results, arrays):
         result = np.asarray(result, dtype=np.float64)
         assert np.isfinite(result).all(), f"{path}: the float16 sum overflowed ({np.isinf(result).sum()} inf)"
         np.testing.assert_allclose(result, exact, rtol=2e-3, err_msg=path)
+
+
+def shared_dir(name):
+    """A directory every rank sees: under HVPS_TEST_SHARED_DIR, else a fresh one from rank 0
+    (never a fixed /tmp path, whose leftovers from an earlier run would be loaded). Collective."""
+    import tempfile
+    from pathlib import Path
+
+    import hvps
+
+    base = os.environ.get("HVPS_TEST_SHARED_DIR")
+    if not base:
+        base = hvps.broadcast_object(tempfile.mkdtemp(prefix="hvps-store-") if hvps.rank() == 0 else None, 0)
+    path = Path(base) / name
+    if hvps.rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    hvps.barrier()
+    return path

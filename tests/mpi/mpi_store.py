@@ -10,15 +10,13 @@ the optimizer's arithmetic) is full precision.  Full-precision gradients are com
 combine against torch within float tolerance.
 """
 
-import os
-import tempfile
 import warnings
-from pathlib import Path
 
 import h5py
 import pytest
 import torch
 import torch.nn.functional as F
+from hvps_testutil import shared_dir
 from torch import nn
 
 import hvps
@@ -309,26 +307,13 @@ def test_mismatched_configs_raise_hvps_error():
         ShardedEmbeddingBag(N, D, name="mismatch_lr", lr=0.1 * (1 + hvd.rank()))
 
 
-def _shared_dir(name):
-    """A directory every rank sees: under HVPS_TEST_SHARED_DIR, else a fresh one from rank 0
-    (never a fixed /tmp path, whose leftovers from an earlier run would be loaded)."""
-    base = os.environ.get("HVPS_TEST_SHARED_DIR")
-    if not base:
-        base = hvd.broadcast_object(tempfile.mkdtemp(prefix="hvps-store-") if hvd.rank() == 0 else None, 0)
-    path = Path(base) / name
-    if hvd.rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
-    hvd.barrier()
-    return path
-
-
 def test_checkpoint_reshards_and_falls_back():
     """Save on every rank, load on a process set of another size (re-sharding), then reject a
     version whose shard is corrupt and one whose shard is missing, falling back each time."""
     size, rank = hvd.size(), hvd.rank()
     subset = hvps.add_process_set(list(range(size - 1)) if size > 2 else [0])
     try:
-        directory = _shared_dir("store-ckpt")
+        directory = shared_dir("store-ckpt")
         manager = CheckpointManager(directory, keep_last=None, fsync=False)
         module = ShardedEmbeddingBag(N, D, mode="sum", name="ckpt", optimizer="adagrad", lr=0.1, cache_rows=5)
         expected = []

@@ -13,7 +13,6 @@ recomputed every digest, by the signature of the shard and of the dense file.
 import os
 import resource
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hvps_testutil import shared_dir
 
 import hvps.adapters.torch as hvd
 from hvps.checkpoint.format import CheckpointError
@@ -46,17 +46,6 @@ def _init():
     yield
 
 
-def _shared_dir(name):
-    base = os.environ.get("HVPS_TEST_SHARED_DIR")
-    if not base:
-        base = hvd.broadcast_object(tempfile.mkdtemp(prefix="hvps-store-") if hvd.rank() == 0 else None, 0)
-    path = Path(base) / name
-    if hvd.rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
-    hvd.barrier()
-    return path
-
-
 def _full_table(module):
     module.synchronize()
     t = module.table
@@ -80,7 +69,7 @@ class Versions:
 
     def __init__(self, name, epochs=2, **storage):
         self.name = name
-        self.directory = _shared_dir(name)
+        self.directory = shared_dir(name)
         self.manager = CheckpointManager(self.directory, keep_last=None, fsync=False)
         self.module = ShardedEmbeddingBag(N, D, mode="sum", name=name, optimizer="adagrad", lr=0.1, **storage)
         self.tables, self.steps = [], []
