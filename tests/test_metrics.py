@@ -278,7 +278,7 @@ def test_deadline_closes_a_connection_that_never_completes(exporter_cleanup, cer
     assert closed, f"the server still held a {client} connection after 4 s (its deadline: 0.5 s)"
     # The server still serves. A loaded CI machine may take over 0.5 s for a handshake and a
     # scrape, so the honest scrape gets the normal deadline (read at accept).
-    exporter.deadline = 5.0
+    exporter.server.deadline = 5.0
     status, body = get(exporter.url, context=ssl.create_default_context(cafile=str(certificate[0]))
                        if transport == "tls" else None)
     assert status == 200 and "hvps_info{" in body
