@@ -77,6 +77,20 @@ def listen_address() -> str:
     return candidate_addresses()[0] if env_text("HVPS_NETWORK_INTERFACE") else ""
 
 
+def reachable(addresses: list, port: int, what: str, timeout: float = 2.0) -> tuple:
+    """The first of ``addresses`` that accepts a connection on ``port``, and this host's address
+    towards it; an HvpsError naming ``what`` and the addresses tried when none does."""
+    for address in addresses:
+        try:
+            with socket.create_connection((address, port), timeout=timeout) as probe:
+                return address, probe.getsockname()[0]
+        except OSError:
+            continue
+    raise HvpsError(
+        f"could not reach {what} at any of {addresses} port {port} from {socket.gethostname()}; set "
+        "HVPS_NETWORK_INTERFACE (hvpsrun --network-interface) to an interface every host can reach")
+
+
 class ConnectionClosed(Exception):
     """The peer closed its end (it exited or its host went away)."""
 
@@ -232,7 +246,10 @@ class _Writer(threading.Thread):
 class ControlPlane:
     """Rank 0 holds one connection per other rank; every other rank holds one to rank 0."""
 
-    def __init__(self, comm, connect_timeout: float = 60.0) -> None:
+    def __init__(self, comm, connect_timeout: float = 60.0, key: Optional[bytes] = None) -> None:
+        """Connect the job's ranks over ``comm``. ``key`` authenticates the connections when every rank
+        already holds it (derived from the job's secret); without it rank 0 draws one and sends it
+        over ``comm``."""
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -243,11 +260,13 @@ class ControlPlane:
         listener = None
         if self.rank == 0 and self.size > 1:
             listener = socket.create_server((listen_address(), 0), backlog=max(self.size, 16) + _MAX_PENDING)
-            # The key travels over MPI only, never over the control connection.
-            offer = (candidate_addresses(), listener.getsockname()[1], secrets.token_bytes(32))
+            # The key travels over the bootstrap communicator only (MPI, or an authenticated store when the
+            # ranks share a secret, which then never travels), never over the control connection.
+            offer = (candidate_addresses(), listener.getsockname()[1], b"" if key else secrets.token_bytes(32))
         else:
             offer = None
-        addresses, port, key = comm.bcast(offer, root=0) if self.size > 1 else (None, 0, b"")
+        addresses, port, offered = comm.bcast(offer, root=0) if self.size > 1 else (None, 0, b"")
+        key = key or offered
         try:
             if self.rank == 0 and listener is not None:
                 self._accept(listener, key, connect_timeout)

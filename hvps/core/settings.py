@@ -36,6 +36,11 @@ VARIABLES: dict[str, str] = {
     "HVPS_NETWORK_INTERFACE": "interface whose address the control plane (and gloo) offers",
     "HVPS_CONTROL_ADDR": "address rank 0's control plane binds and offers, overriding the interface",
     "HVPS_DYNAMIC_PROCESS_SETS": "1: process sets may be added and removed after init",
+    # starting without MPI (hvps.runtime.bootstrap)
+    "HVPS_RENDEZVOUS_ADDR": "addresses of hvpsrun --gloo's rendezvous store (hvpsrun sets it)",
+    "HVPS_RENDEZVOUS_PORT": "port of hvpsrun --gloo's rendezvous store (hvpsrun sets it)",
+    "HVPS_SECRET": "the job's secret, hex (hvpsrun --gloo hands it to its workers)",
+    "HVPS_SECRET_FILE": "owner-only file whose first line is the job's secret (torchrun, or any launcher)",
     # metrics
     "HVPS_METRICS_PORT": "serve Prometheus metrics on this port + local rank",
     "HVPS_METRICS_ADDR": "address the metrics exporter binds",
@@ -115,16 +120,25 @@ class Settings:
     autotune_warmup_steps: int = 2
     autotune_steps_per_sample: int = 5
 
-    def resolved(self, single_host: bool) -> "Settings":
-        """``auto`` made concrete: hvps's ring within one host (shared memory), MPI's Allreduce across hosts.
+    def resolved(self, single_host: bool, mpi: bool = True) -> "Settings":
+        """``auto`` made concrete. The algorithm: hvps's ring within one host (shared memory), MPI's
+        Allreduce across hosts. The backend, in a job started without MPI (``mpi`` false):
+        torch.distributed, the only data plane there.
 
         Measured on our machines (benchmarks/RESULTS.md): through shared memory the ring
         takes ~0.65x the time of Open MPI's Allreduce; over TCP Open MPI's reaches the
         line rate and the ring does not.
         """
-        if self.algorithm != "auto":
-            return self
-        return dataclasses.replace(self, algorithm="ring" if single_host else "mpi")
+        resolved = self
+        if not mpi:
+            if self.backend in ("mpi", "horovod"):
+                raise HvpsError(f"HVPS_BACKEND={self.backend} needs a job started by an MPI launcher (mpirun, srun, "
+                                "hvpsrun without --gloo); this one was started without MPI, where the data plane is "
+                                "torch.distributed: unset HVPS_BACKEND or set it to tdist")
+            resolved = dataclasses.replace(resolved, backend="tdist")
+        if resolved.algorithm != "auto":
+            return resolved
+        return dataclasses.replace(resolved, algorithm="ring" if single_host else "mpi")
 
     @classmethod
     def from_env(cls) -> "Settings":

@@ -50,13 +50,13 @@ def poll_timeout(deadline: float, now: float) -> float:
 class Engine:
     """Queues collectives, negotiates them with the other ranks and runs them on a backend."""
 
-    def __init__(self, comm, backend, settings) -> None:
+    def __init__(self, comm, backend, settings, control_key: Optional[bytes] = None) -> None:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.settings = settings
         self.backend = backend
         #: process set id -> Context, for the sets this rank belongs to
         self.contexts = {GLOBAL_SET: Context(backend, self.rank, self.size, fusion=FusionBuffer())}
-        self.control = ControlPlane(comm)
+        self.control = ControlPlane(comm, key=control_key)
         self.coordinator = (
             Coordinator(self.size, settings.fusion_threshold, settings.stall_check_seconds)
             if self.rank == 0

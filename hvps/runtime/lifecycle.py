@@ -10,34 +10,37 @@ import atexit
 import logging
 import os
 import sys
+from typing import Optional
 
 from .. import metrics
 from ..core.errors import HvpsError
-from ..core.mpi_env import mpi_defaults
 from ..core.settings import Settings, env_text
 from ..dataplane import backends
-from . import state
+from . import bootstrap, state
 from .engine import Engine
 from .process_sets import reset as reset_process_sets
 from .process_sets import setup as setup_process_sets
 from .state import Topology
 
 
-def _node_comms(comm):
+def _node_comms(comm, node: Optional[str]):
     """Communicators over this node's ranks and over the ranks sharing this local rank.
 
-    ``HVPS_LOCAL_SIZE=k`` overrides the discovery: consecutive blocks of k ranks
-    count as one node (to emulate several nodes on one machine, e.g. in tests).
+    ``node`` names this process's node when the launcher said (a job started without MPI);
+    otherwise MPI's shared-memory split finds the node. ``HVPS_LOCAL_SIZE=k`` overrides both:
+    consecutive blocks of k ranks count as one node (to emulate several nodes on one machine).
     """
-    from mpi4py import MPI
-
     rank, size = comm.Get_rank(), comm.Get_size()
     override = env_text("HVPS_LOCAL_SIZE")
     if override:
         if not override.isdigit() or int(override) < 1 or size % int(override):
             raise HvpsError(f"HVPS_LOCAL_SIZE={override!r} must be a positive divisor of the job size ({size})")
         local = comm.Split(color=rank // int(override), key=rank)
+    elif node is not None:
+        local = comm.Split(color=node, key=rank)
     else:
+        from mpi4py import MPI
+
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     cross = comm.Split(color=local.Get_rank(), key=rank)
     return local, cross
@@ -49,7 +52,8 @@ def _topology(comm, local, cross) -> Topology:
 
 
 def init(comm=None, process_sets=None) -> None:
-    """Start hvps on ``comm`` (default: MPI.COMM_WORLD). Calling it again is a no-op.
+    """Start hvps on ``comm`` (default: the job's, see :mod:`hvps.runtime.bootstrap`: MPI.COMM_WORLD
+    under an MPI launcher, else hvpsrun's or torchrun's store). Calling it again is a no-op.
 
     Reads ``HVPS_*`` settings from the environment and starts the engine thread.
     ``process_sets`` (ProcessSets or lists of ranks) are registered on every rank, in order.
@@ -66,18 +70,11 @@ def init(comm=None, process_sets=None) -> None:
 
 def _start(comm) -> None:
     """Build the topology, settings, backend and engine (under the state lock)."""
-    mpi_defaults(os.environ)  # before MPI initialises: HOME for Open MPI 5, no spinning waits
-    from mpi4py import MPI
-
-    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
-        raise HvpsError(
-            "MPI was initialized without thread support; hvps needs MPI_THREAD_SERIALIZED or better "
-            "(do not set mpi4py.rc.thread_level below 'serialized')"
-        )
-    comm = MPI.COMM_WORLD if comm is None else comm
-    local, cross = _node_comms(comm)
+    boot = bootstrap.start(comm)
+    comm = boot.comm
+    local, cross = _node_comms(comm, boot.node)
     topology = _topology(comm, local, cross)
-    settings = Settings.from_env().resolved(single_host=topology.local_size == topology.size)
+    settings = Settings.from_env().resolved(single_host=topology.local_size == topology.size, mpi=boot.has_mpi)
     try:
         backend = backends.build(settings, comm, local, cross)
     finally:
@@ -85,7 +82,8 @@ def _start(comm) -> None:
         cross.Free()
     state._state.topology = topology
     state._state.settings = settings
-    state._state.engine = Engine(comm, backend, settings)
+    state._state.bootstrap = boot
+    state._state.engine = Engine(comm, backend, settings, control_key=boot.control_key())
 
 
 def shutdown() -> None:

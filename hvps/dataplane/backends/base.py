@@ -62,3 +62,17 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release resources (communicators, process groups)."""
+
+
+def sub_communicator(comm, ranks):
+    """A communicator over ``ranks`` of ``comm``, built by those ranks only (the others carry on with
+    their own work): MPI's ``Create_group``, or a store communicator's ``subset``."""
+    if hasattr(comm, "subset"):
+        return comm.subset(ranks)
+    group = comm.Get_group()
+    members = group.Incl(list(ranks))
+    try:
+        return comm.Create_group(members)
+    finally:
+        members.Free()
+        group.Free()

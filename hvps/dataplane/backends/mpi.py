@@ -19,7 +19,7 @@ from ...core import arrays, dtypes
 from ...core.dtypes import ReduceOp
 from ..buffers import FusionBuffer
 from ..ring import ring_allreduce
-from .base import Backend
+from .base import Backend, sub_communicator
 from .device import cuda_order
 
 #: dtype -> (numpy carrier dtype, MPI datatype). Half types travel as 16-bit words
@@ -142,14 +142,7 @@ class MPIBackend(Backend):
         self.comm.Sendrecv(wire(sendbuf), dest, recvbuf=wire(recvbuf), source=source)
 
     def subset(self, ranks):
-        group = self.comm.Get_group()
-        members = group.Incl(list(ranks))
-        try:  # collective over the members only: other ranks carry on with their own work
-            comm = self.comm.Create_group(members)
-        finally:
-            members.Free()
-            group.Free()
-        return MPIBackend(comm, self.settings, owned=True)
+        return MPIBackend(sub_communicator(self.comm, ranks), self.settings, owned=True)
 
     def close(self):
         self.comm.Free()

@@ -1,8 +1,8 @@
 """The torch.distributed data plane: gloo for CPU buffers, NCCL for CUDA tensors.
 
-Bootstrapped from MPI, not from a rendezvous of its own: rank 0 starts a
-``TCPStore`` on a free port and broadcasts its address over the backend's MPI
-communicator. Process groups are private to hvps (built directly, never the
+Bootstrapped from the job's communicator (MPI's, or the store communicator of a job
+started without MPI): rank 0 starts a ``TCPStore`` on a free port and broadcasts
+its address over it. Process groups are private to hvps (built directly, never the
 default group), so a script may use ``torch.distributed`` itself beside it.
 The NCCL group is created the first time a CUDA tensor arrives; every rank
 executes responses in the same order, so that creation is collective too.
@@ -18,11 +18,11 @@ from __future__ import annotations
 import datetime
 import socket
 
-from ...control.plane import candidate_addresses, listen_address
+from ...control.plane import candidate_addresses, listen_address, reachable
 from ...core.dtypes import ReduceOp
 from ...core.errors import HvpsError
 from ...core.views import as_tensor
-from .base import Backend
+from .base import Backend, sub_communicator
 from .device import cuda_order
 
 
@@ -43,20 +43,6 @@ def _moved(array):
 
     tensor = as_tensor(array)
     return tensor.view(torch.float16) if tensor.dtype == torch.int16 else tensor
-
-
-def _reachable(addresses: list, port: int, timeout: float = 2.0):
-    """The first of rank 0's ``addresses`` that accepts a connection, and this host's address towards it."""
-    for address in addresses:
-        try:
-            with socket.create_connection((address, port), timeout=timeout) as probe:
-                return address, probe.getsockname()[0]
-        except OSError:
-            continue
-    raise HvpsError(
-        f"could not reach rank 0's torch.distributed store at any of {addresses} port {port}; set "
-        "HVPS_NETWORK_INTERFACE (hvpsrun --network-interface) to an interface every host can reach"
-    )
 
 
 class TorchDistBackend(Backend):
@@ -89,7 +75,7 @@ class TorchDistBackend(Backend):
         if self.rank == 0:
             self.address = addresses[0]
         else:
-            master, self.address = _reachable(addresses, port)
+            master, self.address = reachable(addresses, port, "rank 0's torch.distributed store")
             store = dist.TCPStore(master, port, self.size, False, self.timeout)
         self.store = store
 
@@ -210,14 +196,8 @@ class TorchDistBackend(Backend):
             raise HvpsError(f"torch.distributed send/recv failed on rank {self.rank}: {exc}") from exc
 
     def subset(self, ranks):
-        group = self.comm.Get_group()
-        members = group.Incl(list(ranks))
-        try:  # the set's own store and process groups, bootstrapped over a sub-communicator
-            comm = self.comm.Create_group(members)
-        finally:
-            members.Free()
-            group.Free()
-        return TorchDistBackend(comm, self.settings, owned=True)
+        # the set's own store and process groups, bootstrapped over a sub-communicator
+        return TorchDistBackend(sub_communicator(self.comm, ranks), self.settings, owned=True)
 
     def close(self):
         for group in self._groups.values():

@@ -1,0 +1,188 @@
+"""How a process finds the rest of its job at ``init``: through MPI, hvpsrun's rendezvous, torchrun's
+store, or not at all (a job of one).
+
+- **MPI**, under ``mpirun``/``srun`` (the launcher's rank variables are set) or with a communicator
+  given to ``init``: ``MPI.COMM_WORLD``.
+- **hvpsrun** (``hvpsrun --gloo``; ``HVPS_RENDEZVOUS_ADDR`` is set): the launcher hosts a store and
+  hands each worker its rank (Horovod's ``HOROVOD_RANK``/``HOROVOD_SIZE``/``HOROVOD_HOSTNAME``) and
+  the job's secret (``HVPS_SECRET``).
+- **torchrun** (``TORCHELASTIC_RUN_ID``, or ``MASTER_ADDR`` with ``WORLD_SIZE``): torch's ``env://``
+  rendezvous, the store torchrun's agent hosts. It has no authentication: see SECURITY.md and
+  ``HVPS_SECRET_FILE``.
+- **alone**: a job of one on an in-memory store, when mpi4py is not installed (else an MPI singleton).
+
+Without MPI the bootstrap communicator is a :class:`~hvps.control.store_comm.StoreComm`, the data
+plane is torch.distributed, and mpi4py is never imported. A launcher that says the job has several
+ranks but gives no way to find them is an error, never a job of independent singletons.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import os
+import socket
+import stat
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from ..control.plane import reachable
+from ..control.store_comm import StoreComm
+from ..core.errors import HvpsError
+from ..core.mpi_env import mpi_defaults
+from ..core.settings import env_text
+
+#: seconds a rank waits for the others during start-up (as the control plane's connect timeout)
+START_TIMEOUT = 60.0
+#: variables MPI launchers set for their ranks (Open MPI, PMIx/srun, MPICH/Intel MPI's Hydra)
+MPI_LAUNCH_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS")
+KINDS = ("mpi", "hvpsrun", "torchrun", "alone")
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """The communicator ``init`` builds the job on, and what the launcher said about it."""
+
+    comm: Any
+    kind: str
+    #: the node this process runs on, as the launcher names it (None: MPI's shared-memory split finds it)
+    node: Optional[str] = None
+    #: the job's shared secret (None when there is none: MPI, or torchrun without HVPS_SECRET_FILE)
+    secret: Optional[bytes] = None
+
+    @property
+    def has_mpi(self) -> bool:
+        return self.kind == "mpi"
+
+    def control_key(self) -> Optional[bytes]:
+        """The control plane's key, derived from the secret so that it never travels (None: none)."""
+        if self.secret is None:
+            return None
+        return hmac.new(self.secret, b"hvps control plane", hashlib.sha256).digest()
+
+
+def launched_by(env: Mapping[str, str]) -> str:
+    """Which of :data:`KINDS` started this process, from its environment."""
+    if env.get("HVPS_RENDEZVOUS_ADDR"):
+        return "hvpsrun"
+    if any(env.get(name) for name in MPI_LAUNCH_VARIABLES):
+        return "mpi"
+    if env.get("TORCHELASTIC_RUN_ID") or (env.get("MASTER_ADDR") and env.get("WORLD_SIZE")):
+        return "torchrun"
+    world = env.get("WORLD_SIZE", "")
+    if world not in ("", "0", "1"):
+        raise HvpsError(
+            f"WORLD_SIZE={world} says this job has several processes, but neither MASTER_ADDR/MASTER_PORT "
+            "(torchrun) nor an MPI launcher's variables are set, so they cannot find each other; start the job "
+            "with torchrun, hvpsrun (-np N, or --gloo without MPI) or mpirun")
+    return "alone"
+
+
+def start(comm: Any = None) -> Bootstrap:
+    """The bootstrap for this process (collective: every rank of the job calls it)."""
+    if comm is not None:
+        return Bootstrap(comm, "mpi")
+    kind = launched_by(os.environ)
+    if kind == "mpi" or (kind == "alone" and _mpi4py_installed()):
+        return Bootstrap(_mpi_world(), "mpi")
+    secret = read_secret()
+    if kind == "hvpsrun":
+        return _hvpsrun(secret)
+    if kind == "torchrun":
+        return _torchrun(secret)
+    import torch.distributed as dist
+
+    return Bootstrap(StoreComm(dist.HashStore(), 0, 1, secret), "alone", node=socket.gethostname(), secret=secret)
+
+
+def read_secret() -> Optional[bytes]:
+    """The job's secret: ``HVPS_SECRET`` (hex; what hvpsrun hands its workers), else the first line of
+    ``HVPS_SECRET_FILE``, which only its owner may read."""
+    text = env_text("HVPS_SECRET")
+    if text:
+        try:
+            return bytes.fromhex(text)
+        except ValueError:
+            raise HvpsError("HVPS_SECRET is not hexadecimal; let hvpsrun set it, or use HVPS_SECRET_FILE") from None
+    path = env_text("HVPS_SECRET_FILE")
+    if not path:
+        return None
+    try:
+        info = os.stat(path)
+        with open(path, "rb") as f:
+            line = f.readline().strip()
+    except OSError as exc:
+        raise HvpsError(f"HVPS_SECRET_FILE={path!r} cannot be read: {exc.strerror}") from None
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise HvpsError(f"HVPS_SECRET_FILE={path!r} may be read by others (mode {stat.filemode(info.st_mode)}); "
+                        f"chmod 600 {path}")
+    if len(line) < 16:
+        raise HvpsError(f"HVPS_SECRET_FILE={path!r} holds {len(line)} bytes on its first line; give at least 16 "
+                        "random bytes, e.g. python -c 'import secrets; print(secrets.token_hex(32))'")
+    return line
+
+
+def _mpi4py_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def _mpi_world() -> Any:
+    mpi_defaults(os.environ)  # before MPI initialises: HOME for Open MPI 5, no spinning waits
+    from mpi4py import MPI
+
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        raise HvpsError(
+            "MPI was initialized without thread support; hvps needs MPI_THREAD_SERIALIZED or better "
+            "(do not set mpi4py.rc.thread_level below 'serialized')")
+    return MPI.COMM_WORLD
+
+
+def _int_variable(name: str, launcher: str) -> int:
+    text = os.environ.get(name) or ""
+    if not text.isdigit():
+        raise HvpsError(f"{name}={text!r}: {launcher} sets it for every worker; start this script with {launcher}")
+    return int(text)
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=START_TIMEOUT)
+
+
+def _hvpsrun(secret: Optional[bytes]) -> Bootstrap:
+    import torch.distributed as dist
+
+    rank, size = _int_variable("HOROVOD_RANK", "hvpsrun"), _int_variable("HOROVOD_SIZE", "hvpsrun")
+    addresses = [a for a in env_text("HVPS_RENDEZVOUS_ADDR").split(",") if a]
+    port = env_text("HVPS_RENDEZVOUS_PORT", "")
+    if not port.isdigit():
+        raise HvpsError(f"HVPS_RENDEZVOUS_PORT={port!r}: hvpsrun --gloo sets it; start this script with hvpsrun")
+    port = int(port)
+    address, _ = reachable(addresses, port, "hvpsrun's rendezvous")
+    try:
+        store = dist.TCPStore(address, port, None, False, _timeout(), wait_for_workers=False)
+    except Exception as exc:  # torch's DistNetworkError/RuntimeError
+        raise HvpsError(f"could not join hvpsrun's rendezvous at {address}:{port}: {exc}") from None
+    node = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+    return Bootstrap(StoreComm(store, rank, size, secret, timeout=START_TIMEOUT,
+                               where=f"hvpsrun's rendezvous at {address}:{port}"), "hvpsrun", node, secret)
+
+
+def _torchrun(secret: Optional[bytes]) -> Bootstrap:
+    import torch.distributed as dist
+
+    where = f"torchrun's store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    try:
+        store, rank, size = next(dist.rendezvous("env://", timeout=_timeout()))
+    except (ValueError, RuntimeError) as exc:  # a missing variable, or the store cannot be reached
+        raise HvpsError(f"could not join {where} (RANK={os.environ.get('RANK')}, WORLD_SIZE="
+                        f"{os.environ.get('WORLD_SIZE')}): {exc}") from None
+    # torchrun restarts every worker on a failure; each try gets keys of its own
+    store = dist.PrefixStore(f"hvps/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    node = os.environ.get("GROUP_RANK")
+    node = f"node{node}" if node else socket.gethostname()
+    return Bootstrap(StoreComm(store, rank, size, secret, timeout=START_TIMEOUT, where=where), "torchrun", node,
+                     secret)
+

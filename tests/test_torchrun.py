@@ -1,0 +1,51 @@
+"""Jobs started by torchrun, without MPI: one job of torchrun's size (never independent singletons),
+with collectives checked against numpy, process sets and the optimizer; and a launcher that gives
+WORLD_SIZE > 1 but no way to meet is a clear error."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+JOB = Path(__file__).parent / "inner_jobs" / "torchrun_job.py"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clean_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "HVPS_", "PRTE_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_torchrun_runs_one_job_of_its_size(np_):
+    run = subprocess.run([str(TORCHRUN), f"--nproc-per-node={np_}", "--master-addr=127.0.0.1",
+                          f"--master-port={_free_port()}", str(JOB)], env=_clean_env(), capture_output=True, text=True,
+                         timeout=170)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    reports = sorted((json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")),
+                     key=lambda r: r["rank"])
+    assert [(r["rank"], r["size"], r["local_rank"], r["local_size"]) for r in reports] == \
+        [(r, np_, r, np_) for r in range(np_)], run.stdout
+    assert not any(r["mpi4py"] for r in reports), "a job started by torchrun imported mpi4py"
+
+
+@pytest.mark.timeout(60)
+def test_world_size_without_a_rendezvous_is_an_error():
+    env = dict(_clean_env(), WORLD_SIZE="2", RANK="0")
+    env.pop("MASTER_ADDR", None)
+    run = subprocess.run([sys.executable, "-c", "import hvps; hvps.init()"], env=env, capture_output=True, text=True,
+                         timeout=50)
+    assert run.returncode != 0
+    assert "WORLD_SIZE=2" in run.stderr and "torchrun" in run.stderr, run.stderr[-2000:]
