@@ -92,8 +92,8 @@ class StoreComm:
 
     def Split(self, color: Any = 0, key: int = 0) -> "StoreComm":  # noqa: N802
         """The members that gave the same ``color`` (any JSON value), ordered by ``key``, then rank."""
-        name = self._calls + 1  # the allgather's number names the split
         entries = self.allgather([color, key])
+        name = self._calls  # the allgather's number names the split
         members = sorted((k, r) for r, (c, k) in enumerate(entries) if c == color)
         rank = [r for _, r in members].index(self._rank)
         return self._child(f"{name}/split/{json.dumps(color)}", rank, len(members))

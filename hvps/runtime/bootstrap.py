@@ -81,11 +81,9 @@ def launched_by(env: Mapping[str, str]) -> str:
 
 def start(comm: Any = None) -> Bootstrap:
     """The bootstrap for this process (collective: every rank of the job calls it)."""
-    if comm is not None:
-        return Bootstrap(comm, "mpi")
-    kind = launched_by(os.environ)
+    kind = "mpi" if comm is not None else launched_by(os.environ)
     if kind == "mpi" or (kind == "alone" and _mpi4py_installed()):
-        return Bootstrap(_mpi_world(), "mpi")
+        return Bootstrap(_mpi_world(comm), "mpi")
     secret = read_secret()
     if kind == "hvpsrun":
         return _hvpsrun(secret)
@@ -129,7 +127,8 @@ def _mpi4py_installed() -> bool:
     return importlib.util.find_spec("mpi4py") is not None
 
 
-def _mpi_world() -> Any:
+def _mpi_world(comm: Any = None) -> Any:
+    """``comm`` (default: MPI.COMM_WORLD), once MPI is known to support hvps's engine thread."""
     mpi_defaults(os.environ)  # before MPI initialises: HOME for Open MPI 5, no spinning waits
     from mpi4py import MPI
 
@@ -137,7 +136,7 @@ def _mpi_world() -> Any:
         raise HvpsError(
             "MPI was initialized without thread support; hvps needs MPI_THREAD_SERIALIZED or better "
             "(do not set mpi4py.rc.thread_level below 'serialized')")
-    return MPI.COMM_WORLD
+    return MPI.COMM_WORLD if comm is None else comm
 
 
 def _int_variable(name: str, launcher: str) -> int:

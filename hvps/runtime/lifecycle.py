@@ -82,7 +82,6 @@ def _start(comm) -> None:
         cross.Free()
     state._state.topology = topology
     state._state.settings = settings
-    state._state.bootstrap = boot
     state._state.engine = Engine(comm, backend, settings, control_key=boot.control_key())
 
 

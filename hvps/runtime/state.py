@@ -31,8 +31,6 @@ class _State:
         self.engine = None
         self.topology: Optional[Topology] = None
         self.settings: Optional[Settings] = None
-        #: how this job was started (hvps.runtime.bootstrap.Bootstrap)
-        self.bootstrap = None
         #: the pid of the process that ran ``init``, in a child forked after it (None elsewhere)
         self.forked_from: Optional[int] = None
 
