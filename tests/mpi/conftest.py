@@ -1,9 +1,11 @@
 """Inner (per-rank) pytest configuration for tests/mpi/mpi_*.py.
 
 Each rank runs its own pytest session under mpirun.  This conftest records
-every test outcome and, at session end, writes
-``$HVPS_TEST_REPORT_DIR/rank<R>.json`` so that the outer test can verify
-per rank that tests passed with no failures, errors or skips.
+every test outcome and writes ``$HVPS_TEST_REPORT_DIR/rank<R>.json`` so that
+the outer test can verify per rank that tests passed with no failures, errors
+or skips. The report is written at session end, and at once after every failure:
+a failed rank's hvps.shutdown at teardown may abort the job (a peer is gone or
+stuck), and the failure's text must reach the outer test all the same.
 """
 
 import json
@@ -35,13 +37,13 @@ def pytest_runtest_logreport(report):
             _passed_ids.append(report.nodeid)
         elif report.failed:
             _counts["failed"] += 1
-            _failures[report.nodeid] = str(report.longrepr)
+            _record_failure(report.nodeid, report.longrepr)
         elif report.skipped:
             _counts["skipped"] += 1
     else:
         if report.failed:
             _counts["error"] += 1
-            _failures[f"{report.nodeid} [{report.when}]"] = str(report.longrepr)
+            _record_failure(f"{report.nodeid} [{report.when}]", report.longrepr)
         elif report.skipped:
             _counts["skipped"] += 1
 
@@ -49,10 +51,15 @@ def pytest_runtest_logreport(report):
 def pytest_collectreport(report):
     if report.failed:
         _counts["error"] += 1
-        _failures[f"collect {report.nodeid}"] = str(report.longrepr)
+        _record_failure(f"collect {report.nodeid}", report.longrepr)
 
 
-def pytest_sessionfinish(session, exitstatus):
+def _record_failure(nodeid, longrepr):
+    _failures[nodeid] = str(longrepr)
+    _write_report(exitstatus=1)  # final only if the session ends normally (pytest_sessionfinish rewrites it)
+
+
+def _write_report(exitstatus):
     out_dir = os.environ.get("HVPS_TEST_REPORT_DIR")
     if not out_dir:
         return
@@ -63,6 +70,10 @@ def pytest_sessionfinish(session, exitstatus):
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     tmp.replace(path)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _write_report(exitstatus)
 
 
 @pytest.fixture(scope="session", autouse=True)
