@@ -33,6 +33,7 @@ CASES.update({
     # the algorithm setting is the MPI backend's; one allreduce run suffices. Autotune is the engine's.
     if name not in ("allreduce-ring", "autotune")
 })
+CASES["elastic-state"] = ("mpi_elastic_state.py", {}, 240)  # hvd.elastic front end; one data plane suffices
 
 
 def _inner_module_cases(np_, case_name):

@@ -1,63 +1,258 @@
-"""``hvd.elastic`` for TensorFlow and Keras: not implemented by hvps.
+"""``hvd.elastic`` for TensorFlow 2 and Keras 3, with Horovod's semantics (``horovod.tensorflow.elastic``,
+``horovod.tensorflow.keras.elastic``; ``hvps.adapters.tensorflow.keras`` exports this module too).
 
-Elastic training (ranks joining and leaving a running job) needs the engine to rebuild its
-communicators while training continues. hvps restarts the job instead: save checkpoints every
-epoch (``hvd.callbacks.CheckpointCallback`` with Keras, or your own) and let the launcher
-restart the job (``hvpsrun --max-restarts N``, or a Slurm requeue), resuming from the latest.
-Every name Horovod's ``horovod.tensorflow.elastic`` and ``horovod.tensorflow.keras.elastic``
-export is here; using any of them raises NotImplementedError saying so.
+``TensorFlowKerasState(model, optimizer)`` (or ``KerasState``) and ``TensorFlowState(variables)`` keep host
+copies of the variables at each ``commit()``, put them back on ``restore()`` and broadcast them from
+rank 0 on ``sync()``; ``@hvd.elastic.run`` wraps the training function in the retry loop of
+:mod:`hvps.elastic.loop`. The Keras callbacks (``CommitStateCallback``, ``UpdateBatchStateCallback``,
+``UpdateEpochStateCallback``) drive a state from ``model.fit``; they are built on first use, so that
+importing the TensorFlow adapter does not import Keras. Only eager TensorFlow 2 is supported (no TF1
+sessions). What works without an elastic launcher is in the README's "Elastic training".
 """
 
 from __future__ import annotations
 
-from hvps.core.unavailable import Unavailable, refusing
+import re
+from typing import Any, Callable, Iterable, Optional
 
-MESSAGE = ("hvps does not implement elastic training (hvd.elastic); restart the job instead: save checkpoints "
-           "each epoch (hvd.callbacks.CheckpointCallback with Keras) and resume from the latest after a restart "
-           "(hvpsrun --max-restarts N, or a Slurm requeue)")
+import numpy as np
+import tensorflow as tf
 
+from hvps import HvpsError
+from hvps.elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, State, notify_hosts_updated, run_fn
+from hvps.elastic import reset as _reset
 
-#: Horovod's elastic ``run`` decorator (unavailable)
-run = refusing(MESSAGE)
+from .functions import broadcast_variables
 
-
-class _Unavailable(Unavailable):
-    """Any use raises NotImplementedError naming the restart alternative."""
-
-    message = MESSAGE
-
-
-class State(_Unavailable):
-    """Horovod's elastic state base class (unavailable)."""
+#: how a failed hvps collective inside a graph shows in TensorFlow's error (the numpy_function's traceback)
+_HVPS_ERROR_LINE = re.compile(r"hvps\.core\.errors\.HvpsError: (.+)")
 
 
-class ObjectState(_Unavailable):
-    """Horovod's elastic object state (unavailable)."""
+def _translate(error: BaseException) -> Optional[HvpsError]:
+    """A TensorFlow error that carries a failed hvps collective, as that HvpsError (or None)."""
+    if not isinstance(error, tf.errors.OpError):
+        return None
+    found = _HVPS_ERROR_LINE.findall(str(error))
+    return HvpsError(found[-1].strip()) if found else None
 
 
-class TensorFlowState(_Unavailable):
-    """Horovod's elastic TensorFlow variables state (unavailable)."""
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``func(state, *args, **kwargs)`` elastically (see ``hvps.adapters.torch.elastic.run``); a failed
+    collective inside a ``tf.function`` or ``model.fit`` (a TensorFlow error) counts as HorovodInternalError."""
+    return run_fn(func, _reset, translate=_translate)
 
 
-class TensorFlowKerasState(_Unavailable):
-    """Horovod's elastic Keras model/optimizer state (unavailable)."""
+def _host_copies(variables: Iterable[Any]) -> list:
+    return [np.array(variable.numpy(), copy=True) for variable in variables]
 
 
-class KerasState(_Unavailable):
-    """Horovod's ``horovod.tensorflow.keras.elastic.KerasState`` (unavailable)."""
+def _assign(variables: Iterable[Any], values: list) -> None:
+    variables = list(variables)
+    if len(variables) != len(values):
+        raise HvpsError(f"cannot restore {len(variables)} variables from a commit of {len(values)}: the variables "
+                        "changed since the last commit (commit again after building new ones)")
+    for variable, value in zip(variables, values):
+        variable.assign(value)
 
 
-class CommitStateCallback(_Unavailable):
-    """Horovod's elastic Keras callback (unavailable)."""
+def _check_eager() -> None:
+    if not tf.executing_eagerly():
+        raise HvpsError("hvps's elastic TensorFlow states need eager execution (TensorFlow 2); TF1 graphs and "
+                        "sessions are not supported")
 
 
-class UpdateBatchStateCallback(_Unavailable):
-    """Horovod's elastic Keras callback (unavailable)."""
+class TensorFlowState(ObjectState):
+    """A list of ``tf.Variable``s (``variables=``, required) and plain keyword attributes.
+
+    ``session`` is TF1's and must be None.
+    """
+
+    def __init__(self, variables: Optional[Iterable[Any]] = None, session: Any = None, **kwargs: Any) -> None:
+        _check_eager()
+        if session is not None:
+            raise HvpsError("TensorFlowState(session=...) is TF1's; hvps supports eager TensorFlow 2 only")
+        if variables is None:
+            raise ValueError("TensorFlowState needs variables=[...] (TensorFlow 2 has no global variable "
+                             "collection to default to); pass e.g. model.variables")
+        self.variables = list(variables)
+        self.session = None
+        self._values = _host_copies(self.variables)
+        super().__init__(bcast_object=None, get_rank=None, **kwargs)
+
+    def save(self) -> None:
+        self._values = _host_copies(self.variables)
+        super().save()
+
+    def restore(self) -> None:
+        _assign(self.variables, self._values)
+        super().restore()
+
+    def sync(self) -> None:
+        broadcast_variables(self.variables, root_rank=0)
+        self._values = _host_copies(self.variables)
+        super().sync()
 
 
-class UpdateEpochStateCallback(_Unavailable):
-    """Horovod's elastic Keras callback (unavailable)."""
+def _optimizer_variables(optimizer: Any) -> list:
+    if optimizer is None:
+        return []
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+class TensorFlowKerasState(ObjectState):
+    """A Keras model (built), its optimizer (``optimizer=``, default ``model.optimizer``) and plain
+    keyword attributes (``epoch=0, batch=0``). ``backend`` is TF1's and ignored.
+
+    An optimizer that has no variables yet (not built) is built on ``sync()``, on every rank alike, so
+    that a worker that joins a running job broadcasts the same variables as the others.
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None, backend: Any = None, **kwargs: Any) -> None:
+        _check_eager()
+        if model is None or not hasattr(model, "variables"):
+            raise ValueError(f"TensorFlowKerasState needs a Keras model, not {model!r}")
+        if hasattr(model, "built") and not model.built:
+            raise ValueError("the model must be built first: call model.build(input_shape) or run it on a batch")
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        self.backend = backend
+        self._save_model()
+        super().__init__(bcast_object=None, get_rank=None, **kwargs)
+
+    def _build_optimizer(self) -> None:
+        if self.optimizer is not None and not getattr(self.optimizer, "built", True):
+            self.optimizer.build(self.model.trainable_variables)
+
+    def _save_model(self) -> None:
+        self._saved_model_state = _host_copies(self.model.variables)
+        self._saved_optimizer_state = _host_copies(_optimizer_variables(self.optimizer))
+
+    def _load_model(self) -> None:
+        _assign(self.model.variables, self._saved_model_state)
+        optimizer_variables = _optimizer_variables(self.optimizer)
+        if optimizer_variables or self._saved_optimizer_state:
+            _assign(optimizer_variables, self._saved_optimizer_state)
+
+    def save(self) -> None:
+        self._save_model()
+        super().save()
+
+    def restore(self) -> None:
+        self._load_model()
+        super().restore()
+
+    def sync(self) -> None:
+        self._build_optimizer()
+        broadcast_variables(list(self.model.variables) + _optimizer_variables(self.optimizer), root_rank=0)
+        self._save_model()
+        super().sync()
+
+
+class KerasState(TensorFlowKerasState):
+    """``horovod.tensorflow.keras.elastic.KerasState``: a TensorFlowKerasState of a Keras model."""
+
+    def __init__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        super().__init__(model, optimizer=optimizer, backend=None, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- Keras callbacks
+def _check_state(state: Any, needs: tuple = ()) -> None:
+    if not isinstance(state, State):
+        raise TypeError(f"the callback needs an elastic state (hvd.elastic.KerasState, ...), "
+                        f"not {type(state).__name__}")
+    missing = [name for name in needs if not hasattr(state, name)]
+    if missing:
+        raise ValueError(f"the state has no attribute {', '.join(missing)}; create it with "
+                         f"KerasState(model, {', '.join(f'{name}=0' for name in missing)})")
+
+
+def _make_callbacks() -> dict:
+    import keras
+
+    class CommitStateCallback(keras.callbacks.Callback):
+        """Commit ``state`` every ``batches_per_commit`` batches and at every epoch's end."""
+
+        def __init__(self, state: State, batches_per_commit: int = 1) -> None:
+            super().__init__()
+            _check_state(state)
+            count = batches_per_commit
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ValueError(f"batches_per_commit must be an int >= 1, not {batches_per_commit!r}")
+            self.state = state
+            self.batches_per_commit = batches_per_commit
+            self.batches_remaining = batches_per_commit
+
+        def on_train_begin(self, logs=None):
+            self.batches_remaining = self.batches_per_commit  # the same count on every rank after a reset
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.batches_remaining -= 1
+            if self.batches_remaining == 0:
+                self.commit()
+                self.batches_remaining = self.batches_per_commit
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.commit()
+
+        def commit(self) -> None:
+            self.state.commit()
+
+    class UpdateBatchStateCallback(keras.callbacks.Callback):
+        """Keep ``state.batch`` at the index of the last finished batch of the epoch (0 at its end).
+
+        Horovod also shortens a resumed epoch by ``state.batch`` steps through ``params['steps']``;
+        Keras 3's ``fit`` takes its steps from its own arguments, so pass
+        ``steps_per_epoch=... - state.batch`` yourself for a resumed epoch if it matters.
+        """
+
+        def __init__(self, state: State) -> None:
+            super().__init__()
+            _check_state(state, ("batch",))
+            self.state = state
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.state.batch = batch
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.state.batch = 0
+
+    class UpdateEpochStateCallback(keras.callbacks.Callback):
+        """Keep ``state.epoch`` at the number of epochs finished, across resets (Keras counts each
+        ``fit`` from 0): ``fit(..., epochs=epochs - state.epoch)`` resumes where the commit left off."""
+
+        def __init__(self, state: State) -> None:
+            super().__init__()
+            _check_state(state, ("epoch",))
+            self.state = state
+            self.initial_epoch = state.epoch
+
+        def on_train_begin(self, logs=None):
+            self.initial_epoch = self.state.epoch
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.state.epoch = self.initial_epoch + epoch + 1
+
+    return {cls.__name__: cls for cls in (CommitStateCallback, UpdateBatchStateCallback, UpdateEpochStateCallback)}
+
+
+_CALLBACKS = ("CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback")
+_built: dict = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CALLBACKS:
+        if not _built:
+            _built.update(_make_callbacks())
+            globals().update(_built)
+        return _built[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_CALLBACKS))
 
 
 __all__ = ["run", "State", "ObjectState", "TensorFlowState", "TensorFlowKerasState", "KerasState",
-           "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "MESSAGE"]
+           "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "HostsUpdatedInterrupt",
+           "HostUpdateResult", "notify_hosts_updated"]

@@ -56,6 +56,7 @@ VARIABLES: dict[str, str] = {
     "HVPS_MPIRUN": "the mpirun for hvpsrun, the benchmarks and the tests",
     "HVPS_CHECKPOINT_DIR": "checkpoint directory hvpsrun --checkpoint-dir hands to the script",
     "HVPS_RESTART_COUNT": "which try of an hvpsrun --enable-recovery job this is",
+    "HVPS_ELASTIC": "1: an elastic launcher started the job (hvd.elastic.run retries failures in place)",
     "HVPS_DOCTOR": "1: the Slurm GPU recipes run hvps doctor on every rank first",
 }
 

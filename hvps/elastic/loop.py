@@ -1,0 +1,117 @@
+"""The retry loop behind ``hvd.elastic.run`` (Horovod's ``run_fn``), and the reset it performs.
+
+Each pass: the sync point (``state.sync()``, from rank 0), then ``func(state, ...)``. A
+``HostsUpdatedInterrupt`` (raised by ``commit()`` on every rank at once) resets and goes round again;
+a failed collective (``HorovodInternalError``, hvps's ``HvpsError``) restores the last commit, resets and
+goes round again, in elastic mode only (see :mod:`hvps.elastic.mode`). Reset: ``shutdown()``,
+``init()`` (the elastic launcher's new world), then the state's reset callbacks.
+
+Two things differ from Horovod, both to be safe where it is not:
+
+- the sync after a reset is skipped only when every rank agrees (one small allreduce in elastic mode):
+  Horovod skips it on the survivors of a removal while workers that joined meanwhile sync, and the job
+  deadlocks (Horovod issue 3494);
+- a loop that keeps failing without committing in between gives up after
+  :data:`MAX_RESETS_WITHOUT_COMMIT` resets, with the last error (the launcher's ``--reset-limit`` is
+  the real bound on resets).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from .. import api
+from ..core.errors import DuplicateNameError, HvpsError
+from .mode import elastic_mode, not_elastic_error, refuse_torchrun_restarts
+from .notification import HostsUpdatedInterrupt, notification_manager
+from .state import State
+
+#: resets in a row, with no commit between them, after which the loop gives up
+MAX_RESETS_WITHOUT_COMMIT = 16
+
+log = logging.getLogger("hvps")
+
+
+def reset() -> None:
+    """Leave the old world and join the new one: ``shutdown()`` then ``init()``."""
+    api.shutdown()
+    api.init()
+
+
+def _anyone_wants_sync(wanted: bool) -> bool:
+    """Whether any rank wants the sync (a workers that just joined always does)."""
+    flag = api.allreduce(np.array([1 if wanted else 0], dtype=np.int32), op=api.Max, name="hvps.elastic.sync_wanted")
+    return bool(flag[0])
+
+
+def _check_state(state: Any) -> None:
+    if not isinstance(state, State):
+        raise TypeError(f"the first argument of a function wrapped by hvd.elastic.run must be an elastic state "
+                        f"(hvd.elastic.TorchState, ObjectState, ...), not {type(state).__name__}")
+
+
+def run_fn(func: Callable[..., Any], reset: Callable[[], None] = reset,
+           translate: Optional[Callable[[BaseException], Optional[HvpsError]]] = None) -> Callable[..., Any]:
+    """``func(state, *args, **kwargs)`` wrapped in the elastic retry loop; ``reset`` re-initializes.
+
+    ``translate(error)`` may turn a framework's error into the HvpsError it stands for (TensorFlow wraps
+    a failed collective inside a graph in its own error type), or return None to leave it alone.
+    """
+    if not callable(func):
+        raise TypeError(f"hvd.elastic.run wraps a function taking the state first, not {func!r}")
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        _check_state(state)
+        refuse_torchrun_restarts()
+        elastic = elastic_mode()
+        notification_manager.register_listener(state)
+        try:
+            want_sync, fruitless, commits = True, 0, state._commits
+            while True:
+                if want_sync or elastic:
+                    if not elastic or _anyone_wants_sync(want_sync):
+                        state.sync()
+                try:
+                    return _call(func, translate, state, *args, **kwargs)
+                except DuplicateNameError:
+                    raise  # an argument error, not a failed collective: retrying cannot help
+                except HvpsError as error:
+                    if not elastic:
+                        raise not_elastic_error(error) from error
+                    log.warning("hvps: a collective failed (%s); restoring the last commit and re-initializing",
+                                error)
+                    state.restore()
+                    want_sync, last_error = True, error
+                except HostsUpdatedInterrupt as interrupt:
+                    want_sync, last_error = not interrupt.skip_sync, interrupt
+                fruitless = fruitless + 1 if state._commits == commits else 0
+                commits = state._commits
+                if fruitless > MAX_RESETS_WITHOUT_COMMIT:
+                    raise HvpsError(f"hvd.elastic.run gave up after {fruitless} resets in a row with no commit "
+                                    f"between them; the last error: {last_error}") from last_error
+                reset()
+                state.on_reset()
+        finally:
+            notification_manager.remove_listener(state)
+
+    return wrapper
+
+
+def _call(func: Callable[..., Any], translate: Optional[Callable[[BaseException], Optional[HvpsError]]],
+          state: State, *args: Any, **kwargs: Any) -> Any:
+    if translate is None:
+        return func(state, *args, **kwargs)
+    try:
+        return func(state, *args, **kwargs)
+    except (HvpsError, HostsUpdatedInterrupt):
+        raise
+    except Exception as error:
+        translated = translate(error)
+        if translated is None:
+            raise
+        raise translated from error
