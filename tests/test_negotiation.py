@@ -117,3 +117,28 @@ def test_shutdown_needs_every_rank():
     assert c.poll(0) == []
     c.submit(1, [Request("shutdown", SHUTDOWN)], 0)
     assert [r.kind for r in c.poll(0)] == [SHUTDOWN]
+
+
+def test_a_collective_missing_a_rank_that_shut_down_fails_at_once():
+    # rank 1 ended its script (atexit shuts hvps down) while ranks 0 and 2 wait in 'never'
+    c = Coordinator(size=3, fusion_threshold=0, stall_seconds=60)
+    c.submit(0, [allreduce("never")], now=0)
+    c.submit(2, [allreduce("never")], now=0)
+    c.submit(1, [Request("shutdown", SHUTDOWN)], now=1)
+    (response,) = c.poll(now=1)
+    assert response.names == ["never"] and "ranks [0, 2]" in response.error and "ranks [1] shut" in response.error
+    # the others then shut down too: the job ends without waiting for any stall time
+    c.submit(0, [Request("shutdown", SHUTDOWN)], now=2)
+    c.submit(2, [Request("shutdown", SHUTDOWN)], now=2)
+    assert [r.kind for r in c.poll(now=2)] == [SHUTDOWN]
+
+
+def test_a_collective_a_shut_down_rank_is_not_in_is_left_alone():
+    c = Coordinator(size=3, fusion_threshold=0, stall_seconds=60)
+    c.sets[1] = (0, 2)
+    c.submit(0, [Request("pair", ALLREDUCE, "float32", ((4,),), "sum", process_set=1)], now=0)
+    c.submit(1, [Request("shutdown", SHUTDOWN)], now=0)
+    assert c.poll(now=1) == []
+    c.submit(2, [Request("pair", ALLREDUCE, "float32", ((4,),), "sum", process_set=1)], now=1)
+    (response,) = c.poll(now=1)
+    assert response.names == ["pair"] and not response.error

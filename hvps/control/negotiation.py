@@ -163,8 +163,8 @@ class Coordinator:
         joined = set(self._joined)
         #: ranks that were waiting in a collective reported as stalled in this poll
         released: set = set()
-        #: without joined ranks or a stall, a collective short of submissions needs no look
-        settled = not joined
+        #: without joined or shut-down ranks or a stall, a collective short of submissions needs no look
+        settled = not joined and not self._shutdown
         for name in list(self._table):
             pending = self._table[name]
             if (settled and not released and len(pending.by_rank) < pending.needed
@@ -179,7 +179,12 @@ class Coordinator:
             # join() only excuses ranks from collectives on the global set
             present = set(pending.by_rank) | (joined if set_id == GLOBAL_SET else set())
             if not present.issuperset(members):
-                if (set(members) - present) & released:
+                left = (set(members) - present) & self._shutdown
+                if left:  # a rank that asked to shut down submits nothing more: fail now, not at the stall
+                    ready.append(self._left(name, pending, left))
+                    del self._table[name]
+                    released.update(pending.by_rank)
+                elif (set(members) - present) & released:
                     pending.first_seen = now
                 elif now - pending.first_seen >= self.stall_seconds:
                     ready.append(self._stalled(name, pending, present, members))
@@ -229,6 +234,13 @@ class Coordinator:
         return Response(kind, [name], error=(
             f"hvps: {kind} '{name}' names process set {set_id}, which is not registered (removed, or never added "
             "on every rank)"))
+
+    def _left(self, name: str, pending: _Pending, left: set) -> Response:
+        kind = next(iter(pending.by_rank.values())).kind
+        return Response(kind, [name], error=(
+            f"hvps: {kind} '{name}' was submitted by ranks {sorted(pending.by_rank)} but ranks {sorted(left)} shut "
+            "hvps down (hvps.shutdown(), or the script ended, e.g. sys.exit) and will never submit it. Every rank "
+            "must submit the same collectives; check for rank-dependent control flow or an early exit"))
 
     def _stalled(self, name: str, pending: _Pending, present: set, members: tuple) -> Response:
         missing = sorted(set(members) - present)
