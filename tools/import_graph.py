@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hvps.compression",),
     ("hvps.checkpoint",),
     ("hvps.store",),
+    ("hvps.elastic",),                    # hvd.elastic's states, retry loop and host-update notices
     ("hvps.runner",),                     # hvpsrun
     ("hvps.doctor",),
     ("hvps.cli",),

@@ -1,8 +1,8 @@
 """TensorFlow 2 adapter with Horovod's API: ``import hvps.adapters.tensorflow as hvd``.
 
 Exports every name ``horovod.tensorflow`` does except its TF1-only session hook
-(``BroadcastGlobalVariablesHook``); ``elastic`` raises
-NotImplementedError on use. Importing this module imports TensorFlow (the core and the torch
+(``BroadcastGlobalVariablesHook``); ``elastic`` holds Horovod's
+elastic states, retry loop and Keras callbacks. Importing this module imports TensorFlow (the core and the torch
 adapter never do). Collectives take and return ``tf.Tensor`` and work eagerly and inside
 ``tf.function``; Keras 3 users ``import hvps.adapters.tensorflow.keras as hvd``.
 """

@@ -1,7 +1,7 @@
 """PyTorch adapter with Horovod's API: ``import hvps.adapters.torch as hvd``.
 
-Exports every name ``horovod.torch`` does (``elastic`` raises NotImplementedError on use),
-plus hvps's HDF5 checkpoints.
+Exports every name ``horovod.torch`` does (``elastic``: Horovod's elastic states and retry loop; see
+the README's "Elastic training"), plus hvps's HDF5 checkpoints.
 """
 
 from hvps import (

@@ -1,6 +1,6 @@
 """Keras 3 adapter with Horovod's API: ``import hvps.adapters.tensorflow.keras as hvd``.
 
-Every name ``horovod.tensorflow.keras`` exports (``elastic`` raises NotImplementedError on use): the basics of
+Every name ``horovod.tensorflow.keras`` exports (``elastic``: its states, retry loop and callbacks): the basics of
 ``hvps.adapters.tensorflow``, value-level ``allreduce``/``allgather``/``broadcast``/``reducescatter``
 with Keras's signatures, the ``DistributedOptimizer`` and the callbacks
 (``hvd.callbacks.BroadcastGlobalVariablesCallback(0)``, ...).
