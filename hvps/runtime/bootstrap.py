@@ -79,6 +79,20 @@ def launched_by(env: Mapping[str, str]) -> str:
     return "alone"
 
 
+#: how many times this process has joined a store-based job: each ``init`` after a ``shutdown`` reads
+#: and writes keys of its own, never the last one's (every rank calls init as often as the others)
+_joins = 0
+
+
+def _fresh_keys(store: Any) -> Any:
+    """``store`` with a key prefix of this join's own."""
+    import torch.distributed as dist
+
+    global _joins
+    _joins += 1
+    return dist.PrefixStore(f"join{_joins}", store)
+
+
 def start(comm: Any = None) -> Bootstrap:
     """The bootstrap for this process (collective: every rank of the job calls it)."""
     kind = "mpi" if comm is not None else launched_by(os.environ)
@@ -165,7 +179,7 @@ def _hvpsrun(secret: Optional[bytes]) -> Bootstrap:
     except Exception as exc:  # torch's DistNetworkError/RuntimeError
         raise HvpsError(f"could not join hvpsrun's rendezvous at {address}:{port}: {exc}") from None
     node = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
-    return Bootstrap(StoreComm(store, rank, size, secret, timeout=START_TIMEOUT,
+    return Bootstrap(StoreComm(_fresh_keys(store), rank, size, secret, timeout=START_TIMEOUT,
                                where=f"hvpsrun's rendezvous at {address}:{port}"), "hvpsrun", node, secret)
 
 
@@ -179,7 +193,7 @@ def _torchrun(secret: Optional[bytes]) -> Bootstrap:
         raise HvpsError(f"could not join {where} (RANK={os.environ.get('RANK')}, WORLD_SIZE="
                         f"{os.environ.get('WORLD_SIZE')}): {exc}") from None
     # torchrun restarts every worker on a failure; each try gets keys of its own
-    store = dist.PrefixStore(f"hvps/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    store = _fresh_keys(dist.PrefixStore(f"hvps/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store))
     node = os.environ.get("GROUP_RANK")
     node = f"node{node}" if node else socket.gethostname()
     return Bootstrap(StoreComm(store, rank, size, secret, timeout=START_TIMEOUT, where=where), "torchrun", node,

@@ -2,8 +2,9 @@
 
 ``MODE=kill``: every rank runs allreduces (a large one, so the ranks are inside the data plane);
 rank ``VICTIM`` SIGKILLs itself once its large allreduce has started (or, when that one finished
-first on a loaded machine, before the next collective), after writing the time to ``$OUT/killed``. Every other rank catches the HvpsError, writes ``time\\nmessage`` to ``$OUT/err.R``,
-waits (briefly) for the other survivors' files, and exits 3.
+first on a loaded machine, before the next collective), after writing the time to ``$OUT/killed``.
+Every other rank catches the HvpsError, writes ``time\\nmessage`` to ``$OUT/err.R``, waits
+(briefly) for the other survivors' files, and exits 3.
 
 ``MODE=stop``: after a barrier, rank 0 SIGSTOPs itself outside any collective (writing the time to
 ``$OUT/stopped``); the others then start an allreduce and let its HvpsError end the script

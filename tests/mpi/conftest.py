@@ -16,7 +16,7 @@ import pytest
 
 
 def _env_rank():
-    for key in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
+    for key in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "HOROVOD_RANK"):
         if key in os.environ:
             return int(os.environ[key])
     return 0

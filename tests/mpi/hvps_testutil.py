@@ -57,7 +57,7 @@ def big_count(dt, nbytes=3 * MIB):
 
 
 def world_size_env():
-    for key in ("OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PMI_SIZE"):
+    for key in ("OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PMI_SIZE", "HOROVOD_SIZE"):
         if key in os.environ:
             return int(os.environ[key])
     return 1

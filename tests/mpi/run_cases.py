@@ -26,7 +26,7 @@ PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "-rfEsxX", "--color=no"]
 
 
 def env_rank() -> int:
-    for key in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
+    for key in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "HOROVOD_RANK"):
         if key in os.environ:
             return int(os.environ[key])
     return 0
