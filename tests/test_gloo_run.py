@@ -1,7 +1,7 @@
 """``hvpsrun --gloo`` (issue 24): jobs of 2 and 3 workers without MPI, on this machine and on two
 emulated hosts (``localhost`` and ``127.0.0.1``: two host names, so two nodes in the topology), with
 Horovod's variables, tagged output, a failed worker named and the others ended, ``--max-restarts``,
-the inner multi-rank suites on the torch.distributed data plane, and bad flags refused."""
+the inner multi-rank suites on the torch.distributed data plane (3 ranks), and bad flags refused."""
 
 from __future__ import annotations
 
@@ -115,9 +115,10 @@ def _gloo_cases(np_, case_name):
     return [(np_, case(case_name, module, env=env, timeout=300))]
 
 
+# At 3 ranks only (the odd size; 2-worker jobs run above): CI's time is kept for what differs
 @pytest.mark.inner_cases(cases=_gloo_cases, launcher="gloo")
 @pytest.mark.parametrize("case_name", list(GLOO_CASES))
-@pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
+@pytest.mark.parametrize("np_", [3], ids=["np3"])
 def test_inner_module_under_gloo(np_, case_name, inner_results):
     inner_results[case_name].assert_all_passed()
 
