@@ -23,6 +23,7 @@ import torch.utils.data
 import hvps
 from hvps.elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, State, notify_hosts_updated, run_fn
 from hvps.elastic import reset as _reset
+from hvps.elastic.state import SavedValue
 
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
@@ -153,20 +154,11 @@ class ElasticSampler(torch.utils.data.Sampler):
 
 
 # ---------------------------------------------------------------------------------------------- handlers
-class StateHandler:
+class StateHandler(SavedValue):
     """Saves, restores and syncs one value of a TorchState (``value``)."""
 
     def __init__(self, value: Any) -> None:
         self.value = value
-
-    def save(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must implement save()")
-
-    def restore(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must implement restore()")
-
-    def sync(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must implement sync()")
 
     def set_value(self, value: Any) -> None:
         """A new value was assigned to the state's attribute: track it, and save it."""

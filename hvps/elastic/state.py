@@ -26,7 +26,24 @@ def _broadcast_host_updates(obj: Any) -> Any:
     return api.broadcast_object(obj, 0, name=HOST_UPDATES_NAME)
 
 
-class State:
+class SavedValue:
+    """What saves, restores and syncs a value: the ``State`` of ``hvd.elastic`` and the torch state's
+    per-value handlers alike (subclasses implement all three)."""
+
+    def save(self) -> None:
+        """Copy the value to host memory."""
+        raise NotImplementedError(f"{type(self).__name__} must implement save()")
+
+    def restore(self) -> None:
+        """Return to the last saved value, undoing uncommitted changes."""
+        raise NotImplementedError(f"{type(self).__name__} must implement restore()")
+
+    def sync(self) -> None:
+        """Make every rank's value rank 0's (a collective)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement sync()")
+
+
+class State(SavedValue):
     """Base of every elastic state.
 
     ``bcast_object(obj) -> obj`` broadcasts a picklable object from rank 0 and ``get_rank()`` gives this
@@ -90,17 +107,6 @@ class State:
         if last > prev:
             raise HostsUpdatedInterrupt(skip_sync=HostUpdateResult(kind) == HostUpdateResult.removed)
 
-    def save(self) -> None:
-        """Copy the state to host memory."""
-        raise NotImplementedError(f"{type(self).__name__} must implement save()")
-
-    def restore(self) -> None:
-        """Return to the last saved state, undoing uncommitted changes."""
-        raise NotImplementedError(f"{type(self).__name__} must implement restore()")
-
-    def sync(self) -> None:
-        """Make every rank's state rank 0's (a collective)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement sync()")
 
 
 class ObjectState(State):

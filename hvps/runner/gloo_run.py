@@ -36,6 +36,7 @@ from . import hosts as hostlib
 from .errors import LaunchError
 from .mpi_command import default_num_proc, is_forwarded, rank_environment
 from .settings import LaunchSettings
+from .supervisor import exit_status
 
 #: seconds the other workers get to end after SIGTERM before SIGKILL
 GRACE_SECONDS = 5.0
@@ -282,7 +283,7 @@ class GlooJob:
             if status != 0:
                 self._log(f"rank {slot.rank} (on {slot.host}) {status_text(status)}; ending the other {running} "
                           "running worker(s)")
-                return 128 - status if status < 0 else status
+                return exit_status(status)
         return 0
 
     def _end_all(self) -> None:
