@@ -18,16 +18,17 @@ stranger may then deny service, but cannot inject or move a value.
 from __future__ import annotations
 
 import base64
-import datetime
 import hashlib
 import hmac
 import json
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from ..core.errors import HvpsError
 
 _MAC_BYTES = 32
+#: the longest pause between two looks for a missing value
+_MAX_PAUSE = 0.02
 
 
 def _encode(obj: Any) -> Any:
@@ -52,18 +53,48 @@ def _decode(obj: Any) -> Any:
     return obj
 
 
+def mac(secret: Optional[bytes], key: str, data: bytes) -> bytes:
+    """The HMAC that binds ``data`` to ``key`` under ``secret`` (empty without a secret)."""
+    if secret is None:
+        return b""
+    return hmac.new(secret, key.encode() + b"\0" + data, hashlib.sha256).digest()
+
+
+def seal(secret: Optional[bytes], key: str, obj: Any) -> bytes:
+    """``obj`` as JSON, authenticated for ``key``: what goes into the store."""
+    data = json.dumps(_encode(obj), separators=(",", ":")).encode()
+    return mac(secret, key, data) + data
+
+
+def unseal(secret: Optional[bytes], key: str, raw: bytes, where: str, origin: str) -> Any:
+    """The value :func:`seal` wrote under ``key``; HvpsError naming ``origin`` when it is not authentic."""
+    raw = bytes(raw)
+    tag, data = (raw[:_MAC_BYTES], raw[_MAC_BYTES:]) if secret is not None else (b"", raw)
+    if not hmac.compare_digest(tag, mac(secret, key, data)):
+        raise HvpsError(f"{where}: the value under {key!r} (from {origin}) does not carry the job's "
+                        "authentication: someone else wrote it, or the ranks hold different secrets "
+                        "(HVPS_SECRET_FILE)")
+    try:
+        return _decode(json.loads(data))
+    except ValueError:
+        raise HvpsError(f"{where}: the value under {key!r} (from {origin}) is not JSON") from None
+
+
 class StoreComm:
     """``size`` processes that share ``store``; this one is ``rank``.
 
     ``secret`` (bytes, or None) authenticates every value; ``timeout`` bounds every wait for a
-    value, and a rank that never writes one is named in the HvpsError.
+    value, and a rank that never writes one is named in the HvpsError. ``abandon()``, called while
+    waiting, may raise to stop the wait early (an elastic job whose membership changed meanwhile).
     """
 
     def __init__(self, store: Any, rank: int, size: int, secret: Optional[bytes] = None, *,
-                 prefix: str = "hvps", timeout: float = 120.0, where: str = "the bootstrap store") -> None:
+                 prefix: str = "hvps", timeout: float = 120.0, where: str = "the bootstrap store",
+                 abandon: Optional[Callable[[], None]] = None) -> None:
         if not 0 <= rank < size:
             raise HvpsError(f"rank {rank} is outside a job of size {size}")
         self.store, self.secret, self.prefix, self.timeout, self.where = store, secret, prefix, timeout, where
+        self.abandon = abandon
         self._rank, self._size = rank, size
         self._calls = 0
         self._subsets: dict = {}
@@ -118,51 +149,35 @@ class StoreComm:
     # -- the store --------------------------------------------------------------------
     def _child(self, name: str, rank: int, size: int) -> "StoreComm":
         return StoreComm(self.store, rank, size, self.secret, prefix=f"{self.prefix}/{name}", timeout=self.timeout,
-                         where=self.where)
+                         where=self.where, abandon=self.abandon)
 
     def _next(self, what: str) -> str:
         self._calls += 1
         return f"{self.prefix}/{self._calls}/{what}"
 
-    def _mac(self, key: str, data: bytes) -> bytes:
-        if self.secret is None:
-            return b""
-        return hmac.new(self.secret, key.encode() + b"\0" + data, hashlib.sha256).digest()
-
     def _put(self, key: str, obj: Any) -> None:
-        data = json.dumps(_encode(obj), separators=(",", ":")).encode()
-        self.store.set(key, self._mac(key, data) + data)
+        self.store.set(key, seal(self.secret, key, obj))
 
     def _take(self, keys: list, ranks) -> list:
         """The values under ``keys``, written by ``ranks`` (one each), once all are there."""
         ranks = list(ranks)
         self._wait(keys, ranks)
-        values = []
-        for name, rank in zip(keys, ranks):
-            raw = bytes(self.store.get(name))
-            mac, data = (raw[:_MAC_BYTES], raw[_MAC_BYTES:]) if self.secret is not None else (b"", raw)
-            if not hmac.compare_digest(mac, self._mac(name, data)):
-                raise HvpsError(f"{self.where}: the value under {name!r} (from rank {rank}) does not carry the "
-                                "job's authentication: someone else wrote it, or the ranks hold different secrets "
-                                "(HVPS_SECRET_FILE)")
-            try:
-                values.append(_decode(json.loads(data)))
-            except ValueError:
-                raise HvpsError(f"{self.where}: the value under {name!r} (from rank {rank}) is not JSON") from None
-        return values
+        return [unseal(self.secret, name, self.store.get(name), self.where, f"rank {rank}")
+                for name, rank in zip(keys, ranks)]
 
     def _wait(self, keys: list, ranks: list) -> None:
         deadline = time.monotonic() + self.timeout
-        pending = list(zip(keys, ranks))
+        pending, pause = list(zip(keys, ranks)), 0.0005
         while pending:
             pending = [(k, r) for k, r in pending if not self.store.check([k])]
             if not pending:
                 return
+            if self.abandon is not None:
+                self.abandon()
             if time.monotonic() >= deadline:
                 raise HvpsError(f"{self.where}: ranks {[r for _, r in pending]} did not reach the job's start-up "
                                 f"exchange ({keys[0].rsplit('/', 1)[0]}) within {self.timeout:g} s; they exited, "
                                 "hang before hvps.init(), or cannot reach the store")
-            try:  # wake at once when the first missing key is set
-                self.store.wait([pending[0][0]], datetime.timedelta(seconds=min(1.0, self.timeout)))
-            except Exception:  # torch raises its own DistStoreError/RuntimeError on a timeout: look again
-                pass
+            # polled, not store.wait(timeout): torch logs a warning for every wait that times out
+            time.sleep(pause)
+            pause = min(2 * pause, _MAX_PAUSE)

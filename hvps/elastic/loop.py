@@ -37,7 +37,8 @@ log = logging.getLogger("hvps")
 
 
 def reset() -> None:
-    """Leave the old world and join the new one: ``shutdown()`` then ``init()``."""
+    """Leave the old world and join the new one: ``shutdown()`` then ``init()`` (in elastic mode the
+    launcher's next membership; a worker that has no place in it leaves with status 0)."""
     api.shutdown()
     api.init()
 
@@ -46,6 +47,22 @@ def _anyone_wants_sync(wanted: bool) -> bool:
     """Whether any rank wants the sync (a workers that just joined always does)."""
     flag = api.allreduce(np.array([1 if wanted else 0], dtype=np.int32), op=api.Max, name="hvps.elastic.sync_wanted")
     return bool(flag[0])
+
+
+def _rejoin(reset: Callable[[], None], elastic: bool) -> None:
+    """``reset()``; in elastic mode again while the new world fails to form (a member died while it
+    joined: the launcher then publishes the next membership), at most MAX_RESETS_WITHOUT_COMMIT times."""
+    for _ in range(MAX_RESETS_WITHOUT_COMMIT):
+        try:
+            return reset()
+        except HvpsError as error:
+            if not elastic:
+                raise
+            last = error
+            log.warning("hvps: re-initializing failed (%s); joining the next membership", error)
+            api.shutdown()
+    raise HvpsError(f"hvd.elastic.run could not re-initialize in {MAX_RESETS_WITHOUT_COMMIT} tries; the last "
+                    f"error: {last}") from last
 
 
 def _check_state(state: Any) -> None:
@@ -94,7 +111,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None] = reset,
                 if fruitless > MAX_RESETS_WITHOUT_COMMIT:
                     raise HvpsError(f"hvd.elastic.run gave up after {fruitless} resets in a row with no commit "
                                     f"between them; the last error: {last_error}") from last_error
-                reset()
+                _rejoin(reset, elastic)
                 state.on_reset()
         finally:
             notification_manager.remove_listener(state)

@@ -12,6 +12,7 @@ import queue
 from typing import Any, Callable, Iterable, Optional
 
 from .. import api
+from ..runtime.bootstrap import elastic_session
 from .notification import HostsUpdatedInterrupt, HostUpdateResult
 
 #: the name of the collective that shares rank 0's view of host updates
@@ -94,6 +95,9 @@ class State(SavedValue):
         newer than the last one acted on (a collective: rank 0's view is broadcast)."""
         prev = last = self._last_updated_timestamp
         kind = HostUpdateResult.no_update
+        driver_notice = elastic_session.pending_notice()  # hvpsrun's elastic driver tells rank 0 only
+        if driver_notice is not None:
+            self.on_hosts_updated(*driver_notice)
         while True:
             try:
                 timestamp, update = self._host_messages.get_nowait()

@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import IO, Mapping, Optional, Sequence
 
+from ..control.membership import Slot
 from ..control.plane import interface_address
 from . import hosts as hostlib
 from .errors import LaunchError
@@ -44,26 +45,6 @@ GRACE_SECONDS = 5.0
 POLL_SECONDS = 0.05
 #: ssh options: fail instead of asking for a password or a host key
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new")
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where one rank runs, and its place in Horovod's topology."""
-
-    rank: int
-    size: int
-    host: str
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-
-    def environment(self) -> dict:
-        """Horovod's variables for this rank."""
-        return {"HOROVOD_RANK": str(self.rank), "HOROVOD_SIZE": str(self.size),
-                "HOROVOD_LOCAL_RANK": str(self.local_rank), "HOROVOD_LOCAL_SIZE": str(self.local_size),
-                "HOROVOD_CROSS_RANK": str(self.cross_rank), "HOROVOD_CROSS_SIZE": str(self.cross_size),
-                "HOROVOD_HOSTNAME": self.host}
 
 
 def assign_slots(hosts: Sequence[hostlib.Host], num_proc: int) -> list:
@@ -90,6 +71,7 @@ class Plan:
     ssh_port: Optional[int] = None
     ssh_identity_file: Optional[str] = None
     cwd: str = ""
+    elastic: Optional[dict] = None  # elastic mode's settings (hvps.runner.elastic_run.ElasticSettings)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -128,13 +110,20 @@ def build_plan(settings: LaunchSettings, env: Mapping[str, str], cpu_count: int)
                           "or launch with MPI (hvpsrun without --gloo)")
     hosts = hostlib.resolve_hosts(settings.hosts, settings.hostfile)
     hostlib.check_resolvable(hosts)
-    num_proc = default_num_proc(settings, hosts)
-    if hosts:
+    elastic = None
+    if settings.elastic:
+        from .elastic_run import elastic_settings
+
+        elastic = asdict(elastic_settings(settings, hosts))
+        num_proc = settings.num_proc or elastic["min_np"]
+    else:
+        num_proc = default_num_proc(settings, hosts)
+    if hosts and not elastic:
         hostlib.check_slots(hosts, num_proc)
     nic = settings.network_interfaces[0] if settings.network_interfaces else None
     return Plan(tuple(settings.command), tuple((h.name, h.slots) for h in hosts), num_proc,
                 rank_environment(settings, env, num_proc, hosts, cpu_count), nic, settings.ssh_port,
-                settings.ssh_identity_file, os.getcwd())
+                settings.ssh_identity_file, os.getcwd(), elastic)
 
 
 def preview(plan: Plan) -> str:
@@ -214,21 +203,23 @@ class GlooJob:
         self._lock = threading.Lock()
         self._stop_signal: Optional[int] = None
 
-    def _worker_env(self, slot: Slot, addresses: list, port: int, secret: str) -> dict:
+    def _worker_env(self, slot: Slot) -> dict:
         env = dict(self.plan.env)
         env.update(slot.environment())
-        env.update(HVPS_RENDEZVOUS_ADDR=",".join(addresses), HVPS_RENDEZVOUS_PORT=str(port), HVPS_SECRET=secret)
+        env.update(HVPS_RENDEZVOUS_ADDR=",".join(self.addresses), HVPS_RENDEZVOUS_PORT=str(self.port),
+                   HVPS_SECRET=self.secret)
         return env
 
-    def _start(self, slot: Slot, env: dict, local: bool) -> subprocess.Popen:
-        if local:
+    def _start(self, slot: Slot, env: dict) -> subprocess.Popen:
+        """Start ``slot``'s worker: a child process on this machine, else over ssh."""
+        if slot.host in self.local:
             cmd, full, stdin = list(self.plan.command), {**self.env, **env}, subprocess.DEVNULL
         else:
             forwarded = {k: v for k, v in self.env.items() if is_forwarded(k)}
             cmd, full, stdin = ssh_command(self.plan, slot.host, {**forwarded, **env}), self.env, subprocess.PIPE
         proc = subprocess.Popen(cmd, env=full, cwd=self.plan.cwd or None, stdin=stdin, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True)
-        if not local:
+        if slot.host not in self.local:
             proc.stdin.write((env["HVPS_SECRET"] + "\n").encode())
             proc.stdin.close()
         for stream, out, kind in ((proc.stdout, sys.stdout, "stdout"), (proc.stderr, sys.stderr, "stderr")):
@@ -243,26 +234,29 @@ class GlooJob:
 
     def run(self) -> int:
         """Start every worker and wait; the job's exit status (the first failed worker's)."""
-        import torch.distributed as dist
-
         hosts = self.plan.host_list()
-        local = hostlib.local_names()
-        local_only = hostlib.is_local_only(hosts, local)
-        addresses = rendezvous_addresses(self.plan, local_only)
-        store = dist.TCPStore("0.0.0.0", 0, None, True, datetime.timedelta(seconds=300), wait_for_workers=False)
-        secret = secrets.token_hex(32)
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, self._on_signal)
+        store = self._open_rendezvous(hosts)
         try:
             for slot in assign_slots(hosts, self.plan.num_proc):
-                env = self._worker_env(slot, addresses, store.port, secret)
-                self.workers.append((slot, self._start(slot, env, slot.host in local)))
+                self.workers.append((slot, self._start(slot, self._worker_env(slot))))
             return self._wait()
         finally:
             self._end_all()
             for pump in self.pumps:
                 pump.join(timeout=2.0)
             del store
+
+    def _open_rendezvous(self, hosts: Sequence[hostlib.Host]):
+        """Host the job's store, choose its addresses and the secret, catch SIGINT/SIGTERM; the store."""
+        import torch.distributed as dist
+
+        self.local = hostlib.local_names()
+        self.addresses = rendezvous_addresses(self.plan, hostlib.is_local_only(list(hosts), self.local))
+        store = dist.TCPStore("0.0.0.0", 0, None, True, datetime.timedelta(seconds=300), wait_for_workers=False)
+        self.port, self.secret = store.port, secrets.token_hex(32)
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self._on_signal)
+        return store
 
     def _wait(self) -> int:
         """Until every worker has ended well, or one failed: one thread per worker records when it ended, so
@@ -286,8 +280,11 @@ class GlooJob:
                 return exit_status(status)
         return 0
 
+    def _processes(self) -> list:
+        return [proc for _, proc in self.workers]
+
     def _end_all(self) -> None:
-        alive = [proc for _, proc in self.workers if proc.poll() is None]
+        alive = [proc for proc in self._processes() if proc.poll() is None]
         for proc in alive:
             _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_SECONDS
@@ -296,7 +293,7 @@ class GlooJob:
             time.sleep(POLL_SECONDS)
         for proc in alive:
             _signal_group(proc, signal.SIGKILL)
-        for _, proc in self.workers:
+        for proc in self._processes():
             proc.wait()
 
     def _log(self, message: str) -> None:

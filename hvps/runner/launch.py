@@ -118,7 +118,7 @@ def prepare(settings: LaunchSettings, env: Mapping[str, str], cpu_count: Optiona
     split_mpi_args(settings.mpi_args)
     env = dict(env)
     env.setdefault(RESTART_ENV, "0")  # forwarded by name, so each restart's value reaches the ranks
-    if settings.gloo:
+    if settings.gloo or settings.elastic:
         return _prepare_gloo(settings, env, cpu_count)
     launcher = choose_launcher(settings, env)
     hosts = hostlib.resolve_hosts(settings.hosts, settings.hostfile)
@@ -153,11 +153,20 @@ def prepare(settings: LaunchSettings, env: Mapping[str, str], cpu_count: Optiona
 
 
 def _prepare_gloo(settings: LaunchSettings, env: dict, cpu_count: int) -> Launch:
-    """``hvpsrun --gloo``: the job process (:mod:`hvps.runner.gloo_run`) runs from a plan file."""
+    """``hvpsrun --gloo`` and elastic mode: the job process (:mod:`hvps.runner.gloo_run`, or the elastic
+    driver :mod:`hvps.runner.elastic_run`) runs from a plan file."""
     plan = gloo_run.build_plan(settings, env, cpu_count)
     fd, path = tempfile.mkstemp(prefix="hvpsrun-gloo-", suffix=".json")
     os.close(fd)
     plan.save(path)
+    if plan.elastic:
+        if settings.max_restarts:
+            raise LaunchError("--max-restarts restarts the whole job; elastic mode recovers in place (--reset-limit "
+                              "bounds its resets): drop --max-restarts")
+        note = f"elastic: at least {plan.elastic['min_np']} workers, started by hvpsrun, no MPI"
+        return Launch([sys.executable, "-m", "hvps.runner.elastic_run", path], env, dict(plan.env), note, [path],
+                      f"# elastic driver, membership from {plan.elastic['discovery_script'] or '-H'}\n"
+                      + gloo_run.preview(plan))
     note = f"--gloo: {plan.num_proc} workers started by hvpsrun, no MPI"
     return Launch([sys.executable, "-m", "hvps.runner.gloo_run", path], env, dict(plan.env), note, [path],
                   gloo_run.preview(plan))

@@ -19,6 +19,7 @@ Launch a training script on several processes with MPI, the way horovodrun does:
     hvpsrun --hostfile hosts.txt python train.py        # lines 'host slots=N'
     hvpsrun --dry-run -np 2 python train.py             # print the command only
     hvpsrun --gloo -np 2 python train.py                # no MPI: hvpsrun starts the workers
+    hvpsrun -np 2 --min-np 1 --max-np 4 --host-discovery-script ./hosts.sh python train.py   # elastic
 
 Outside Slurm it runs mpirun (Open MPI 4/5, MPICH or Intel MPI, detected from
 'mpirun --version'; found through --mpirun, $HVPS_MPIRUN, the running Python's
@@ -33,6 +34,12 @@ hosts), hosts their rendezvous and sets Horovod's HOROVOD_RANK, _SIZE,
 _LOCAL_RANK, _LOCAL_SIZE, _CROSS_RANK, _CROSS_SIZE and _HOSTNAME; the data plane
 is torch.distributed (gloo on CPU, NCCL on CUDA). Output lines are tagged
 [rank]<stdout>: and [rank]<stderr>:.
+
+Elastic mode (--min-np, --max-np or --host-discovery-script; no MPI, as --gloo):
+the job runs while it has at least --min-np slots. hvpsrun polls the discovery
+script, starts workers on new hosts, blacklists the host of a failed worker, and
+tells rank 0, whose next state.commit() makes every rank re-initialize in place
+with the new ranks (hvd.elastic.run). The oldest hosts keep the lowest ranks.
 """
 
 _EPILOG = """\
@@ -68,7 +75,20 @@ class LaunchSettings:
     gloo: bool = False
     ssh_port: Optional[int] = None
     ssh_identity_file: Optional[str] = None
+    min_np: Optional[int] = None
+    max_np: Optional[int] = None
+    host_discovery_script: Optional[str] = None
+    slots_per_host: Optional[int] = None
+    elastic_timeout: float = 600.0
+    reset_limit: Optional[int] = None
+    blacklist_cooldown_range: Optional[tuple] = None
+    discovery_interval: float = 1.0
     extra_env: dict = field(default_factory=dict)
+
+    @property
+    def elastic(self) -> bool:
+        """Elastic mode: --min-np, --max-np or --host-discovery-script was given (as in horovodrun)."""
+        return self.min_np is not None or self.max_np is not None or self.host_discovery_script is not None
 
     def hvps_env(self) -> dict:
         """The HVPS_* variables these flags set for every rank (flags win over the caller's env)."""
@@ -107,6 +127,20 @@ def _non_negative(kind):
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(int)(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative(float)(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,6 +213,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--gloo: the ssh port of the other hosts (default: ssh's own, usually 22)")
     p.add_argument("-i", "--ssh-identity-file", metavar="PATH",
                    help="--gloo: the private key ssh logs in to the other hosts with")
+    elastic = p.add_argument_group("elastic mode (as horovodrun's; implies --gloo)")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=_positive, metavar="N",
+                         help="run while at least N slots are available; below that wait up to --elastic-timeout "
+                              "for hosts (default: -np)")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=_positive, metavar="N",
+                         help="use at most N slots, however many the hosts offer (default: no limit)")
+    elastic.add_argument("--host-discovery-script", metavar="PATH",
+                         help="executable that prints the available hosts, one 'host:slots' (or 'host') per line; "
+                              "run every --discovery-interval seconds. Without it, -H/--hostfile are the hosts "
+                              "(fault tolerance without scaling)")
+    elastic.add_argument("--slots-per-host", type=_positive, metavar="N",
+                         help="slots of a discovered host whose line gives none (default 1)")
+    elastic.add_argument("--elastic-timeout", type=_non_negative(float), default=600.0, metavar="S",
+                         help="seconds to wait for at least --min-np slots (at start and after a failure) before "
+                              "the job fails (default 600)")
+    elastic.add_argument("--reset-limit", type=_non_negative(int), metavar="N",
+                         help="fail the job after N resets (membership changes after the first); default: no limit")
+    elastic.add_argument("--blacklist-cooldown-range", type=_non_negative(float), nargs=2, metavar=("MIN", "MAX"),
+                         help="a host whose worker failed may come back after MIN seconds, doubling with each "
+                              "further failure up to MAX (default: blacklisted for good)")
+    elastic.add_argument("--discovery-interval", type=_positive_float, default=1.0, metavar="S",
+                         help="seconds between two runs of the discovery script (default 1)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="the program and its arguments, e.g. python train.py --epochs 3")
     return p
@@ -217,4 +273,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchSettings:
         gloo=args.gloo,
         ssh_port=args.ssh_port,
         ssh_identity_file=args.ssh_identity_file,
+        min_np=args.min_np,
+        max_np=args.max_np,
+        host_discovery_script=args.host_discovery_script,
+        slots_per_host=args.slots_per_host,
+        elastic_timeout=args.elastic_timeout,
+        reset_limit=args.reset_limit,
+        blacklist_cooldown_range=_cooldown(args.blacklist_cooldown_range),
+        discovery_interval=args.discovery_interval,
     )
+
+
+def _cooldown(values: Optional[list]) -> Optional[tuple]:
+    if values is None:
+        return None
+    low, high = values
+    if low <= 0 or high < low:
+        raise LaunchError(f"--blacklist-cooldown-range {low:g} {high:g}: give MIN > 0 and MAX >= MIN, e.g. 10 100")
+    return (low, high)

@@ -21,12 +21,15 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
+import logging
 import os
 import socket
 import stat
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from ..control import membership
 from ..control.plane import reachable
 from ..control.store_comm import StoreComm
 from ..core.errors import HvpsError
@@ -86,11 +89,9 @@ _joins = 0
 
 def _fresh_keys(store: Any) -> Any:
     """``store`` with a key prefix of this join's own."""
-    import torch.distributed as dist
-
     global _joins
     _joins += 1
-    return dist.PrefixStore(f"join{_joins}", store)
+    return dist_prefix(store, f"join{_joins}")
 
 
 def start(comm: Any = None) -> Bootstrap:
@@ -167,20 +168,91 @@ def _timeout() -> datetime.timedelta:
 def _hvpsrun(secret: Optional[bytes]) -> Bootstrap:
     import torch.distributed as dist
 
-    rank, size = _int_variable("HOROVOD_RANK", "hvpsrun"), _int_variable("HOROVOD_SIZE", "hvpsrun")
     addresses = [a for a in env_text("HVPS_RENDEZVOUS_ADDR").split(",") if a]
     port = env_text("HVPS_RENDEZVOUS_PORT", "")
     if not port.isdigit():
         raise HvpsError(f"HVPS_RENDEZVOUS_PORT={port!r}: hvpsrun --gloo sets it; start this script with hvpsrun")
     port = int(port)
     address, _ = reachable(addresses, port, "hvpsrun's rendezvous")
+    where = f"hvpsrun's rendezvous at {address}:{port}"
     try:
         store = dist.TCPStore(address, port, None, False, _timeout(), wait_for_workers=False)
     except Exception as exc:  # torch's DistNetworkError/RuntimeError
-        raise HvpsError(f"could not join hvpsrun's rendezvous at {address}:{port}: {exc}") from None
+        raise HvpsError(f"could not join {where}: {exc} (the address is hvpsrun's host's; choose the network "
+                        "with hvpsrun --network-interface)") from None
+    if elastic_worker():
+        return _elastic_join(store, secret, where)
+    rank, size = _int_variable("HOROVOD_RANK", "hvpsrun"), _int_variable("HOROVOD_SIZE", "hvpsrun")
     node = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
-    return Bootstrap(StoreComm(_fresh_keys(store), rank, size, secret, timeout=START_TIMEOUT,
-                               where=f"hvpsrun's rendezvous at {address}:{port}"), "hvpsrun", node, secret)
+    return Bootstrap(StoreComm(_fresh_keys(store), rank, size, secret, timeout=START_TIMEOUT, where=where),
+                     "hvpsrun", node, secret)
+
+
+def elastic_worker() -> Optional[str]:
+    """This worker's id (``host:slot``) when hvpsrun's elastic driver started it, else None."""
+    return env_text("HVPS_ELASTIC_WORKER") or None
+
+
+@dataclass
+class ElasticSession:
+    """What this worker knows of its elastic job: the store, and the last round it joined."""
+
+    store: Any = None
+    secret: Optional[bytes] = None
+    round: int = 0
+    rank: int = -1
+
+    def pending_notice(self) -> Optional[tuple]:
+        """Rank 0's view: ``(timestamp, kind)`` of a host change that a round after this one brings."""
+        if self.store is None or self.rank != 0:
+            return None
+        found = membership.notice(self.store, self.secret)
+        if found is None or int(found["round"]) <= self.round:
+            return None
+        return float(found["timestamp"]), int(found["kind"])
+
+
+#: this process's elastic session (one per worker; ``round`` grows with every re-initialization)
+elastic_session = ElasticSession()
+
+
+def _elastic_join(store: Any, secret: Optional[bytes], where: str) -> Bootstrap:
+    """Join the newest round above the last one joined: wait for it, find this worker's slot in it."""
+    worker = elastic_worker()
+    timeout = float(env_text("HVPS_ELASTIC_TIMEOUT", "600") or 600)
+    deadline = time.monotonic() + timeout
+    while True:
+        number = membership.latest_round(store, secret)
+        if number > elastic_session.round:
+            break
+        if time.monotonic() > deadline:
+            raise HvpsError(f"{where}: hvpsrun's elastic driver published no new membership within {timeout:g} s "
+                            "(--elastic-timeout); is hvpsrun still running?")
+        time.sleep(0.02)
+    slots = membership.round_slots(store, secret, number)
+    if worker not in slots:
+        logging.getLogger("hvps").warning("hvps: worker %s has no place in the job's membership %d (its host was "
+                                          "removed or blacklisted); leaving", worker, number)
+        raise SystemExit(0)
+    slot = slots[worker]
+    elastic_session.store, elastic_session.secret = store, secret
+    elastic_session.round, elastic_session.rank = number, slot.rank
+    os.environ.update(slot.environment())  # scripts read Horovod's variables
+
+    def abandon() -> None:
+        newer = membership.latest_round(store, secret)
+        if newer > number:
+            raise membership.MembershipChanged(f"{where}: membership {newer} replaced {number} while joining it")
+
+    comm = StoreComm(dist_prefix(store, f"round{number}"), slot.rank, slot.size, secret, timeout=timeout,
+                     where=f"{where} (membership {number})", abandon=abandon)
+    return Bootstrap(comm, "hvpsrun", slot.host, secret)
+
+
+def dist_prefix(store: Any, prefix: str) -> Any:
+    import torch.distributed as dist
+
+    return dist.PrefixStore(prefix, store)
 
 
 def _torchrun(secret: Optional[bytes]) -> Bootstrap:

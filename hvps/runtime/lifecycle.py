@@ -16,6 +16,7 @@ from .. import metrics
 from ..core.errors import HvpsError
 from ..core.settings import Settings, env_text
 from ..dataplane import backends
+from ..control.membership import MembershipChanged
 from . import bootstrap, state
 from .engine import Engine
 from .process_sets import reset as reset_process_sets
@@ -61,7 +62,12 @@ def init(comm=None, process_sets=None) -> None:
     with state._state.lock:
         if state._state.engine is not None:
             return
-        _start(comm)
+        while True:
+            try:
+                _start(comm)
+                break
+            except MembershipChanged as changed:  # an elastic job changed while this worker joined it
+                logging.getLogger("hvps").info("hvps: %s; joining the new one", changed)
     topology = state.topology()
     metrics.set_job_identity((topology.rank, topology.local_rank))
     setup_process_sets(process_sets)
@@ -97,8 +103,9 @@ def shutdown() -> None:
             return
         state._state.topology = None
         why = engine.shutdown()
-        if why is None:
-            engine.backend.close()
+        if why is None or bootstrap.elastic_worker():
+            # an elastic worker outlives a failed job: it re-initializes in place (hvd.elastic.run)
+            engine.backend.close(failed=why is not None)
             return
     end_job(why)
 

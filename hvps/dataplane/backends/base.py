@@ -60,8 +60,9 @@ class Backend(abc.ABC):
         in the same order on each."""
         raise NotImplementedError(f"the {self.name} data plane does not support process sets")
 
-    def close(self) -> None:
-        """Release resources (communicators, process groups)."""
+    def close(self, failed: bool = False) -> None:
+        """Release resources (communicators, process groups); ``failed``: a collective failed midway
+        (a peer died), so abort what a clean close would wait on (NCCL communicators)."""
 
 
 def sub_communicator(comm, ranks):

@@ -66,6 +66,6 @@ class HierarchicalBackend(Backend):
     def subset(self, ranks):
         return self.flat.subset(ranks)  # a process set reduces flat
 
-    def close(self):
+    def close(self, failed=False):
         for backend in (self.local, self.cross, self.flat):
-            backend.close()
+            backend.close(failed)

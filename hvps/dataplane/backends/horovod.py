@@ -85,6 +85,6 @@ class HorovodBackend(Backend):
         start = sum(counts[: self.comm.Get_rank()])
         as_tensor(recvbuf).copy_(total[start : start + counts[self.comm.Get_rank()]])
 
-    def close(self):
+    def close(self, failed=False):
         self.hvd.shutdown()
         self.comm.Free()

@@ -144,5 +144,5 @@ class MPIBackend(Backend):
     def subset(self, ranks):
         return MPIBackend(sub_communicator(self.comm, ranks), self.settings, owned=True)
 
-    def close(self):
+    def close(self, failed=False):
         self.comm.Free()

@@ -49,6 +49,6 @@ class DeviceRouter(Backend):
     def subset(self, ranks):
         return DeviceRouter(self.host.subset(ranks), self.device.subset(ranks))
 
-    def close(self):
-        self.host.close()
-        self.device.close()
+    def close(self, failed=False):
+        self.host.close(failed)
+        self.device.close(failed)

@@ -199,10 +199,13 @@ class TorchDistBackend(Backend):
         # the set's own store and process groups, bootstrapped over a sub-communicator
         return TorchDistBackend(sub_communicator(self.comm, ranks), self.settings, owned=True)
 
-    def close(self):
+    def close(self, failed=False):
         for group in self._groups.values():
+            # a failed NCCL communicator is aborted, never destroyed: destroying it waits for peers that
+            # are gone (torch's ProcessGroupNCCL.abort); gloo's pairs just close
+            ending = getattr(group, "abort", None) if failed else None
             try:
-                group.shutdown()
+                (ending or group.shutdown)()
             except (AttributeError, RuntimeError):
                 pass
         self._groups.clear()

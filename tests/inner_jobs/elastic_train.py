@@ -1,0 +1,123 @@
+"""Run by tests/test_elastic_launch.py under hvpsrun's elastic mode: Horovod's elastic training pattern.
+
+Every rank logs one JSON line per epoch: epoch, rank, size, start rank, host and rendezvous count
+(Horovod's ``test/integration/data/elastic_torch_main.py`` logs the same). The model is chosen so
+that every update is exact in float64 (dyadic data and learning rate, a Sum allreduce, a global
+batch of 8 samples split over however many ranks there are): the final parameters are bit-exact
+those of :func:`reference` when every step of every epoch is applied exactly once, whatever the
+membership changes and failures in between.
+
+``SCHEDULE`` (JSON) says what happens at the start of an epoch, once per job:
+``{"1": {"hosts": "localhost:2\\n127.0.0.1:1"}}`` rewrites ``HOSTS_FILE`` (the discovery script's
+answer; rank 0 then waits until hvpsrun's notice has arrived, so the change lands at this epoch);
+``{"1": {"fail": [1], "how": "exit"}}`` makes ranks 1 fail: ``exit`` (status 1), ``kill`` (SIGKILL),
+``raise`` (an exception out of the training function), ``leave`` (status 0, Horovod issue 3852).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import hvps.adapters.torch as hvd
+from hvps.runtime.bootstrap import elastic_session
+
+EPOCHS, BATCHES, GLOBAL_BATCH, LR = 4, 3, 8, 2.0 ** -4
+
+
+def batch_data(epoch: int, batch: int) -> torch.Tensor:
+    """The global batch of (epoch, batch): small integers, the same on every rank."""
+    generator = torch.Generator().manual_seed(1000 * epoch + batch)
+    return torch.randint(-4, 5, (GLOBAL_BATCH, 4), generator=generator).double()
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(7)
+    model = torch.nn.Linear(4, 1).double()
+    with torch.no_grad():  # dyadic start values
+        model.weight.copy_(torch.round(model.weight * 64) / 64)
+        model.bias.copy_(torch.round(model.bias * 64) / 64)
+    return model
+
+
+def step(model, optimizer, x: torch.Tensor) -> None:
+    optimizer.zero_grad()
+    model(x).sum().backward()
+    optimizer.step()
+
+
+def reference() -> list:
+    """The uninterrupted run on one process: every step on the whole global batch."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
+    for epoch in range(EPOCHS):
+        for batch in range(BATCHES):
+            step(model, optimizer, batch_data(epoch, batch))
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def act(schedule: dict, epoch: int, out_dir: str) -> None:
+    what = schedule.get(str(epoch))
+    marker = os.path.join(out_dir, f"done-{epoch}")
+    if not what or os.path.exists(marker):
+        return
+    if "hosts" in what and hvd.rank() == 0:
+        with open(os.environ["HOSTS_FILE"] + ".tmp", "w") as f:
+            f.write(what["hosts"] + "\n")
+        os.replace(os.environ["HOSTS_FILE"] + ".tmp", os.environ["HOSTS_FILE"])
+        open(marker, "w").close()
+        deadline = time.monotonic() + 20
+        while elastic_session.pending_notice() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    if hvd.rank() in what.get("fail", []):
+        open(marker, "w").close()
+        how = what.get("how", "exit")
+        print(json.dumps({"failing": hvd.rank(), "how": how, "epoch": epoch}), flush=True)
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "raise":
+            raise RuntimeError(f"rank {hvd.rank()} fails on purpose at epoch {epoch}")
+        os._exit(0 if how == "leave" else 1)
+
+
+def main() -> None:
+    hvd.init()
+    start_rank = hvd.rank()
+    schedule = json.loads(os.environ.get("SCHEDULE", "{}"))
+    out_dir = os.environ["OUT_DIR"]
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5),
+                                         named_parameters=model.named_parameters(), op=hvd.Sum)
+    state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        while state.epoch < EPOCHS:
+            if state.batch == 0:
+                act(schedule, state.epoch, out_dir)
+            while state.batch < BATCHES:
+                x = batch_data(state.epoch, state.batch)[hvd.rank()::hvd.size()]
+                step(model, optimizer, x)
+                state.batch += 1
+                state.commit()
+            print(json.dumps({"epoch": state.epoch, "rank": hvd.rank(), "size": hvd.size(), "start_rank": start_rank,
+                              "host": os.environ.get("HOROVOD_HOSTNAME"), "rendezvous": elastic_session.round}),
+                  flush=True)
+            state.epoch, state.batch = state.epoch + 1, 0
+            state.commit()
+
+    train(state)
+    if hvd.rank() == 0:
+        with open(os.path.join(out_dir, "final.json"), "w") as f:
+            json.dump([p.detach().flatten().tolist() for p in model.parameters()], f)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["reference"]:
+        print(json.dumps(reference()))
+    else:
+        main()
