@@ -24,6 +24,7 @@ resets the survivors on it).
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import threading
@@ -42,9 +43,13 @@ class PeerLost(HvpsError):
 
     def __init__(self, lost: dict) -> None:
         self.lost = {int(rank): str(why) for rank, why in sorted(lost.items())}
-        super().__init__(f"hvps: {self.who()} exited ({self.why()}); the job cannot go on without "
-                         f"{'it' if len(self.lost) == 1 else 'them'}: relaunch it (hvpsrun --max-restarts N "
-                         "resumes from the last checkpoint)")
+        super().__init__(f"hvps: {self.who()} exited ({self.why()}); {self.what_next()}")
+
+    def what_next(self) -> str:
+        if os.environ.get("HVPS_ELASTIC") == "1":  # hvd.elastic.run recovers in place
+            return "the elastic job goes on without " + ("it" if len(self.lost) == 1 else "them")
+        return (f"the job cannot go on without {'it' if len(self.lost) == 1 else 'them'}: relaunch it "
+                "(hvpsrun --max-restarts N resumes from the last checkpoint)")
 
     def who(self) -> str:
         ranks = sorted(self.lost)
@@ -61,9 +66,7 @@ class PeerLost(HvpsError):
     def for_collective(self, kind: str, name: str) -> HvpsError:
         """The error of one collective, naming it and the dead ranks."""
         error = HvpsError(f"hvps: {kind} '{name}' cannot complete: {self.who()} exited before submitting or "
-                          f"finishing it ({self.why()}); the job cannot go on without "
-                          f"{'it' if len(self.lost) == 1 else 'them'}: relaunch it (hvpsrun --max-restarts N "
-                          "resumes from the last checkpoint)")
+                          f"finishing it ({self.why()}); {self.what_next()}")
         error.__cause__ = self
         return error
 

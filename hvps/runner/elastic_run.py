@@ -21,6 +21,7 @@ rendezvous (:mod:`hvps.control.membership`):
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import sys
@@ -39,6 +40,8 @@ from .settings import LaunchSettings
 
 #: seconds between two looks at the deadlines while nothing happens
 TICK_SECONDS = 0.1
+#: seconds after a worker finished before the others, still training, go on without it
+DEPART_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,8 @@ class ElasticJob(GlooJob):
         self.short_since: Optional[float] = None  # below --min-np since then
         self.pending_notice = 0  # the host-change kind that the next round brings
         self._stop = threading.Event()
+        self._ages = itertools.count()
+        self.departed: Optional[float] = None  # when a member finished while others still trained
 
     # -- the job ----------------------------------------------------------------------------------
     def run(self) -> int:
@@ -169,6 +174,7 @@ class ElasticJob(GlooJob):
                 raise Failed(str(event[1]))
             if self.round == 0 or self.short_since is not None:
                 self._next_round()
+            self._check_departed()
             self._check_deadline()
 
     def _discover(self) -> None:
@@ -184,12 +190,12 @@ class ElasticJob(GlooJob):
 
     # -- events -----------------------------------------------------------------------------------
     def _on_hosts(self, hosts: list) -> None:
-        now = self.clock()
-        for host in hosts:
-            self.age.setdefault(host.name, now)
+        for host in hosts:  # first seen first; hosts seen together keep the script's order
+            self.age.setdefault(host.name, next(self._ages))
         self.available = sorted((h for h in hosts if not self.blacklist.blocked(h.name)),
                                 key=lambda h: (self.age[h.name], h.name))
-        if self.round and assign(self.available, self.finished, self.settings.max_np).keys() != self.members.keys():
+        training = {w for w in self.members if w not in self.finished}
+        if self.round and assign(self.available, self.finished, self.settings.max_np).keys() != training:
             self._next_round(host_change=True)
 
     def _on_exit(self, worker: str, status: int) -> None:
@@ -197,12 +203,9 @@ class ElasticJob(GlooJob):
         if worker not in self.members:
             return  # a worker of a removed slot leaving
         host = self.members[worker].host
-        if status == 0:
+        if status == 0:  # finished; the others normally follow within moments
             self.finished.add(worker)
-            if any(w in self.running for w in self.members):
-                self._log(f"worker {worker} (rank {self.members[worker].rank}) finished while others still train; "
-                          "they go on without it")
-                self._next_round()
+            self.departed = self.departed or self.clock()
             return
         delay = self.blacklist.add(host)
         self.age.pop(host, None)  # back from the blacklist it is the newest host
@@ -248,6 +251,17 @@ class ElasticJob(GlooJob):
 
     def _discovered_names(self) -> list:
         return [h.name for h in (self.discovery.last or [])]
+
+    def _check_departed(self) -> None:
+        """Members that finished while the others still train after DEPART_SECONDS (a worker deleted with
+        status 0, Horovod issue 3852): the others go on without them."""
+        if self.departed is None or self.clock() - self.departed < DEPART_SECONDS:
+            return
+        self.departed = None
+        if any(w in self.running for w in self.members):
+            gone = sorted(w for w in self.members if w in self.finished)
+            self._log(f"worker(s) {', '.join(gone)} finished while the others still train; they go on without them")
+            self._next_round()
 
     def _check_deadline(self) -> None:
         if self.short_since is None:

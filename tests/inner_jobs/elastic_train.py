@@ -12,6 +12,8 @@ membership changes and failures in between.
 answer; rank 0 then waits until hvpsrun's notice has arrived, so the change lands at this epoch);
 ``{"1": {"fail": [1], "how": "exit"}}`` makes ranks 1 fail: ``exit`` (status 1), ``kill`` (SIGKILL),
 ``raise`` (an exception out of the training function), ``leave`` (status 0, Horovod issue 3852).
+An action happens once per job, or with ``"round": N`` whenever the epoch starts in rendezvous N
+(so that all of several ranks act, not only the first to get there).
 """
 
 import json
@@ -25,7 +27,10 @@ import torch
 import hvps.adapters.torch as hvd
 from hvps.runtime.bootstrap import elastic_session
 
-EPOCHS, BATCHES, GLOBAL_BATCH, LR = 4, 3, 8, 2.0 ** -4
+EPOCHS = int(os.environ.get("EPOCHS", "4"))
+BATCHES, GLOBAL_BATCH, LR = 3, 8, 2.0 ** -4
+#: seconds each epoch lasts at least (rank 0 waits at its end), so that slow membership changes land mid-run
+EPOCH_SECONDS = float(os.environ.get("EPOCH_SECONDS", "0"))
 
 
 def batch_data(epoch: int, batch: int) -> torch.Tensor:
@@ -62,7 +67,9 @@ def reference() -> list:
 def act(schedule: dict, epoch: int, out_dir: str) -> None:
     what = schedule.get(str(epoch))
     marker = os.path.join(out_dir, f"done-{epoch}")
-    if not what or os.path.exists(marker):
+    if not what or ("round" in what and what["round"] != elastic_session.round):
+        return
+    if "round" not in what and os.path.exists(marker):
         return
     if "hosts" in what and hvd.rank() == 0:
         with open(os.environ["HOSTS_FILE"] + ".tmp", "w") as f:
@@ -106,6 +113,8 @@ def main() -> None:
             print(json.dumps({"epoch": state.epoch, "rank": hvd.rank(), "size": hvd.size(), "start_rank": start_rank,
                               "host": os.environ.get("HOROVOD_HOSTNAME"), "rendezvous": elastic_session.round}),
                   flush=True)
+            if hvd.rank() == 0:
+                time.sleep(EPOCH_SECONDS)
             state.epoch, state.batch = state.epoch + 1, 0
             state.commit()
 

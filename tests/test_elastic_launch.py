@@ -1,0 +1,294 @@
+"""hvpsrun's elastic mode (issue 24): Horovod's elastic integration scenarios, each with real worker
+processes started by a real hvpsrun, on this machine's names (``localhost``, ``127.0.0.1`` and the
+hostname stand for three hosts, as in Horovod's own tests), plus Horovod issues 3494 and 3852.
+
+Every scenario runs ``tests/inner_jobs/elastic_train.py``: its final parameters must be bit-exact
+those of the uninterrupted one-process reference (every step applied exactly once, whatever failed or
+changed); the per-epoch log lines show the sizes and rendezvous counts. Then the driver's parts alone
+(discovery, blacklist, rank assignment) and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+from conftest import REPO_ROOT
+
+from hvps.runner.discovery import Blacklist, Discovery, DiscoveryError, DiscoveryScript, parse_discovery
+from hvps.runner.elastic_run import assign
+from hvps.runner.errors import LaunchError
+from hvps.runner.hosts import Host
+from hvps.runner.launch import prepare
+from hvps.runner.settings import parse_args
+
+TRAIN = str(REPO_ROOT / "tests" / "inner_jobs" / "elastic_train.py")
+HOST = socket.gethostname()
+THREE_HOSTS = f"localhost:1\n127.0.0.1:1\n{HOST}:1"
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "HVPS_", "PRTE_"))}
+    env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", HVPS_STALL_CHECK_TIME_SECONDS="30",
+               **{k: str(v) for k, v in extra.items()})
+    return env
+
+
+class Job:
+    """One elastic hvpsrun job: its hosts file, discovery script, output and result."""
+
+    def __init__(self, tmp_path, hosts: str, schedule: dict = None, flags=(), discovery: bool = True,
+                 on_stderr=None, timeout: float = 120, **env) -> None:
+        self.dir = tmp_path
+        self.hosts_file = tmp_path / "hosts"
+        self.hosts_file.write_text(hosts + "\n")
+        script = tmp_path / "discover.sh"
+        script.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
+        script.chmod(0o755)
+        (tmp_path / "out").mkdir()
+        args = [sys.executable, "-m", "hvps.runner.launch", *flags]
+        if discovery:
+            args += ["--host-discovery-script", str(script), "--discovery-interval", "0.2"]
+        proc = subprocess.Popen(args + [sys.executable, TRAIN], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=str(REPO_ROOT),
+                                env=_env(SCHEDULE=json.dumps(schedule or {}), HOSTS_FILE=self.hosts_file,
+                                         OUT_DIR=tmp_path / "out", **env))
+        self.stderr_lines: list = []
+        self.stdout_lines: list = []
+
+        def read(stream, lines, callback):
+            for line in stream:
+                lines.append(line)
+                if callback is not None:
+                    callback(self, line)
+
+        readers = [threading.Thread(target=read, args=args, daemon=True)
+                   for args in ((proc.stdout, self.stdout_lines, None), (proc.stderr, self.stderr_lines, on_stderr))]
+        for reader in readers:
+            reader.start()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"the elastic job hung for {timeout} s:\n{self.output()}")
+        finally:
+            for reader in readers:
+                reader.join(5)
+        self.rc = proc.returncode
+
+    @property
+    def stdout(self) -> str:
+        return "".join(self.stdout_lines)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.stderr_lines)
+
+    def output(self) -> str:
+        return f"exit {self.rc}\n--- stdout\n{self.stdout[-4000:]}\n--- stderr\n{self.stderr[-6000:]}"
+
+    def epochs(self) -> list:
+        """The per-epoch lines, {epoch: [(rank, size, start_rank, host, rendezvous), ...]} sorted."""
+        found: dict = {}
+        for line in self.stdout.splitlines():
+            text = line.split(">:", 1)[-1]
+            if text.startswith('{"epoch"'):
+                r = json.loads(text)
+                found.setdefault(r["epoch"], []).append((r["rank"], r["size"], r["start_rank"], r["host"],
+                                                         r["rendezvous"]))
+        return {epoch: sorted(lines) for epoch, lines in sorted(found.items())}
+
+    def sizes(self) -> list:
+        return [lines[0][1] for lines in self.epochs().values()]
+
+    def assert_exact(self, epochs: int = 4) -> None:
+        assert self.rc == 0, self.output()
+        final = json.loads((self.dir / "out" / "final.json").read_text())
+        reference = json.loads(subprocess.run([sys.executable, TRAIN, "reference"], capture_output=True, text=True,
+                                              check=True, env=_env(EPOCHS=epochs)).stdout)
+        assert final == reference, f"final parameters differ from the uninterrupted run\n{self.output()}"
+        assert sorted(self.epochs()) == list(range(epochs)), self.output()
+        for lines in self.epochs().values():  # each epoch logged once by every rank of its size
+            assert [rank for rank, *_ in lines] == list(range(lines[0][1])), self.output()
+
+
+# -- Horovod's integration scenarios (test/integration/elastic_common.py) ----------------------------
+
+def test_hosts_added_and_removed(tmp_path):
+    """2 slots, a host added (3 ranks), the oldest host removed (1 rank): 3 rendezvous, every step once."""
+    job = Job(tmp_path, "localhost:2", {"1": {"hosts": "localhost:2\n127.0.0.1:1"}, "2": {"hosts": "127.0.0.1:1"}},
+              ["-np", "2", "--min-np", "1"])
+    job.assert_exact()
+    assert job.sizes() == [2, 3, 1, 1], job.output()
+    epochs = job.epochs()
+    assert epochs[1][2][2:] == (2, "127.0.0.1", 2), "the new host's worker starts as rank 2 in rendezvous 2"
+    assert epochs[2] == [(0, 1, 2, "127.0.0.1", 3)], "after the oldest host left, its worker is rank 0"
+    assert "has no place in the job's membership 3" in job.stderr, job.output()
+
+
+@pytest.mark.parametrize("how", ["kill", "raise"])
+def test_single_rank_failure(tmp_path, how):
+    """Rank 1 of 3 fails (kill -9, or an exception out of the training function): its host is
+    blacklisted and the other two go on from the last commit, with no restart."""
+    job = Job(tmp_path, THREE_HOSTS, {"1": {"fail": [1], "how": how}}, ["-np", "3", "--min-np", "2"])
+    job.assert_exact()
+    assert job.sizes() == [3, 2, 2, 2], job.output()
+    assert "blacklisting host 127.0.0.1 for good" in job.stderr, job.output()
+    survivors = {line[2] for lines in list(job.epochs().values())[1:] for line in lines}
+    assert survivors == {0, 2}, "the survivors are the original ranks 0 and 2, alive since the start"
+
+
+def test_fault_tolerance_without_scaling(tmp_path):
+    """-H fixed, no discovery script: a failed worker's host is dropped and the job goes on."""
+    job = Job(tmp_path, "", {"1": {"fail": [2], "how": "exit"}},
+              ["-H", f"localhost:1,127.0.0.1:1,{HOST}:1", "--min-np", "2"], discovery=False)
+    job.assert_exact()
+    assert job.sizes() == [3, 2, 2, 2], job.output()
+
+
+def test_all_ranks_failing(tmp_path):
+    job = Job(tmp_path, THREE_HOSTS, {"1": {"fail": [0, 1, 2], "how": "exit", "round": 1}},
+              ["-np", "3", "--min-np", "1"])
+    assert job.rc != 0, job.output()
+    assert "every host is blacklisted" in job.stderr, job.output()
+
+
+def test_all_hosts_blacklisted(tmp_path):
+    """Failures on one host, then on the other: nothing is left to run on."""
+    job = Job(tmp_path, "localhost:1\n127.0.0.1:1", {"1": {"fail": [1]}, "2": {"fail": [0]}},
+              ["-np", "2", "--min-np", "1"])
+    assert job.rc != 0, job.output()
+    assert job.sizes()[:2] == [2, 1], job.output()
+    assert "every host is blacklisted (127.0.0.1, localhost)" in job.stderr, job.output()
+
+
+def test_min_hosts_timeout(tmp_path):
+    job = Job(tmp_path, "localhost:1\n127.0.0.1:1", {"1": {"fail": [1], "how": "kill"}},
+              ["-np", "2", "--min-np", "2", "--elastic-timeout", "2"])
+    assert job.rc != 0, job.output()
+    assert "fewer than --min-np 2 (--elastic-timeout 2)" in job.stderr, job.output()
+
+
+@pytest.mark.parametrize("limit, passes", [(1, False), (2, True)])
+def test_reset_limit(tmp_path, limit, passes):
+    """Two failures are two resets: --reset-limit 1 fails the job, 2 lets it finish."""
+    job = Job(tmp_path, THREE_HOSTS, {"1": {"fail": [1]}, "2": {"fail": [1]}},
+              ["-np", "3", "--min-np", "1", "--reset-limit", str(limit)])
+    if passes:
+        job.assert_exact()
+    else:
+        assert job.rc != 0, job.output()
+        assert "more than --reset-limit 1" in job.stderr, job.output()
+
+
+def test_blacklisted_host_resurrected(tmp_path):
+    """With a cool-down the failed host comes back, as the newest host (the highest ranks)."""
+    job = Job(tmp_path, "localhost:1\n127.0.0.1:1", {"1": {"fail": [0], "how": "kill"}},
+              ["-np", "2", "--min-np", "1", "--blacklist-cooldown-range", "1", "2"], EPOCHS=7, EPOCH_SECONDS=1.0)
+    job.assert_exact(epochs=7)
+    sizes = job.sizes()
+    assert sizes[:2] == [2, 1] and sizes[-1] == 2, job.output()
+    last = job.epochs()[6]
+    assert last[1][3] == "localhost" and last[1][4] == 3, "localhost is back, after 127.0.0.1, in rendezvous 3"
+
+
+# -- Horovod's reported bugs --------------------------------------------------------------------------
+
+def test_graceful_leave_below_min_np_then_a_host_comes(tmp_path):
+    """Horovod issue 3494: a host leaves gracefully and the survivors drop below --min-np; Horovod
+    deadlocks (the survivors skip the sync that the new worker waits in). hvps waits for hosts, then
+    goes on with the new worker, every rank syncing."""
+    def add_host_when_short(job, line):
+        if "below --min-np 2; waiting" in line:
+            job.hosts_file.write_text(f"127.0.0.1:1\n{HOST}:1\n")
+
+    job = Job(tmp_path, "localhost:1\n127.0.0.1:1", {"1": {"hosts": "127.0.0.1:1"}}, ["-np", "2", "--min-np", "2"],
+              on_stderr=add_host_when_short)
+    job.assert_exact()
+    assert job.sizes() == [2, 2, 2, 2], job.output()
+    assert job.epochs()[1] == [(0, 2, 1, "127.0.0.1", 2), (1, 2, 1, HOST, 2)], job.output()
+
+
+def test_worker_exiting_with_status_0_midway(tmp_path):
+    """Horovod issue 3852: a worker deleted midway exits with status 0, and Horovod's driver counts it
+    a success and ends the job early. hvps's survivors finish every epoch without it."""
+    job = Job(tmp_path, THREE_HOSTS, {"1": {"fail": [2], "how": "leave"}}, ["-np", "3", "--min-np", "2"])
+    job.assert_exact()
+    assert job.sizes() == [3, 2, 2, 2], job.output()
+    assert "finished while the others still train" in job.stderr, job.output()
+
+
+# -- bad input ------------------------------------------------------------------------------------------
+
+def test_failing_discovery_script_fails_the_job(tmp_path):
+    script = tmp_path / "broken.sh"
+    script.write_text("#!/bin/sh\necho 'no inventory here' >&2\nexit 3\n")
+    script.chmod(0o755)
+    done = subprocess.run([sys.executable, "-m", "hvps.runner.launch", "-np", "1", "--host-discovery-script",
+                           str(script), "--discovery-interval", "0.1", sys.executable, TRAIN], capture_output=True,
+                          text=True, env=_env(OUT_DIR=tmp_path), timeout=60, cwd=str(REPO_ROOT))
+    assert done.returncode != 0
+    assert "failed 3 times in a row; the last time it exited with status 3: no inventory here" in done.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--min-np", "3", "--max-np", "2"], "--min-np 3 is greater than --max-np 2"),
+    (["-H", "localhost:2", "--min-np", "3"], "--min-np 3 is greater than the 2 slots -H/--hostfile offers"),
+    (["--min-np", "2"], "elastic mode needs hosts: give --host-discovery-script"),
+    (["--host-discovery-script", "/nonexistent/hosts.sh"], "not an executable file"),
+    (["-H", "localhost:2", "--min-np", "1", "--max-restarts", "2"], "drop --max-restarts"),
+    (["-H", "localhost:2", "--min-np", "1", "--backend", "mpi"], "--backend mpi needs MPI"),
+])
+def test_bad_elastic_flags(flags, message):
+    with pytest.raises(LaunchError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        prepare(parse_args(flags + [sys.executable, TRAIN]), {})
+
+
+def test_bad_cooldown_range():
+    with pytest.raises(LaunchError, match="give MIN > 0 and MAX >= MIN"):
+        parse_args(["--blacklist-cooldown-range", "10", "5", "-H", "localhost:1", "true"])
+
+
+# -- the driver's parts ----------------------------------------------------------------------------------
+
+def test_discovery_output_parsing():
+    assert parse_discovery("# hosts\nhost-a:2\nhost-b\n\n[::1]:3\n", slots_per_host=4) == [
+        Host("host-a", 2), Host("host-b", 4), Host("::1", 3)]
+    assert parse_discovery("") == []
+    for garbage, why in (("host-a:two", "not 'host' or 'host:slots'"), ("a:1\na:2", "lists a host twice")):
+        with pytest.raises(DiscoveryError, match=why):
+            parse_discovery(garbage)
+
+
+def test_discovery_retries_then_fails(tmp_path):
+    hanging = tmp_path / "hang.sh"
+    hanging.write_text("#!/bin/sh\nsleep 30\n")
+    hanging.chmod(0o755)
+    discovery = Discovery(DiscoveryScript(str(hanging), timeout=0.2), attempts=2)
+    assert discovery.find() is None  # the first failure is retried
+    with pytest.raises(LaunchError, match="failed 2 times in a row; the last time it did not finish within 0.2 s"):
+        discovery.find()
+
+
+def test_blacklist_cooldown_doubles_up_to_max():
+    now = [0.0]
+    blacklist = Blacklist((10.0, 35.0), clock=lambda: now[0], rand=lambda: 0.5)  # no jitter at 0.5
+    assert [blacklist.add("a") for _ in range(4)] == [10.0, 20.0, 35.0, 35.0]
+    assert blacklist.blocked("a") and not blacklist.permanent("a")
+    now[0] = 36.0
+    assert not blacklist.blocked("a")
+    forever = Blacklist()
+    assert forever.add("b") == float("inf") and forever.permanent("b")
+
+
+def test_assign_keeps_old_hosts_first_and_caps_at_max_np():
+    slots = assign([Host("old", 2), Host("new", 2)], finished={"old:1"}, max_np=2)
+    assert {w: (s.rank, s.local_rank, s.local_size, s.cross_rank, s.cross_size) for w, s in slots.items()} == {
+        "old:0": (0, 0, 1, 0, 2), "new:0": (1, 0, 1, 1, 2)}
+    assert all(s.size == 2 for s in slots.values())
+    assert assign([], set(), None) == {}
