@@ -27,6 +27,7 @@ from hvps.runner.launch import prepare
 from hvps.runner.settings import parse_args
 
 TRAIN = str(REPO_ROOT / "tests" / "inner_jobs" / "elastic_train.py")
+KERAS_FIT = str(REPO_ROOT / "tests" / "inner_jobs" / "elastic_keras_fit.py")
 HOST = socket.gethostname()
 THREE_HOSTS = f"localhost:1\n127.0.0.1:1\n{HOST}:1"
 
@@ -42,18 +43,18 @@ class Job:
     """One elastic hvpsrun job: its hosts file, discovery script, output and result."""
 
     def __init__(self, tmp_path, hosts: str, schedule: dict = None, flags=(), discovery: bool = True,
-                 on_stderr=None, timeout: float = 120, **env) -> None:
+                 on_stderr=None, timeout: float = 120, script: str = TRAIN, **env) -> None:
         self.dir = tmp_path
         self.hosts_file = tmp_path / "hosts"
         self.hosts_file.write_text(hosts + "\n")
-        script = tmp_path / "discover.sh"
-        script.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
-        script.chmod(0o755)
+        discover = tmp_path / "discover.sh"
+        discover.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
+        discover.chmod(0o755)
         (tmp_path / "out").mkdir()
         args = [sys.executable, "-m", "hvps.runner.launch", *flags]
         if discovery:
-            args += ["--host-discovery-script", str(script), "--discovery-interval", "0.2"]
-        proc = subprocess.Popen(args + [sys.executable, TRAIN], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            args += ["--host-discovery-script", str(discover), "--discovery-interval", "0.2"]
+        proc = subprocess.Popen(args + [sys.executable, script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, cwd=str(REPO_ROOT),
                                 env=_env(SCHEDULE=json.dumps(schedule or {}), HOSTS_FILE=self.hosts_file,
                                          OUT_DIR=tmp_path / "out", **env))
@@ -221,6 +222,30 @@ def test_worker_exiting_with_status_0_midway(tmp_path):
     job.assert_exact()
     assert job.sizes() == [3, 2, 2, 2], job.output()
     assert "finished while the others still train" in job.stderr, job.output()
+
+
+# -- Keras ------------------------------------------------------------------------------------------------
+
+def test_keras_fit_with_a_rank_killed_midway_reaches_the_static_accuracy(tmp_path):
+    """Horovod's elastic Keras pattern (KerasState, its three callbacks, model.fit inside
+    hvd.elastic.run): rank 1 of 3 is killed in the middle of epoch 2; the two survivors finish, and
+    the model is as accurate as the same job's without the kill."""
+    pytest.importorskip("tensorflow", reason="the tensorflow extra is not installed")
+
+    def fit(name, **env):
+        (tmp_path / name).mkdir()
+        job = Job(tmp_path / name, THREE_HOSTS, flags=["-np", "3", "--min-np", "2"], script=KERAS_FIT,
+                  timeout=240, **env)
+        assert job.rc == 0, job.output()
+        (report,) = [json.loads(line.split(">:", 1)[1]) for line in job.stdout.splitlines()
+                     if '"accuracy"' in line]
+        return report
+
+    static = fit("static")
+    killed = fit("killed", VICTIM=1, KILL_AT="2,5")
+    assert static["sizes"] == [3] and killed["sizes"] == [3, 2], (static, killed)
+    assert static["accuracy"] >= 0.9, static
+    assert killed["accuracy"] >= static["accuracy"] - 0.03, (static, killed)
 
 
 # -- bad input ------------------------------------------------------------------------------------------
