@@ -107,6 +107,9 @@ GLOO_CASES = {
     "torch": ("mpi_torch.py", {}),
     "errors": ("mpi_errors.py", {"HVPS_STALL_CHECK_TIME_SECONDS": "3"}),
     "elastic-state": ("mpi_elastic_state.py", {}),  # resets: shutdown and init again on the same rendezvous
+    "process-sets": ("mpi_process_sets.py", {}),
+    "compression": ("mpi_compression.py", {}),
+    "train": ("mpi_torch_train.py", {}),  # DistributedOptimizer, broadcast of parameters and optimizer state
 }
 
 
