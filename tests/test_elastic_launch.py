@@ -34,8 +34,8 @@ THREE_HOSTS = f"localhost:1\n127.0.0.1:1\n{HOST}:1"
 
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "HVPS_", "PRTE_"))}
-    env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", HVPS_STALL_CHECK_TIME_SECONDS="30",
-               **{k: str(v) for k, v in extra.items()})
+    env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", HVPS_STALL_CHECK_TIME_SECONDS="30")
+    env.update({k: str(v) for k, v in extra.items()})
     return env
 
 
@@ -142,6 +142,17 @@ def test_single_rank_failure(tmp_path, how):
     assert "blacklisting host 127.0.0.1 for good" in job.stderr, job.output()
     survivors = {line[2] for lines in list(job.epochs().values())[1:] for line in lines}
     assert survivors == {0, 2}, "the survivors are the original ranks 0 and 2, alive since the start"
+
+
+def test_stopped_worker_is_caught_by_the_stall_timeout_and_ended(tmp_path):
+    """SIGSTOP keeps a worker's connections open: the others' collective fails after the stall time,
+    they report it, and hvpsrun ends the worker that did not (then blacklists its host)."""
+    job = Job(tmp_path, THREE_HOSTS, {"1": {"fail": [1], "how": "stop"}}, ["-np", "3", "--min-np", "2"],
+              HVPS_STALL_CHECK_TIME_SECONDS=3)
+    job.assert_exact()
+    assert job.sizes() == [3, 2, 2, 2], job.output()
+    assert "(rank 1) did not report the failed collective" in job.stderr, job.output()
+    assert "127.0.0.1:0 (rank 1) was killed by signal 9; blacklisting host 127.0.0.1" in job.stderr, job.output()
 
 
 def test_fault_tolerance_without_scaling(tmp_path):

@@ -10,6 +10,11 @@ Every change of membership (a worker failed or left, hosts were added or removed
   that round N will bring, for rank 0 (the only worker notified, as in Horovod): rank 0's next
   ``commit()`` then interrupts every rank at once.
 
+Workers write one kind of key: ``elastic/failed/N/<worker id>`` (its reason), when a collective of
+round N failed and the worker waits for the next round. When no worker exited, the driver then
+starts the next round itself: with the same members when all of them reported (an error every rank
+saw), else without those that did not (stopped or hung: they are ended).
+
 A worker joins the newest round above the one it last joined; its ranks exchange their start-up
 values under the round's own key prefix, so nothing of an earlier round is ever read.
 """
@@ -67,6 +72,26 @@ def _get(store: Any, secret: Optional[bytes], key: str) -> Any:
     if not store.check([key]):
         return None
     return unseal(secret, key, store.get(key), WHERE, "hvpsrun's elastic driver")
+
+
+def failed_key(number: int, worker: str) -> str:
+    return f"elastic/failed/{number}/{worker}"
+
+
+def report_failure(store: Any, secret: Optional[bytes], number: int, worker: str, reason: str) -> None:
+    """The worker's side: a collective of round ``number`` failed here (``reason``)."""
+    key = failed_key(number, worker)
+    store.set(key, seal(secret, key, reason[:2000]))
+
+
+def failure_reports(store: Any, secret: Optional[bytes], number: int, workers) -> dict:
+    """The driver's side: {worker: reason} of the ``workers`` that reported round ``number`` failed."""
+    found = {}
+    for worker in workers:
+        reason = _get(store, secret, failed_key(number, worker))
+        if reason is not None:
+            found[worker] = reason
+    return found
 
 
 def publish_round(store: Any, secret: Optional[bytes], number: int, slots: dict) -> None:

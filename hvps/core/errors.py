@@ -17,3 +17,11 @@ class DuplicateNameError(HvpsError, ValueError):
 
 
 NOT_INITIALIZED = "hvps is not initialized: call hvps.init()"
+
+
+class NotInitializedError(HvpsError, ValueError):
+    """hvps was used before ``init`` or after ``shutdown``.
+
+    A ValueError too, as Horovod raises for this (``Horovod has not been initialized; use hvd.init().``):
+    code written for Horovod that catches ValueError keeps working.
+    """

@@ -28,6 +28,7 @@ from .. import api
 from ..core.errors import DuplicateNameError, HvpsError
 from .mode import elastic_mode, not_elastic_error, refuse_torchrun_restarts
 from .notification import HostsUpdatedInterrupt, notification_manager
+from ..runtime.bootstrap import elastic_session
 from .state import State
 
 #: resets in a row, with no commit between them, after which the loop gives up
@@ -102,6 +103,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None] = reset,
                         raise not_elastic_error(error) from error
                     log.warning("hvps: a collective failed (%s); restoring the last commit and re-initializing",
                                 error)
+                    elastic_session.report_failure(str(error))
                     state.restore()
                     want_sync, last_error = True, error
                 except HostsUpdatedInterrupt as interrupt:

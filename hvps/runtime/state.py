@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
-from ..core.errors import NOT_INITIALIZED, HvpsError
+from ..core.errors import NOT_INITIALIZED, HvpsError, NotInitializedError
 from ..core.settings import Settings
 
 
@@ -68,7 +68,7 @@ def engine():
     """The running engine; raises HvpsError before ``init``."""
     current = _state.engine
     if current is None:
-        raise HvpsError(NOT_INITIALIZED)
+        raise NotInitializedError(NOT_INITIALIZED)
     if _state.forked_from is not None:
         raise forked_error()
     return current
@@ -91,7 +91,7 @@ def autotune_report() -> Optional[dict]:
 def topology() -> Topology:
     current = _state.topology
     if current is None:
-        raise HvpsError(NOT_INITIALIZED)
+        raise NotInitializedError(NOT_INITIALIZED)
     return current
 
 

@@ -11,7 +11,7 @@ membership changes and failures in between.
 ``{"1": {"hosts": "localhost:2\\n127.0.0.1:1"}}`` rewrites ``HOSTS_FILE`` (the discovery script's
 answer; rank 0 then waits until hvpsrun's notice has arrived, so the change lands at this epoch);
 ``{"1": {"fail": [1], "how": "exit"}}`` makes ranks 1 fail: ``exit`` (status 1), ``kill`` (SIGKILL),
-``raise`` (an exception out of the training function), ``leave`` (status 0, Horovod issue 3852).
+``raise`` (an exception out of the training function), ``stop`` (SIGSTOP), ``leave`` (status 0, Horovod issue 3852).
 An action happens once per job, or with ``"round": N`` whenever the epoch starts in rendezvous N
 (so that all of several ranks act, not only the first to get there).
 """
@@ -85,6 +85,8 @@ def act(schedule: dict, epoch: int, out_dir: str) -> None:
         print(json.dumps({"failing": hvd.rank(), "how": how, "epoch": epoch}), flush=True)
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if how == "stop":  # caught by the others' stall timeout; hvpsrun ends it
+            os.kill(os.getpid(), signal.SIGSTOP)
         if how == "raise":
             raise RuntimeError(f"rank {hvd.rank()} fails on purpose at epoch {epoch}")
         os._exit(0 if how == "leave" else 1)
