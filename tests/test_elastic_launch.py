@@ -328,3 +328,23 @@ def test_assign_keeps_old_hosts_first_and_caps_at_max_np():
         "old:0": (0, 0, 1, 0, 2), "new:0": (1, 0, 1, 1, 2)}
     assert all(s.size == 2 for s in slots.values())
     assert assign([], set(), None) == {}
+
+
+def test_a_stranger_cannot_forge_a_membership_or_a_notice():
+    """The rendezvous store has no authentication; the driver's values are sealed with the job's secret."""
+    import torch.distributed as dist
+
+    from hvps.control import membership
+    from hvps.core.errors import HvpsError
+
+    store, secret = dist.HashStore(), b"job secret of 32 bytes, really.."
+    slot = membership.Slot(0, 1, "localhost", 0, 1, 0, 1)
+    membership.publish_round(store, secret, 1, {"localhost:0": slot})
+    assert membership.latest_round(store, secret) == 1
+    assert membership.round_slots(store, secret, 1) == {"localhost:0": slot}
+    membership.publish_round(store, b"a stranger's guess of the secret", 2, {"localhost:0": slot})
+    with pytest.raises(HvpsError, match="'elastic/round' .* does not carry the job's authentication"):
+        membership.latest_round(store, secret)
+    store.set(membership.NOTICE_KEY, b'{"round": 9, "timestamp": 1, "kind": 3}')
+    with pytest.raises(HvpsError, match="'elastic/notice' .* does not carry the job's authentication"):
+        membership.notice(store, secret)
