@@ -1,7 +1,8 @@
-"""Run by tests/test_gloo_run.py under ``hvpsrun --gloo``: an unchanged Horovod-style script.
+"""Run by tests/test_gloo_run.py and tests/test_multihost_gloo.py under ``hvpsrun --gloo``: an
+unchanged Horovod-style script.
 
 ``MODE=check`` (default): every rank checks collectives against numpy and prints one JSON line with
-its topology, Horovod's variables and whether mpi4py was imported. ``MODE=fail``: rank ``VICTIM``
+its hostname, topology, Horovod's variables and whether mpi4py was imported. ``MODE=fail``: rank ``VICTIM``
 dies (``os._exit(3)``, as a crash: no atexit shutdown) after a first collective while the others
 wait in a second one, on the first try only
 (``HVPS_RESTART_COUNT=0``); later tries run as ``check``.
@@ -9,6 +10,7 @@ wait in a second one, on the first try only
 
 import json
 import os
+import socket
 import sys
 
 import numpy as np
@@ -34,7 +36,8 @@ gathered = hvd.allgather(torch.from_numpy(data[rank][: rank + 1]), name="gather"
 np.testing.assert_array_equal(gathered, np.concatenate([data[r][: r + 1] for r in range(size)]))
 sent = hvd.broadcast(torch.from_numpy(data[rank]), root_rank=size - 1, name="bcast").numpy()
 np.testing.assert_array_equal(sent, data[size - 1])
-print(json.dumps({"rank": rank, "size": size, "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
+print(json.dumps({"rank": rank, "size": size, "hostname": socket.gethostname(), "local_rank": hvd.local_rank(),
+                  "local_size": hvd.local_size(),
                   "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(),
                   "horovod": {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")},
                   "mpi4py": "mpi4py" in sys.modules, "restart": os.environ.get("HVPS_RESTART_COUNT")}), flush=True)

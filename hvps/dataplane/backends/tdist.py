@@ -66,8 +66,10 @@ class TorchDistBackend(Backend):
         if self.rank == 0:
             # Bound to HVPS_NETWORK_INTERFACE when set; torch's store has no authentication (SECURITY.md).
             self._listener = socket.create_server((listen_address(), 0), backlog=max(self.size, 128))
-            store = dist.TCPStore("0.0.0.0", self._listener.getsockname()[1], self.size, True, self.timeout,
-                                  wait_for_workers=False, master_listen_fd=self._listener.fileno())
+            # the master's own client connects where the listener is bound ("0.0.0.0": anywhere local)
+            host, port = self._listener.getsockname()[:2]
+            store = dist.TCPStore(host, port, self.size, True, self.timeout, wait_for_workers=False,
+                                  master_listen_fd=self._listener.fileno())
             offer = (candidate_addresses(), store.port)
         else:
             offer = None
