@@ -165,14 +165,16 @@ def _timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=START_TIMEOUT)
 
 
-def _hvpsrun(secret: Optional[bytes]) -> Bootstrap:
+#: this process's connection to hvpsrun's store, by (addresses, port, pid): each init after a shutdown reuses
+#: it (under keys of its own), as a new one costs torch's client and server a reverse DNS lookup of the peer's
+#: address, which a resolver that drops a query makes 5 s long (resolv.conf's timeout)
+_rendezvous_clients: dict = {}
+
+
+def _join_rendezvous(addresses: list, port: int) -> tuple:
+    """``(store, where)``: a client of hvpsrun's store at the first of ``addresses`` that answers."""
     import torch.distributed as dist
 
-    addresses = [a for a in env_text("HVPS_RENDEZVOUS_ADDR").split(",") if a]
-    port = env_text("HVPS_RENDEZVOUS_PORT", "")
-    if not port.isdigit():
-        raise HvpsError(f"HVPS_RENDEZVOUS_PORT={port!r}: hvpsrun --gloo sets it; start this script with hvpsrun")
-    port = int(port)
     address, _ = reachable(addresses, port, "hvpsrun's rendezvous")
     where = f"hvpsrun's rendezvous at {address}:{port}"
     try:
@@ -180,8 +182,22 @@ def _hvpsrun(secret: Optional[bytes]) -> Bootstrap:
     except Exception as exc:  # torch's DistNetworkError/RuntimeError
         raise HvpsError(f"could not join {where}: {exc} (the address is hvpsrun's host's; choose the network "
                         "with hvpsrun --network-interface)") from None
+    return store, where
+
+
+def _hvpsrun(secret: Optional[bytes]) -> Bootstrap:
+    addresses = [a for a in env_text("HVPS_RENDEZVOUS_ADDR").split(",") if a]
+    port = env_text("HVPS_RENDEZVOUS_PORT", "")
+    if not port.isdigit():
+        raise HvpsError(f"HVPS_RENDEZVOUS_PORT={port!r}: hvpsrun --gloo sets it; start this script with hvpsrun")
+    port = int(port)
     if elastic_worker():
+        store, where = _join_rendezvous(addresses, port)
         return _elastic_join(store, secret, where)
+    key = (tuple(addresses), port, os.getpid())
+    if key not in _rendezvous_clients:
+        _rendezvous_clients[key] = _join_rendezvous(addresses, port)
+    store, where = _rendezvous_clients[key]
     rank, size = _int_variable("HOROVOD_RANK", "hvpsrun"), _int_variable("HOROVOD_SIZE", "hvpsrun")
     node = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
     return Bootstrap(StoreComm(_fresh_keys(store), rank, size, secret, timeout=START_TIMEOUT, where=where),
