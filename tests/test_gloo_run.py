@@ -155,13 +155,19 @@ def test_uneven_hosts_follow_horovods_cross_rank_rule():
                    ("c", 0, 1, 2, 3)]
 
 
-@pytest.mark.unit
 def test_ssh_never_puts_the_secret_on_a_command_line():
     plan = gloo_run.Plan(("python", "train.py", "--lr", "0.1"), (("node2", 2),), 2, {"OMP_NUM_THREADS": "4"},
                          ssh_port=2222, ssh_identity_file="/keys/id", cwd="/data/my job")
-    cmd = gloo_run.ssh_command(plan, "node2", {"HVPS_SECRET": "abc123", "HOROVOD_RANK": "0"})
+    cmd = gloo_run.ssh_command(plan, "node2")
     assert cmd[:2] == ["ssh", "-o"] and "BatchMode=yes" in cmd
     assert cmd[cmd.index("-p") + 1] == "2222" and cmd[cmd.index("-i") + 1] == "/keys/id"
-    assert cmd[-2] == "node2" and "abc123" not in " ".join(cmd)
-    assert cmd[-1].startswith("cd '/data/my job' && read -r HVPS_SECRET") and "HOROVOD_RANK=0" in cmd[-1]
+    assert cmd[-2] == "node2" and cmd[-1].startswith("cd '/data/my job' && while IFS= read -r kv")
     assert cmd[-1].endswith("python train.py --lr 0.1")
+    env = {"HVPS_SECRET": "abc123", "HOROVOD_RANK": "0", "AWS_SECRET_ACCESS_KEY": "k e y", "HOSTNAME": "here",
+           "SSH_AUTH_SOCK": "/tmp/agent", "BASH_FUNC_f%%": "() { :\n}", "WITH_NEWLINE": "a\nb"}
+    sent = gloo_run.ssh_input(env).decode()
+    assert sent == "AWS_SECRET_ACCESS_KEY=k e y\nHOROVOD_RANK=0\nHVPS_SECRET=abc123\n\n"
+    # the remote shell's loop, run for real: every variable arrives as sent, spaces and all
+    shell = cmd[-1].replace("cd '/data/my job' && ", "").replace("exec python train.py --lr 0.1", "env")
+    got = subprocess.run(["sh", "-c", shell], input=sent, capture_output=True, text=True, env={}).stdout
+    assert {"AWS_SECRET_ACCESS_KEY=k e y", "HOROVOD_RANK=0", "HVPS_SECRET=abc123"} <= set(got.splitlines())

@@ -273,8 +273,8 @@ class ElasticJob(GlooJob):
         """Members that reported a failed collective while nobody exited (an error on every rank, or a
         stopped peer caught by the stall timeout): the next round, without those that did not report."""
         training = [w for w in self.members if w in self.running]
-        if not self.round or self.short_since is not None or not training:
-            return
+        if not self.round or self.short_since is not None or not training or self.departed is not None:
+            return  # (a member that finished: _check_departed starts the next round)
         reports = membership.failure_reports(self.store, self.key, self.round, training)
         if not reports:
             self.first_report = None

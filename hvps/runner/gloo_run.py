@@ -5,8 +5,9 @@ hvpsrun itself starts the workers: on this machine as child processes, on other 
 ``TCPStore`` that every worker joins (:func:`hvps.runtime.bootstrap.start`), and hands each worker
 Horovod's variables (``HOROVOD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``, ``_CROSS_RANK``,
 ``_CROSS_SIZE``, ``_HOSTNAME``), the store's addresses and a fresh random secret (``HVPS_SECRET``,
-from which the control plane's key is derived; over ssh it travels on stdin, never on a command
-line). Each worker line of output is tagged ``[rank]<stdout>:`` or ``[rank]<stderr>:``.
+from which the control plane's key is derived). A remote worker gets hvpsrun's whole environment
+but this session's own variables (as horovodrun forwards it), on ssh's stdin, never on a command
+line. Each worker line of output is tagged ``[rank]<stdout>:`` or ``[rank]<stderr>:``.
 
 When a worker exits with a failure, hvpsrun names it, ends the others (SIGTERM to each worker's
 process group, SIGKILL after a grace period) and exits with that worker's status; hvpsrun's
@@ -21,6 +22,7 @@ import datetime
 import json
 import os
 import queue
+import re
 import secrets
 import shlex
 import signal
@@ -35,7 +37,7 @@ from ..control.membership import Slot
 from ..control.plane import interface_address
 from . import hosts as hostlib
 from .errors import LaunchError
-from .mpi_command import default_num_proc, is_forwarded, rank_environment
+from .mpi_command import default_num_proc, rank_environment
 from .settings import LaunchSettings
 from .supervisor import exit_status
 
@@ -134,8 +136,9 @@ def preview(plan: Plan) -> str:
         env = {**plan.env, **slot.environment(), "HVPS_RENDEZVOUS_PORT": "<chosen at start>"}
         if slot.host in local:
             lines.append(shlex.join([f"{k}={v}" for k, v in sorted(env.items())] + list(plan.command)))
-        else:
-            lines.append(shlex.join(ssh_command(plan, slot.host, env)))
+        else:  # what ssh's stdin carries besides: hvpsrun's own environment, and the secret
+            shown = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items()))
+            lines.append(f"{shlex.join(ssh_command(plan, slot.host))}  # stdin: {shown} + the caller's environment")
     return "\n".join(lines)
 
 
@@ -162,17 +165,38 @@ def rendezvous_addresses(plan: Plan, local_only: bool) -> list:
     return found or ["127.0.0.1"]
 
 
-def ssh_command(plan: Plan, host: str, env: Mapping[str, str]) -> list:
-    """``ssh host 'cd CWD && read the secret from stdin && exec env VARS... COMMAND'``."""
-    exports = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items()) if k != "HVPS_SECRET")
-    remote = (f"cd {shlex.quote(plan.cwd or os.getcwd())} && read -r HVPS_SECRET && export HVPS_SECRET && "
-              f"exec env {exports} {shlex.join(plan.command)}")
+#: variables of hvpsrun's environment that describe this host or session, not the job: a remote worker's
+#: login shell sets its own (everything else is forwarded, as horovodrun does)
+_SESSION_ONLY = re.compile(r"(HOSTNAME|HOME|USER|LOGNAME|MAIL|SHELL|PWD|OLDPWD|SHLVL|_|TERM|TERMCAP|COLUMNS|LINES|"
+                           r"DISPLAY|XAUTHORITY|PS1|PROMPT_COMMAND|STY|WINDOW|SSH_\w*|TMUX\w*|BASH_FUNC_\S*)")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def remote_environment(env: Mapping[str, str]) -> dict:
+    """What a remote worker gets of ``env``: everything but this session's own variables (and values
+    that cannot travel as one line)."""
+    return {k: v for k, v in env.items() if _NAME.fullmatch(k) and not _SESSION_ONLY.fullmatch(k)
+            and "\n" not in v and "\0" not in v}
+
+
+def ssh_command(plan: Plan, host: str) -> list:
+    """``ssh host 'cd CWD && export each line of stdin until an empty one && exec COMMAND'``: the
+    environment (the secret too) travels on ssh's stdin (:func:`ssh_input`), never on a command line,
+    where any user of either host could read it."""
+    remote = (f"cd {shlex.quote(plan.cwd or os.getcwd())} && "
+              'while IFS= read -r kv && [ -n "$kv" ]; do export "$kv"; done && '
+              f"exec {shlex.join(plan.command)}")
     cmd = ["ssh", *SSH_OPTIONS]
     if plan.ssh_port:
         cmd += ["-p", str(plan.ssh_port)]
     if plan.ssh_identity_file:
         cmd += ["-i", plan.ssh_identity_file]
     return cmd + [host, remote]
+
+
+def ssh_input(env: Mapping[str, str]) -> bytes:
+    """What :func:`ssh_command`'s remote shell reads: ``NAME=value`` lines, then an empty line."""
+    return ("".join(f"{k}={v}\n" for k, v in sorted(remote_environment(env).items())) + "\n").encode()
 
 
 def _pump(stream: IO[bytes], tag: str, out: IO[str], lock: threading.Lock) -> None:
@@ -216,15 +240,15 @@ class GlooJob:
 
     def _start(self, slot: Slot, env: dict) -> subprocess.Popen:
         """Start ``slot``'s worker: a child process on this machine, else over ssh."""
-        if slot.host in self.local:
+        local = slot.host in self.local
+        if local:
             cmd, full, stdin = list(self.plan.command), {**self.env, **env}, subprocess.DEVNULL
         else:
-            forwarded = {k: v for k, v in self.env.items() if is_forwarded(k)}
-            cmd, full, stdin = ssh_command(self.plan, slot.host, {**forwarded, **env}), self.env, subprocess.PIPE
+            cmd, full, stdin = ssh_command(self.plan, slot.host), self.env, subprocess.PIPE
         proc = subprocess.Popen(cmd, env=full, cwd=self.plan.cwd or None, stdin=stdin, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True)
-        if slot.host not in self.local:
-            proc.stdin.write((env["HVPS_SECRET"] + "\n").encode())
+        if not local:
+            proc.stdin.write(ssh_input({**self.env, **env}))
             proc.stdin.close()
         for stream, out, kind in ((proc.stdout, sys.stdout, "stdout"), (proc.stderr, sys.stderr, "stderr")):
             pump = threading.Thread(target=_pump, args=(stream, f"[{slot.rank}]<{kind}>:", out, self._lock),

@@ -397,9 +397,14 @@ class Engine:
             # is most often a dead peer, which the data plane may notice first without naming it:
             # the control plane's word on which rank died (_peers_lost) is the error to give.
             self._lost.wait(_LOSS_GRACE_SECONDS)
+            error = exc
+            if not isinstance(exc, HvpsError):  # Horovod's HorovodInternalError: what hvd.elastic.run retries
+                names = ", ".join(sorted({e.request.name for e in entries if e is not None})) or response.kind
+                error = HvpsError(f"hvps: {response.kind} {names!r} failed in the data plane: {exc}")
+                error.__cause__ = exc
             for entry in entries:
                 if entry is not None:
-                    entry.handle.set_error(exc)
+                    entry.handle.set_error(error)
             raise
         timeline = self.timeline
         if timeline is not None:
