@@ -191,13 +191,12 @@ def _hvpsrun(secret: Optional[bytes]) -> Bootstrap:
     if not port.isdigit():
         raise HvpsError(f"HVPS_RENDEZVOUS_PORT={port!r}: hvpsrun --gloo sets it; start this script with hvpsrun")
     port = int(port)
-    if elastic_worker():
-        store, where = _join_rendezvous(addresses, port)
-        return _elastic_join(store, secret, where)
     key = (tuple(addresses), port, os.getpid())
     if key not in _rendezvous_clients:
         _rendezvous_clients[key] = _join_rendezvous(addresses, port)
     store, where = _rendezvous_clients[key]
+    if elastic_worker():
+        return _elastic_join(store, secret, where)
     rank, size = _int_variable("HOROVOD_RANK", "hvpsrun"), _int_variable("HOROVOD_SIZE", "hvpsrun")
     node = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
     return Bootstrap(StoreComm(_fresh_keys(store), rank, size, secret, timeout=START_TIMEOUT, where=where),
