@@ -28,16 +28,15 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 from ..control import membership
 from ..control.membership import Slot
 from . import hosts as hostlib
 from .discovery import Blacklist, Discovery, DiscoveryScript, FixedHosts
+from .elastic_settings import ElasticSettings
 from .errors import LaunchError
 from .gloo_run import GlooJob, Plan, assign_slots, signal_group, status_text
-from .settings import LaunchSettings
 
 #: seconds between two looks at the deadlines while nothing happens
 TICK_SECONDS = 0.1
@@ -46,47 +45,6 @@ DEPART_SECONDS = 2.0
 #: seconds after the first report of a failed collective (with no worker exited) before the members that
 #: did not report are taken for stopped or hung and ended
 REPORT_GRACE_SECONDS = 3.0
-
-
-@dataclass(frozen=True)
-class ElasticSettings:
-    """The elastic flags, as the job process reads them from the plan."""
-
-    min_np: int
-    max_np: Optional[int]
-    discovery_script: Optional[str]
-    slots_per_host: Optional[int]
-    elastic_timeout: float
-    reset_limit: Optional[int]
-    cooldown: Optional[tuple]
-    discovery_interval: float
-
-
-def elastic_settings(settings: LaunchSettings, hosts: Sequence[hostlib.Host]) -> ElasticSettings:
-    """Check the elastic flags against each other and against ``-H``; LaunchError names the flag."""
-    min_np = settings.min_np or settings.num_proc or 1
-    max_np = settings.max_np
-    if max_np is not None and min_np > max_np:
-        raise LaunchError(f"--min-np {min_np} is greater than --max-np {max_np}: give --min-np <= --max-np")
-    if settings.num_proc is not None and max_np is not None and settings.num_proc > max_np:
-        raise LaunchError(f"-np {settings.num_proc} is greater than --max-np {max_np}")
-    if settings.host_discovery_script is None:
-        if not hosts:
-            raise LaunchError("elastic mode needs hosts: give --host-discovery-script SCRIPT (or -H/--hostfile for "
-                              "fault tolerance without scaling)")
-        total = sum(h.slots for h in hosts)
-        if min_np > total:
-            raise LaunchError(f"--min-np {min_np} is greater than the {total} slots -H/--hostfile offers: lower "
-                              "--min-np or add hosts")
-    else:
-        if hosts:
-            raise LaunchError("give either --host-discovery-script or -H/--hostfile, not both")
-        if not os.access(settings.host_discovery_script, os.X_OK):
-            raise LaunchError(f"--host-discovery-script {settings.host_discovery_script}: not an executable file "
-                              "(chmod +x it; it prints lines 'host:slots')")
-    return ElasticSettings(min_np, max_np, settings.host_discovery_script, settings.slots_per_host,
-                           settings.elastic_timeout, settings.reset_limit, settings.blacklist_cooldown_range,
-                           settings.discovery_interval)
 
 
 def assign(hosts: Sequence[hostlib.Host], finished: set, max_np: Optional[int]) -> dict:

@@ -36,6 +36,7 @@ from typing import IO, Mapping, Optional, Sequence
 from ..control.membership import Slot
 from ..control.plane import interface_address
 from . import hosts as hostlib
+from .elastic_settings import elastic_settings
 from .errors import LaunchError
 from .mpi_command import default_num_proc, rank_environment
 from .settings import LaunchSettings
@@ -73,7 +74,7 @@ class Plan:
     ssh_port: Optional[int] = None
     ssh_identity_file: Optional[str] = None
     cwd: str = ""
-    elastic: Optional[dict] = None  # elastic mode's settings (hvps.runner.elastic_run.ElasticSettings)
+    elastic: Optional[dict] = None  # elastic mode's settings (hvps.runner.elastic_settings.ElasticSettings)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -114,8 +115,6 @@ def build_plan(settings: LaunchSettings, env: Mapping[str, str], cpu_count: int)
     hostlib.check_resolvable(hosts)
     elastic = None
     if settings.elastic:
-        from .elastic_run import elastic_settings
-
         elastic = asdict(elastic_settings(settings, hosts))
         num_proc = settings.num_proc or elastic["min_np"]
     else:
