@@ -24,13 +24,13 @@ resets the survivors on it).
 
 from __future__ import annotations
 
-import os
 import select
 import socket
 import threading
 from typing import Callable, Iterable
 
 from ..core.errors import HvpsError
+from ..core.settings import env_choice
 
 #: a peer's end closed (POLLRDHUP, Linux) or the connection failed; POLLHUP and POLLERR are always reported
 _HANGUP = getattr(select, "POLLRDHUP", 0x2000)
@@ -46,7 +46,7 @@ class PeerLost(HvpsError):
         super().__init__(f"hvps: {self.who()} exited ({self.why()}); {self.what_next()}")
 
     def what_next(self) -> str:
-        if os.environ.get("HVPS_ELASTIC") == "1":  # hvd.elastic.run recovers in place
+        if env_choice("HVPS_ELASTIC", "0", ("0", "1")) == "1":  # hvd.elastic.run recovers in place
             return "the elastic job goes on without " + ("it" if len(self.lost) == 1 else "them")
         return (f"the job cannot go on without {'it' if len(self.lost) == 1 else 'them'}: relaunch it "
                 "(hvpsrun --max-restarts N resumes from the last checkpoint)")
