@@ -14,6 +14,8 @@ own jobs; every worker prints JSON event lines with wall-clock times, which the 
   collective), rendezvous (until hvpsrun published the next membership), re-initialization (until
   the reset callbacks ran), ``sync()`` (until the training function was re-entered) and the first
   step itself;
+- ``planes``: the static loop at 2 ranks under ``hvpsrun --gloo`` (no MPI: torch.distributed's gloo)
+  against ``hvpsrun -np 2`` (MPI), alternating; the ratio of median step times (target <= 1.05);
 - ``growth``: 2 ranks; at a step rank 0 adds a host to the discovery script's answer; from then to
   the first completed step at 3 ranks (target <= 10 s), with the new worker's start-up (interpreter
   and imports) reported apart.
@@ -41,8 +43,8 @@ STARTED = time.time()
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import median, write_json  # noqa: E402
 
-EXPERIMENTS = ("steps", "recovery", "growth")
-TARGETS = {"step_ratio": 0.97, "recovery_s": 5.0, "growth_s": 10.0}
+EXPERIMENTS = ("steps", "recovery", "growth", "planes")
+TARGETS = {"step_ratio": 0.97, "recovery_s": 5.0, "growth_s": 10.0, "gloo_vs_mpi_step": 1.05}
 HVPSRUN = [sys.executable, "-m", "hvps.runner.launch"]
 
 
@@ -177,6 +179,17 @@ def steps(args: argparse.Namespace) -> dict:
     return {"static_step_s": median(static), "elastic_step_s": median(elastic), "commit_s": commit,
             "per_round_static_s": static, "per_round_elastic_s": elastic, "throughput_ratio": ratio,
             "met": ratio >= TARGETS["step_ratio"]}
+
+
+def planes(args: argparse.Namespace) -> dict:
+    gloo, mpi = [], []
+    for r in range(args.rounds):
+        gloo.append(median(_steps_after(_job(args, ["--gloo", "-np", "2"], "static")[0])))
+        mpi.append(median(_steps_after(_job(args, ["-np", "2"], "static")[0])))
+        print(f"# planes round {r + 1}: gloo {gloo[-1]:.3f} s, MPI {mpi[-1]:.3f} s", file=sys.stderr)
+    ratio = median(gloo) / median(mpi)
+    return {"gloo_step_s": median(gloo), "mpi_step_s": median(mpi), "per_round_gloo_s": gloo, "per_round_mpi_s": mpi,
+            "step_ratio": ratio, "met": ratio <= TARGETS["gloo_vs_mpi_step"]}
 
 
 def _first(events: list, kind: str, after: float, **match) -> dict:
