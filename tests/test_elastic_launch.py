@@ -44,13 +44,7 @@ class Job:
 
     def __init__(self, tmp_path, hosts: str, schedule: dict = None, flags=(), discovery: bool = True,
                  on_stderr=None, timeout: float = 120, script: str = TRAIN, **env) -> None:
-        self.dir = tmp_path
-        self.hosts_file = tmp_path / "hosts"
-        self.hosts_file.write_text(hosts + "\n")
-        discover = tmp_path / "discover.sh"
-        discover.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
-        discover.chmod(0o755)
-        (tmp_path / "out").mkdir()
+        discover = self._prepare(tmp_path, hosts)
         args = [sys.executable, "-m", "hvps.runner.launch", *flags]
         if discovery:
             args += ["--host-discovery-script", str(discover), "--discovery-interval", "0.2"]
@@ -58,6 +52,22 @@ class Job:
                                 text=True, cwd=str(REPO_ROOT),
                                 env=_env(SCHEDULE=json.dumps(schedule or {}), HOSTS_FILE=self.hosts_file,
                                          OUT_DIR=tmp_path / "out", **env))
+        self._collect(proc, timeout, on_stderr)
+
+    def _prepare(self, tmp_path, hosts: str):
+        """The hosts file, the discovery script that prints it (returned) and the output folder."""
+        self.dir = tmp_path
+        self.hosts_file = tmp_path / "hosts"
+        self.hosts_file.write_text(hosts + "\n")
+        discover = tmp_path / "discover.sh"
+        discover.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
+        discover.chmod(0o755)
+        (tmp_path / "out").mkdir()
+        return discover
+
+    def _collect(self, proc, timeout: float, on_stderr=None, end=None) -> None:
+        """Read the job's output until it exits; after ``timeout`` s end it (``end()``, default: kill
+        hvpsrun) and fail the test."""
         self.stderr_lines: list = []
         self.stdout_lines: list = []
 
@@ -74,7 +84,7 @@ class Job:
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            (end or proc.kill)()
             proc.wait()
             pytest.fail(f"the elastic job hung for {timeout} s:\n{self.output()}")
         finally:

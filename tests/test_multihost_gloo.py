@@ -27,7 +27,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -256,37 +255,16 @@ class SshElasticJob(ElasticJob):
 
     def __init__(self, hosts: SshCluster, tmp_path: Path, host_lines: str, schedule: dict, flags: list,
                  timeout: float = 120) -> None:
-        self.dir = tmp_path
-        self.hosts_file = tmp_path / "hosts"
-        self.hosts_file.write_text(host_lines + "\n")
-        script = tmp_path / "discover.sh"
-        script.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
-        script.chmod(0o755)
-        (tmp_path / "out").mkdir()
-        # the script's own variables, on its command line: hvpsrun forwards only its own to other hosts
+        script = self._prepare(tmp_path, host_lines)
+        # the script's own variables, on its command line, so that the test does not depend on how hvpsrun
+        # forwards its environment to other hosts (tests/test_gloo_run.py checks that)
         train = ["env", f"SCHEDULE={json.dumps(schedule)}", f"HOSTS_FILE={self.hosts_file}",
                  f"OUT_DIR={tmp_path / 'out'}", sys.executable, TRAIN]
         argv = hvpsrun_argv(hosts, [*flags, "--host-discovery-script", str(script), "--discovery-interval", "0.2",
                                     *train])
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO_ROOT),
                                 env=_env())
-        self.stdout_lines: list = []
-        self.stderr_lines: list = []
-        self.rc = None
-        readers = [threading.Thread(target=lambda s=stream, lines=lines: lines.extend(s), daemon=True)
-                   for stream, lines in ((proc.stdout, self.stdout_lines), (proc.stderr, self.stderr_lines))]
-        for reader in readers:
-            reader.start()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            hosts.end_jobs()
-            proc.wait()
-            pytest.fail(f"the elastic job hung for {timeout} s:\n{self.output()}")
-        finally:
-            for reader in readers:
-                reader.join(5)
-        self.rc = proc.returncode
+        self._collect(proc, timeout, end=hosts.end_jobs)
 
 
 @needs_hosts

@@ -22,7 +22,6 @@ rendezvous (:mod:`hvps.control.membership`):
 from __future__ import annotations
 
 import itertools
-import os
 import queue
 import signal
 import sys
@@ -36,6 +35,7 @@ from . import hosts as hostlib
 from .discovery import Blacklist, Discovery, DiscoveryScript, FixedHosts
 from .elastic_settings import ElasticSettings
 from .errors import LaunchError
+from . import gloo_run
 from .gloo_run import GlooJob, Plan, assign_slots, signal_group, status_text
 
 #: seconds between two looks at the deadlines while nothing happens
@@ -274,13 +274,7 @@ class ElasticJob(GlooJob):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    plan = Plan.load(argv[0])
-    try:
-        return ElasticJob(plan, os.environ).run()
-    except LaunchError as exc:
-        print(f"hvpsrun: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    return gloo_run.main(argv, job=ElasticJob)
 
 
 if __name__ == "__main__":

@@ -331,11 +331,12 @@ class GlooJob:
             print(f"hvpsrun: {message}", file=sys.stderr, flush=True)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, job: type = GlooJob) -> int:
+    """The job process: ``job`` (GlooJob, or the elastic driver) runs the plan file ``argv[0]``."""
     argv = sys.argv[1:] if argv is None else argv
     plan = Plan.load(argv[0])
     try:
-        return GlooJob(plan, os.environ).run()
+        return job(plan, os.environ).run()
     except LaunchError as exc:
         print(f"hvpsrun: error: {exc}", file=sys.stderr)
         return exc.exit_code
