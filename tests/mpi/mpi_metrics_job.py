@@ -67,6 +67,10 @@ def test_train_while_prometheus_scrapes():
         if step == 30 and rank == 0:  # rank 1 never submits it: a stall, reported after the stall time
             with pytest.raises(hvps.HvpsError, match="stall"):
                 hvps.allreduce(np.ones(3, np.float32), name="job.lonely")
+        if step == 30 and rank == 1:
+            # Rank 1's next collective (job.stop.30) waits for rank 0, which waits in job.lonely: each blocks
+            # the other, and the one submitted first stalls first. Arriving later makes job.lonely that one.
+            time.sleep(1.0)
         if step % 10 == 0:  # every rank stops at the same step: rank 0's clock decides
             stop = hvps.broadcast_object(time.monotonic() - started > SECONDS, root_rank=0, name=f"job.stop.{step}")
         time.sleep(0.01)  # leave some CPU to Prometheus and the other rank on a small machine
