@@ -28,6 +28,7 @@ _TO_NUMPY = {
     torch.int32: np.dtype(np.int32),
     torch.int64: np.dtype(np.int64),
     torch.uint8: np.dtype(np.uint8),
+    torch.uint16: np.dtype(np.uint16),
     torch.bool: np.dtype(np.bool_),
 }
 #: hvps's dtype name for every torch dtype it moves

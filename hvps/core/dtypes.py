@@ -23,6 +23,7 @@ SUPPORTED = {
     np.dtype(np.int32): "int32",
     np.dtype(np.int64): "int64",
     np.dtype(np.uint8): "uint8",
+    np.dtype(np.uint16): "uint16",
     np.dtype(np.bool_): "bool",
 }
 

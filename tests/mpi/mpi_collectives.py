@@ -334,10 +334,40 @@ def test_allgather_object():
     assert got2 == ["s" * (r * 1000) for r in range(size)]
 
 
+# ---------------------------------------------------------------- 16-bit integers
+
+@pytest.mark.parametrize("dtype", ["int16", "uint16"])
+def test_sixteen_bit_integers_through_every_collective(dtype, request):
+    """int16 and uint16 (which Horovod's TensorFlow ops take, and gloo cannot reduce) on odd and empty shapes."""
+    dt = np.dtype(dtype)
+    size, rank = hvps.size(), hvps.rank()
+    key = request.node.name
+    for shape in [(0,), (1,), (17, 3)]:
+        for op in ("Sum", "Average", "Min", "Max", "Product"):
+            xs = all_inputs(dt, shape, f"{key}/{shape}/{op}", size, op)
+            check_allreduce_result(hvps.allreduce(xs[rank].copy(), op=getattr(hvps, op)), xs, op, size,
+                                   what=f"{key} allreduce {op} {shape}")
+        rows = [random_array(dt, (r + shape[0],) + shape[1:], f"{key}/{shape}/ag", r) for r in range(size)]
+        assert_exact(hvps.allgather(rows[rank].copy()), np.concatenate(rows), f"{key} allgather {shape}")
+        root = size - 1
+        mine = random_array(dt, shape, f"{key}/{shape}/bc", rank)
+        assert_exact(hvps.broadcast(mine, root_rank=root), random_array(dt, shape, f"{key}/{shape}/bc", root),
+                     f"{key} broadcast {shape}")
+        inputs = [random_array(dt, (size * shape[0],) + shape[1:], f"{key}/{shape}/a2a", r) for r in range(size)]
+        out, _ = hvps.alltoall(inputs[rank].copy())
+        expect, _ = _alltoall_expect(inputs, [[shape[0]] * size for _ in range(size)], rank, size)
+        assert_exact(out, expect, f"{key} alltoall {shape}")
+        xs = all_inputs(dt, (2 * shape[0] + 1,) + shape[1:], f"{key}/{shape}/rs", size)
+        counts = rows_split(xs[0].shape[0], size)
+        off = sum(counts[:rank])
+        check_allreduce_result(hvps.reducescatter(xs[rank].copy(), op=hvps.Sum),
+                               [a[off:off + counts[rank]] for a in xs], "Sum", size, what=f"{key} reducescatter")
+
+
 # ---------------------------------------------------------------- dtype errors
 
-@pytest.mark.parametrize("np_dtype", [np.complex64, np.uint16, np.uint32],
-                         ids=["complex64", "uint16", "uint32"])
+@pytest.mark.parametrize("np_dtype", [np.complex64, np.uint32, np.uint64],
+                         ids=["complex64", "uint32", "uint64"])
 def test_unsupported_dtypes_raise_type_error(np_dtype):
     size = hvps.size()
     x = np.zeros((size * 2, 3), dtype=np_dtype)

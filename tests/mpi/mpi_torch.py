@@ -256,7 +256,22 @@ def test_reducescatter(dtype, op, request):
     _check(res2, [x[off:off + counts[rank]] for x in xs], op, size)
 
 
-@pytest.mark.parametrize("tdtype", [torch.uint16, torch.complex64], ids=["uint16", "complex64"])
+def test_uint16_tensors(request):
+    """torch.uint16 (which Horovod's TensorFlow ops take) through allreduce, allgather and broadcast."""
+    size, rank = hvd.size(), hvd.rank()
+    key = request.node.name
+    for op in ("Sum", "Min", "Max", "Product"):
+        xs = all_inputs(np.uint16, (17, 3), f"{key}/{op}", size, op)
+        reduced = hvd.allreduce(to_t(xs[rank]), op=getattr(hvd, op))
+        assert reduced.dtype == torch.uint16, f"{key}: {op} returned {reduced.dtype}"
+        check_allreduce_result(to_np(reduced), xs, op, size, what=f"{key} {op}")
+    rows = [random_array(np.uint16, (r + 1, 5), f"{key}/ag", r) for r in range(size)]
+    assert_exact(to_np(hvd.allgather(to_t(rows[rank]))), np.concatenate(rows), key)
+    mine = random_array(np.uint16, (9,), f"{key}/bc", rank)
+    assert_exact(to_np(hvd.broadcast(to_t(mine), root_rank=0)), random_array(np.uint16, (9,), f"{key}/bc", 0), key)
+
+
+@pytest.mark.parametrize("tdtype", [torch.uint32, torch.complex64], ids=["uint32", "complex64"])
 def test_unsupported_dtype(tdtype):
     t = torch.zeros(4, dtype=tdtype)
     with pytest.raises(TypeError):

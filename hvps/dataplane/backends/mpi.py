@@ -32,6 +32,7 @@ _WIRE = {
     np.dtype(np.int32): (np.int32, MPI.INT32_T),
     np.dtype(np.int64): (np.int64, MPI.INT64_T),
     np.dtype(np.uint8): (np.uint8, MPI.UINT8_T),
+    np.dtype(np.uint16): (np.uint16, MPI.UINT16_T),
     np.dtype(np.bool_): (np.bool_, MPI.C_BOOL),
     np.dtype(np.float16): (np.uint16, MPI.UINT16_T),
     dtypes.bfloat16: (np.uint16, MPI.UINT16_T),

@@ -27,22 +27,22 @@ from .device import cuda_order
 
 
 def _widened(tensor):
-    """An int32 copy of an int16 tensor (gloo and NCCL cannot reduce 16-bit integers), else None.
+    """An int32 copy of an int16 or uint16 tensor (gloo and NCCL cannot reduce 16-bit integers), else None.
 
-    Reduced as int32 and narrowed back, sums and products wrap modulo 2**16 as int16 arithmetic would.
+    Reduced as int32 and narrowed back, sums and products wrap modulo 2**16 as 16-bit arithmetic would.
     """
     import torch
 
-    return tensor.to(torch.int32) if tensor.dtype == torch.int16 else None
+    return tensor.to(torch.int32) if tensor.dtype in (torch.int16, torch.uint16) else None
 
 
 def _moved(array):
-    """``as_tensor(array)``, int16 seen as float16: gloo and NCCL have no 16-bit integers, and
+    """``as_tensor(array)``, 16-bit integers seen as float16: gloo and NCCL have none, and
     moving bytes needs only a carrier of the same width (nothing is computed on it)."""
     import torch
 
     tensor = as_tensor(array)
-    return tensor.view(torch.float16) if tensor.dtype == torch.int16 else tensor
+    return tensor.view(torch.float16) if tensor.dtype in (torch.int16, torch.uint16) else tensor
 
 
 class TorchDistBackend(Backend):
