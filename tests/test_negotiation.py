@@ -142,3 +142,32 @@ def test_a_collective_a_shut_down_rank_is_not_in_is_left_alone():
     c.submit(2, [Request("pair", ALLREDUCE, "float32", ((4,),), "sum", process_set=1)], now=1)
     (response,) = c.poll(now=1)
     assert response.names == ["pair"] and not response.error
+
+
+def failed(name, reason="TypeError: hvps does not support dtype uint32"):
+    return Request(name, ALLREDUCE, failure=reason)
+
+
+def test_a_collective_one_rank_could_not_submit_fails_on_every_rank_at_once():
+    c = Coordinator(size=3, fusion_threshold=0, stall_seconds=10)
+    c.submit(0, [allreduce("x")], now=0)
+    c.submit(1, [failed("x")], now=0)
+    (response,) = c.poll(now=0)  # long before the stall time
+    assert response.names == ["x"]
+    assert "ranks [1]" in response.error and "uint32" in response.error and "'x'" in response.error
+    # rank 2 submits it later: the same error, at once, and then the name is forgotten
+    c.submit(2, [allreduce("x")], now=1)
+    (late,) = c.poll(now=1)
+    assert late.names == ["x"] and late.error == response.error
+    assert not c.busy
+    c.submit(0, [allreduce("x")], now=2)
+    assert c.poll(now=2) == []  # a new collective of that name waits as usual
+
+
+def test_a_collective_every_rank_refused_answers_once_and_leaves_nothing_behind():
+    c = Coordinator(size=2, fusion_threshold=0, stall_seconds=10)
+    c.submit(0, [failed("y")], now=0)
+    (response,) = c.poll(now=0)
+    assert "ranks [0]" in response.error
+    c.submit(1, [failed("y")], now=0)
+    assert c.poll(now=0) == [] and not c.busy

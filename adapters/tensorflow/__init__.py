@@ -40,7 +40,7 @@ from hvps import (
 )
 from hvps.runtime.state import is_homogeneous
 
-from . import elastic
+from . import elastic, util
 from .basics import local_rank_op, local_size_op, process_set_included_op, rank_op, size_op
 from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_object_fn, broadcast_variables
@@ -65,7 +65,10 @@ from .optimizer import DistributedOptimizer, broadcast_global_variables
 from .scatter_ops import alltoall, grouped_reducescatter, reducescatter
 from .sync_batch_norm import SyncBatchNormalization
 from .tape import DistributedGradientTape, PartialDistributedGradientTape
-from .threads import set_threads
+from .threads import ensure_inter_op_threads, set_threads
+from .util import _executing_eagerly  # noqa: F401 - scripts (and Horovod's tests) call hvd._executing_eagerly()
+
+ensure_inter_op_threads()
 
 __all__ = [
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
@@ -81,5 +84,5 @@ __all__ = [
     "broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
     "allgather_object", "allreduce_gradients",
     "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer", "SyncBatchNormalization",
-    "elastic", "set_threads",
+    "elastic", "set_threads", "util",
 ]

@@ -1,9 +1,8 @@
 """Gradient compression for TensorFlow: the core's compressors, plus Horovod-style ones.
 
 ``hvd.Compression.none`` / ``.fp16`` / ``.bf16`` / ``.int8`` / ``.topk(d)`` /
-``.dgc(d)`` are ``hvps.compression.GradientCompression`` objects: this is the
-core's ``Compression`` namespace itself (the PyTorch adapter's subclasses each
-object to add Horovod's ``compress``/``decompress`` on torch tensors). Build a stateful one
+``.dgc(d)`` are ``hvps.compression.GradientCompression`` objects, each with Horovod's
+``compress``/``decompress`` on tf.Tensors (as in the PyTorch adapter). Build a stateful one
 (``topk``, ``dgc``: error feedback and momentum live in it) once and pass that
 object to every step. A Horovod-style compressor (a class or object with
 ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx)`` on
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hvps.compression import CastCompressor, Compression, GradientCompression, summable
+from hvps.compression import CastCompressor, GradientCompression, summable
 from hvps.compression import NoneCompressor as _CoreNone
 from hvps.compression.horovod import TensorCompressor
 from hvps.compression.horovod import as_gradient_compression as _as_gradient_compression
@@ -112,3 +111,5 @@ compress_tensor = _SUMMABLE.compress_tensor
 decompress_tensor = _SUMMABLE.decompress_tensor
 compress_for_sum = _SUMMABLE.compress_for_sum
 decompress_sum = _SUMMABLE.decompress_sum
+#: ``hvd.Compression``: the core's compressions, each with Horovod's ``compress``/``decompress`` on tf.Tensors
+Compression = summable.TensorNamespace(_SUMMABLE)

@@ -10,10 +10,9 @@ raised while the op is built, before anything is submitted, the same on every ra
 - allgather / grouped_allgather: this rank's rows of the members' averaged output gradients;
 - broadcast: the members' averaged output gradient on the root, zeros elsewhere.
 
-Ordering inside a graph: the numpy_function ops are stateful, so TensorFlow's automatic control
-dependencies execute them in the order the Python code created them (gradient collectives in the
-order ``tape.gradient`` created them), the same on every rank. Unnamed collectives are numbered by
-the core in submission order; explicit names must be the same on every rank.
+Names: explicit names must be the same on every rank. Eagerly, unnamed collectives are numbered by
+the core in submission order; in a graph, where TensorFlow chooses the order, they are named after
+the op that runs them (``tensors.run``).
 """
 
 from __future__ import annotations
@@ -27,11 +26,12 @@ import hvps
 from hvps import ProcessSet, ReduceOp, global_process_set
 from hvps.adapters.common.ops import resolve_op
 from hvps.api.collectives import check_name
+from hvps.control.negotiation import ALLGATHER, ALLREDUCE, BROADCAST
 from hvps.core import scaling
 
 from .checks import check_reduce, check_rows, members
 from .compression import OPS, Compression, compress_for_sum, decompress_sum
-from .tensors import as_tensor, check_dtype, run
+from .tensors import as_tensor, check_dtype, fails_everywhere, run
 
 Average, Sum, Min, Max, Product, Adasum = hvps.Average, hvps.Sum, hvps.Min, hvps.Max, hvps.Product, hvps.Adasum
 
@@ -114,6 +114,7 @@ def _sparse_allreduce(slices: tf.IndexedSlices, op: ReduceOp, name: Optional[str
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
+@fails_everywhere(ALLREDUCE)
 def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "", device_sparse: str = "",
               compression=Compression.none, op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, name: Optional[str] = None,
@@ -132,6 +133,7 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
     return decompress_sum(compression, reduced, ctxs, plan)[0]
 
 
+@fails_everywhere(ALLREDUCE)
 def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, device_dense: str = "",
                       device_sparse: str = "", compression=Compression.none, op: Optional[ReduceOp] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -175,6 +177,7 @@ def _own_rows(dys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], process_set: Op
     return outs
 
 
+@fails_everywhere(ALLGATHER)
 def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore_name_scope: bool = False,
                       process_set: ProcessSet = global_process_set) -> list:
     """Concatenate every member's tensors along dim 0, all submitted together (differentiable)."""
@@ -199,6 +202,7 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore
     return list(forward(*tensors))
 
 
+@fails_everywhere(ALLGATHER)
 def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Concatenate every member's tensor along dim 0 (which may differ by rank); differentiable."""
@@ -231,6 +235,7 @@ def _broadcast_raw(tensors: Sequence[tf.Tensor], root_rank: int, names: Sequence
     return outs
 
 
+@fails_everywhere(BROADCAST)
 def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Return the root's tensor on every member; the gradient is the members' averaged dy on the root."""
@@ -258,8 +263,8 @@ def broadcast_(variables: Any, root_rank: int, name: Optional[str] = None,
     if not var_list:
         return []
     values = [tf.convert_to_tensor(v) for v in var_list]
-    base = name or "broadcast_"
-    outs = _broadcast_raw(values, root_rank, [f"{base}.{i}" for i in range(len(values))], process_set)
+    names = [None if name is None else f"{name}.{i}" for i in range(len(values))]
+    outs = _broadcast_raw(values, root_rank, names, process_set)
     assigns = [v.assign(o) for v, o in zip(var_list, outs)]
     return assigns[0] if single else assigns
 

@@ -18,12 +18,13 @@ import tensorflow as tf
 import hvps
 from hvps import ProcessSet, ReduceOp, global_process_set
 from hvps.api.collectives import _scatter_op
+from hvps.control.negotiation import ALLTOALL, REDUCESCATTER
 from hvps.core import scaling
 
 from .checks import check_reduce, check_rows, members
 from .compression import Compression, compress_for_sum, decompress_sum
 from .mpi_ops import Average, _rows_known, _zeros_if_none, grouped_allgather
-from .tensors import as_tensor, run
+from .tensors import as_tensor, fails_everywhere, run
 
 
 # -- alltoall ----------------------------------------------------------------------------------
@@ -50,6 +51,7 @@ def _alltoall_raw(tensor: tf.Tensor, splits: Optional[tf.Tensor], name: Optional
     return out, received
 
 
+@fails_everywhere(ALLTOALL)
 def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore_name_scope: bool = False,
              process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[i]`` rows to the set's i-th rank (equal blocks without splits); differentiable.
@@ -103,6 +105,7 @@ def _grouped_reducescatter(tensors: Sequence[tf.Tensor], op: ReduceOp, name: Opt
     return list(forward(*tensors))
 
 
+@fails_everywhere(REDUCESCATTER)
 def reducescatter(tensor: Any, device_dense: str = "", compression=Compression.none, op: ReduceOp = Average,
                   name: Optional[str] = None, process_set: ProcessSet = global_process_set,
                   ignore_name_scope: bool = False, prescale_factor: float = 1.0,
@@ -115,13 +118,14 @@ def reducescatter(tensor: Any, device_dense: str = "", compression=Compression.n
     return decompress_sum(compression, outs, ctxs, plan)[0]
 
 
+@fails_everywhere(REDUCESCATTER)
 def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compression=Compression.none,
                           op: ReduceOp = Average, process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
     """Reducescatter several tensors together (differentiable)."""
     if not tensors:
         return list(tensors)
-    payloads, ctxs, plan = compress_for_sum(compression, [as_tensor(t) for t in tensors], op, lambda: members(process_set)[0],
-                                            prescale_factor, postscale_factor)
+    payloads, ctxs, plan = compress_for_sum(compression, [as_tensor(t) for t in tensors], op,
+                                            lambda: members(process_set)[0], prescale_factor, postscale_factor)
     outs = _grouped_reducescatter(payloads, plan.op, None, plan.prescale, plan.postscale, process_set)
     return decompress_sum(compression, outs, ctxs, plan)

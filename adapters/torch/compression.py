@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-import hvps.compression as core
 from hvps.compression import GradientCompression, horovod, summable
 from hvps.core.views import as_tensor
 
@@ -20,49 +19,6 @@ from .tensors import to_numpy
 
 __all__ = ["Compression", "as_gradient_compression", "compress_tensor", "decompress_tensor", "compress_for_sum",
            "decompress_sum", "OPS"]
-
-
-class TorchCompression(GradientCompression):
-    """A core compression that also offers Horovod's tensor interface: ``compress(tensor) -> (tensor, ctx)``
-    and ``decompress(tensor, ctx)`` (summable compressions only: none, fp16, bf16)."""
-
-    @classmethod
-    def of(cls, pipeline: GradientCompression) -> "TorchCompression":
-        """``pipeline`` (freshly built, unshared) with the tensor interface added."""
-        pipeline.__class__ = cls
-        return pipeline
-
-    def compress(self, tensor: torch.Tensor) -> tuple:
-        """Horovod's ``Compression.X.compress(tensor)``: the tensor as it travels, and what undoes it."""
-        return compress_tensor(self, tensor)
-
-    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """Horovod's ``Compression.X.decompress(tensor, ctx)``."""
-        return decompress_tensor(self, tensor, ctx)
-
-
-class _Namespace:
-    """``hvd.Compression``: the core's compressions, with Horovod's tensor interface on each."""
-
-    none = property(lambda self: TorchCompression.of(core.none()))
-    fp16 = property(lambda self: TorchCompression.of(core.fp16()))
-    bf16 = property(lambda self: TorchCompression.of(core.bf16()))
-    int8 = property(lambda self: TorchCompression.of(core.int8()))
-
-    @staticmethod
-    def topk(*args, **kwargs) -> TorchCompression:
-        """See ``hvps.compression.topk``."""
-        return TorchCompression.of(core.topk(*args, **kwargs))
-
-    @staticmethod
-    def dgc(*args, **kwargs) -> TorchCompression:
-        """See ``hvps.compression.dgc``."""
-        return TorchCompression.of(core.dgc(*args, **kwargs))
-
-    quantize = staticmethod(lambda *args, **kwargs: TorchCompression.of(core.int8(*args, **kwargs)))
-
-
-Compression = _Namespace()
 
 
 def as_gradient_compression(compression: Any) -> GradientCompression:
@@ -92,3 +48,5 @@ compress_tensor = _SUMMABLE.compress_tensor
 decompress_tensor = _SUMMABLE.decompress_tensor
 compress_for_sum = _SUMMABLE.compress_for_sum
 decompress_sum = _SUMMABLE.decompress_sum
+#: ``hvd.Compression``: the core's compressions, each with Horovod's ``compress``/``decompress`` on torch tensors
+Compression = summable.TensorNamespace(_SUMMABLE)

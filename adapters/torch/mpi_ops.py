@@ -14,7 +14,8 @@ import torch
 import hvps
 from hvps import ProcessSet, ReduceOp, global_process_set
 from hvps.adapters.common.ops import resolve_op
-from hvps.api.collectives import check_name
+from hvps.api.collectives import check_name, fails_everywhere
+from hvps.control.negotiation import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
 from hvps.core import scaling
 
 from .compression import OPS, Compression, compress_for_sum, decompress_sum
@@ -65,6 +66,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
     return core.then(lambda _: [_writeback(t, buffer) for t, (_, buffer) in zip(tensors, pairs)])
 
 
+@fails_everywhere(ALLREDUCE)
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Optional[ReduceOp] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -83,6 +85,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                                     process_set).then(lambda outs: outs[0])
 
 
+@fails_everywhere(ALLREDUCE)
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> hvps.Handle:
@@ -185,6 +188,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp,
 
 
 # -- allgather ------------------------------------------------------------------------
+@fails_everywhere(ALLGATHER)
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Start concatenating every member's tensor along dim 0."""
@@ -192,6 +196,7 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
     return core.then(lambda out: from_core(out, tensor.device))
 
 
+@fails_everywhere(ALLGATHER)
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                             process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Start allgathering several tensors together."""
@@ -232,6 +237,7 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = Non
 
 
 # -- broadcast ------------------------------------------------------------------------
+@fails_everywhere(BROADCAST)
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Start copying the root's tensor to a new tensor on every member."""
@@ -282,6 +288,7 @@ def _splits_list(splits: Any) -> Any:
     return splits
 
 
+@fails_everywhere(ALLTOALL)
 def alltoall_async(tensor: torch.Tensor, splits: Optional[Any] = None, name: Optional[str] = None,
                    process_set: ProcessSet = global_process_set) -> hvps.Handle:
     """Start sending ``splits[i]`` rows to the set's i-th rank; yields ``(output, received_splits)``."""
@@ -316,6 +323,7 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Any] = None, name: Optional[
 
 
 # -- reducescatter ----------------------------------------------------------------------
+@fails_everywhere(REDUCESCATTER)
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: ReduceOp = Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         process_set: ProcessSet = global_process_set) -> hvps.Handle:
@@ -324,6 +332,7 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Re
     return core.then(lambda out: from_core(out, tensor.device))
 
 
+@fails_everywhere(REDUCESCATTER)
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None, op: ReduceOp = Average,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                                 process_set: ProcessSet = global_process_set) -> hvps.Handle:

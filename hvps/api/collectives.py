@@ -8,11 +8,14 @@ process set and kind) stay in step across ranks.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import itertools
 import pickle
 import threading
 from collections import defaultdict
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -29,7 +32,7 @@ from ..control.negotiation import (
 )
 from ..core import arrays, dtypes
 from ..core.dtypes import ReduceOp
-from ..core.errors import HvpsError
+from ..core.errors import DuplicateNameError, HvpsError, NotInitializedError
 from ..core.handle import Handle
 from ..dataplane.adasum import is_power_of_two
 from ..dataplane.executors import Entry, reducescatter_rows
@@ -71,6 +74,26 @@ def _check_unnamed_thread(kind: str) -> None:
         "collective submitted from more than one thread")
 
 
+#: this thread's naming context (:func:`names_from`): a prefix and a counter, or None
+_context = threading.local()
+
+
+@contextlib.contextmanager
+def names_from(prefix: str) -> Iterator[None]:
+    """Name this thread's unnamed collectives ``<kind>.graph.<prefix>.<i>`` while the block runs.
+
+    For callers whose ops run in an order of the runtime's choosing (TensorFlow's graph executor
+    runs independent ops on several threads): ``prefix`` identifies the calling op the same way on
+    every rank, and ``i`` counts within the block, so the names do not depend on which op ran first.
+    """
+    outer = getattr(_context, "names", None)
+    _context.names = (prefix, itertools.count())
+    try:
+        yield
+    finally:
+        _context.names = outer
+
+
 def _track_unnamed(handles: list) -> None:
     with _unnamed_lock:
         _unnamed["handles"].extend(h for h in handles if ".noname." in h.name)
@@ -100,8 +123,54 @@ def _name(kind: str, name: Optional[str], set_id: int = GLOBAL_SET) -> str:
     scope = kind if set_id == GLOBAL_SET else f"{kind}.set{set_id}"
     if name:
         return f"{scope}.{name}"
-    _check_unnamed_thread(kind)
-    return f"{scope}.noname.{next(_counters[scope])}"
+    context = getattr(_context, "names", None)
+    if context is not None:
+        label = f"{scope}.graph.{context[0]}.{next(context[1])}"
+    else:
+        _check_unnamed_thread(kind)
+        label = f"{scope}.noname.{next(_counters[scope])}"
+    _context.issued = getattr(_context, "issued", 0) + 1
+    return label
+
+
+def fails_everywhere(kind: str) -> Callable:
+    """Decorate a collective's entry point (arguments ``name`` and ``process_set``): when this rank
+    refuses its arguments before naming an unnamed collective, the collective is named anyway and
+    announced as failed, so that every rank's automatic names stay in step and the ranks that
+    submitted it fail at once, with this rank's reason, instead of waiting for the stall check.
+
+    Named collectives are not announced (a refused name is free for the caller's retry); the
+    others' submissions of it then end in the stall check's error.
+    """
+    def decorate(fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            issued = getattr(_context, "issued", 0)
+            try:
+                return fn(*args, **kwargs)
+            except (TypeError, ValueError, NotImplementedError, HvpsError) as err:
+                if getattr(_context, "issued", 0) == issued:
+                    _announce_failure(kind, signature.bind(*args, **kwargs).arguments, err)
+                raise
+
+        return call
+
+    return decorate
+
+
+def _announce_failure(kind: str, arguments: dict, error: BaseException) -> None:
+    """Name the unnamed collective that ``error`` kept from being submitted, and tell rank 0."""
+    if arguments.get("name") is not None or isinstance(error, (DuplicateNameError, NotInitializedError)):
+        return
+    try:
+        engine = runtime.engine()
+        set_id = resolve(arguments.get("process_set"))[0]
+        label = _name(kind, None, set_id)
+    except (HvpsError, TypeError, ValueError):  # not initialized, an unknown set, another thread's names
+        return
+    engine.abandon(Request(label, kind, process_set=set_id, failure=f"{type(error).__name__}: {error}"))
 
 
 def _prepare(array: Any):
@@ -216,6 +285,7 @@ def grouped_allreduce_async(
     return _allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs, process_set, grouped=True)
 
 
+@fails_everywhere(ALLREDUCE)
 def _allreduce_async(values, op, name, prescale_factor, postscale_factor, outs, process_set, grouped: bool) -> Handle:
     op = _as_op(op)
     runtime.engine()
@@ -311,6 +381,7 @@ def _gather_source(array: Any) -> Any:
     return src.reshape(1) if src.ndim == 0 else src
 
 
+@fails_everywhere(ALLGATHER)
 def grouped_allgather_async(values: Sequence[Any], name: Optional[str] = None,
                             process_set: Optional[ProcessSet] = None) -> Handle:
     """Start allgathering several arrays together; the handle yields a list in input order."""
@@ -325,6 +396,7 @@ def grouped_allgather_async(values: Sequence[Any], name: Optional[str] = None,
     return GroupHandle.of(base, handles)
 
 
+@fails_everywhere(ALLGATHER)
 def allgather_async(array: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
     """Start concatenating every member's ``array`` along dim 0 (dim 0 may differ by rank)."""
     runtime.engine()
@@ -346,6 +418,7 @@ def grouped_allgather(values: Sequence[Any], name: Optional[str] = None,
 
 
 # -- broadcast ------------------------------------------------------------------------
+@fails_everywhere(BROADCAST)
 def broadcast_async(array: Any, root_rank: int, name: Optional[str] = None, out: Optional[Any] = None,
                     process_set: Optional[ProcessSet] = None) -> Handle:
     """Start copying the root's ``array`` to every member; ``root_rank`` is a global rank; ``out=array``
@@ -381,6 +454,7 @@ def _check_splits(splits: Any, rows: int, members: int) -> list:
     return values
 
 
+@fails_everywhere(ALLTOALL)
 def alltoall_async(array: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
                    process_set: Optional[ProcessSet] = None) -> Handle:
     """Start sending ``splits[i]`` rows of ``array`` to the set's i-th rank; yields ``(output, received_splits)``."""
@@ -416,6 +490,7 @@ def _scatter_op(op: Any) -> ReduceOp:
     return op
 
 
+@fails_everywhere(REDUCESCATTER)
 def grouped_reducescatter_async(values: Sequence[Any], op: Any = Average, name: Optional[str] = None,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                                 process_set: Optional[ProcessSet] = None) -> Handle:
@@ -434,6 +509,7 @@ def grouped_reducescatter_async(values: Sequence[Any], op: Any = Average, name: 
     return GroupHandle.of(base, handles)
 
 
+@fails_everywhere(REDUCESCATTER)
 def reducescatter_async(array: Any, op: Any = Average, name: Optional[str] = None,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         process_set: Optional[ProcessSet] = None) -> Handle:

@@ -10,6 +10,7 @@ as ``GradientCompression.start`` plans them for numpy arrays.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Protocol
 
 from ..core import scaling
@@ -107,3 +108,46 @@ class Summable:
     def decompress_sum(self, compression: Any, outputs: list, ctxs: list, plan: SumPlan) -> list:
         """Undo ``compress_for_sum`` on the collective's ``outputs``."""
         return decompress_sum(self.as_pipeline(compression), outputs, ctxs, plan, self.ops)
+
+
+class TensorNamespace:
+    """An adapter's ``hvd.Compression``: each of the core's compressions (``.fp16``, ``.topk(0.01)``, ...),
+    built fresh on every access as the core's namespace builds them, with Horovod's tensor interface
+    added: ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx)`` on the framework's
+    tensors (summable compressions only: none, fp16, bf16)."""
+
+    def __init__(self, summable: Summable) -> None:
+        class WithTensorInterface(GradientCompression):
+            def compress(self, tensor: Any) -> tuple:
+                """Horovod's ``Compression.X.compress(tensor)``: the tensor as it travels, and what undoes it."""
+                return summable.compress_tensor(self, tensor)
+
+            def decompress(self, tensor: Any, ctx: Any) -> Any:
+                """Horovod's ``Compression.X.decompress(tensor, ctx)``."""
+                return summable.decompress_tensor(self, tensor, ctx)
+
+        self._kind = WithTensorInterface
+
+    def _with_interface(self, pipeline: GradientCompression) -> GradientCompression:
+        pipeline.__class__ = self._kind  # freshly built and unshared: safe to re-class
+        return pipeline
+
+    def __getattr__(self, name: str) -> Any:
+        from .registry import Compression
+
+        if name.startswith("_"):
+            raise AttributeError(name)
+        made = getattr(Compression, name)  # AttributeError for names the core lacks
+        if isinstance(made, GradientCompression):
+            return self._with_interface(made)
+
+        @functools.wraps(made)
+        def build(*args: Any, **kwargs: Any) -> GradientCompression:
+            return self._with_interface(made(*args, **kwargs))
+
+        return build
+
+    def __dir__(self) -> list:
+        from .registry import Compression
+
+        return [name for name in dir(Compression) if not name.startswith("_")]

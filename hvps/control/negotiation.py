@@ -49,6 +49,9 @@ class Request:
     device: str = "cpu"
     #: the process set the collective runs on (0: every rank)
     process_set: int = GLOBAL_SET
+    #: set when this rank could not submit the collective (its arguments were refused here): why.
+    #: The coordinator then fails it on every rank at once, with this reason.
+    failure: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -116,6 +119,8 @@ class _Pending:
     by_rank: dict
     #: submissions that complete it when no rank has joined (its set's size; 0: unknown set)
     needed: int = 0
+    #: whether a rank sent a ``failure`` request for it
+    failed: bool = False
 
 
 class Coordinator:
@@ -128,13 +133,18 @@ class Coordinator:
         self._table: dict[str, _Pending] = {}
         self._joined: list[int] = []
         self._shutdown: set[int] = set()
+        #: names that failed on some rank before being submitted (a ``failure`` request): the error,
+        #: and the members that have not submitted them yet (each gets the error when it does)
+        self._failed: dict[str, tuple] = {}
+        #: errors for late submissions of failed names, returned by the next poll
+        self._late: list[Response] = []
         #: process set id -> its ranks (the global set, then those added since)
         self.sets: dict[int, tuple] = {GLOBAL_SET: tuple(range(size))}
 
     @property
     def busy(self) -> bool:
         """Whether anything awaits other ranks (so stall checks must keep running)."""
-        return bool(self._table or self._joined or self._shutdown)
+        return bool(self._table or self._joined or self._shutdown or self._late)
 
     def next_deadline(self) -> Optional[float]:
         """When the oldest pending collective stalls, or None."""
@@ -152,14 +162,29 @@ class Coordinator:
             if req.kind == SHUTDOWN:
                 self._shutdown.add(rank)
                 continue
+            failed = self._failed.get(req.name)
+            if failed is not None and rank in failed[1]:
+                self._late_submission(req, rank, failed)
+                continue
             pending = self._table.get(req.name)
             if pending is None:
                 pending = self._table[req.name] = _Pending(now, {}, len(self.sets.get(req.process_set, ())))
             pending.by_rank[rank] = req
+            pending.failed = pending.failed or bool(req.failure)
+
+    def _late_submission(self, req: Request, rank: int, failed: tuple) -> None:
+        """``rank`` submitted a collective that failed elsewhere before: it gets the same error now."""
+        error, waiting = failed
+        waiting.discard(rank)
+        if not waiting:
+            del self._failed[req.name]
+        if not req.failure:
+            self._late.append(Response(req.kind, [req.name], error=error))
 
     def poll(self, now: float) -> list:
         """Responses that are ready now, in the order all ranks must execute them."""
-        ready: list[Response] = []
+        ready: list[Response] = self._late
+        self._late = []
         joined = set(self._joined)
         #: ranks that were waiting in a collective reported as stalled in this poll
         released: set = set()
@@ -167,7 +192,7 @@ class Coordinator:
         settled = not joined and not self._shutdown
         for name in list(self._table):
             pending = self._table[name]
-            if (settled and not released and len(pending.by_rank) < pending.needed
+            if (settled and not released and not pending.failed and len(pending.by_rank) < pending.needed
                     and now - pending.first_seen < self.stall_seconds):
                 continue
             set_id = next(iter(pending.by_rank.values())).process_set
@@ -175,6 +200,11 @@ class Coordinator:
             if members is None:
                 del self._table[name]
                 ready.append(self._unknown_set(name, pending, set_id))
+                continue
+            if pending.failed:
+                del self._table[name]
+                ready.append(self._failed_on_some(name, pending, members))
+                released.update(r for r, q in pending.by_rank.items() if not q.failure)
                 continue
             # join() only excuses ranks from collectives on the global set
             present = set(pending.by_rank) | (joined if set_id == GLOBAL_SET else set())
@@ -241,6 +271,19 @@ class Coordinator:
             f"hvps: {kind} '{name}' was submitted by ranks {sorted(pending.by_rank)} but ranks {sorted(left)} shut "
             "hvps down (hvps.shutdown(), or the script ended, e.g. sys.exit) and will never submit it. Every rank "
             "must submit the same collectives; check for rank-dependent control flow or an early exit"))
+
+    def _failed_on_some(self, name: str, pending: _Pending, members: tuple) -> Response:
+        """A collective some ranks could not submit: the error every rank gets at once, naming them
+        and their reason; members that have not submitted it yet get the same when they do."""
+        failures = {r: q for r, q in sorted(pending.by_rank.items()) if q.failure}
+        reasons = "; ".join(f"rank {r}: {q.failure}" for r, q in failures.items())
+        kind = next(iter(failures.values())).kind
+        error = (f"hvps: {kind} '{name}' failed on ranks {sorted(failures)} before they could submit it "
+                 f"({reasons}); it fails on every rank, so that all of them go on in step")
+        waiting = set(members) - set(pending.by_rank)
+        if waiting:
+            self._failed[name] = (error, waiting)
+        return Response(kind, [name], error=error)
 
     def _stalled(self, name: str, pending: _Pending, present: set, members: tuple) -> Response:
         missing = sorted(set(members) - present)

@@ -81,6 +81,9 @@ class Engine:
         #: set (under the lock) when the engine may block longer than a cycle: then submitters wake it
         self._sleeping = False
         self._unannounced: list = []
+        #: failure requests (``abandon``) not yet announced, and the names they failed under
+        self._abandoned: list = []
+        self._abandoned_names: set = set()
         self._last_announce = 0.0
         self._pending: dict[str, Entry] = {}
         #: the entries of the response being executed (taken out of _pending): a dead rank fails them too
@@ -137,6 +140,17 @@ class Engine:
         if wake:
             self.control.wake()
         return handles
+
+    def abandon(self, request: Request) -> None:
+        """Tell the other ranks that this rank could not submit ``request`` (its ``failure`` says why):
+        the coordinator fails it on every rank at once instead of letting them wait for a stall."""
+        with self._lock:
+            if self._failure is not None or self._stopping:
+                return
+            self._abandoned.append(request)
+            wake = self._claim_wake(True)
+        if wake:
+            self.control.wake()
 
     def _expedite(self) -> None:
         """A thread is about to block on a collective: if it still sits in the queue, wake the
@@ -283,9 +297,12 @@ class Engine:
             self._queued_names.clear()
             for entry in new:  # under the lock: a name is always either queued or pending
                 self._pending[entry.request.name] = entry
+            abandoned, self._abandoned = self._abandoned, []
             if new:  # more is likely to follow (a backward pass): poll for a while
                 self._active_until = time.monotonic() + _ACTIVE_CYCLES * self.cycle_s
         self._unannounced.extend(e.request for e in new)
+        self._unannounced.extend(abandoned)
+        self._abandoned_names.update(r.name for r in abandoned)
 
     def _due_announcements(self) -> list:
         """Local requests to announce now.
@@ -427,8 +444,9 @@ class Engine:
     def _report_error(self, response, entries: list) -> None:
         mine = [e for e in entries if e is not None]
         _metrics.on_collective_error(response.error, bool(mine))
-        if not mine:
+        if not mine and not any(name in self._abandoned_names for name in response.names):
             log.warning("rank %d: %s", self.rank, response.error)
+        self._abandoned_names.difference_update(response.names)
         for entry in mine:
             entry.handle.set_error(HvpsError(response.error))
 

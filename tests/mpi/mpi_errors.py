@@ -173,6 +173,40 @@ def test_missing_rank_other_collective(shared_dir):
     _healthy("after-stall-bcast")
 
 
+@pytest.mark.parametrize("collective", ["allreduce", "allgather", "broadcast", "alltoall", "reducescatter"])
+def test_a_rank_that_refuses_its_arguments_fails_everyone_at_once_and_names_stay_in_step(collective, request):
+    """One rank raises inside an unnamed collective (a dtype hvps cannot move) while the others
+    submit theirs: they fail at once, long before the stall time, naming that rank and its reason;
+    then the next unnamed collectives pair correctly (fresh random data of one shape, so a
+    collective paired with the wrong partner would show as a wrong result, not a mismatch)."""
+    size, rank = hvps.size(), hvps.rank()
+    key = request.node.name
+    bad = size - 1
+    call = {"allreduce": lambda x: hvps.allreduce(x, op=hvps.Sum),
+            "allgather": hvps.allgather,
+            "broadcast": lambda x: hvps.broadcast(x, root_rank=0),
+            "alltoall": hvps.alltoall,
+            "reducescatter": lambda x: hvps.reducescatter(x, op=hvps.Sum)}[collective]
+    hvps.barrier()
+    for round_ in range(2):
+        x = np.zeros((size * 2, 3), np.uint32 if rank == bad else np.float32)
+        start = time.monotonic()
+        if rank == bad:
+            with pytest.raises(TypeError, match="uint32"):
+                call(x)
+        else:
+            with pytest.raises(hvps.HvpsError) as info:
+                call(x)
+            elapsed = time.monotonic() - start
+            assert elapsed < STALL / 2, f"{key}: the others waited {elapsed:.1f} s (stall time {STALL:g} s)"
+            message = str(info.value)
+            _assert_names(message, collective, [bad])
+            assert "uint32" in message and "before they could submit it" in message, message
+        xs = all_inputs(np.float32, (7,), f"{key}/{round_}", size)
+        check_allreduce_result(hvps.allreduce(xs[rank].copy(), op=hvps.Sum), xs, "Sum", size, what=key)
+    _healthy(key)
+
+
 def test_everything_still_works_at_the_end(request):
     size, rank = hvps.size(), hvps.rank()
     for i in range(5):

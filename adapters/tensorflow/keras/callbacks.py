@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import keras
 import numpy as np
@@ -27,18 +27,21 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     Broadcasts ``model.weights`` and the optimizer's variables when training
     begins (Keras 3 builds the optimizer before that); an optimizer that is
-    not built yet is broadcast after the first batch, as Horovod does.
+    not built yet is broadcast after the first batch, as Horovod does. ``local_variables`` (each
+    rank's own, such as a model-parallel layer's weights) are left out of the broadcast.
     """
 
-    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables: Optional[Sequence] = None) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
+        self._local = {id(v) for v in (local_variables or ())}
 
     def _broadcast(self) -> bool:
         optimizer = getattr(self.model, "optimizer", None)
         opt_vars = _optimizer_variables(optimizer)
-        broadcast_variables(list(self.model.weights) + opt_vars, root_rank=self.root_rank)
+        shared = [v for v in list(self.model.weights) + opt_vars if id(v) not in self._local]
+        broadcast_variables(shared, root_rank=self.root_rank)
         return optimizer is None or bool(opt_vars)
 
     def on_train_begin(self, logs=None):
