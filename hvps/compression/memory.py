@@ -43,6 +43,9 @@ class ResidualMemory(Memory):
     def update(self, compensated, name, compressor, payloads, ctx):
         self.residuals[name] = compressor.residual(compensated, payloads, ctx)
 
+    def forget(self, name):
+        self.residuals.pop(name, None)
+
     def state_dict(self):
         return {f"residual/{name}": value for name, value in self.residuals.items()}
 
@@ -89,6 +92,10 @@ class DgcMemory(Memory):
         sent = payloads[0]
         self.velocities[name].reshape(-1)[sent] = 0
         self.accumulations[name].reshape(-1)[sent] = 0
+
+    def forget(self, name):
+        self.velocities.pop(name, None)
+        self.accumulations.pop(name, None)
 
     def state_dict(self):
         state = {f"velocity/{n}": v for n, v in self.velocities.items()}
