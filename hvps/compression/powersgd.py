@@ -149,8 +149,9 @@ class PowerSGDCompression(GradientCompression):
             started = time.perf_counter()
             p = job.p
             job.finite = bool(np.isfinite(p).all())  # the same verdict on every rank: P is their sum
-            self.compressor.orthogonalize(p)
-            q = job.matrix.T @ p
+            with np.errstate(invalid="ignore", over="ignore"):  # a NaN/Inf P is reset in _finish
+                self.compressor.orthogonalize(p)
+                q = job.matrix.T @ p
             self.stats.compress_seconds += time.perf_counter() - started
             op = ReduceOp.Average if job.average else ReduceOp.Sum
             job.q, job.handle = q, ops.allreduce_gradients_async([q], q.dtype.name, f"{job.name}.Q", op, 1.0, 1.0)

@@ -55,7 +55,7 @@ class PowerSGDState:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` returned (torch tensors are accepted too)."""
-        arrays = {k: np.array(v) for k, v in state.items()}
+        arrays = {k: np.array(v.numpy() if hasattr(v, "numpy") else v) for k, v in state.items()}
         self.qs = {k[len("powersgd.q/"):]: v for k, v in arrays.items() if k.startswith("powersgd.q/")}
         self.steps = {k[len("powersgd.step/"):]: int(v) for k, v in arrays.items() if k.startswith("powersgd.step/")}
         self.draws = {k[len("powersgd.draw/"):]: int(v) for k, v in arrays.items() if k.startswith("powersgd.draw/")}
