@@ -22,6 +22,7 @@ from ..core.dtypes import ReduceOp
 from ..core.errors import HvpsError
 from ..core.handle import Handle
 from ..runtime import state as runtime
+from .blas import one_blas_thread
 from .communicators import Allreduce
 from .lowrank import PowerSGDCompressor, approximation_ctx
 from .pipeline import GradientCompression
@@ -33,15 +34,14 @@ log = logging.getLogger("hvps")
 class _Job:
     """One compressed tensor between its first allreduce and its result."""
 
-    __slots__ = ("name", "shape", "dtype", "matrix", "p", "q", "handle", "average", "finite", "result")
+    __slots__ = ("name", "shape", "dtype", "matrix", "out", "p", "q", "handle", "average", "finite")
 
-    def __init__(self, name: str, shape: tuple, dtype: np.dtype, matrix: np.ndarray, p: np.ndarray,
-                 handle: Handle, average: bool) -> None:
-        self.name, self.shape, self.dtype, self.matrix, self.p = name, shape, dtype, matrix, p
+    def __init__(self, name: str, shape: tuple, dtype: np.dtype, matrix: np.ndarray, out: Optional[np.ndarray],
+                 p: np.ndarray, handle: Handle, average: bool) -> None:
+        self.name, self.shape, self.dtype, self.matrix, self.out, self.p = name, shape, dtype, matrix, out, p
         self.handle, self.average = handle, average
         self.q: Optional[np.ndarray] = None
         self.finite = True
-        self.result: Any = None
 
 
 class _Result(Handle):
@@ -120,14 +120,19 @@ class PowerSGDCompression(GradientCompression):
             return self._start_dense(array, name, op)
         started = time.perf_counter()
         work = self.compressor.work_dtype(array.dtype)
+        # the result is written over ``array`` where it can be (no allocation; an optimizer's
+        # gradient buffer then holds it already)
+        out = array.reshape(shape) if array.dtype == work and array.flags.c_contiguous and \
+            array.flags.writeable else None
         matrix = self.state.memory.compensate(array.reshape(shape).astype(work, copy=False), name)
         q = self.state.qs.get(name) if self.warm_start else None
         if q is None:
             q = self.compressor.draw_q(name, shape[1], self.state.next_draw(name), work)
-        p = matrix @ q
+        with one_blas_thread():
+            p = matrix @ q
         self.stats.compress_seconds += time.perf_counter() - started
         handle = ops.allreduce_gradients_async([p], p.dtype.name, f"{name}.P", ReduceOp.Sum, 1.0, 1.0)
-        job = _Job(name, array.shape, array.dtype, matrix, p, handle, op is ReduceOp.Average)
+        job = _Job(name, array.shape, array.dtype, matrix, out, p, handle, op is ReduceOp.Average)
         self._first_round.append(job)
         self._count(array, [p, np.empty((shape[1], self.compressor.rank), work)])
         return _Result(self, job)
@@ -149,7 +154,8 @@ class PowerSGDCompression(GradientCompression):
             started = time.perf_counter()
             p = job.p
             job.finite = bool(np.isfinite(p).all())  # the same verdict on every rank: P is their sum
-            with np.errstate(invalid="ignore", over="ignore"):  # a NaN/Inf P is reset in _finish
+            # a NaN/Inf P is reset in _finish
+            with np.errstate(invalid="ignore", over="ignore", divide="ignore"), one_blas_thread():
                 self.compressor.orthogonalize(p)
                 q = job.matrix.T @ p
             self.stats.compress_seconds += time.perf_counter() - started
@@ -163,7 +169,8 @@ class PowerSGDCompression(GradientCompression):
         job.handle.wait(timeout)
         started = time.perf_counter()
         p, q = job.p, job.q
-        approximation = p @ q.T
+        with one_blas_thread():
+            approximation = p @ q.T if job.out is None else np.matmul(p, q.T, out=job.out)
         ctx = approximation_ctx(job.shape, job.dtype, approximation)
         self.state.memory.update(job.matrix, job.name, self.compressor, [p, q], ctx)
         if job.finite and np.isfinite(q).all():  # Q is the same on every rank too

@@ -19,7 +19,7 @@ class PowerSGDState:
     (``ResidualMemory``, or ``NoMemory`` without it)."""
 
     def __init__(self, error_feedback: bool = True) -> None:
-        self.memory: Memory = ResidualMemory() if error_feedback else NoMemory()
+        self.memory: Memory = ResidualMemory(in_place=True) if error_feedback else NoMemory()
         self.qs: dict = {}
         self.steps: dict = {}
         self.draws: dict = {}
