@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backward-runs", type=int, default=3, help="plain backward passes timed (default: %(default)s)")
     p.add_argument("--contenders", default="hvps-powersgd,ddp-powersgd,hvps-dense,ddp-dense",
                    help="comma list, run in this order each round (default: %(default)s)")
+    p.add_argument("--retries", type=int, default=3, help="reruns of a job that failed (default: %(default)s)")
     p.add_argument("--convergence", action="store_true", help="also run the convergence comparison (2 ranks)")
     p.add_argument("--mpirun", default=None, help=MPIRUN_HELP)
     p.add_argument("--mpirun-args", default=DEFAULT_MPIRUN_ARGS, help="extra mpirun flags (default: '%(default)s')")
@@ -204,10 +205,20 @@ def run_driver(args: argparse.Namespace) -> dict:
               "--backward-runs", str(args.backward_runs)]
     host = _host_facts()
     rounds: dict = {impl: [] for impl in impls}
+    failures: dict = {impl: [] for impl in impls}
     for rnd in range(args.rounds):
         for impl in impls:
-            res = run_mpi_worker(args.np, __file__, ["--impl", impl, *common], mpirun=args.mpirun,
-                                 mpirun_args=args.mpirun_args, timeout=args.timeout, verbose=args.verbose)
+            for attempt in range(args.retries + 1):
+                try:
+                    res = run_mpi_worker(args.np, __file__, ["--impl", impl, *common], mpirun=args.mpirun,
+                                         mpirun_args=args.mpirun_args, timeout=args.timeout, verbose=args.verbose)
+                    break
+                except RuntimeError as exc:  # seen: DDP's hook on gloo, "collective mismatch" aborts
+                    tail = str(exc).splitlines()
+                    failures[impl].append(next((line for line in tail if "what()" in line), tail[-1])[:300])
+                    print(f"round {rnd + 1} {impl}: job failed ({failures[impl][-1]}); retrying", flush=True)
+            else:
+                raise RuntimeError(f"{impl} failed {args.retries + 1} times: {failures[impl]}")
             rounds[impl].append(res)
             print(f"round {rnd + 1}/{args.rounds} {impl:14s} step median {res['step']['median'] * 1e3:8.1f} ms",
                   flush=True)
@@ -216,7 +227,8 @@ def run_driver(args: argparse.Namespace) -> dict:
               "rank": args.rank, "start_iter": args.start_iter, "min_compression_rate": args.min_compression_rate,
               "rounds": args.rounds, "iters": args.iters, "batch_size": args.batch_size,
               "image_size": args.image_size, "threads_per_rank": args.threads_per_rank, "host": host,
-              "loadavg_after": list(os.getloadavg()), "median_step_s": med, "jobs": rounds}
+              "loadavg_after": list(os.getloadavg()), "median_step_s": med, "jobs": rounds,
+              "failed_jobs": failures}
     print(f"\n# ResNet-50, {args.np} ranks x {args.threads_per_rank} thread, batch {args.batch_size}, "
           f"{args.image_size} px, PowerSGD rank {args.rank}, medians over {args.rounds} rounds")
     for impl, m in med.items():
@@ -242,9 +254,12 @@ def run_driver(args: argparse.Namespace) -> dict:
         print(f"  bytes per step per rank: dense(ring) {s['dense_bytes'] / s['steps'] / 2**20:.2f} MiB, sent "
               f"{s['bytes_sent'] / s['steps'] / 2**20:.3f} MiB: {s['ratio']:.1f}x fewer "
               f"({jobs[-1]['compressed_tensors']} tensors compressed)")
-    if "ddp-powersgd" in rounds:
+    if rounds.get("ddp-powersgd"):
         rate, before, after = rounds["ddp-powersgd"][-1]["ddp_compression_stats"]
         print(f"  DDP hook's own count: {rate:.1f}x fewer elements")
+    for impl, failed in failures.items():
+        if failed:
+            print(f"  {impl}: {len(failed)} failed job(s), rerun: {failed[0]}")
     if args.convergence:
         conv = run_mpi_worker(2, __file__, ["--impl", "convergence"], mpirun=args.mpirun,
                               mpirun_args=args.mpirun_args, timeout=args.timeout, verbose=args.verbose)
