@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list, run in this order each round (default: %(default)s)")
     p.add_argument("--ddp-powersgd-bucket-mb", type=float, default=1000,
                    help="bucket_cap_mb of DDP with powerSGD_hook. The default, one bucket, because with DDP's own "
-                   "default (25: 5 buckets for ResNet-50) the hook aborted on gloo in 5 of 6 jobs here (gloo: "
+                   "default (25: several buckets for ResNet-50) the hook aborted on gloo in 5 of 6 jobs here (gloo: "
                    "'Received data size doesn't match expected size') (default: %(default)s)")
     p.add_argument("--retries", type=int, default=3, help="reruns of a job that failed (default: %(default)s)")
     p.add_argument("--convergence", action="store_true", help="also run the convergence comparison (2 ranks)")
