@@ -2,7 +2,7 @@
 ``tests/test_powersgd_multirank.py``.
 
 - Several steps of ``Compression.powersgd`` on fresh random gradients (a conv weight, a
-  float64 matrix, a bias, a matrix too small to gain) equal PowerSGD written out in numpy
+  float64 matrix, a float16 one, a bias, a matrix too small to gain) equal PowerSGD written out in numpy
   over every rank's gradients (``powersgd_reference``), are bit-identical on every rank, and
   the statistics count exactly the P and Q bytes.
 - DistributedOptimizer submits every gradient during the backward and keeps parameters
@@ -28,7 +28,10 @@ pytestmark = pytest.mark.timeout(120)
 
 # (name, shape, dtype, compressed at rank 2 with min_compression_rate 2)
 TENSORS = [("conv", (24, 5, 3, 3), np.float32, True), ("double", (40, 30), np.float64, True),
-           ("bias", (24,), np.float32, False), ("small", (3, 4), np.float32, False)]
+           ("half", (20, 16), np.float16, True), ("bias", (24,), np.float32, False),
+           ("small", (3, 4), np.float32, False)]
+#: relative tolerance against the float64 reference (float64: the epsilon of 1e-8 shows; float16: its rounding)
+TOL = {np.float64: 1e-8, np.float32: 2e-5, np.float16: 2e-3}
 STEPS = 4
 
 
@@ -69,7 +72,7 @@ def test_steps_equal_numpy_reference_and_stats_count_bytes(variant):
             out = handle.wait()
             assert out.shape == shape and out.dtype == dtype
             expected = refs[n].step(everyone[n])
-            tol = 1e-8 if dtype == np.float64 else 2e-5  # float64: the epsilon of 1e-8 shows
+            tol = TOL[dtype]
             np.testing.assert_allclose(out, expected, rtol=tol, atol=tol * np.abs(expected).max(),
                                        err_msg=f"{n} step {step}")
             _same_on_all_ranks(out, f"{variant}.{n}.{step}")
@@ -77,14 +80,15 @@ def test_steps_equal_numpy_reference_and_stats_count_bytes(variant):
             expected_dense += int(nbytes * bus_factor(size))
             if compressed and step >= 1:
                 n_, m_ = shape[0], int(np.prod(shape[1:]))
-                expected_sent += int((n_ + m_) * 2 * np.dtype(dtype).itemsize * bus_factor(size))
+                factor_bytes = 8 if dtype == np.float64 else 4  # P and Q travel in float32 (float64 for float64)
+                expected_sent += int((n_ + m_) * 2 * factor_bytes * bus_factor(size))
             else:
                 expected_sent += int(nbytes * bus_factor(size))
     stats = comp.stats
     assert stats.exchanges == STEPS * len(TENSORS)
     assert stats.dense_bytes == expected_dense and stats.bytes_sent == expected_sent == stats.bytes_received
     assert stats.ratio > 1.5 and stats.compress_seconds > 0
-    assert set(comp.state.qs) == ({"conv", "double"} if warm else set())
+    assert set(comp.state.qs) == ({"conv", "double", "half"} if warm else set())
     assert comp.state.steps == {n: STEPS for n, *_ in TENSORS}
 
 
