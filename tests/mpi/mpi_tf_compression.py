@@ -1,7 +1,7 @@
 """Inner multi-rank tests of gradient compression in the TensorFlow/Keras 3 adapter.
 
-``model.fit`` with the Keras DistributedOptimizer and ``Compression.topk(0.05)``
-or ``Compression.int8`` keeps identical weights on every rank and counts the
+``model.fit`` with the Keras DistributedOptimizer and ``Compression.topk(0.05)``,
+``Compression.int8`` or ``Compression.powersgd(rank=1)`` keeps identical weights on every rank and counts the
 bytes on the wire; one DistributedGradientTape step with exact top-k (eagerly
 and in a tf.function) equals the dense average of every rank's top-k gradient
 (selected by numpy, not by hvps's compressor); two DistributedGradientTape steps with
@@ -32,10 +32,11 @@ def _init():
     yield
 
 
-@pytest.mark.parametrize("kind", ["topk", "int8"])
+@pytest.mark.parametrize("kind", ["topk", "int8", "powersgd"])
 def test_fit_with_compression_keeps_ranks_identical(kind):
     rank = hvd.rank()
-    compression = hvd.Compression.topk(0.05) if kind == "topk" else hvd.Compression.int8
+    compression = {"topk": lambda: hvd.Compression.topk(0.05), "int8": lambda: hvd.Compression.int8,
+                   "powersgd": lambda: hvd.Compression.powersgd(rank=1, start_iter=2)}[kind]()
     model = make_model(seed=rank, hidden=16)  # different on every rank: the broadcast callback fixes that
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), compression=compression)
     assert opt.compression is compression
