@@ -19,6 +19,11 @@
    ``--link-gbit`` link would need for the dense and the compressed bytes
    (computed, not measured on a link).
 
+PowerSGD (``--powersgd-rank``, default 4; issue 28) exchanges in two rounds, so it has no
+single-process compress: it appears in part 1's mpirun statistics only (bytes, and its
+compress / decompress seconds from the pipeline's own ``compression_stats()``).
+``benchmarks/powersgd.py`` compares it with DDP's ``powerSGD_hook`` on training steps.
+
     python benchmarks/compression.py --json out/compression.json
 """
 from __future__ import annotations
@@ -41,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--density", type=float, default=0.01, help="top-k density (default: %(default)s)")
     p.add_argument("--dgc-density", type=float, default=0.001,
                    help="DGC's final density, no warm-up (default: %(default)s)")
+    p.add_argument("--powersgd-rank", type=int, default=4,
+                   help="PowerSGD's matrix rank; 0 leaves PowerSGD out (default: %(default)s)")
     p.add_argument("--runs", type=int, default=5, help="selection timings per method (default: %(default)s)")
     p.add_argument("--steps", type=int, default=3,
                    help="compress/decompress steps per compression (default: %(default)s)")
@@ -71,7 +78,7 @@ def compressions(args: argparse.Namespace) -> dict:
     from hvps import compression as C
 
     d, dd = args.density, args.dgc_density
-    return {
+    found = {
         "none": lambda: C.create("none"),
         "fp16": lambda: C.create("fp16"),
         "bf16": lambda: C.create("bf16"),
@@ -80,6 +87,16 @@ def compressions(args: argparse.Namespace) -> dict:
         f"topk({d},exact)": lambda: C.create("topk", density=d, selection="exact"),
         f"dgc({dd})": lambda: C.create("dgc", density=dd, warmup=()),
     }
+    if args.powersgd_rank:
+        found[f"powersgd({args.powersgd_rank})"] = lambda: C.create("powersgd", rank=args.powersgd_rank, start_iter=0)
+    return found
+
+
+def two_rounds(gc) -> bool:
+    """PowerSGD: no one-shot compress to time in a single process."""
+    from hvps.compression import PowerSGDCompression
+
+    return isinstance(gc, PowerSGDCompression)
 
 
 def resnet50_gradients(seed: int) -> list:
@@ -112,7 +129,7 @@ def rebuild(gc, payloads: list, ctx, size: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- 1 + 3: bytes and time
 def bench_compress(args: argparse.Namespace, grads: list) -> dict:
     factories = compressions(args)
-    pipes = {name: make() for name, make in factories.items()}
+    pipes = {name: gc for name, gc in ((n, make()) for n, make in factories.items()) if not two_rounds(gc)}
     dense = sum(g.nbytes for _, g in grads)
     out = {name: {"compress_s": [], "decompress_s": [], "payload_bytes": None} for name in pipes}
     for step in range(args.steps):
@@ -219,7 +236,8 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def run_mpi_stats(args: argparse.Namespace) -> dict:
-    worker_args = ["--worker", "--density", str(args.density), "--dgc-density", str(args.dgc_density)]
+    worker_args = ["--worker", "--density", str(args.density), "--dgc-density", str(args.dgc_density),
+                   "--powersgd-rank", str(args.powersgd_rank)]
     return run_mpi_worker(args.np, __file__, worker_args, mpirun=args.mpirun, mpirun_args=args.mpirun_args,
                           timeout=args.timeout, verbose=args.verbose)
 
@@ -268,7 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
             s0 = per_rank[0]
             print(f"  {name:18s} sent {s0['bytes_sent'] / 2**20:9.2f} MiB  received "
                   f"{s0['bytes_received'] / 2**20:9.2f} MiB  dense(ring) {s0['dense_bytes'] / 2**20:8.2f} MiB  "
-                  f"ratio {s0['ratio']:7.1f}x  (ranks' sent: "
+                  f"ratio {s0['ratio']:7.1f}x  compress {s0['compress_seconds'] * 1e3:6.0f} ms  decompress "
+                  f"{s0['decompress_seconds'] * 1e3:5.0f} ms  (ranks' sent: "
                   + ", ".join(f"{s['bytes_sent']}" for s in per_rank) + ")", flush=True)
     write_json(args.json, result)
     return result

@@ -9,7 +9,8 @@ testbed's rsh agent), for every (link rate, compression) pair:
 * link rates: ``--rates`` (default 10gbit and 1gbit, each host's egress limited by ``tc tbf``)
   and a *calibrated* rate at which dense communication takes at least ``--target-share``
   (35%) of the step time;
-* compressions: ``--compressions`` (default none, fp16 and topk at ``--density`` 0.01).
+* compressions: ``--compressions`` (default none, fp16 and topk at ``--density`` 0.01; also int8,
+  bf16, dgc, and powersgd at ``--powersgd-rank`` 4).
 
 Calibration (unless ``--calibrated-rate`` gives the rate): the dense (``none``) run at
 ``--calibrate-from`` (1gbit) gives the step time S and the exposed communication wait W (the
@@ -161,6 +162,8 @@ def harness_args(args: argparse.Namespace, compression: str) -> list[str]:
            "--threads-per-rank", str(args.threads_per_rank)]
     if compression in ("topk", "dgc"):
         out += ["--density", str(args.density)]
+    if compression == "powersgd":
+        out += ["--powersgd-rank", str(args.powersgd_rank)]
     return out
 
 
@@ -287,6 +290,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--compressions", default="none,fp16,topk",
                    help="comma-separated --compression values to run at each rate (default: %(default)s)")
     g.add_argument("--density", type=float, default=0.01, help="top-k/DGC density (default: %(default)s)")
+    g.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD's matrix rank (default: %(default)s)")
     for name, helptext in (("batch-size", "images per rank per batch"), ("image-size", "input side in pixels"),
                            ("num-warmup-batches", "untimed batches first"),
                            ("num-batches-per-iter", "batches per timed iteration"),
@@ -331,7 +335,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         if "none" not in args.compressions.split(","):
             p.error("calibration needs the dense run: keep 'none' in --compressions or give --calibrated-rate")
     args.comp_list = [c.strip() for c in args.compressions.split(",") if c.strip()]
-    bad = [c for c in args.comp_list if c not in ("none", "fp16", "bf16", "int8", "topk", "dgc")]
+    bad = [c for c in args.comp_list if c not in ("none", "fp16", "bf16", "int8", "topk", "dgc", "powersgd")]
     if bad:
         p.error(f"unknown compression(s) {bad}")
     if args.calibrate_tries < 1:

@@ -78,9 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="--compare-no-comm / --compare-plain: alternating rounds (default: %(default)s)")
     p.add_argument("--fp16-allreduce", action="store_true",
                    help="compress gradients to fp16 for the allreduce (Horovod's flag; same as --compression fp16)")
-    p.add_argument("--compression", choices=("none", "fp16", "bf16", "int8", "topk", "dgc"), default="none",
-                   help="gradient compression: casts, 8-bit quantisation, top-k with error feedback, or DGC "
-                        "(default: %(default)s)")
+    p.add_argument("--compression", choices=("none", "fp16", "bf16", "int8", "topk", "dgc", "powersgd"),
+                   default="none",
+                   help="gradient compression: casts, 8-bit quantisation, top-k with error feedback, DGC, or "
+                        "PowerSGD at --powersgd-rank (compressing from the first step) (default: %(default)s)")
+    p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD's matrix rank (default: %(default)s)")
     p.add_argument("--density", type=float, default=0.01,
                    help="fraction of gradient entries top-k and DGC send, in (0, 1] (default: %(default)s)")
     p.add_argument("--threads-per-rank", type=int, default=1,
@@ -232,6 +234,8 @@ def create_compression(args: argparse.Namespace) -> Any:
 
     options = {"density": args.density, "warmup": ()} if args.compression == "dgc" else (
         {"density": args.density} if args.compression == "topk" else {})
+    if args.compression == "powersgd":
+        options = {"rank": args.powersgd_rank, "start_iter": 0}
     return compression.create(args.compression, **options)
 
 

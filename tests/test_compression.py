@@ -446,7 +446,7 @@ def test_namespace_registry_and_communicator_choice():
         gc = getattr(C.Compression, name)
         assert isinstance(gc, C.GradientCompression)
         assert C.create(name).name == name
-    assert set(C.REGISTRY) == {"none", "fp16", "bf16", "int8", "topk", "dgc"}
+    assert set(C.REGISTRY) == {"none", "fp16", "bf16", "int8", "topk", "dgc", "powersgd"}
     topk = C.create("topk", density=0.05)
     assert isinstance(topk.compressor, C.TopKCompressor) and topk.compressor.density == 0.05
     assert isinstance(topk.memory, C.ResidualMemory)
@@ -455,7 +455,8 @@ def test_namespace_registry_and_communicator_choice():
     assert isinstance(dgc.memory, C.DgcMemory) and dgc.memory.momentum == 0.8
     # summable payloads go through allreduce, sparse and quantised ones through allgather
     assert {n: C.create(n).summable for n in C.REGISTRY} == {
-        "none": True, "fp16": True, "bf16": True, "int8": False, "topk": False, "dgc": False}
+        "none": True, "fp16": True, "bf16": True, "int8": False, "topk": False, "dgc": False,
+        "powersgd": False}  # PowerSGD's P and Q are summed, but in two rounds of its own
     assert isinstance(choose(C.CastCompressor("float16"), 2), Allreduce)
     assert isinstance(choose(C.TopKCompressor(0.1), 2), Allgather)
     # each access builds a new object: no state shared between two optimizers

@@ -19,6 +19,6 @@ def test_compression_exchange_stats_and_optimizer(np_, inner_results):
 @pytest.mark.inner_cases(cases=lambda: [(2, case("convergence", "mpi_compression_convergence.py", timeout=240))],
                          share=SHARED_JOBS)
 def test_compression_convergence_np2(inner_results):
-    """Dense vs top-k 1% with error feedback vs DGC 0.1%: same final accuracy within
+    """Dense vs top-k 1% with error feedback vs DGC 0.1% vs PowerSGD rank 2: same final accuracy within
     1 point; top-k 1% without error feedback clearly worse (see the inner module)."""
     inner_results["convergence"].assert_all_passed(min_passed=1)

@@ -1,7 +1,7 @@
 """Gradient compression for PyTorch: the core's compressors, plus Horovod-style ones.
 
 ``hvd.Compression.none`` / ``.fp16`` / ``.bf16`` / ``.int8`` / ``.topk(d)`` /
-``.dgc(d)`` are ``hvps.compression.GradientCompression`` objects. A
+``.dgc(d)`` / ``.powersgd(rank)`` are ``hvps.compression.GradientCompression`` objects. A
 Horovod-style compressor (a class with ``compress(tensor) -> (tensor, ctx)``
 and ``decompress(tensor, ctx)``) is accepted too, as a summable transform.
 """

@@ -89,6 +89,7 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         #: parameter -> its name (Horovod's attribute name)
         self._parameter_names = self._name_parameters(named_parameters)
+        self.compression.prepare({f"grad.{n}": tuple(p.shape) for p, n in self._parameter_names.items()})
         self._groups = self._group_map(groups)
         self._delay: dict = {}
         self._handles: dict = {}

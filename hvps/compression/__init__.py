@@ -1,7 +1,7 @@
 """Gradient compression in GRACE's three parts, for every framework adapter.
 
 ``Compression.none``, ``.fp16``, ``.bf16``, ``.int8``, ``.topk(density)`` and
-``.dgc(density, ...)`` build a ``GradientCompression``; ``create(name, **kw)``
+``.dgc(density, ...)``, ``.powersgd(rank, ...)`` build a ``GradientCompression``; ``create(name, **kw)``
 does the same from a name (``registry.REGISTRY``).
 """
 
@@ -10,8 +10,11 @@ from __future__ import annotations
 from .base import Communicator, Compressor, Memory
 from .communicators import Allgather, Allreduce
 from .compressors import CastCompressor, DensitySchedule, Int8Compressor, NoneCompressor, TopKCompressor
+from .lowrank import PowerSGDCompressor
 from .memory import DgcMemory, NoMemory, ResidualMemory
 from .pipeline import CompressionStats, GradientCompression
+from .powersgd import PowerSGDCompression, powersgd
+from .powersgd_state import PowerSGDState
 from .registry import DGC_WARMUP, REGISTRY, Compression, bf16, create, dgc, fp16, int8, none, topk
 from .summable import summable_plan
 
@@ -20,5 +23,6 @@ __all__ = [
     "Compressor", "Memory", "Communicator", "Allreduce", "Allgather",
     "NoneCompressor", "CastCompressor", "Int8Compressor", "TopKCompressor", "DensitySchedule",
     "NoMemory", "ResidualMemory", "DgcMemory", "DGC_WARMUP", "summable_plan",
-    "none", "fp16", "bf16", "int8", "topk", "dgc",
+    "PowerSGDCompressor", "PowerSGDCompression", "PowerSGDState",
+    "none", "fp16", "bf16", "int8", "topk", "dgc", "powersgd",
 ]

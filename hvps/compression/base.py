@@ -68,6 +68,9 @@ class Memory(abc.ABC):
     def update(self, compensated: np.ndarray, name: str, compressor: Compressor, payloads: list, ctx: Any) -> None:
         """Remember what this step's compression dropped from ``compensated``."""
 
+    def forget(self, name: str) -> None:
+        """Drop what is kept for ``name`` (its next step starts with nothing left behind)."""
+
     def state_dict(self) -> dict:
         """Arrays keyed ``"<kind>/<tensor name>"``, for checkpoints."""
         return {}

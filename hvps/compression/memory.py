@@ -31,20 +31,33 @@ class ResidualMemory(Memory):
     """Adds back what the previous compression of the same tensor left out.
 
     After each step ``residual == compensated - decompress(compress(compensated))``.
+
+    ``in_place=True`` adds ``array`` into the stored residual's own buffer (no allocation per
+    step: the residual is dead until ``update`` stores the next one) and has ``state_dict``
+    return copies; the compressor's ``residual`` should then work in place too (PowerSGD's does).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, in_place: bool = False) -> None:
         self.residuals: dict = {}
+        self.in_place = in_place
 
     def compensate(self, array, name):
         residual = self.residuals.get(name)
-        return array + residual if residual is not None else array.copy()
+        if residual is None:
+            return array.copy()
+        if self.in_place and residual.shape == array.shape and residual.dtype == array.dtype:
+            return np.add(residual, array, out=residual)
+        return array + residual
 
     def update(self, compensated, name, compressor, payloads, ctx):
         self.residuals[name] = compressor.residual(compensated, payloads, ctx)
 
+    def forget(self, name):
+        self.residuals.pop(name, None)
+
     def state_dict(self):
-        return {f"residual/{name}": value for name, value in self.residuals.items()}
+        copy = np.copy if self.in_place else (lambda value: value)
+        return {f"residual/{name}": copy(value) for name, value in self.residuals.items()}
 
     def load_state_dict(self, state):
         _load(self.residuals, state, "residual")
@@ -89,6 +102,10 @@ class DgcMemory(Memory):
         sent = payloads[0]
         self.velocities[name].reshape(-1)[sent] = 0
         self.accumulations[name].reshape(-1)[sent] = 0
+
+    def forget(self, name):
+        self.velocities.pop(name, None)
+        self.accumulations.pop(name, None)
 
     def state_dict(self):
         state = {f"velocity/{n}": v for n, v in self.velocities.items()}

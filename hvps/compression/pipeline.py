@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -65,6 +65,10 @@ class GradientCompression:
         if self._communicator is None:
             self._communicator = choose(self.compressor, runtime.size())
         return self._communicator
+
+    def prepare(self, shapes: Mapping[str, tuple]) -> None:
+        """Called once by an optimizer with the shapes of the gradients it will send, keyed by the
+        names it will send them under: a compression may reject them early (PowerSGD's rank)."""
 
     def set_epoch(self, epoch: int) -> None:
         """Apply the density schedule (DGC warm-up) for ``epoch``."""

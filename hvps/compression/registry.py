@@ -1,5 +1,5 @@
 """The named compressions: ``Compression.none`` / ``.fp16`` / ``.bf16`` / ``.int8`` / ``.topk(...)`` /
-``.dgc(...)``, and ``create(name, **kw)`` through ``REGISTRY`` (name -> constructor)."""
+``.dgc(...)`` / ``.powersgd(...)``, and ``create(name, **kw)`` through ``REGISTRY`` (name -> constructor)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from ..core import dtypes
 from .compressors import CastCompressor, DensitySchedule, Int8Compressor, NoneCompressor, TopKCompressor
 from .memory import DgcMemory, NoMemory, ResidualMemory
 from .pipeline import GradientCompression
+from .powersgd import powersgd
 
 #: DGC's warm-up (Lin et al.): 25% -> 6.25% -> 1.5625% -> 0.4% over the first epochs, then the target.
 DGC_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
@@ -54,7 +55,8 @@ def dgc(density: float = 0.001, momentum: float = 0.9, clip_norm: Optional[float
 
 
 class _Namespace:
-    """``Compression.none`` / ``.fp16`` / ``.bf16`` / ``.int8`` are ready objects; ``topk``, ``dgc`` build one."""
+    """``Compression.none`` / ``.fp16`` / ``.bf16`` / ``.int8`` are ready objects; ``topk``, ``dgc``,
+    ``powersgd`` build one."""
 
     @property
     def none(self) -> GradientCompression:
@@ -74,13 +76,15 @@ class _Namespace:
 
     topk = staticmethod(topk)
     dgc = staticmethod(dgc)
+    powersgd = staticmethod(powersgd)
     quantize = staticmethod(int8)
 
 
 Compression = _Namespace()
 
 #: name -> constructor, for command lines and config files.
-REGISTRY = {"none": none, "fp16": fp16, "bf16": bf16, "int8": int8, "topk": topk, "dgc": dgc}
+REGISTRY = {"none": none, "fp16": fp16, "bf16": bf16, "int8": int8, "topk": topk, "dgc": dgc,
+            "powersgd": powersgd}
 
 
 def create(name: str, **kwargs) -> GradientCompression:

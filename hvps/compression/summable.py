@@ -129,7 +129,9 @@ class TensorNamespace:
         self._kind = WithTensorInterface
 
     def _with_interface(self, pipeline: GradientCompression) -> GradientCompression:
-        pipeline.__class__ = self._kind  # freshly built and unshared: safe to re-class
+        """``pipeline`` with the tensor interface, if it is a plain one (PowerSGD's two rounds have none)."""
+        if type(pipeline) is GradientCompression:
+            pipeline.__class__ = self._kind  # freshly built and unshared: safe to re-class
         return pipeline
 
     def __getattr__(self, name: str) -> Any:

@@ -1,10 +1,12 @@
 """Inner multi-rank tests of gradient compression in the TensorFlow/Keras 3 adapter.
 
-``model.fit`` with the Keras DistributedOptimizer and ``Compression.topk(0.05)``
-or ``Compression.int8`` keeps identical weights on every rank and counts the
+``model.fit`` with the Keras DistributedOptimizer and ``Compression.topk(0.05)``,
+``Compression.int8`` or ``Compression.powersgd(rank=1)`` keeps identical weights on every rank and counts the
 bytes on the wire; one DistributedGradientTape step with exact top-k (eagerly
 and in a tf.function) equals the dense average of every rank's top-k gradient
-(selected by numpy, not by hvps's compressor); bad ``compression`` arguments raise TypeError / ValueError.
+(selected by numpy, not by hvps's compressor); two DistributedGradientTape steps with
+``Compression.powersgd`` equal PowerSGD written out in numpy (``powersgd_reference``); bad
+``compression`` arguments raise TypeError / ValueError.
 """
 
 import os
@@ -30,10 +32,11 @@ def _init():
     yield
 
 
-@pytest.mark.parametrize("kind", ["topk", "int8"])
+@pytest.mark.parametrize("kind", ["topk", "int8", "powersgd"])
 def test_fit_with_compression_keeps_ranks_identical(kind):
     rank = hvd.rank()
-    compression = hvd.Compression.topk(0.05) if kind == "topk" else hvd.Compression.int8
+    compression = {"topk": lambda: hvd.Compression.topk(0.05), "int8": lambda: hvd.Compression.int8,
+                   "powersgd": lambda: hvd.Compression.powersgd(rank=1, start_iter=2)}[kind]()
     model = make_model(seed=rank, hidden=16)  # different on every rank: the broadcast callback fixes that
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), compression=compression)
     assert opt.compression is compression
@@ -91,6 +94,36 @@ def test_topk_step_equals_dense_average_of_decompressed(mode):
         assert np.count_nonzero(decompressed[rank]) == max(1, int(out.size * 0.1))
         np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-7, err_msg=f"gradient {i}")
     assert compression.stats.exchanges == len(reduced)
+
+
+def test_powersgd_tape_steps_equal_numpy_reference():
+    from powersgd_reference import Reference
+
+    size, rank = hvd.size(), hvd.rank()
+    model = make_model(seed=0, hidden=32)
+    compression = hvd.Compression.powersgd(rank=1, start_iter=1, min_compression_rate=1)
+    refs = None
+    for step in range(3):
+        x, y = (tf.constant(a) for a in data(f"powersgd-{step}", rank))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        local_tape = tape
+        tape = hvd_tf.DistributedGradientTape(local_tape, compression=compression)
+        with tf.GradientTape() as again:
+            loss_again = tf.reduce_mean(tf.square(model(x) - y))
+        local = [g.numpy() for g in again.gradient(loss_again, model.trainable_variables)]
+        reduced = [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+        everyone = hvd.allgather_object(local)
+        names = list(compression.state.steps)  # the labels the tape gave the gradients, in order
+        if refs is None:
+            refs = [Reference(n, size, 1, start_iter=1, dense=len(v.shape) < 2)
+                    for n, v in zip(names, model.trainable_variables)]
+        for i, out in enumerate(reduced):
+            expected = refs[i].step([everyone[r][i] for r in range(size)])
+            np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max(),
+                                       err_msg=f"gradient {i} step {step}")
+    assert_identical_across_ranks(np.concatenate([g.ravel() for g in reduced]), "powersgd gradients")
+    assert len(compression.state.qs) == 2 and compression.stats.ratio > 1
 
 
 def test_bad_compression_arguments():
