@@ -248,7 +248,10 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None, ignore_na
         def grad(dy):
             (averaged,) = _grouped_allreduce_raw([_zeros_if_none(dy, y)], Average, None, 1.0, 1.0,
                                                  process_set=process_set)
-            return averaged if hvps.rank() == root_rank else tf.zeros_like(averaged)
+            if hvps.rank() == root_rank:
+                return averaged
+            with tf.control_dependencies([averaged]):  # in a graph, still run the others' allreduce here
+                return tf.zeros_like(y)
 
         return y, grad
 

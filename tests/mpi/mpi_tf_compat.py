@@ -25,7 +25,7 @@ import hvps.adapters.tensorflow.keras as hk  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 MODES = ["eager", "function"]
-DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool"]
+DTYPES = ["uint8", "uint16", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool"]
 SETS = {}
 
 # horovod.tensorflow's and horovod.tensorflow.keras's exported names (their __init__ imports and defs),

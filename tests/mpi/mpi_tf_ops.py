@@ -294,6 +294,49 @@ def test_mismatched_shapes_raise_within_stall_timeout(mode):
     assert to_np(out).tolist() == [hvd.size()] * 2
 
 
+def test_tf1_session_runs_many_unnamed_collectives_at_once(request):
+    """A TF1 graph whose unnamed collectives of one shape all run in one session.run: TensorFlow
+    picks their order, differently on each rank. Each must still meet its own partner (fresh random
+    data, so a wrong pairing is a wrong result, not a mismatch)."""
+    size, rank = hvd.size(), hvd.rank()
+    key = request.node.name
+    inputs = [all_inputs(np.float32, (6,), f"{key}/{i}", size) for i in range(12)]
+    ops = ["Sum", "Min", "Max"]
+    graph = tf.Graph()
+    with graph.as_default():
+        outs = [hvd.allreduce(tf.constant(xs[rank]), op=getattr(hvd, ops[i % 3])) for i, xs in enumerate(inputs)]
+        gathered = hvd.allgather(tf.constant(inputs[0][rank][: rank + 1]))
+        # each collective holds an inter-op thread until its partners arrive: this module's set_threads(1)
+        # would leave one, so the session gets its own pool (as README's TensorFlow section says)
+        config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=len(outs) + 1)
+        with tf.compat.v1.Session(graph=graph, config=config) as session:
+            results = session.run(outs + [gathered])
+    for i, (xs, got) in enumerate(zip(inputs, results)):
+        check_allreduce_result(np.asarray(got), xs, ops[i % 3], size, what=f"{key} collective {i}")
+    assert_exact(results[-1], np.concatenate([inputs[0][r][: r + 1] for r in range(size)]), key)
+
+
+def test_eager_errors_are_the_tensorflow_errors_horovod_raises():
+    """A failed collective is tf.errors.FailedPreconditionError and HvpsError; an argument the op
+    refuses is tf.errors.InvalidArgumentError and ValueError (as Horovod's ops raise them)."""
+    size, rank = hvd.size(), hvd.rank()
+    with pytest.raises(tf.errors.FailedPreconditionError) as failed:
+        hvd.allreduce(tf.zeros((3,) if rank == 0 else (4,)), op=hvd.Sum)
+    assert isinstance(failed.value, hvps.HvpsError) and "mismatch" in str(failed.value)
+    with pytest.raises(tf.errors.InvalidArgumentError) as refused:
+        hvd.alltoall(tf.zeros((size + 1,)))
+    assert isinstance(refused.value, ValueError) and "divisible" in str(refused.value)
+    assert to_np(hvd.allreduce(tf.ones((2,)), op=hvd.Sum)).tolist() == [size] * 2  # names still in step
+
+
+def test_horovod_tensor_interface_of_compression():
+    for dtype in (tf.float32, tf.float64, tf.int32, tf.uint16):
+        compressed, ctx = hvd.Compression.fp16.compress(tf.ones((3,), dtype))
+        assert compressed.dtype == (tf.float16 if dtype.is_floating else dtype)
+        assert hvd.Compression.fp16.decompress(compressed, ctx).dtype == dtype
+    assert hvd._executing_eagerly() and hvd.util._executing_eagerly()
+
+
 def test_uninitialized_wrappers_refuse_before_init():
     hvd.barrier()
     with pytest.raises(ValueError):
