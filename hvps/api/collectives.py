@@ -1,9 +1,10 @@
 """Collectives on numpy buffers, each synchronous and asynchronous (``*_async`` returns a Handle).
 
 Every argument is checked before anything is submitted, the same way on every rank, and a
-call submits all of its collectives or none: an argument error never leaves one rank a
-collective ahead of the others, so the automatic names of unnamed collectives (numbered per
-process set and kind) stay in step across ranks.
+call submits all of its collectives or none. An unnamed call whose arguments this rank refuses
+still takes its automatic name (numbered per process set and kind) and announces the failure
+(:func:`fails_everywhere`): the names stay in step across ranks even when only one rank refuses,
+and the ranks that did submit fail at once with its reason.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def check_name(name: Any) -> Optional[str]:
 def _name(kind: str, name: Optional[str], set_id: int = GLOBAL_SET) -> str:
     """User names are namespaced by kind (and set); unnamed ops are numbered per set and kind.
 
-    Call it only once every argument has been checked: the counter must advance on every rank alike.
+    Call it once every argument has been checked (or, refused, from :func:`fails_everywhere`): the
+    counter must advance on every rank alike.
     """
     check_name(name)
     scope = kind if set_id == GLOBAL_SET else f"{kind}.set{set_id}"
