@@ -32,7 +32,8 @@ done
 set -o pipefail
 "$1" -m hvps.runner.launch --gloo -np "$np" "$@" 2>&1 | sed -u -E 's/^\[[0-9]+\]<std(out|err)>://'
 """
-SUMMARY = re.compile(r"(?P<counts>(?:\d+ \w+(?:, )?)+) in (?P<seconds>[0-9.]+)s")
+#: pytest's summary line; pytest-subtests adds "N subtests passed" (two words) to it
+SUMMARY = re.compile(r"(?P<counts>(?:\d+ (?:subtests )?\w+(?:, )?)+) in (?P<seconds>[0-9.]+)s")
 
 
 def parse_summary(text: str) -> tuple:
@@ -41,7 +42,7 @@ def parse_summary(text: str) -> tuple:
     if not matches:
         raise AssertionError(f"no pytest summary line in the output:\n{text[-3000:]}")
     last = matches[-1]
-    counts = {word: int(number) for number, word in re.findall(r"(\d+) (\w+)", last.group("counts"))}
+    counts = {word: int(number) for number, word in re.findall(r"(\d+) ((?:subtests )?\w+)", last.group("counts"))}
     return counts, float(last.group("seconds"))
 
 
@@ -49,6 +50,10 @@ def parse_summary(text: str) -> tuple:
 def test_parse_summary():
     counts, seconds = parse_summary("FAILED x\n3 failed, 100 passed, 12 skipped, 5 warnings in 33.30s\n")
     assert counts == {"failed": 3, "passed": 100, "skipped": 12, "warnings": 5} and seconds == 33.3
+    line = "15 failed, 143 passed, 112 skipped, 4 warnings, 161 subtests passed in 119.60s (0:01:59)"
+    counts, seconds = parse_summary(line)
+    assert counts == {"failed": 15, "passed": 143, "skipped": 112, "warnings": 4, "subtests passed": 161}
+    assert seconds == 119.6
 
 
 @pytest.mark.timeout(600)
