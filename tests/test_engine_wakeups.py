@@ -24,7 +24,7 @@ def test_a_cycle_deadline_gives_select_one_cycle_not_two():
 
 def test_a_blocking_wait_expedites_its_collective_once():
     calls = []
-    handle = Handle("x", expedite=lambda: (calls.append("x"), handle.set_result(7)))
+    handle = Handle("x", expedite=lambda h: (calls.append("x"), h.set_result(7)))
     assert handle.wait() == 7
     assert handle.wait() == 7
     assert calls == ["x"]
@@ -32,7 +32,7 @@ def test_a_blocking_wait_expedites_its_collective_once():
 
 def test_a_finished_collective_is_not_expedited():
     calls = []
-    handle = Handle("y", expedite=lambda: calls.append("y"))
+    handle = Handle("y", expedite=lambda h: calls.append("y"))
     handle.set_result(1)
     assert handle.wait() == 1
     assert calls == []

@@ -14,7 +14,7 @@ import torch
 import hvps
 from hvps import ProcessSet, ReduceOp, global_process_set
 from hvps.adapters.common.ops import resolve_op
-from hvps.api.collectives import check_name, fails_everywhere
+from hvps.api.collectives import check_name, fails_everywhere, synchronous
 from hvps.control.negotiation import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
 from hvps.core import scaling
 
@@ -110,6 +110,7 @@ class _Allreduce(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+@synchronous
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
               compression=Compression.none, op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
@@ -121,6 +122,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     return decompress_sum(compression, [summed], ctxs, plan)[0]
 
 
+@synchronous
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
@@ -143,6 +145,7 @@ class _GroupedAllreduce(torch.autograd.Function):
         return (None, None, None, None, None, *reduced)
 
 
+@synchronous
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                       compression=Compression.none, op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> list:
@@ -154,6 +157,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
     return decompress_sum(compression, list(outs), ctxs, plan)
 
 
+@synchronous
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                        op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list:
@@ -224,12 +228,14 @@ class _Allgather(torch.autograd.Function):
         return (None, None, *_own_rows(grads, ctx.rows, ctx.process_set))
 
 
+@synchronous
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every member's tensor along dim 0 (differentiable)."""
     return _Allgather.apply(name, process_set, tensor)[0]
 
 
+@synchronous
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                       process_set: ProcessSet = global_process_set) -> list:
     """Allgather several tensors together (differentiable)."""
@@ -267,12 +273,14 @@ class _Broadcast(torch.autograd.Function):
         return grad, None, None, None
 
 
+@synchronous
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return the root's tensor on every member (differentiable)."""
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
+@synchronous
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` in place with the root's."""
@@ -312,6 +320,7 @@ class _Alltoall(torch.autograd.Function):
         return grad, None, None, None
 
 
+@synchronous
 def alltoall(tensor: torch.Tensor, splits: Optional[Any] = None, name: Optional[str] = None,
              process_set: ProcessSet = global_process_set) -> Any:
     """Exchange rows with every member (differentiable).
@@ -358,6 +367,7 @@ class _Reducescatter(torch.autograd.Function):
         return (None, None, None, None, None, *[g * ctx.factor if ctx.factor != 1 else g for g in gathered])
 
 
+@synchronous
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=Compression.none,
                   op: ReduceOp = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                   process_set: ProcessSet = global_process_set) -> torch.Tensor:
@@ -368,6 +378,7 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=
     return decompress_sum(compression, [out], ctxs, plan)[0]
 
 
+@synchronous
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None, compression=Compression.none,
                           op: ReduceOp = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                           process_set: ProcessSet = global_process_set) -> list:
@@ -379,6 +390,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
 
 
 # -- synchronisation --------------------------------------------------------------------
+@synchronous
 def join(device: int = -1) -> int:
     """Stop contributing; other ranks' allreduces proceed with zeros. Returns the last rank to join.
 
@@ -387,6 +399,7 @@ def join(device: int = -1) -> int:
     return hvps.join()
 
 
+@synchronous
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every member of the set has called barrier()."""
     hvps.barrier(process_set)

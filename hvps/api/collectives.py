@@ -38,6 +38,7 @@ from ..core.handle import Handle
 from ..dataplane.adasum import is_power_of_two
 from ..dataplane.executors import Entry, reducescatter_rows
 from ..runtime import state as runtime
+from ..runtime.engine import waits_at_once
 from ..runtime.process_sets import ProcessSet, global_process_set, resolve
 
 Average, Sum, Min, Max, Product, Adasum = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max,
@@ -160,6 +161,22 @@ def fails_everywhere(kind: str) -> Callable:
         return call
 
     return decorate
+
+
+def synchronous(fn: Callable) -> Callable:
+    """Decorate a synchronous entry point (it submits, then waits at once): its submissions leave the
+    engine thread asleep, as the wait runs them (``engine.waits_at_once``)."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            with waits_at_once():
+                return fn(*args, **kwargs)
+        except BaseException:
+            if runtime.is_initialized():
+                runtime.engine().wake_if_queued()  # nothing waits for what it left queued
+            raise
+
+    return call
 
 
 def _announce_failure(kind: str, arguments: dict, error: BaseException) -> None:
@@ -363,6 +380,7 @@ def allreduce_async(array: Any, op: Any = Average, name: Optional[str] = None, p
     return _allreduce_async([array], op, name, prescale_factor, postscale_factor, outs, process_set, grouped=False)
 
 
+@synchronous
 def allreduce(array: Any, op: Any = Average, name: Optional[str] = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, out: Optional[Any] = None,
               process_set: Optional[ProcessSet] = None) -> Any:
@@ -370,6 +388,7 @@ def allreduce(array: Any, op: Any = Average, name: Optional[str] = None, prescal
     return allreduce_async(array, op, name, prescale_factor, postscale_factor, out, process_set).wait()
 
 
+@synchronous
 def grouped_allreduce(arrays: Sequence[Any], op: Any = Average, name: Optional[str] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       outs: Optional[Sequence[Any]] = None, process_set: Optional[ProcessSet] = None) -> list:
@@ -408,11 +427,13 @@ def allgather_async(array: Any, name: Optional[str] = None, process_set: Optiona
     return _submit_all([(request, [src], [])])[0]
 
 
+@synchronous
 def allgather(array: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Any:
     """Concatenate every member's ``array`` along dim 0."""
     return allgather_async(array, name, process_set).wait()
 
 
+@synchronous
 def grouped_allgather(values: Sequence[Any], name: Optional[str] = None,
                       process_set: Optional[ProcessSet] = None) -> list:
     """Allgather several arrays together."""
@@ -435,6 +456,7 @@ def broadcast_async(array: Any, root_rank: int, name: Optional[str] = None, out:
     return _submit_all([(request, [src], [output])])[0]
 
 
+@synchronous
 def broadcast(array: Any, root_rank: int, name: Optional[str] = None, out: Optional[Any] = None,
               process_set: Optional[ProcessSet] = None) -> Any:
     """Copy the root's ``array`` to every member."""
@@ -470,6 +492,7 @@ def alltoall_async(array: Any, splits: Optional[Sequence[int]] = None, name: Opt
     return _submit_all([(request, [src], [])])[0]
 
 
+@synchronous
 def alltoall(array: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
              process_set: Optional[ProcessSet] = None) -> tuple:
     """Scatter rows of ``array`` to the set's ranks and gather theirs: ``(output, received_splits)``."""
@@ -525,12 +548,14 @@ def reducescatter_async(array: Any, op: Any = Average, name: Optional[str] = Non
     return _submit_all([(request, [src], [])])[0]
 
 
+@synchronous
 def reducescatter(array: Any, op: Any = Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0, process_set: Optional[ProcessSet] = None) -> Any:
     """Reduce ``array`` over the set's ranks and return this rank's block of dim 0."""
     return reducescatter_async(array, op, name, prescale_factor, postscale_factor, process_set).wait()
 
 
+@synchronous
 def grouped_reducescatter(values: Sequence[Any], op: Any = Average, name: Optional[str] = None,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                           process_set: Optional[ProcessSet] = None) -> list:
@@ -545,6 +570,7 @@ def scattered_rows(rows: int, process_set: Optional[ProcessSet] = None) -> list:
 
 
 # -- synchronisation and objects -------------------------------------------------
+@synchronous
 def barrier(process_set: Optional[ProcessSet] = None) -> None:
     """Return once every member of the set has called barrier()."""
     runtime.engine()
@@ -552,6 +578,7 @@ def barrier(process_set: Optional[ProcessSet] = None) -> None:
     _submit_all([(Request(_name(BARRIER, None, set_id), BARRIER, process_set=set_id), [], [])])[0].wait()
 
 
+@synchronous
 def join() -> int:
     """Stop contributing data: allreduces of other ranks proceed with zeros from this rank.
 
@@ -561,6 +588,7 @@ def join() -> int:
     return _submit_all([(Request("join", JOIN), [], [])])[0].wait()
 
 
+@synchronous
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = None,
                      process_set: Optional[ProcessSet] = None) -> Any:
     """Pickle ``obj`` on the root and return a copy of it on every member."""
@@ -576,6 +604,7 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = 
     return pickle.loads(data.tobytes()) if runtime.rank() != root_rank else obj
 
 
+@synchronous
 def allgather_object(obj: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> list:
     """Pickle ``obj`` on every member and return the list of all members' objects, in rank order."""
     set_id, _ = resolve(process_set)

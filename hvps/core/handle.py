@@ -24,7 +24,7 @@ class Handle:
                  "event", "_expedite", "_source", "_finish")
 
     def __init__(self, name: str, buffers: tuple = (), stall_seconds: float = 60.0,
-                 expedite: Optional[Callable[[], None]] = None) -> None:
+                 expedite: Optional[Callable[["Handle"], None]] = None) -> None:
         self.name = name
         #: whether the result or error is in; ``_gate`` is held until then (waiters block on it:
         #: a bare lock costs a fraction of a threading.Event, and a handle is made per gradient)
@@ -39,8 +39,9 @@ class Handle:
         self._limit = stall_seconds * _WATCHDOG_FACTOR + 1.0
         #: CUDA results: the event after which they are valid on the device (None on the host)
         self.event: Any = None
-        #: called once by the first wait() that would block: the engine then starts the
-        #: collective now instead of at its next cycle (the waiter has nothing else to do)
+        #: called once, with the handle, by the first wait() that would block: the engine then starts
+        #: the collective now instead of at its next cycle, or lets the waiter run it (it has nothing
+        #: else to do)
         self._expedite = expedite
         #: a handle made by ``then``: the handle it waits for; ``_finish`` turns that one's result (or,
         #: set by ``finish_with``, this handle's own) into the result ``wait()`` returns
@@ -76,7 +77,7 @@ class Handle:
         deadline = None if timeout is None else time.monotonic() + timeout
         expedite, self._expedite = self._expedite, None
         if expedite is not None and not self._done:
-            expedite()
+            expedite(self)
         while not self._done:
             if self._gate.acquire(timeout=0.5):
                 self._gate.release()  # the gate stays open for every other waiter

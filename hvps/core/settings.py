@@ -21,6 +21,7 @@ VARIABLES: dict[str, str] = {
     # the engine (Settings)
     "HVPS_FUSION_THRESHOLD": "bytes per fusion buffer; 0 turns fusion off",
     "HVPS_CYCLE_TIME": "ms between negotiation cycles",
+    "HVPS_SPIN_WAIT_MICROSECONDS": "how long a thread waiting alone on a collective runs the engine itself; 0: never",
     "HVPS_STALL_CHECK_TIME_SECONDS": "a collective missing on some rank fails after this long",
     "HVPS_ALLREDUCE_ALGORITHM": "ring, mpi or auto",
     "HVPS_RING_CHUNK_BYTES": "message size of the ring algorithm",
@@ -107,6 +108,9 @@ class Settings:
 
     fusion_threshold: int = 64 * 1024 * 1024
     cycle_time_ms: float = 1.0
+    #: a thread waiting on the only collective in flight negotiates and runs it itself, polling for up to
+    #: this long before it sleeps (the fast path of synchronous calls; see engine.py)
+    spin_wait_us: float = 2000.0
     stall_check_seconds: float = 60.0
     algorithm: str = "auto"
     ring_chunk_bytes: int = 4 * 1024 * 1024
@@ -156,6 +160,7 @@ class Settings:
             cache_capacity=int(env_number("HVPS_CACHE_CAPACITY", cls.cache_capacity, int)),
             fusion_threshold=int(env_number("HVPS_FUSION_THRESHOLD", cls.fusion_threshold, int)),
             cycle_time_ms=env_number("HVPS_CYCLE_TIME", cls.cycle_time_ms),
+            spin_wait_us=env_number("HVPS_SPIN_WAIT_MICROSECONDS", cls.spin_wait_us),
             stall_check_seconds=env_number("HVPS_STALL_CHECK_TIME_SECONDS", cls.stall_check_seconds),
             algorithm=algorithm,
             ring_chunk_bytes=int(env_number("HVPS_RING_CHUNK_BYTES", cls.ring_chunk_bytes, int)) or cls.ring_chunk_bytes,

@@ -49,8 +49,11 @@ IN_FLIGHT = 8
 _SPIN_POLLS, _NAP, _MAX_NAP = 200, 20e-6, 1e-3
 
 
-def wait_all(requests: list, peers: list, timeout: float) -> None:
-    """``MPI.Request.Waitall`` that gives up after ``timeout`` s without progress, naming the silent peers.
+def wait_all(requests: list, peers: list, timeout: float, abort=None, what: str = "ring allreduce",
+             point_to_point: bool = True) -> None:
+    """``MPI.Request.Waitall`` that gives up after ``timeout`` s without progress, naming the silent peers,
+    or as soon as ``abort`` (a ``threading.Event``: the engine's word that ranks were lost) is set.
+    Timed-out point-to-point requests are cancelled (MPI cannot cancel a collective's).
 
     Polls like MPI's own blocking wait does, so transfers progress at full speed.
     """
@@ -71,19 +74,22 @@ def wait_all(requests: list, peers: list, timeout: float) -> None:
         idle += 1
         if idle > _SPIN_POLLS:  # a slow peer: stop burning the core (and the GIL) training needs
             time.sleep(min(_MAX_NAP, _NAP * (idle - _SPIN_POLLS)))
-        if time.monotonic() > deadline:
+        lost = abort is not None and abort.is_set()
+        if lost or time.monotonic() > deadline:
             silent = sorted({peers[i] for i, r in enumerate(requests) if r != MPI.REQUEST_NULL})
             for request in requests:
-                if request != MPI.REQUEST_NULL:
+                if point_to_point and not lost and request != MPI.REQUEST_NULL:
                     request.Cancel()
+            if lost:
+                raise HvpsError(f"{what} abandoned: ranks of the job were lost while it waited for ranks {silent}")
             raise HvpsError(
-                f"ring allreduce failed: no data moved to or from ranks {silent} for {timeout:g} s "
+                f"{what} failed: no data moved to or from ranks {silent} for {timeout:g} s "
                 "(HVPS_STALL_CHECK_TIME_SECONDS); a rank died or a link between ranks is down"
             )
 
 
 def ring_allreduce(comm, sendbuf: np.ndarray, recvbuf: np.ndarray, ufunc, to_wire, chunk_bytes: int,
-                   timeout: float = 60.0, workspace=None) -> None:
+                   timeout: float = 60.0, workspace=None, abort=None) -> None:
     """Reduce 1-D ``sendbuf`` over ``comm`` into ``recvbuf`` (may be the same array) with ``ufunc``:
     a pairwise-exchange reduce-scatter, then a ring allgather (see the module).
 
@@ -122,7 +128,7 @@ def ring_allreduce(comm, sendbuf: np.ndarray, recvbuf: np.ndarray, ufunc, to_wir
 
     pending = post(0)
     for r in range(rounds):  # reduce-scatter, rank-ordered folding
-        wait_all(*pending, timeout)
+        wait_all(*pending, timeout, abort)
         pending = post(r + 1) if r + 1 < rounds else ([], [])
         own = _window(mine, r * chunk, chunk)
         n = own.stop - own.start
@@ -147,7 +153,7 @@ def ring_allreduce(comm, sendbuf: np.ndarray, recvbuf: np.ndarray, ufunc, to_wir
 
         in_flight = [post_gather(r) for r in range(min(IN_FLIGHT, rounds))]
         for r in range(rounds):
-            wait_all(in_flight[r], [left, right], timeout)
+            wait_all(in_flight[r], [left, right], timeout, abort)
             if r + IN_FLIGHT < rounds:
                 in_flight.append(post_gather(r + IN_FLIGHT))
 

@@ -1,26 +1,37 @@
-"""The background thread that owns every data-plane call.
+"""The engine: it owns every data-plane call, and a background thread runs it.
 
-Each rank queues collectives locally; the thread announces them to rank 0's
+Each rank queues collectives locally; the engine announces them to rank 0's
 coordinator (at most once per cycle, so that tensors arriving together fuse),
 which answers with the responses every rank executes in the same order (see
 ``negotiation.py``). Between messages the thread blocks in ``select`` on the
-control plane (``control.py``), so it takes no CPU from training while it waits.
+control plane (``plane.py``), so it takes no CPU from training while it waits.
+
+The fast path: a thread that waits for a collective while nothing else is in flight runs the
+engine's cycles itself, polling the control plane instead of sleeping, for up to
+``HVPS_SPIN_WAIT_MICROSECONDS`` (``_drive``). A synchronous small collective then costs no
+hand-over between threads and no wake-up of a sleeping thread on any rank: it is negotiated and
+executed by the callers. The negotiation is the same code, so the mismatch and stall checks hold.
+Only collectives the backend can abandon at once when a rank dies (``Backend.interruptible_bytes``)
+run on the caller; a larger one is left to the engine thread (``_backlog``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import threading
 import time
 from collections import deque
-from typing import Optional
+from typing import Iterator, Optional
 
 from .. import metrics as _metrics
 from ..control.liveness import PeerLost
-from ..control.negotiation import ADD_SET, GLOBAL_SET, JOIN, REMOVE_SET, SHUTDOWN, Coordinator, Request
+from ..control.negotiation import ALLGATHER, ADD_SET, GLOBAL_SET, JOIN, REMOVE_SET, SHUTDOWN, Coordinator, Request
 from ..control.plane import ControlPlane
 from ..control.response_cache import ResponseCache
+from ..core import arrays
 from ..core.errors import DuplicateNameError, HvpsError
 from ..core.handle import Handle
 from ..core.timeline import Timeline
@@ -33,9 +44,29 @@ log = logging.getLogger("hvps")
 #: after local work arrives, the engine polls its queue for this many cycles before it
 #: goes back to sleeping until woken
 _ACTIVE_CYCLES = 20
+#: an idle engine reads unasked messages (other ranks' announcements, which only rank 0 gets) this often;
+#: its own submissions wake it at once
+_IDLE_READ_SECONDS = 0.05
 #: after a collective failed in the data plane, how long the engine waits for the control plane to
 #: tell which rank died (it knows within milliseconds of the kernel closing the dead rank's sockets)
 _LOSS_GRACE_SECONDS = 1.0
+
+
+#: ``waits_at_once`` marks this thread's submissions inside a synchronous call
+_synchronous = threading.local()
+
+
+@contextlib.contextmanager
+def waits_at_once() -> Iterator[None]:
+    """Collectives submitted inside are waited for at once by this thread (a synchronous call): the
+    submission does not wake the engine thread, since the wait runs the collective itself or wakes
+    it then (``Handle.wait``). Whoever leaves it by an exception must ``wake_if_queued``."""
+    outer = getattr(_synchronous, "on", False)
+    _synchronous.on = True
+    try:
+        yield
+    finally:
+        _synchronous.on = outer
 
 
 def poll_timeout(deadline: float, now: float) -> float:
@@ -89,8 +120,19 @@ class Engine:
         #: the entries of the response being executed (taken out of _pending): a dead rank fails them too
         self._running: list = []
         self._failure: Optional[BaseException] = None
-        #: set once ranks were found dead (_peers_lost)
+        #: set once ranks were found dead (_peers_lost); a collective in flight then gives up
         self._lost = threading.Event()
+        backend.interrupt_on(self._lost)
+        #: held by whichever thread runs a cycle: the engine thread, or a waiter that drives it (_drive)
+        self._cycle_lock = threading.Lock()
+        #: whether the thread in a cycle is a waiter (it runs only what the backend can abandon at once)
+        self._on_waiter = False
+        #: agreed responses not yet executed, in order (a waiter left one too large for it)
+        self._backlog: deque = deque()
+        #: how long a waiter drives the engine before it blocks (seconds; 0: never)
+        self.spin_seconds = settings.spin_wait_us / 1e6
+        #: waits that ran the engine on the waiting thread (the fast path), and those that ran a collective
+        self.driven_waits = self.driven_collectives = 0
         self._stopping = False
         self.timeline = None
         if settings.timeline and settings.timeline != "DYNAMIC":  # DYNAMIC: start_timeline() later
@@ -136,10 +178,17 @@ class Engine:
             # switch and the GIL (~150 us). Backward hooks submit in bursts, so while
             # the engine is active it polls its queue every cycle instead (as
             # Horovod's cycle does); after a quiet spell a collective wakes it at once.
-            wake = self._claim_wake(self._sleeping)
+            wake = self._claim_wake(self._sleeping and not getattr(_synchronous, "on", False))
         if wake:
             self.control.wake()
         return handles
+
+    def wake_if_queued(self) -> None:
+        """Wake the engine thread if collectives wait in the queue (and no wake-up is on its way)."""
+        with self._lock:
+            wake = self._claim_wake(bool(self._queue))
+        if wake:
+            self.control.wake()
 
     def abandon(self, request: Request) -> None:
         """Tell the other ranks that this rank could not submit ``request`` (its ``failure`` says why):
@@ -152,14 +201,54 @@ class Engine:
         if wake:
             self.control.wake()
 
-    def _expedite(self) -> None:
-        """A thread is about to block on a collective: if it still sits in the queue, wake the
+    def _expedite(self, handle: Handle) -> None:
+        """A thread is about to block on ``handle``: when nothing else is in flight, run the engine's
+        cycles here until it is done (``_drive``); otherwise, if it still sits in the queue, wake the
         engine now instead of letting it wait for the next cycle.  The wake-up's cost falls on a
         thread that would only wait anyway, and a synchronous call saves up to a cycle per rank."""
+        if not self._drive(handle):
+            self.wake_if_queued()
+
+    def _drive(self, handle: Handle) -> bool:
+        """Run cycles on this (waiting) thread until ``handle`` is done, a response too large for it
+        comes, or ``spin_seconds`` pass; False if it may not (the engine thread is in a cycle, or other
+        collectives are in flight: they keep the engine thread's pace and fusion)."""
+        # The engine thread holds the lock for a cycle at a time (microseconds, unless it is inside a
+        # large transfer): waiting for it beats handing over, which wakes a thread on every rank.
+        if self.spin_seconds <= 0 or not self._cycle_lock.acquire(timeout=self.spin_seconds):
+            return False
         with self._lock:
-            wake = self._claim_wake(bool(self._queue))
-        if wake:
-            self.control.wake()
+            alone = (len(self._queue) + len(self._pending) == 1 and not self._backlog and not self._abandoned
+                     and (handle.name in self._pending or handle.name in self._queued_names)
+                     and not self._stopping and self._failure is None)
+        if not alone:
+            self._cycle_lock.release()
+            return False
+        self.driven_waits += 1
+        try:
+            self._on_waiter = True
+            until = time.monotonic() + self.spin_seconds
+            with self._failures_stop_it():
+                while not handle.poll() and not self._backlog and not self._stopping and self._failure is None:
+                    self._cycle(0.0)
+                    if time.monotonic() > until:
+                        break
+                    os.sched_yield()  # a peer rank or our own engine may be waiting for this core
+            return True
+        finally:
+            self._on_waiter = False
+            with self._lock:  # the engine thread may sleep for good: from now on submitters wake it
+                self._sleeping = True
+                wake = self._claim_wake(self._outstanding())
+            self._cycle_lock.release()
+            if wake:
+                self.control.wake()
+
+    def _outstanding(self) -> bool:
+        """Whether the engine thread has anything to do or watch (the lock is held)."""
+        return bool(self._queue or self._pending or self._backlog or self._abandoned or self._unannounced
+                    or self._stopping or self._failure is not None
+                    or (self.coordinator is not None and self.coordinator.next_deadline() is not None))
 
     def _claim_wake(self, wanted: bool) -> bool:
         """Whether the caller should wake the engine (it holds the lock): once until it runs."""
@@ -234,32 +323,59 @@ class Engine:
 
     # -- the engine thread ----------------------------------------------------------
     def _run(self) -> None:
-        try:
+        with self._failures_stop_it():
             while not self._stopping and self._failure is None:
                 timeout = self._timeout()
                 with self._lock:  # decided together with submit(), so no wake-up is lost
-                    if self._queue:
+                    if self._queue or self._backlog:
                         timeout = 0.0
                     # "More than a cycle", with slack: (now + cycle) - now rounds to a hair above
                     # a cycle, which would make every submission pay for a wake-up while active.
                     self._sleeping = timeout is None or timeout > 1.5 * self.cycle_s
-                messages, closed = self.control.poll(timeout)
-                self._take_queue()
-                if self.rank == 0:
-                    self._coordinate(messages, closed)
+                    idle = timeout is None and not self._outstanding()
+                if idle:  # nothing of ours in flight: unasked messages (announcements to rank 0) can wait
+                    self.control.wait(_IDLE_READ_SECONDS, messages=False)
                 else:
-                    self._work(messages, closed)
-        except BaseException as exc:  # noqa: BLE001 - surfaced on every handle
-            with self._lock:
-                first, self._failure = self._failure is None, self._failure or exc
-            if not first:
-                return  # a rank died meanwhile (_peers_lost): this is a consequence, already reported
-            if isinstance(exc, HvpsError):
-                log.error("hvps rank %d: %s", self.rank, exc)
-            else:
-                log.exception("hvps engine thread failed on rank %d", self.rank)
-            _metrics.on_engine_failure()
-            self._fail_all(HvpsError(f"the hvps engine stopped on rank {self.rank} after: {exc}"))
+                    self.control.wait(timeout)
+                with self._cycle_lock:  # a waiter may be driving: it reads what woke us
+                    if self._stopping or self._failure is not None:
+                        break
+                    self._cycle(0.0)
+
+    def _cycle(self, timeout: Optional[float]) -> None:
+        """One turn: read the control plane, take the queue, negotiate, execute (the cycle lock is held)."""
+        messages, closed = self.control.poll(timeout)
+        self._take_queue()
+        if self.rank == 0:
+            self._coordinate(messages, closed)
+        else:
+            self._work(messages, closed)
+
+    @contextlib.contextmanager
+    def _failures_stop_it(self) -> Iterator[None]:
+        """Any exception of a cycle is the engine's failure, surfaced on every handle; an interrupt of a
+        driving user thread (Ctrl-C) also goes on up that thread."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc)
+        except BaseException as exc:
+            self._failed(exc)
+            if threading.current_thread() is not self._thread:
+                raise
+
+    def _failed(self, exc: BaseException) -> None:
+        """A cycle raised ``exc`` (on the engine thread or a driving waiter): fail everything, once."""
+        with self._lock:
+            first, self._failure = self._failure is None, self._failure or exc
+        if not first:
+            return  # a rank died meanwhile (_peers_lost): this is a consequence, already reported
+        if isinstance(exc, HvpsError):
+            log.error("hvps rank %d: %s", self.rank, exc)
+        else:
+            log.exception("hvps engine failed on rank %d", self.rank)
+        _metrics.on_engine_failure()
+        self._fail_all(HvpsError(f"the hvps engine stopped on rank {self.rank} after: {exc}"))
 
     def _peers_lost(self, lost: dict) -> None:
         """Ranks died (the control plane's watch, or this thread's poll): fail every collective in
@@ -298,7 +414,7 @@ class Engine:
             for entry in new:  # under the lock: a name is always either queued or pending
                 self._pending[entry.request.name] = entry
             abandoned, self._abandoned = self._abandoned, []
-            if new:  # more is likely to follow (a backward pass): poll for a while
+            if new and not self._on_waiter:  # more is likely to follow (a backward pass): poll for a while
                 self._active_until = time.monotonic() + _ACTIVE_CYCLES * self.cycle_s
         self._unannounced.extend(e.request for e in new)
         self._unannounced.extend(abandoned)
@@ -357,9 +473,16 @@ class Engine:
             self._peers_lost({0: "it shut its control connection down alone (its hvps engine stopped)"})
 
     def _execute(self, responses: list) -> None:
-        for response in responses:
+        """Run ``responses`` after any left from before, in order; a waiter leaves the first one its
+        backend could not abandon at once to the engine thread (``_drive``)."""
+        self._backlog.extend(responses)
+        while self._backlog:
             if self._failure is not None:  # a rank died meanwhile: every handle has its error
                 return
+            response = self._backlog[0]
+            if self._on_waiter and not self._waiter_may_run(response):
+                return
+            self._backlog.popleft()
             entries = [self._pending.pop(name, None) for name in response.names]
             self._running = [entry for entry in entries if entry is not None]
             if response.error:
@@ -372,8 +495,31 @@ class Engine:
                     if entry is not None:
                         entry.handle.set_result(response.last_joined if response.kind == JOIN else None)
             else:
+                self.driven_collectives += self._on_waiter
                 self._run_collective(response, entries)
         self._running = []
+
+    def _waiter_may_run(self, response) -> bool:
+        """Whether a waiting user thread may execute ``response``: negotiation-only kinds, and collectives
+        small enough that the backend abandons them at once when a rank dies (never a hang in user code)."""
+        if response.error or response.kind in (JOIN, SHUTDOWN):
+            return True
+        if response.kind in (ADD_SET, REMOVE_SET):
+            return False  # building or freeing a process set's communicators may block
+        context = self.contexts.get(response.requests[0].process_set)
+        if context is None:
+            return True
+        limit = context.backend.interruptible_bytes
+        nbytes = 0
+        for name in response.names:
+            entry = self._pending.get(name)
+            if entry is None:
+                return False  # joined: zeros of the agreed shapes, sized elsewhere
+            for array in entry.inputs:
+                if not arrays.is_numpy(array):
+                    return False
+                nbytes += array.nbytes
+        return nbytes * max(1, context.size if response.kind == ALLGATHER else 1) <= limit
 
     def _change_sets(self, response, entries: list) -> None:
         """Build (or free) the data plane of an agreed process set, on its members only."""
@@ -466,3 +612,4 @@ class Engine:
                 failure = error(entry)
                 _metrics.on_collective_error(str(failure), True)
                 entry.handle.set_error(failure)
+

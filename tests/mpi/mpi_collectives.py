@@ -390,3 +390,34 @@ def test_unsupported_dtypes_raise_type_error(np_dtype):
     # hvps still works afterwards
     res = hvps.allreduce(np.array([1.5], dtype=np.float32), op=hvps.Sum)
     assert res.tolist() == [1.5 * size]
+
+
+def test_synchronous_calls_take_the_fast_path_and_large_ones_the_engine_thread(request):
+    """A synchronous collective alone in flight is negotiated and run by its caller (engine.py's fast
+    path); one above the backend's interruptible size is handed to the engine thread. Both correct, on
+    every collective, with fresh data."""
+    from hvps.dataplane.backends.mpi import NONBLOCKING_BYTES
+    from hvps.runtime import state
+
+    engine = state.engine()
+    if engine.spin_seconds <= 0 or engine.backend.interruptible_bytes == 0:
+        pytest.skip(f"no fast path on this data plane ({engine.backend.name}) or HVPS_SPIN_WAIT_MICROSECONDS=0")
+    size, rank = hvps.size(), hvps.rank()
+    spin, engine.spin_seconds = engine.spin_seconds, 5.0  # an oversubscribed, loaded box: never hand back early
+    request.addfinalizer(lambda: setattr(engine, "spin_seconds", spin))
+    for count in (1, 1001, NONBLOCKING_BYTES // 4 + 1):
+        key = f"{request.node.name}/{count}"
+        ins = np.stack(all_inputs(np.float64, (count,), key, size, "Sum"))
+        ran = engine.driven_collectives
+        for _ in range(3):
+            out = hvps.allreduce(ins[rank], op=hvps.Sum, name=key)
+            np.testing.assert_allclose(out, ins.sum(axis=0), rtol=1e-12)
+            gathered = hvps.allgather(ins[rank][None, :], name=key + "/gather")
+            np.testing.assert_array_equal(gathered, ins)
+            root = count % size
+            np.testing.assert_array_equal(hvps.broadcast(ins[rank], root, name=key + "/bcast"), ins[root])
+        driven = engine.driven_collectives - ran
+        if count * 8 * size <= NONBLOCKING_BYTES:  # the engine thread may hold the cycle lock now and then
+            assert driven >= 5, f"{count} float64: only {driven} of 9 collectives ran on the caller's thread"
+        else:
+            assert driven == 0, f"{count} float64: {driven} collectives above {NONBLOCKING_BYTES} B ran on the caller"

@@ -20,6 +20,13 @@ class Backend(abc.ABC):
         as they are; everything else reaches the backend as numpy arrays."""
         return False
 
+    #: collectives over at most this many bytes per rank return (or raise) promptly once the event given to
+    #: ``interrupt_on`` is set, so the engine may run them on a waiting user thread (0: none may)
+    interruptible_bytes: int = 0
+
+    def interrupt_on(self, event) -> None:
+        """From now on, give up a collective in flight once ``event`` (a ``threading.Event``) is set."""
+
     def ordered(self, entries: list):
         """A context the engine runs each collective in (device stream ordering; none on the host)."""
         return contextlib.nullcontext()

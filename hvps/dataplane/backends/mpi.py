@@ -18,7 +18,7 @@ from mpi4py import MPI
 from ...core import arrays, dtypes
 from ...core.dtypes import ReduceOp
 from ..buffers import FusionBuffer
-from ..ring import ring_allreduce
+from ..ring import ring_allreduce, wait_all
 from .base import Backend, sub_communicator
 from .device import cuda_order
 
@@ -87,11 +87,18 @@ def _displacements(counts: list) -> list:
     return [int(x) for x in np.concatenate(([0], np.cumsum(counts)[:-1]))] if counts else []
 
 
+#: host collectives of at most this many bytes (the same count on every rank) run as MPI's non-blocking
+#: collectives, polled until done, so that they stop at once when ranks are lost (``interrupt_on``): the
+#: engine lets a waiting thread run those itself. Above it MPI's blocking calls win (1 MiB allreduces).
+NONBLOCKING_BYTES = 256 << 10
+
+
 class MPIBackend(Backend):
     """Collectives through mpi4py's buffer methods on a private duplicate communicator."""
 
     name = "mpi"
     supports_process_sets = True
+    interruptible_bytes = NONBLOCKING_BYTES
 
     def __init__(self, comm: MPI.Comm, settings, owned: bool = False) -> None:
         """On a duplicate of ``comm``, or on ``comm`` itself when ``owned`` (a communicator made for it)."""
@@ -102,6 +109,19 @@ class MPIBackend(Backend):
         self.timeout = settings.stall_check_seconds
         self.workspace = FusionBuffer()
         self.cuda_aware = cuda_aware()
+        self.abort = None
+        self._others = [r for r in range(self.comm.Get_size()) if r != self.comm.Get_rank()]
+
+    def interrupt_on(self, event):
+        self.abort = event
+
+    @staticmethod
+    def _polled(array) -> bool:
+        """Whether a collective over ``array`` (its size the same on every rank) runs non-blocking."""
+        return arrays.is_numpy(array) and array.nbytes <= NONBLOCKING_BYTES
+
+    def _wait(self, request: MPI.Request, what: str) -> None:
+        wait_all([request], self._others, self.timeout, self.abort, f"MPI {what}", point_to_point=False)
 
     def takes(self, device, dtype):
         # User-defined reductions (float16, bfloat16) run on the host: those are staged.
@@ -112,38 +132,60 @@ class MPIBackend(Backend):
         return cuda_order(entries, host_sync=True) if self.cuda_aware else super().ordered(entries)
 
     def allreduce(self, sendbuf, recvbuf, op):
-        if self.algorithm == "ring" and arrays.is_numpy(recvbuf):
+        polled = self._polled(recvbuf)
+        if self.algorithm == "ring" and arrays.is_numpy(recvbuf) and not polled:  # small ones: MPI's is faster
             ring_allreduce(self.comm, sendbuf.reshape(-1), recvbuf.reshape(-1), dtypes.combine(op, recvbuf.dtype),
-                           wire, self.ring_chunk_bytes, self.timeout, self.workspace.view)
+                           wire, self.ring_chunk_bytes, self.timeout, self.workspace.view, self.abort)
             return
         send = MPI.IN_PLACE if arrays.address(sendbuf) == arrays.address(recvbuf) else wire(sendbuf)
-        self.comm.Allreduce(send, wire(recvbuf), op=mpi_op(_dtype(recvbuf), op))
+        reduce = mpi_op(_dtype(recvbuf), op)
+        if polled:
+            self._wait(self.comm.Iallreduce(send, wire(recvbuf), op=reduce), "allreduce")
+        else:
+            self.comm.Allreduce(send, wire(recvbuf), op=reduce)
 
     def allgatherv(self, sendbuf, recvbuf, counts):
         carrier, datatype = wire(recvbuf)
-        self.comm.Allgatherv(wire(sendbuf), [carrier, (counts, _displacements(counts)), datatype])
+        spec = [carrier, (counts, _displacements(counts)), datatype]
+        if self._polled(recvbuf):
+            self._wait(self.comm.Iallgatherv(wire(sendbuf), spec), "allgather")
+        else:
+            self.comm.Allgatherv(wire(sendbuf), spec)
 
     def broadcast(self, buf, root):
-        self.comm.Bcast(wire(buf), root=root)
+        if self._polled(buf):
+            self._wait(self.comm.Ibcast(wire(buf), root=root), "broadcast")
+        else:
+            self.comm.Bcast(wire(buf), root=root)
 
     def alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
+        # Always non-blocking: the byte counts differ between ranks, and every rank must make the same
+        # kind of call (MPI never matches a blocking collective with a non-blocking one). Measured as fast.
         send_carrier, datatype = wire(sendbuf)
         recv_carrier, _ = wire(recvbuf)
-        self.comm.Alltoallv(
-            [send_carrier, (sendcounts, _displacements(sendcounts)), datatype],
-            [recv_carrier, (recvcounts, _displacements(recvcounts)), datatype],
-        )
+        send = [send_carrier, (sendcounts, _displacements(sendcounts)), datatype]
+        receive = [recv_carrier, (recvcounts, _displacements(recvcounts)), datatype]
+        if arrays.is_numpy(recvbuf) and arrays.is_numpy(sendbuf):
+            self._wait(self.comm.Ialltoallv(send, receive), "alltoall")
+        else:
+            self.comm.Alltoallv(send, receive)
 
     def reducescatter(self, sendbuf, recvbuf, counts, op):
         carrier, datatype = wire(recvbuf)
-        self.comm.Reduce_scatter(wire(sendbuf), [carrier, datatype], recvcounts=counts,
-                                 op=mpi_op(_dtype(recvbuf), op))
+        reduce = mpi_op(_dtype(recvbuf), op)
+        if self._polled(sendbuf):
+            self._wait(self.comm.Ireduce_scatter(wire(sendbuf), [carrier, datatype], recvcounts=counts, op=reduce),
+                       "reducescatter")
+        else:
+            self.comm.Reduce_scatter(wire(sendbuf), [carrier, datatype], recvcounts=counts, op=reduce)
 
     def sendrecv(self, sendbuf, dest, recvbuf, source):
         self.comm.Sendrecv(wire(sendbuf), dest, recvbuf=wire(recvbuf), source=source)
 
     def subset(self, ranks):
-        return MPIBackend(sub_communicator(self.comm, ranks), self.settings, owned=True)
+        subset = MPIBackend(sub_communicator(self.comm, ranks), self.settings, owned=True)
+        subset.interrupt_on(self.abort)
+        return subset
 
     def close(self, failed=False):
         self.comm.Free()
