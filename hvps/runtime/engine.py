@@ -215,13 +215,9 @@ class Engine:
         collectives are in flight: they keep the engine thread's pace and fusion)."""
         # The engine thread holds the lock for a cycle at a time (microseconds, unless it is inside a
         # large transfer): waiting for it beats handing over, which wakes a thread on every rank.
-        if self.spin_seconds <= 0 or not self._cycle_lock.acquire(timeout=self.spin_seconds):
+        if self.spin_seconds <= 0 or not self._alone(handle) or not self._cycle_lock.acquire(timeout=self.spin_seconds):
             return False
-        with self._lock:
-            alone = (len(self._queue) + len(self._pending) == 1 and not self._backlog and not self._abandoned
-                     and (handle.name in self._pending or handle.name in self._queued_names)
-                     and not self._stopping and self._failure is None)
-        if not alone:
+        if not self._alone(handle):  # checked again: the engine thread may have taken more meanwhile
             self._cycle_lock.release()
             return False
         self.driven_waits += 1
@@ -243,6 +239,13 @@ class Engine:
             self._cycle_lock.release()
             if wake:
                 self.control.wake()
+
+    def _alone(self, handle: Handle) -> bool:
+        """Whether ``handle``'s collective is the only one in flight on this rank."""
+        with self._lock:
+            return (len(self._queue) + len(self._pending) == 1 and not self._backlog and not self._abandoned
+                    and (handle.name in self._pending or handle.name in self._queued_names)
+                    and not self._stopping and self._failure is None)
 
     def _outstanding(self) -> bool:
         """Whether the engine thread has anything to do or watch (the lock is held)."""
