@@ -27,7 +27,7 @@ VARIABLES: dict[str, str] = {
     "HVPS_BACKEND": "data plane: mpi, tdist, horovod or auto",
     "HVPS_HIERARCHICAL_ALLREDUCE": "1: reduce within nodes, across nodes, within nodes again",
     "HVPS_ENCRYPT": "1: seal (AES-256-GCM) every data-plane byte between hosts; all: between every pair of ranks",
-    "HVPS_TEST_TAMPER": "test-only fault hook of HVPS_ENCRYPT: damage a sealed chunk (flip|replay|long:RANK[:N])",
+    "HVPS_TEST_TAMPER": "test-only fault hook of HVPS_ENCRYPT: damage a sealed chunk (flip|replay:RANK[:N])",
     "HVPS_CACHE_CAPACITY": "requests the response cache keeps; 0 turns it off",
     "HVPS_AUTOTUNE": "1: tune the fusion threshold and cycle time from step times",
     "HVPS_AUTOTUNE_WARMUP_STEPS": "steps each autotune candidate runs before it is measured",

@@ -46,8 +46,7 @@ def _bytes(array) -> np.ndarray:
 class _Tamper:
     """The test-only fault hook ``HVPS_TEST_TAMPER=MODE:RANK[:N]``: on rank RANK, the N-th (default 1st)
     sealed chunk received after the variable was read is damaged: ``flip`` flips one of its bytes,
-    ``replay`` puts the chunk received before it in its place, ``long`` makes RANK's N-th sealed send
-    1 MiB longer than the receiver expects."""
+    ``replay`` puts the chunk received before it in its place."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -59,18 +58,11 @@ class _Tamper:
         raw = env_text("HVPS_TEST_TAMPER")
         if raw != (self.spec and self.spec[0]):
             parts = (raw or "").split(":")
-            if raw and len(parts) in (2, 3) and parts[0] in ("flip", "replay", "long") and int(parts[1]) == self.rank:
+            if raw and len(parts) in (2, 3) and parts[0] in ("flip", "replay") and int(parts[1]) == self.rank:
                 self.spec = (raw, parts[0], int(parts[2]) if len(parts) == 3 else 1)
             else:
                 self.spec = (raw, None, 0) if raw else None
             self.seen = 0
-
-    def on_send(self, sealed: np.ndarray) -> np.ndarray:
-        if self.spec and self.spec[1] == "long":
-            self.seen += 1
-            if self.seen == self.spec[2]:
-                return np.concatenate([sealed, np.zeros(1 << 20, np.uint8)])
-        return sealed
 
     def on_receive(self, sealed: np.ndarray) -> None:
         if self.spec and self.spec[1] in ("flip", "replay"):
@@ -78,8 +70,9 @@ class _Tamper:
             if self.seen == self.spec[2]:
                 if self.spec[1] == "flip":
                     sealed[len(sealed) // 2] ^= 0x40
-                elif self.last is not None and len(self.last) == len(sealed):
-                    sealed[:] = self.last
+                elif self.last is not None:  # the previous chunk's bytes, cut or padded to this one's length
+                    n = min(len(sealed), len(self.last))
+                    sealed[:n] = self.last[:n]
             self.last = sealed.copy() if self.seen < self.spec[2] else None
 
 
@@ -151,7 +144,7 @@ class EncryptedBackend(Backend):
                 return data
             out = self._slot(k % 2, data.size + sealing.TAG)
             self.send_dir[dest].seal_into(nonces_s[k], data, out, sealing.aad(kind, seq, step, k, data.size))
-            return self.tamper.on_send(out)
+            return out
 
         def open_(k, box):
             data = plain(recv, k)
@@ -196,7 +189,7 @@ class EncryptedBackend(Backend):
             for request in requests:
                 if request != MPI.REQUEST_NULL:
                     request.Wait()
-            state.setdefault("failure", f"a message to or from ranks {peers} was refused on rank "
+            state.setdefault("failure", f"a message to or from ranks {sorted(set(peers))} was refused on rank "
                                         f"{self.members[self.rank]} in {state['what']}: {exc}")
 
     def _begin(self, what: str) -> dict:
