@@ -179,9 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-check-time-seconds", type=_non_negative(float), metavar="S",
                    help="seconds before ranks that did not submit a collective are reported as stalled and the "
                         "collective fails (sets HVPS_STALL_CHECK_TIME_SECONDS; default 60)")
-    p.add_argument("--encrypt", nargs="?", const="1", choices=("1", "all"), default="",
-                   help="seal every data-plane byte between hosts with AES-256-GCM (sets HVPS_ENCRYPT=1; "
-                        "--encrypt=all: between ranks of one host too)")
+    p.add_argument("--encrypt", action="store_const", const="1", default="",
+                   help="seal every data-plane byte between hosts with AES-256-GCM (sets HVPS_ENCRYPT=1)")
+    p.add_argument("--encrypt-all", dest="encrypt", action="store_const", const="all",
+                   help="--encrypt between the ranks of one host too (sets HVPS_ENCRYPT=all)")
     p.add_argument("--hierarchical-allreduce", action="store_true",
                    help="reduce within each node, then across nodes, then within the node again "
                         "(sets HVPS_HIERARCHICAL_ALLREDUCE=1)")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import time
 from typing import Optional
 
 import numpy as np
@@ -31,11 +32,16 @@ from ...core.errors import HvpsError
 from ...core.settings import env_text
 from .. import sealing
 from ..buffers import FusionBuffer
-from ..ring import segments, wait_all
+from ..ring import segments
 from .base import Backend
 
 _KINDS = {"allreduce": 1, "allgather": 2, "broadcast": 3, "alltoall": 4, "reducescatter": 5, "verdict": 6}
 _VERDICT_BYTES = 256
+#: chunks in flight each way per transfer: several, so that each message's rendezvous round trip (slow behind a
+#: full link's queue) overlaps with the others' data
+WINDOW = 6
+#: polls without progress before napping between polls, and the nap (seconds)
+_SPIN_POLLS, _NAP = 500, 20e-6
 _TAG = 7301  # MPI tag of every message: the communicator is private to this backend, and MPI keeps order
 
 
@@ -88,7 +94,7 @@ class EncryptedBackend(Backend):
         self.name = f"encrypted-{inner.name}"
         self.members, self.keyring, self.hosts, self.seal_all = list(members), keyring, list(hosts), seal_all
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.chunk = max(1024, chunk_bytes)
+        self.chunk = max(1024, min(chunk_bytes, 1 << 20))  # WINDOW x 2 x this of scratch memory
         self.timeout = timeout
         self.abort = None
         self.sequence = 0
@@ -104,7 +110,7 @@ class EncryptedBackend(Backend):
             if peer != self.rank and self.sealed(peer):
                 self.send_dir[peer] = sealing.Direction(keyring.key(me, other, context), me, other)
                 self.recv_dir[peer] = sealing.Direction(keyring.key(other, me, context), other, me)
-        self._scratch = [np.empty(0, np.uint8)] * 4  # two send and two receive slots
+        self._scratch = [np.empty(0, np.uint8)] * (2 * WINDOW)  # send slots, then receive slots
 
     @property
     def supports_process_sets(self) -> bool:
@@ -126,23 +132,24 @@ class EncryptedBackend(Backend):
 
     def _transfer(self, send: Optional[np.ndarray], dest: int, recv: Optional[np.ndarray], source: int,
                   state: dict, step: int) -> None:
-        """Send the bytes ``send`` to ``dest`` while receiving ``recv``'s bytes from ``source``, chunk by chunk,
-        sealing chunk k+1 and opening chunk k-1 while chunk k moves."""
+        """Send the bytes ``send`` to ``dest`` while receiving ``recv``'s bytes from ``source``, in chunks,
+        ``WINDOW`` of them in flight each way; the worker thread seals ahead and opens behind."""
+        from mpi4py import MPI
+
         chunk = self.chunk
         ns = -(-send.size // chunk) if send is not None and send.size else 0
         nr = -(-recv.size // chunk) if recv is not None and recv.size else 0
-        seal_send = ns and self.sealed(dest)
-        seal_recv = nr and self.sealed(source)
+        seal_send, seal_recv = bool(ns) and self.sealed(dest), bool(nr) and self.sealed(source)
         kind, seq = state["kind"], state["sequence"]
+        nonces_s = [self.send_dir[dest].next_nonce() for _ in range(ns)] if seal_send else []
+        nonces_r = [self.recv_dir[source].next_nonce() for _ in range(nr)] if seal_recv else []
 
         def plain(buf, k):
             return buf[k * chunk:(k + 1) * chunk]
 
         def seal(k):
             data = plain(send, k)
-            if not seal_send:
-                return data
-            out = self._slot(k % 2, data.size + sealing.TAG)
+            out = self._slot(k % WINDOW, data.size + sealing.TAG)
             self.send_dir[dest].seal_into(nonces_s[k], data, out, sealing.aad(kind, seq, step, k, data.size))
             return out
 
@@ -155,42 +162,75 @@ class EncryptedBackend(Backend):
                 state.setdefault("failure", f"a chunk from rank {self.members[source]} failed authentication on rank "
                                             f"{self.members[self.rank]} in {state['what']}")
 
-        nonces_s = [self.send_dir[dest].next_nonce() for _ in range(ns)] if seal_send else []
-        nonces_r = [self.recv_dir[source].next_nonce() for _ in range(nr)] if seal_recv else []
-        sealing_f = self._pool.submit(seal, 0) if ns else None
-        opening = None
-        for k in range(max(ns, nr)):
-            requests, peers, box = [], [], None
-            if k < nr:
-                box = self._slot(2 + k % 2, plain(recv, k).size + sealing.TAG) if seal_recv else plain(recv, k)
-                requests.append(self.comm.Irecv(box, source, _TAG))
-                peers.append(self.members[source])
-            if k < ns:
-                requests.append(self.comm.Isend(sealing_f.result(), dest, _TAG))
-                peers.append(self.members[dest])
-                sealing_f = self._pool.submit(seal, k + 1) if k + 1 < ns else None
-            self._wait(requests, peers, state)
-            if opening is not None:
-                opening.result()
-                opening = None
-            if k < nr and seal_recv:
-                opening = self._pool.submit(open_, k, box)
-        if opening is not None:
-            opening.result()
+        sealed: dict = {}                 # k -> future of its sealed bytes
+        sends: list = []                  # (k, request) in flight
+        recvs: list = []                  # (k, request, box) in flight
+        opening: list = []                # futures of chunks being opened, in order
+        posted_s = posted_r = done_s = done_r = opened = 0
+        idle, deadline = 0, time.monotonic() + self.timeout
+        while done_s < ns or opened < nr:
+            moved = False
+            while seal_send and len(sealed) + len(sends) < WINDOW and posted_s + len(sealed) < ns:
+                k = posted_s + len(sealed)
+                sealed[k] = self._pool.submit(seal, k)
+            while posted_s < ns and len(sends) < WINDOW and (not seal_send or sealed[posted_s].done()):
+                box = sealed.pop(posted_s).result() if seal_send else plain(send, posted_s)
+                sends.append((posted_s, self.comm.Isend(box, dest, _TAG)))
+                posted_s += 1
+                moved = True
+            while posted_r < nr and posted_r - opened < WINDOW:
+                box = self._slot(WINDOW + posted_r % WINDOW, plain(recv, posted_r).size + sealing.TAG) \
+                    if seal_recv else plain(recv, posted_r)
+                recvs.append((posted_r, self.comm.Irecv(box, source, _TAG), box))
+                posted_r += 1
+            try:
+                while sends and sends[0][1].Test():
+                    sends.pop(0)
+                    done_s += 1
+                    moved = True
+                while recvs and recvs[0][1].Test():
+                    k, _, box = recvs.pop(0)
+                    done_r += 1
+                    moved = True
+                    if seal_recv:
+                        opening.append(self._pool.submit(open_, k, box))
+                    else:
+                        opened += 1
+            except MPI.Exception as exc:  # e.g. a message longer than the chunk expected: truncated, never stored
+                self._drain(sends, recvs, opening)
+                state.setdefault("failure", f"a message between ranks {self.members[dest]}, {self.members[source]} "
+                                            f"and {self.members[self.rank]} was refused in {state['what']}: {exc}")
+                return
+            while opening and opening[0].done():
+                opening.pop(0).result()
+                opened += 1
+                moved = True
+            if moved:
+                idle, deadline = 0, time.monotonic() + self.timeout
+                continue
+            idle += 1
+            if idle > _SPIN_POLLS:
+                time.sleep(_NAP)
+            if time.monotonic() > deadline:
+                silent = sorted(({self.members[dest]} if sends else set()) | ({self.members[source]} if recvs else set()))
+                self._drain(sends, recvs, opening, cancel=True)
+                raise HvpsError(f"hvps: {state['what']} (sealed data plane) failed: no data moved to or from ranks "
+                                f"{silent} for {self.timeout:g} s (HVPS_STALL_CHECK_TIME_SECONDS); a rank died or a "
+                                "link between ranks is down")
 
-    def _wait(self, requests: list, peers: list, state: dict) -> None:
-        from mpi4py import MPI
-
-        try:
-            wait_all(requests, peers, self.timeout)
-        except HvpsError as exc:
-            raise HvpsError(f"hvps: {state['what']} (sealed data plane): {exc}") from exc
-        except MPI.Exception as exc:  # e.g. a message longer than the chunk expected (truncated, never stored)
-            for request in requests:
-                if request != MPI.REQUEST_NULL:
-                    request.Wait()
-            state.setdefault("failure", f"a message to or from ranks {sorted(set(peers))} was refused on rank "
-                                        f"{self.members[self.rank]} in {state['what']}: {exc}")
+    @staticmethod
+    def _drain(sends: list, recvs: list, opening: list, cancel: bool = False) -> None:
+        """Finish (or cancel) what is still in flight after a failure, so no buffer is touched later."""
+        for item in sends + recvs:
+            request = item[1]
+            try:
+                if cancel:
+                    request.Cancel()
+                request.Wait()
+            except Exception:  # noqa: BLE001 - an errored request is finished too
+                pass
+        for future in opening:
+            future.result()
 
     def _begin(self, what: str) -> dict:
         self.tamper.refresh()

@@ -16,7 +16,8 @@ def _agree(settings, comm) -> None:
     if len(set(modes)) > 1:
         on = [r for r, m in enumerate(modes) if m != "0"]
         off = [r for r, m in enumerate(modes) if m == "0"]
-        raise HvpsError(f"HVPS_ENCRYPT differs between ranks ({', '.join(f'rank {r}={m}' for r, m in enumerate(modes))}): "
+        each = ", ".join(f"rank {r}={m}" for r, m in enumerate(modes))
+        raise HvpsError(f"HVPS_ENCRYPT differs between ranks ({each}): "
                         f"ranks {off} would send in clear what ranks {on} seal; start every rank with the same "
                         "HVPS_ENCRYPT (hvpsrun --encrypt does)")
 
