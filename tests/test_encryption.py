@@ -147,3 +147,11 @@ def test_a_rank_started_without_the_setting_fails_init_on_every_rank(tmp_path):
         assert record.exists(), f"rank {rank} never raised:\n{out}"
         message = record.read_text()
         assert "HVPS_ENCRYPT differs between ranks" in message and "ranks [1] would send in clear" in message, message
+
+
+@pytest.mark.parametrize("flag,value", [("--encrypt", "1"), ("--encrypt-all", "all")])
+def test_hvpsrun_flags_set_the_variable(flag, value):
+    from hvps.runner.settings import parse_args
+
+    assert parse_args(["-np", "2", flag, "python", "train.py"]).hvps_env()["HVPS_ENCRYPT"] == value
+    assert "HVPS_ENCRYPT" not in parse_args(["-np", "2", "python", "train.py"]).hvps_env()

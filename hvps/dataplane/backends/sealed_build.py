@@ -33,7 +33,8 @@ def plan(settings, comm, local, secret: Optional[bytes]) -> Optional[Callable]:
         raise HvpsError(f"HVPS_ENCRYPT cannot seal HVPS_BACKEND={settings.backend}: "
                         + ("Horovod's data plane (MPI, Gloo, NCCL) sends in clear" if settings.backend == "horovod"
                            else "torch.distributed's gloo and NCCL send in clear")
-                        + "; use HVPS_BACKEND=mpi (or auto: CUDA tensors are then staged through host memory)")
+                        + "; start the job with an MPI launcher (mpirun, srun, hvpsrun without --gloo) and "
+                          "HVPS_BACKEND=mpi or auto (CUDA tensors are then staged through host memory)")
     from . import encrypted
     from .. import sealing
 
