@@ -214,6 +214,9 @@ class EncryptedBackend(Backend):
             # sleep(0) hands the GIL to the worker thread at once (a spinning thread keeps it for the
             # interpreter's 5 ms switch interval, which cost every sealed chunk milliseconds)
             time.sleep(_NAP if idle > _SPIN_POLLS else 0)
+            if self.abort is not None and self.abort.is_set():  # the engine's word that ranks were lost
+                self._drain(sends, recvs, opening, cancel=True)
+                raise HvpsError(f"hvps: {state['what']} (sealed data plane) abandoned: ranks of the job were lost")
             if time.monotonic() > deadline:
                 silent = sorted({self.members[dest] for _ in sends[:1]} | {self.members[source] for _ in recvs[:1]})
                 self._drain(sends, recvs, opening, cancel=True)
@@ -223,13 +226,12 @@ class EncryptedBackend(Backend):
 
     @staticmethod
     def _drain(sends: list, recvs: list, opening: list, cancel: bool = False) -> None:
-        """Finish (or cancel) what is still in flight after a failure, so no buffer is touched later."""
+        """After a failure: finish what is still in flight, or (``cancel``: a peer is gone) cancel it without
+        waiting, as the ring does; either way let the worker finish the chunks it is opening."""
         for item in sends + recvs:
             request = item[1]
             try:
-                if cancel:
-                    request.Cancel()
-                request.Wait()
+                request.Cancel() if cancel else request.Wait()
             except Exception:  # noqa: BLE001 - an errored request is finished too
                 pass
         for future in opening:
