@@ -119,10 +119,12 @@ def driver(args) -> dict:
         for _ in range(args.rounds):
             for impl in results:
                 run_env = dict(os.environ, PYTHONPATH=str(REPO),
-                               HVPS_ALLREDUCE_ALGORITHM="ring" if impl == "hvps-ring" else "mpi")
+                               HVPS_ALLREDUCE_ALGORITHM="ring" if impl == "hvps-ring" else "mpi",
+                               HVPS_ENCRYPT="1" if impl == "hvps-enc" else "0")  # benchmarks/encryption.py
                 cmd = [resolve_mpirun(args.mpirun), "-np", "2", "--allow-run-as-root",
                        "--hostfile", str(state / "hostfile"),
                        "--bind-to", "none", "--map-by", "slot", "-x", "PYTHONPATH", "-x", "HVPS_ALLREDUCE_ALGORITHM",
+                       "-x", "HVPS_ENCRYPT",
                        *mpi_args, sys.executable, __file__, "--impl", impl, "--bytes", str(args.bytes),
                        "--iters", str(args.iters), "--warmup", str(args.warmup)]
                 proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600)
@@ -149,9 +151,10 @@ def driver(args) -> dict:
     return report
 
 
-def main(argv=None) -> None:
+def main_args(argv=None) -> argparse.Namespace:
+    """The parsed command line (``benchmarks/encryption.py`` builds the driver's from it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--impl", help="worker mode: raw | hvps-mpi | hvps-ring (under mpirun)")
+    p.add_argument("--impl", help="worker mode: raw | hvps-mpi | hvps-ring | hvps-enc (HVPS_ENCRYPT=1) (under mpirun)")
     p.add_argument("--impls", default="raw,hvps-mpi,hvps-ring", help="driver: implementations (default: %(default)s)")
     p.add_argument("--rate", default="1gbit", help="tc tbf rate of each host's link (default: %(default)s)")
     p.add_argument("--subnet", default="198.18.250", help="testbed /24 in 198.18.0.0/15 (default: %(default)s)")
@@ -162,7 +165,11 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3, help="driver: A B A B rounds (default: %(default)s)")
     p.add_argument("--mpirun", default=None, help=MPIRUN_HELP)
     p.add_argument("--json", default="", help="driver: write results here")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = main_args(argv)
     if args.impl:
         worker(args)
     else:

@@ -219,3 +219,55 @@ def test_link_cut_during_transfer_fails_every_survivor(cluster, tmp_path):
         _cut_and_expect_errors(cluster, job, victim=HOSTS - 1, margin=8.0)
     finally:
         cluster.set_rate("1gbit")
+
+
+SNIFFER = """
+import socket, sys, os
+pattern, stop = sys.argv[1].encode(), sys.argv[2]
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
+s.bind(("eth0", 0))
+s.settimeout(0.2)
+hits = frames = nbytes = 0
+print("SNIFFING", flush=True)
+while not os.path.exists(stop):
+    try:
+        frame = s.recv(65536)
+    except socket.timeout:
+        continue
+    frames += 1
+    nbytes += len(frame)
+    hits += frame.count(pattern)
+print(f"CAPTURE {frames} {nbytes} {hits}", flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("encrypt", [False, True], ids=["clear", "encrypted"])
+def test_sealed_data_plane_sends_no_plaintext_between_hosts(cluster, tmp_path, encrypt):
+    """A raw socket on host 1's link captures every frame while a byte pattern is allreduced, broadcast
+    and pulled from the sharded store between 2 hosts: with --encrypt the pattern never appears on the
+    wire; without, it does (so the test can fail)."""
+    pytest.importorskip("cryptography")
+    pytest.importorskip("torch")
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"{cluster.address(0)} slots=1\n{cluster.address(1)} slots=1\n")
+    stop = tmp_path / "stop"
+    sniffer = cluster.popen_in(1, [sys.executable, "-c", SNIFFER, "hvps27-CLEAR-txt", str(stop)],
+                               stdout=subprocess.PIPE, text=True)
+    assert sniffer.stdout.readline().strip() == "SNIFFING"
+    argv = HVPSRUN + ["-np", "2", "--hostfile", str(hostfile), "--mpi-args", cluster.mpi_args,
+                      *(["--encrypt"] if encrypt else []), sys.executable, str(INNER / "mh_sealed.py")]
+    try:
+        proc = subprocess.run(argv, cwd=str(REPO_ROOT), env=_env({}), capture_output=True, text=True, timeout=240)
+    finally:
+        stop.write_text("")
+        out, _ = sniffer.communicate(timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("SEALED-DONE") == 2, proc.stdout
+    frames, nbytes, hits = (int(x) for x in out.split("CAPTURE ", 1)[1].split())
+    print(f"encrypt={encrypt}: {frames} frames, {nbytes} bytes captured, pattern seen {hits} times")
+    assert nbytes > 2 << 20, f"the capture saw only {nbytes} bytes: it missed the job's traffic"
+    if encrypt:
+        assert hits == 0, f"the pattern crossed the link in clear {hits} times under --encrypt"
+    else:
+        assert hits > 1000, f"the pattern was seen only {hits} times in clear: the capture is not working"

@@ -33,6 +33,8 @@ CASES.update({
     # the algorithm setting is the MPI backend's; one allreduce run suffices. Autotune is the engine's.
     if name not in ("allreduce-ring", "autotune")
 })
+# The collectives over the sealed data plane (HVPS_ENCRYPT), every pair of ranks sealed as if on two hosts.
+CASES["collectives-encrypted"] = ("mpi_collectives.py", {"HVPS_ENCRYPT": "all"}, 420)
 CASES["elastic-state"] = ("mpi_elastic_state.py", {}, 240)  # hvd.elastic front end; one data plane suffices
 
 

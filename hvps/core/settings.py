@@ -27,6 +27,8 @@ VARIABLES: dict[str, str] = {
     "HVPS_RING_CHUNK_BYTES": "message size of the ring algorithm",
     "HVPS_BACKEND": "data plane: mpi, tdist, horovod or auto",
     "HVPS_HIERARCHICAL_ALLREDUCE": "1: reduce within nodes, across nodes, within nodes again",
+    "HVPS_ENCRYPT": "1: seal (AES-256-GCM) every data-plane byte between hosts; all: between every pair of ranks",
+    "HVPS_TEST_TAMPER": "test-only fault hook of HVPS_ENCRYPT: damage a sealed chunk (flip|replay:RANK[:N])",
     "HVPS_CACHE_CAPACITY": "requests the response cache keeps; 0 turns it off",
     "HVPS_AUTOTUNE": "1: tune the fusion threshold and cycle time from step times",
     "HVPS_AUTOTUNE_WARMUP_STEPS": "steps each autotune candidate runs before it is measured",
@@ -126,6 +128,8 @@ class Settings:
     autotune: bool = False
     autotune_warmup_steps: int = 2
     autotune_steps_per_sample: int = 5
+    #: seal the data plane: "0" off, "1" between hosts, "all" between every pair of ranks (encrypted.py)
+    encrypt: str = "0"
 
     def resolved(self, single_host: bool, mpi: bool = True) -> "Settings":
         """``auto`` made concrete. The algorithm: hvps's ring within one host (shared memory), MPI's
@@ -153,6 +157,7 @@ class Settings:
         return cls(
             backend=env_choice("HVPS_BACKEND", cls.backend, BACKENDS),
             hierarchical=env_choice("HVPS_HIERARCHICAL_ALLREDUCE", "0", ("0", "1")) == "1",
+            encrypt=env_choice("HVPS_ENCRYPT", "0", ("0", "1", "all")),
             autotune=env_choice("HVPS_AUTOTUNE", "0", ("0", "1")) == "1",
             autotune_warmup_steps=int(env_number("HVPS_AUTOTUNE_WARMUP_STEPS", cls.autotune_warmup_steps, int)),
             autotune_steps_per_sample=int(env_number("HVPS_AUTOTUNE_STEPS_PER_SAMPLE", cls.autotune_steps_per_sample,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import socket
 from typing import Optional
 
-from . import checks_container, checks_cpu, checks_gpu, checks_network, checks_software  # noqa: F401 (register)
+from . import checks_container, checks_cpu, checks_crypto, checks_gpu, checks_network, checks_software  # noqa: F401,E501 (register)
 from .base import REGISTRY, Check, Context
 from .checks_container import detect_container
 from .host import Host

@@ -63,6 +63,8 @@ class LaunchSettings:
     cycle_time_ms: Optional[float] = None
     stall_check_time_seconds: Optional[float] = None
     hierarchical_allreduce: bool = False
+    #: "" (unset), "1" or "all": HVPS_ENCRYPT for every rank
+    encrypt: str = ""
     backend: Optional[str] = None
     check_build: bool = False
     doctor: bool = False
@@ -101,6 +103,8 @@ class LaunchSettings:
             env["HVPS_STALL_CHECK_TIME_SECONDS"] = _number(self.stall_check_time_seconds)
         if self.hierarchical_allreduce:
             env["HVPS_HIERARCHICAL_ALLREDUCE"] = "1"
+        if self.encrypt:
+            env["HVPS_ENCRYPT"] = self.encrypt
         if self.backend:
             env["HVPS_BACKEND"] = self.backend
         if self.timeline_filename:
@@ -175,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-check-time-seconds", type=_non_negative(float), metavar="S",
                    help="seconds before ranks that did not submit a collective are reported as stalled and the "
                         "collective fails (sets HVPS_STALL_CHECK_TIME_SECONDS; default 60)")
+    p.add_argument("--encrypt", action="store_const", const="1", default="",
+                   help="seal every data-plane byte between hosts with AES-256-GCM (sets HVPS_ENCRYPT=1)")
+    p.add_argument("--encrypt-all", dest="encrypt", action="store_const", const="all",
+                   help="--encrypt between the ranks of one host too (sets HVPS_ENCRYPT=all)")
     p.add_argument("--hierarchical-allreduce", action="store_true",
                    help="reduce within each node, then across nodes, then within the node again "
                         "(sets HVPS_HIERARCHICAL_ALLREDUCE=1)")
@@ -261,6 +269,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchSettings:
         cycle_time_ms=args.cycle_time_ms,
         stall_check_time_seconds=args.stall_check_time_seconds,
         hierarchical_allreduce=args.hierarchical_allreduce,
+        encrypt=args.encrypt,
         backend=args.backend,
         check_build=args.check_build,
         doctor=args.doctor,

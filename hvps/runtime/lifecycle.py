@@ -82,7 +82,7 @@ def _start(comm) -> None:
     topology = _topology(comm, local, cross)
     settings = Settings.from_env().resolved(single_host=topology.local_size == topology.size, mpi=boot.has_mpi)
     try:
-        backend = backends.build(settings, comm, local, cross)
+        backend = backends.build(settings, comm, local, cross, secret=boot.secret)
     finally:
         local.Free()
         cross.Free()

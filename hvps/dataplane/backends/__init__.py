@@ -5,7 +5,8 @@
 - ``horovod``: delegate to an installed Horovod;
 - ``auto``: MPI, plus NCCL for CUDA tensors when torch is loaded and a GPU with NCCL is present.
 
-``HVPS_HIERARCHICAL_ALLREDUCE=1`` wraps the chosen one in ``HierarchicalBackend``.
+``HVPS_HIERARCHICAL_ALLREDUCE=1`` wraps the chosen one in ``HierarchicalBackend``; ``HVPS_ENCRYPT``
+wraps the MPI data plane in ``EncryptedBackend`` (``sealed_build.py``).
 """
 
 from __future__ import annotations
@@ -66,15 +67,32 @@ def create(name: str, comm, settings) -> Backend:
     return factory(comm, settings)
 
 
-def build(settings, comm, local, cross) -> Backend:
-    """The engine's backend: ``settings.backend`` on ``comm``, hierarchical when asked and useful.
+def build(settings, comm, local, cross, secret=None) -> Backend:
+    """The engine's backend: ``settings.backend`` on ``comm``, hierarchical when asked and useful,
+    sealed when ``HVPS_ENCRYPT`` says (``secret``: the job's, which authenticates the key exchange).
 
     ``local`` spans this node's ranks, ``cross`` the ranks with this local rank
     on every node (both collective to build, as every backend here is).
     """
+    from .sealed_build import plan
+
+    seal = plan(settings, comm, local, secret)
+    if seal is not None:  # CUDA tensors are staged through host memory (EncryptedBackend takes none)
+        name = "mpi" if settings.backend == "auto" else settings.backend
+        backend = seal(create(name, comm, settings), comm)
+        if not settings.hierarchical:
+            return backend
+        same_host = seal if settings.encrypt == "all" else (lambda inner, _comm: inner)
+        return _hierarchical(settings, comm, local, backend, lambda: same_host(create(name, local, settings), local),
+                             lambda: seal(create(name, cross, settings), cross))
     backend = create(settings.backend, comm, settings)
     if not settings.hierarchical or settings.backend == "horovod":
         return backend
+    return _hierarchical(settings, comm, local, backend, lambda: create(settings.backend, local, settings),
+                         lambda: create(settings.backend, cross, settings))
+
+
+def _hierarchical(settings, comm, local, backend, make_local, make_cross) -> Backend:
     sizes = set(comm.allgather(local.Get_size()))
     if len(sizes) > 1 or local.Get_size() in (1, comm.Get_size()):
         if comm.Get_rank() == 0:
@@ -86,5 +104,4 @@ def build(settings, comm, local, cross) -> Backend:
         return backend
     from .hierarchical import HierarchicalBackend
 
-    return HierarchicalBackend(backend, create(settings.backend, local, settings),
-                               create(settings.backend, cross, settings), local.Get_rank(), local.Get_size())
+    return HierarchicalBackend(backend, make_local(), make_cross(), local.Get_rank(), local.Get_size())

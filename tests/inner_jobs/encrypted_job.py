@@ -1,0 +1,35 @@
+"""One job of tests/test_encryption.py (MODE): a sealed collective whose chunk is damaged on one rank
+(``flip``, ``replay``, ``long``: HVPS_TEST_TAMPER), or a rank started without HVPS_ENCRYPT (``mismatch``).
+Each rank writes what it raised to $OUT/err.RANK (seconds since the collective began, then the message)."""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+import hvps
+
+mode, out = os.environ["MODE"], os.environ["OUT"]
+rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+if mode == "mismatch" and rank == 1:
+    os.environ.pop("HVPS_ENCRYPT", None)
+try:
+    hvps.init()
+except hvps.HvpsError as exc:
+    with open(f"{out}/err.{rank}", "w") as f:
+        f.write(f"0\n{exc}")
+    sys.exit(0)
+if mode == "mismatch":
+    print("NO ERROR at init", flush=True)
+    sys.exit(0)
+size = hvps.size()
+assert hvps.allreduce(np.ones(1000), op=hvps.Sum)[0] == size  # sealed and well
+os.environ["HVPS_TEST_TAMPER"] = f"{mode}:{size - 1}:2"
+began = time.monotonic()
+try:
+    result = hvps.allreduce(np.arange(300_000, dtype=np.float32), op=hvps.Sum, name="tampered")
+    print(f"NO ERROR on rank {rank}: {result[:3]}", flush=True)
+except hvps.HvpsError as exc:
+    with open(f"{out}/err.{rank}", "w") as f:
+        f.write(f"{time.monotonic() - began}\n{exc}")
