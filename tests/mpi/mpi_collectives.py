@@ -394,14 +394,13 @@ def test_unsupported_dtypes_raise_type_error(np_dtype):
 
 def test_synchronous_calls_take_the_fast_path_and_large_ones_the_engine_thread(request):
     """A synchronous collective alone in flight is negotiated and run by its caller (engine.py's fast
-    path); one above the backend's interruptible size is handed to the engine thread. Both correct, on
-    every collective, with fresh data."""
+    path); one above the backend's interruptible size (every one, on data planes without a fast path)
+    is handed to the engine thread. Both correct, on every collective, with fresh data."""
     from hvps.dataplane.backends.mpi import NONBLOCKING_BYTES
     from hvps.runtime import state
 
     engine = state.engine()
-    if engine.spin_seconds <= 0 or engine.backend.interruptible_bytes == 0:
-        pytest.skip(f"no fast path on this data plane ({engine.backend.name}) or HVPS_SPIN_WAIT_MICROSECONDS=0")
+    limit = engine.backend.interruptible_bytes if engine.spin_seconds > 0 else 0  # 0: a data plane with no fast
     size, rank = hvps.size(), hvps.rank()
     spin, engine.spin_seconds = engine.spin_seconds, 5.0  # an oversubscribed, loaded box: never hand back early
     request.addfinalizer(lambda: setattr(engine, "spin_seconds", spin))
@@ -417,7 +416,7 @@ def test_synchronous_calls_take_the_fast_path_and_large_ones_the_engine_thread(r
             root = count % size
             np.testing.assert_array_equal(hvps.broadcast(ins[rank], root, name=key + "/bcast"), ins[root])
         driven = engine.driven_collectives - ran
-        if count * 8 * size <= NONBLOCKING_BYTES:  # the engine thread may hold the cycle lock now and then
+        if count * 8 * size <= limit:  # the engine thread may hold the cycle lock now and then
             assert driven >= 5, f"{count} float64: only {driven} of 9 collectives ran on the caller's thread"
-        else:
-            assert driven == 0, f"{count} float64: {driven} collectives above {NONBLOCKING_BYTES} B ran on the caller"
+        else:  # too large, or a data plane that cannot abandon a transfer (gloo, the sealed one): never
+            assert driven == 0, f"{count} float64: {driven} collectives ran on the caller ({engine.backend.name})"
