@@ -21,7 +21,7 @@ class Handle:
     """An in-flight collective; owns its input and output buffers until it completes."""
 
     __slots__ = ("name", "_done", "_gate", "_result", "_error", "_buffers", "_submitted", "_started", "_limit",
-                 "event", "_expedite", "_source", "_finish")
+                 "event", "_expedite", "_source", "_finish", "__weakref__")
 
     def __init__(self, name: str, buffers: tuple = (), stall_seconds: float = 60.0,
                  expedite: Optional[Callable[["Handle"], None]] = None) -> None:
@@ -66,6 +66,12 @@ class Handle:
         return self._done or (self._source is not None and self._source.poll())
 
     done = poll
+
+    @property
+    def claimed(self) -> bool:
+        """Whether a ``wait()`` has taken the result (until then the name stays in use, as in Horovod,
+        where a name is outstanding until it is synchronized)."""
+        return not self._buffers
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until the collective finishes and return its result; raise HvpsError if it failed."""

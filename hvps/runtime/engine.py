@@ -23,6 +23,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Iterator, Optional
 
@@ -106,6 +107,9 @@ class Engine:
         self._lock = threading.Lock()
         self._queue: deque = deque()
         self._queued_names: set = set()
+        #: name -> the handle last submitted under it, while the handle lives: its name stays in use until
+        #: a wait() takes the result (whether or not the collective has finished)
+        self._unclaimed: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._wake_pending = False
         #: until then the engine polls its queue every cycle (submitters need not wake it)
         self._active_until = 0.0
@@ -164,6 +168,12 @@ class Engine:
                         f"a collective named '{name}' is already in flight on rank {self.rank}; "
                         "names must be unique among outstanding operations"
                     )
+                earlier = self._unclaimed.get(name)
+                if earlier is not None and not earlier.claimed:
+                    raise DuplicateNameError(
+                        f"a collective named '{name}' finished on rank {self.rank} but nothing has waited for its "
+                        "result yet (wait() or synchronize() on its handle, or drop the handle); names must be "
+                        "unique among outstanding operations")
                 seen.add(name)
             handles = []
             for entry in entries:
@@ -172,6 +182,7 @@ class Engine:
                 patience = math.inf if request.kind == JOIN else self.settings.stall_check_seconds
                 entry.handle = Handle(request.name, (entry.inputs, entry.outputs), patience, expedite=self._expedite)
                 handles.append(entry.handle)
+                self._unclaimed[request.name] = entry.handle
                 self._queue.append(entry)
                 self._queued_names.add(request.name)
             # A wake-up costs the submitting (training) thread a syscall, a context
