@@ -5,6 +5,7 @@
 - ``horovod``: delegate to an installed Horovod;
 - ``auto``: MPI, plus NCCL for CUDA tensors when torch is loaded and a GPU with NCCL is present.
 
+``HVPS_SHM`` puts a node's ranks on one shared-memory segment (``shm.py``);
 ``HVPS_HIERARCHICAL_ALLREDUCE=1`` wraps the chosen one in ``HierarchicalBackend``.
 """
 
@@ -73,6 +74,11 @@ def build(settings, comm, local, cross) -> Backend:
     on every node (both collective to build, as every backend here is).
     """
     backend = create(settings.backend, comm, settings)
+    from .shm import node_backend  # HVPS_SHM: shared memory within the node
+
+    node = node_backend(settings, comm, local, cross, backend, create)
+    if node is not None:
+        return node
     if not settings.hierarchical or settings.backend == "horovod":
         return backend
     sizes = set(comm.allgather(local.Get_size()))
