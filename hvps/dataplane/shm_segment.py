@@ -28,8 +28,9 @@ SHM_DIR = "/dev/shm"
 IN, RED, DONE, PID = 0, 1, 2, 3
 _LINE = 8  # int64 per 64-byte line
 _HEADER_ALIGN = 4096
-#: polls without progress before napping, the first nap, the longest, and how often peers' pids are checked
-_SPIN_POLLS, _NAP, _MAX_NAP, _PID_CHECK = 400, 20e-6, 1e-3, 0.05
+#: seconds a wait polls (yielding the core to any runnable thread between polls) before napping, the
+#: first nap, the longest, and how often peers' pids are checked
+_SPIN_S, _NAP, _MAX_NAP, _PID_CHECK = 2e-3, 20e-6, 1e-3, 0.05
 
 
 def segment_bytes(size: int, buffer_bytes: int) -> int:
@@ -107,16 +108,16 @@ class Segment:
         self._wait_slow(field, value, ranks)
 
     def _wait_slow(self, field: int, value: int, ranks) -> None:
-        polls, nap = 0, _NAP
+        nap = _NAP
         last = self.counters[:, field].copy()
-        deadline = time.monotonic() + self.timeout
-        next_check = time.monotonic() + _PID_CHECK
+        start = time.monotonic()
+        spin_until, deadline, next_check = start + _SPIN_S, start + self.timeout, start + _PID_CHECK
         while True:
             column = self.counters[:, field] if ranks is None else self.counters[ranks, field]
             if (column >= value).all():
                 return
-            polls += 1
-            if polls < _SPIN_POLLS:
+            if time.monotonic() < spin_until:
+                os.sched_yield()  # as Open MPI's mpi_yield_when_idle: a runnable training thread goes first
                 continue
             time.sleep(nap)
             nap = min(_MAX_NAP, nap * 2)
