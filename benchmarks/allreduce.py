@@ -1,7 +1,8 @@
 """OSU-style allreduce sweep: hvps ``allreduce`` against the data plane it runs on, called directly.
 
 Contenders: ``raw`` (mpi4py ``Allreduce``), ``hvps-mpi`` and ``hvps-ring`` (the
-MPI backend), ``hvps-shm`` (the node's shared-memory data plane, ``HVPS_SHM=1``), ``tdist`` (``torch.distributed.all_reduce`` on a default group:
+MPI backend), ``hvps-shm`` (the node's shared-memory data plane, ``HVPS_SHM=1``),
+``tdist`` (``torch.distributed.all_reduce`` on a default group:
 gloo on CPU, NCCL with ``--device cuda``) and ``hvps-tdist`` (hvps with
 ``HVPS_BACKEND=tdist`` on the same kind of tensors). Ratios are against
 ``--reference`` (raw, or tdist when raw is not run).

@@ -134,8 +134,8 @@ class Segment:
     def _check_peers(self, field: int, value: int, stalled: bool) -> None:
         behind = [r for r in range(self.size) if self.counters[r, field] < value]
         if self.header[self.size, 0]:
-            raise HvpsError(f"shared-memory collective aborted: a rank on this node failed midway "
-                            f"(ranks {behind} had not arrived)")
+            raise HvpsError("shared-memory collective aborted: another rank on this node failed midway "
+                            "(it found a peer dead or stalled)")
         dead = [r for r in behind if not _alive(int(self.header[r, PID]))]
         if dead:
             self.abort()

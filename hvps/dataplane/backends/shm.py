@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 from typing import Optional
 
 import numpy as np
@@ -64,7 +65,8 @@ class ShmBackend(Backend):
         return view
 
     def _rounds(self, body, rounds: int) -> None:
-        """Run ``body(which, round)`` ``rounds`` times, each after the peers left that buffer; abort peers on failure."""
+        """``body(which, round, mark)`` ``rounds`` times, each once the peers left that buffer (peers abort on
+        a failure)."""
         try:
             for r in range(rounds):
                 seq = self.seq
@@ -224,7 +226,9 @@ def node_backend(settings, comm, local, cross, flat: Backend, create) -> Optiona
     sizes = set(comm.allgather(local.Get_size()))
     local_size = local.Get_size()
     why = None
-    if flat.name != "mpi":
+    if platform.machine() not in ("x86_64", "AMD64"):
+        why = f"{platform.machine()} may reorder stores (only x86-64's total store order is relied on)"
+    elif flat.name != "mpi":
         why = f"the {flat.name} data plane is in use (shared memory replaces the MPI one only)"
     elif local_size < 2:
         why = "no two ranks share a host"
