@@ -132,7 +132,7 @@ class Segment:
             self._check_peers(field, value, now > deadline)
 
     def _check_peers(self, field: int, value: int, stalled: bool) -> None:
-        behind = [r for r in range(self.size) if self.counters[r, field] < value]
+        behind = [r for r in range(self.size) if r != self.rank and self.counters[r, field] < value]
         if self.header[self.size, 0]:
             raise HvpsError("shared-memory collective aborted: another rank on this node failed midway "
                             "(it found a peer dead or stalled)")
