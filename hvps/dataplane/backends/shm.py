@@ -254,5 +254,7 @@ def node_backend(settings, comm, local, cross, flat: Backend, create) -> Optiona
         return ShmBackend(segment, flat)
     from .hierarchical import HierarchicalBackend
 
-    return HierarchicalBackend(flat, ShmBackend(segment, None), create(settings.backend, cross, settings),
-                               local.Get_rank(), local_size)
+    backend = HierarchicalBackend(flat, ShmBackend(segment, None), create(settings.backend, cross, settings),
+                                  local.Get_rank(), local_size)
+    backend.name = "hierarchical-shm"
+    return backend
