@@ -20,8 +20,8 @@ its own: a busy background thread of one implementation can never slow the
 reference. Reports medians over rounds of each job's median per-call time
 (per call: the slowest rank's time, calls separated by a barrier, ``MPI.Wtime``),
 algbw = bytes/time, busbw = algbw * 2(n-1)/n and hvps/raw ratios, and the CPU time
-per byte (ns/B, mean over ranks) of the thread that runs the collective (the caller's
-for raw and tdist, the ``hvps-engine`` thread for hvps) and of the whole process.
+per byte (ns/B, mean over ranks) of the threads that run the collective (the caller's
+for raw and tdist; the caller's plus the ``hvps-engine`` thread's for hvps) and of the whole process.
 
 Worker mode (``--impl NAME``, under mpirun) times one
 implementation and prints an OSU-style table from rank 0.
@@ -231,14 +231,15 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def _worker_clock():
-    """CPU seconds so far of the thread that runs the collective: hvps's engine thread, else this one."""
+    """CPU seconds so far of the threads that may run the collective: this one, plus hvps's engine thread
+    (a synchronous call may run on either)."""
     import threading
 
     engine = next((t for t in threading.enumerate() if t.name == "hvps-engine"), None)
     if engine is None:
         return time.thread_time
     clock = time.pthread_getcpuclockid(engine.ident)
-    return lambda: time.clock_gettime(clock)
+    return lambda: time.clock_gettime(clock) + time.thread_time()
 
 
 # ----------------------------------------------------------------------------- driver
@@ -312,7 +313,7 @@ def run_driver(args: argparse.Namespace) -> dict:
         for impl in ratios:
             line += f" {row[impl][f'time_ratio_vs_{reference}']:>18.3f}"
         print(line)
-    print("\n# CPU ns per byte (thread running the collective / whole process), medians over rounds")
+    print("\n# CPU ns per byte (threads running the collective / whole process), medians over rounds")
     for row in table:
         print(f"{row['size']:>10}" + "".join(
             f"  {impl}: {row[impl]['thread_cpu_ns_per_byte']:.3f} / {row[impl]['process_cpu_ns_per_byte']:.3f}"
