@@ -1,7 +1,8 @@
 """OSU-style allreduce sweep: hvps ``allreduce`` against the data plane it runs on, called directly.
 
 Contenders: ``raw`` (mpi4py ``Allreduce``), ``hvps-mpi`` and ``hvps-ring`` (the
-MPI backend), ``tdist`` (``torch.distributed.all_reduce`` on a default group:
+MPI backend), ``hvps-shm`` (the node's shared-memory data plane, ``HVPS_SHM=1``),
+``tdist`` (``torch.distributed.all_reduce`` on a default group:
 gloo on CPU, NCCL with ``--device cuda``) and ``hvps-tdist`` (hvps with
 ``HVPS_BACKEND=tdist`` on the same kind of tensors). Ratios are against
 ``--reference`` (raw, or tdist when raw is not run).
@@ -18,7 +19,9 @@ implementation (A B C A B C ...), so every contender is timed in processes of
 its own: a busy background thread of one implementation can never slow the
 reference. Reports medians over rounds of each job's median per-call time
 (per call: the slowest rank's time, calls separated by a barrier, ``MPI.Wtime``),
-algbw = bytes/time, busbw = algbw * 2(n-1)/n and hvps/raw ratios.
+algbw = bytes/time, busbw = algbw * 2(n-1)/n and hvps/raw ratios, and the CPU time
+per byte (ns/B, mean over ranks) of the threads that run the collective (the caller's
+for raw and tdist; the caller's plus the ``hvps-engine`` thread's for hvps) and of the whole process.
 
 Worker mode (``--impl NAME``, under mpirun) times one
 implementation and prints an OSU-style table from rank 0.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +50,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 
-IMPLS = ("raw", "hvps-mpi", "hvps-ring", "tdist", "hvps-tdist")
+IMPLS = ("raw", "hvps-mpi", "hvps-ring", "hvps-shm", "tdist", "hvps-tdist")
 #: contenders that move torch tensors (the others move numpy arrays)
 TORCH_IMPLS = ("tdist", "hvps-tdist")
 DTYPES = ("float32", "float64", "int32", "int64")
@@ -160,6 +164,10 @@ def run_worker(args: argparse.Namespace) -> None:
     if args.impl in ("hvps-mpi", "hvps-ring"):
         os.environ["HVPS_ALLREDUCE_ALGORITHM"] = args.impl.split("-", 1)[1]
         os.environ["HVPS_BACKEND"] = "mpi"
+        os.environ["HVPS_SHM"] = "0"
+    elif args.impl == "hvps-shm":
+        os.environ["HVPS_BACKEND"] = "mpi"
+        os.environ["HVPS_SHM"] = "1"
     elif args.impl == "hvps-tdist":
         os.environ["HVPS_BACKEND"] = "tdist"
     from mpi4py import MPI
@@ -176,6 +184,7 @@ def run_worker(args: argparse.Namespace) -> None:
         def allreduce(send, recv) -> None:  # time the device's work, not just its launch
             call(send, recv)
             torch.cuda.synchronize()
+    worker_clock = _worker_clock()
     log0(rank, f"# hvps allreduce benchmark: impl={args.impl} ranks={size} dtype={args.dtype}")
     log0(rank, f"# {'Size':>12} {'Median(us)':>12} {'Avg(us)':>12} {'Min(us)':>12} {'Max(us)':>12} {'busbw(GB/s)':>12}")
     results = []
@@ -189,17 +198,24 @@ def run_worker(args: argparse.Namespace) -> None:
         ok = bool((recv == expected).all())
         ok = comm.allreduce(ok, op=MPI.LAND)
         times = np.empty(iters)
+        thread_cpu = process_cpu = 0.0
         for i in range(iters):
             comm.Barrier()
+            c0, p0 = worker_clock(), time.process_time()
             t0 = MPI.Wtime()
             allreduce(send, recv)
             times[i] = MPI.Wtime() - t0
+            thread_cpu += worker_clock() - c0
+            process_cpu += time.process_time() - p0
+        cpu = comm.reduce((thread_cpu, process_cpu), op=lambda a, b: (a[0] + b[0], a[1] + b[1]), root=0)
         slowest = np.empty_like(times) if rank == 0 else None
         comm.Reduce(times, slowest, op=MPI.MAX, root=0)
         if rank == 0:
             t = float(np.median(slowest))
             busbw = nbytes / t * 2 * (size - 1) / size / 1e9
+            per_byte = 1e9 / (size * iters * max(1, nbytes))
             results.append({"bytes": nbytes, "iters": iters, "correct": ok,
+                            "thread_cpu_ns_per_byte": cpu[0] * per_byte, "process_cpu_ns_per_byte": cpu[1] * per_byte,
                             "median_s": t, "mean_s": float(slowest.mean()),
                             "min_s": float(slowest.min()), "max_s": float(slowest.max())})
             print(f"{nbytes:>14} {t * 1e6:>12.1f} {slowest.mean() * 1e6:>12.1f} {slowest.min() * 1e6:>12.1f} "
@@ -212,6 +228,18 @@ def run_worker(args: argparse.Namespace) -> None:
         shutdown = getattr(sys.modules["hvps"], "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def _worker_clock():
+    """CPU seconds so far of the threads that may run the collective: this one, plus hvps's engine thread
+    (a synchronous call may run on either)."""
+    import threading
+
+    engine = next((t for t in threading.enumerate() if t.name == "hvps-engine"), None)
+    if engine is None:
+        return time.thread_time
+    clock = time.pthread_getcpuclockid(engine.ident)
+    return lambda: time.clock_gettime(clock) + time.thread_time()
 
 
 # ----------------------------------------------------------------------------- driver
@@ -258,6 +286,10 @@ def run_driver(args: argparse.Namespace) -> dict:
             t = median(per_round)
             row[impl] = {"median_s": t, "per_round_median_s": per_round,
                          "algbw_GBps": nbytes / t / 1e9, "busbw_GBps": nbytes / t * bus / 1e9,
+                         "thread_cpu_ns_per_byte": median([r["results"][i]["thread_cpu_ns_per_byte"]
+                                                          for r in runs[impl]]),
+                         "process_cpu_ns_per_byte": median([r["results"][i]["process_cpu_ns_per_byte"]
+                                                           for r in runs[impl]]),
                          "correct": all(r["results"][i]["correct"] for r in runs[impl])}
         if reference in row:
             for impl in impls:
@@ -281,6 +313,11 @@ def run_driver(args: argparse.Namespace) -> dict:
         for impl in ratios:
             line += f" {row[impl][f'time_ratio_vs_{reference}']:>18.3f}"
         print(line)
+    print("\n# CPU ns per byte (threads running the collective / whole process), medians over rounds")
+    for row in table:
+        print(f"{row['size']:>10}" + "".join(
+            f"  {impl}: {row[impl]['thread_cpu_ns_per_byte']:.3f} / {row[impl]['process_cpu_ns_per_byte']:.3f}"
+            for impl in present))
     result = {"benchmark": "allreduce", "ranks": args.np, "dtype": args.dtype, "device": args.device,
               "reference": reference, "rounds": args.rounds,
               "impls": impls, "mpirun_args": args.mpirun_args, "iters": args.iters,

@@ -23,6 +23,7 @@ CASES = {
     "errors": ("mpi_errors.py", {"HVPS_STALL_CHECK_TIME_SECONDS": "3"}, 240),
     "torch": ("mpi_torch.py", {}, 420),
     "torch-train": ("mpi_torch_train.py", {}, 300),
+    "shm": ("mpi_shm.py", {"HVPS_SHM": "1"}, 240),
     "autotune": ("mpi_autotune.py", {"HVPS_AUTOTUNE": "1", "HVPS_AUTOTUNE_WARMUP_STEPS": "1",
                                      "HVPS_AUTOTUNE_STEPS_PER_SAMPLE": "2"}, 240),
 }
@@ -31,7 +32,7 @@ CASES.update({
     f"{name}-tdist": (module, dict(env, HVPS_BACKEND="tdist"), timeout)
     for name, (module, env, timeout) in list(CASES.items())
     # the algorithm setting is the MPI backend's; one allreduce run suffices. Autotune is the engine's.
-    if name not in ("allreduce-ring", "autotune")
+    if name not in ("allreduce-ring", "autotune", "shm")
 })
 # The collectives over the sealed data plane (HVPS_ENCRYPT), every pair of ranks sealed as if on two hosts.
 CASES["collectives-encrypted"] = ("mpi_collectives.py", {"HVPS_ENCRYPT": "all"}, 420)

@@ -29,6 +29,7 @@ VARIABLES: dict[str, str] = {
     "HVPS_HIERARCHICAL_ALLREDUCE": "1: reduce within nodes, across nodes, within nodes again",
     "HVPS_ENCRYPT": "1: seal (AES-256-GCM) every data-plane byte between hosts; all: between every pair of ranks",
     "HVPS_TEST_TAMPER": "test-only fault hook of HVPS_ENCRYPT: damage a sealed chunk (flip|replay:RANK[:N])",
+    "HVPS_SHM": "auto, 0 or 1: collectives among a node's ranks through one shared-memory segment",
     "HVPS_CACHE_CAPACITY": "requests the response cache keeps; 0 turns it off",
     "HVPS_AUTOTUNE": "1: tune the fusion threshold and cycle time from step times",
     "HVPS_AUTOTUNE_WARMUP_STEPS": "steps each autotune candidate runs before it is measured",
@@ -122,6 +123,8 @@ class Settings:
     backend: str = "auto"
     #: allreduce within each node, then across nodes, then within the node again
     hierarchical: bool = False
+    #: node-local collectives through shared memory: 1 (or fail), auto (when ranks share a host), 0
+    shm: str = "0"
     #: requests every rank has agreed on, named by a bit from then on (0: off); see response_cache.py
     cache_capacity: int = 1024
     #: tune fusion_threshold and cycle_time_ms from step times during the first steps (autotune.py)
@@ -158,6 +161,7 @@ class Settings:
             backend=env_choice("HVPS_BACKEND", cls.backend, BACKENDS),
             hierarchical=env_choice("HVPS_HIERARCHICAL_ALLREDUCE", "0", ("0", "1")) == "1",
             encrypt=env_choice("HVPS_ENCRYPT", "0", ("0", "1", "all")),
+            shm=env_choice("HVPS_SHM", cls.shm, ("auto", "0", "1")),
             autotune=env_choice("HVPS_AUTOTUNE", "0", ("0", "1")) == "1",
             autotune_warmup_steps=int(env_number("HVPS_AUTOTUNE_WARMUP_STEPS", cls.autotune_warmup_steps, int)),
             autotune_steps_per_sample=int(env_number("HVPS_AUTOTUNE_STEPS_PER_SAMPLE", cls.autotune_steps_per_sample,

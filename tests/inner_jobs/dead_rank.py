@@ -27,6 +27,9 @@ MODE = os.environ["MODE"]
 
 hvps.init()
 rank, size = hvps.rank(), hvps.size()
+segment = getattr(hvps.runtime.state._state.engine.backend, "segment", None)  # HVPS_SHM=1
+if segment is not None and rank == 0:
+    (OUT / "segment").write_text(segment.path)
 small = np.ones(16, np.float32)
 large = np.ones(int(os.environ.get("ELEMENTS", str(16 << 20))), np.float32)  # 64 MiB: long enough to be inside it
 

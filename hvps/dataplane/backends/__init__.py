@@ -5,8 +5,9 @@
 - ``horovod``: delegate to an installed Horovod;
 - ``auto``: MPI, plus NCCL for CUDA tensors when torch is loaded and a GPU with NCCL is present.
 
+``HVPS_SHM`` puts a node's ranks on one shared-memory segment (``shm.py``);
 ``HVPS_HIERARCHICAL_ALLREDUCE=1`` wraps the chosen one in ``HierarchicalBackend``; ``HVPS_ENCRYPT``
-wraps the MPI data plane in ``EncryptedBackend`` (``sealed_build.py``).
+wraps the MPI data plane in ``EncryptedBackend`` (``sealed_build.py``; it takes precedence over ``HVPS_SHM``).
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ def build(settings, comm, local, cross, secret=None) -> Backend:
         return _hierarchical(settings, comm, local, backend, lambda: same_host(create(name, local, settings), local),
                              lambda: seal(create(name, cross, settings), cross))
     backend = create(settings.backend, comm, settings)
+    from .shm import node_backend  # HVPS_SHM: shared memory within the node
+
+    node = node_backend(settings, comm, local, cross, backend, create)
+    if node is not None:
+        return node
     if not settings.hierarchical or settings.backend == "horovod":
         return backend
     return _hierarchical(settings, comm, local, backend, lambda: create(settings.backend, local, settings),

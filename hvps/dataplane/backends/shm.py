@@ -1,0 +1,260 @@
+"""Collectives among the ranks of one node through one shared-memory segment (``HVPS_SHM``).
+
+Allreduce is a reduce-scatter by ownership then an allgather, with no copy in between:
+each rank copies its peers' parts of a chunk into its slot, sums its own part straight
+from every peer's slot (in rank order, numpy ufuncs with ``out=``, no temporaries) into
+its slot, and every rank then copies each owner's reduced part out. Large buffers go
+through in rounds of one buffer each, two buffers per rank, so a rank copies round k+1
+in while slower peers still read round k. Allgather, broadcast and reducescatter use
+the same rounds; alltoall and point-to-point go to ``fallback`` (MPI).
+
+Across nodes, ``node_backend`` composes it like ``HierarchicalBackend``: shared memory
+within the node, MPI (or the ring) on the local ranks' shares across nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from typing import Optional
+
+import numpy as np
+
+from ...core import dtypes
+from ...core.errors import HvpsError
+from ..ring import segments
+from ..shm_segment import DONE, IN, RED, SHM_DIR, Segment, new_name, segment_bytes
+from .base import Backend
+
+log = logging.getLogger("hvps")
+
+
+def _window(bound: tuple, offset: int, width: int) -> slice:
+    lo, hi = bound
+    return slice(min(lo + offset, hi), min(lo + offset + width, hi))
+
+
+def _bounds(counts: list) -> list:
+    stops = np.cumsum(counts).tolist() if counts else []
+    return [(stop - count, stop) for count, stop in zip(counts, stops)]
+
+
+class ShmBackend(Backend):
+    """Node-local collectives on ``segment``; what it has no shared-memory path for runs on ``fallback``."""
+
+    name = "shm"
+
+    def __init__(self, segment: Segment, fallback: Optional[Backend]) -> None:
+        self.segment, self.fallback = segment, fallback
+        self.rank, self.size = segment.rank, segment.size
+        self.seq = 0  # rounds run so far: the same on every rank, as every rank runs the same calls
+        self._views: dict = {}
+
+    @property
+    def supports_process_sets(self) -> bool:
+        return self.fallback is not None and self.fallback.supports_process_sets
+
+    def _slots(self, dtype: np.dtype) -> np.ndarray:
+        """Every rank's two buffers as ``[rank, which, element]`` of ``dtype``."""
+        view = self._views.get(dtype)
+        if view is None:
+            per = self.segment.buffer_bytes // dtype.itemsize
+            view = self.segment.buffer(0, 0, dtype, self.size * 2 * per).reshape(self.size, 2, per)
+            self._views[dtype] = view
+        return view
+
+    def _rounds(self, body, rounds: int) -> None:
+        """``body(which, round, mark)`` ``rounds`` times, each once the peers left that buffer (peers abort on
+        a failure)."""
+        try:
+            for r in range(rounds):
+                seq = self.seq
+                self.segment.wait(DONE, seq - 1)  # round seq-2 used this buffer: every rank copied it out
+                body(seq % 2, r, seq + 1)
+                self.segment.publish(DONE, seq + 1)
+                self.seq = seq + 1
+        except BaseException:
+            self.segment.abort()
+            raise
+
+    def _reduce(self, send: np.ndarray, out: np.ndarray, bounds: list, op, everything: bool) -> None:
+        """Reduce 1-D ``send``; ``out`` gets all of it (``everything``) or this rank's bound only."""
+        slots = self._slots(send.dtype)
+        width = max(1, slots.shape[2] // self.size)
+        longest = max(hi - lo for lo, hi in bounds)
+        ufunc = dtypes.combine(op, send.dtype)
+        rank, mine = self.rank, bounds[self.rank]
+
+        def body(which: int, r: int, mark: int) -> None:
+            offset = r * width
+            parts = [slots[q, which, :self.size * width].reshape(self.size, width) for q in range(self.size)]
+            for q in range(self.size):  # copy in every part but my own, which only I read
+                if q != rank:
+                    win = _window(bounds[q], offset, width)
+                    parts[rank][q, :win.stop - win.start] = send[win]
+            self.segment.publish(IN, mark)
+            self.segment.wait(IN, mark)
+            win = _window(mine, offset, width)
+            n = win.stop - win.start
+            if n:
+                acc = parts[rank][rank, :n]
+                terms = [send[win] if q == rank else parts[q][rank, :n] for q in range(self.size)]
+                ufunc(terms[0], terms[1], out=acc)
+                for term in terms[2:]:
+                    ufunc(acc, term, out=acc)
+            self.segment.publish(RED, mark)
+            if not everything:
+                out[win.start - mine[0]:win.stop - mine[0]] = parts[rank][rank, :n]
+                return
+            self.segment.wait(RED, mark)
+            for q in range(self.size):
+                win = _window(bounds[q], offset, width)
+                out[win] = parts[q][q, :win.stop - win.start]
+
+        self._rounds(body, -(-longest // width))
+
+    def allreduce(self, sendbuf, recvbuf, op):
+        count = recvbuf.size
+        if count:
+            self._reduce(sendbuf.reshape(-1), recvbuf.reshape(-1), segments(count, self.size), op, True)
+
+    def reducescatter(self, sendbuf, recvbuf, counts, op):
+        if sum(counts):
+            self._reduce(sendbuf.reshape(-1), recvbuf.reshape(-1), _bounds(list(counts)), op, False)
+
+    def allgatherv(self, sendbuf, recvbuf, counts):
+        if not sum(counts):
+            return
+        slots = self._slots(recvbuf.dtype)
+        width = slots.shape[2]
+        send, recv, bounds = sendbuf.reshape(-1), recvbuf.reshape(-1), _bounds(list(counts))
+
+        def body(which: int, r: int, mark: int) -> None:
+            offset = r * width
+            n = min(width, max(0, counts[self.rank] - offset))
+            slots[self.rank, which, :n] = send[offset:offset + n]
+            self.segment.publish(IN, mark)
+            self.segment.wait(IN, mark)
+            for q in range(self.size):
+                win = _window(bounds[q], offset, width)
+                recv[win] = slots[q, which, :win.stop - win.start]
+
+        self._rounds(body, -(-max(counts) // width))
+
+    def broadcast(self, buf, root):
+        if not buf.size:
+            return
+        flat = buf.reshape(-1)
+        slots = self._slots(flat.dtype)
+        width = slots.shape[2]
+
+        def body(which: int, r: int, mark: int) -> None:
+            piece = flat[r * width:(r + 1) * width]
+            if self.rank == root:
+                slots[root, which, :piece.size] = piece
+                self.segment.publish(IN, mark)
+            else:
+                self.segment.wait(IN, mark, [root])
+                piece[...] = slots[root, which, :piece.size]
+
+        self._rounds(body, -(-flat.size // width))
+
+    def _need_fallback(self, what: str) -> Backend:
+        if self.fallback is None:
+            raise HvpsError(f"the node's shared-memory data plane has no {what}; it runs on the flat data plane")
+        return self.fallback
+
+    def alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
+        self._need_fallback("alltoall").alltoallv(sendbuf, sendcounts, recvbuf, recvcounts)
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source):
+        self._need_fallback("point-to-point transfer").sendrecv(sendbuf, dest, recvbuf, source)
+
+    def subset(self, ranks):
+        return self._need_fallback("process sets").subset(ranks)  # a process set runs on MPI
+
+    def close(self, failed=False):
+        if failed:
+            self.segment.abort()
+        self._views.clear()
+        self.segment.close()
+        if self.fallback is not None:
+            self.fallback.close(failed)
+
+
+def open_segment(local, buffer_bytes: int, timeout: float) -> tuple:
+    """``(Segment, None)`` mapped on every rank of ``local`` (collective), or ``(None, reason)``.
+
+    Local rank 0 creates it; the name is unlinked once all ranks mapped it.
+    """
+    rank, size = local.Get_rank(), local.Get_size()
+    total = segment_bytes(size, buffer_bytes)
+    name, reason, segment = None, None, None
+    if rank == 0:
+        try:
+            free = os.statvfs(SHM_DIR)
+            if free.f_bavail * free.f_frsize < total:
+                raise OSError(f"{SHM_DIR} has {free.f_bavail * free.f_frsize >> 20} MiB free, the segment needs "
+                              f"{total >> 20} MiB (enlarge it, e.g. docker --shm-size, or lower HVPS_RING_CHUNK_BYTES)")
+            name = new_name()
+            segment = Segment(name, size, 0, buffer_bytes, timeout, create=True)
+        except OSError as exc:
+            name, reason = None, f"cannot create a shared-memory segment in {SHM_DIR}: {exc}"
+    name, reason = local.bcast((name, reason), root=0)
+    if name is not None and rank != 0:
+        try:
+            segment = Segment(name, size, rank, buffer_bytes, timeout, create=False)
+        except OSError as exc:
+            reason = f"cannot map shared-memory segment {SHM_DIR}/{name} on local rank {rank}: {exc}"
+    reasons = [r for r in local.allgather(reason) if r]
+    if rank == 0 and segment is not None:
+        segment.unlink()  # every rank mapped it (or gave up): the kernel frees it with the last process
+    if reasons:
+        if segment is not None:
+            segment.close()
+        return None, reasons[0]
+    return segment, None
+
+
+def node_backend(settings, comm, local, cross, flat: Backend, create) -> Optional[Backend]:
+    """The shared-memory data plane when ``settings.shm`` asks for it and it applies, else None
+    (collective over ``comm``: every rank takes the same branch). ``create(name, comm, settings)``
+    builds the cross-node backend."""
+    if settings.shm == "0":
+        return None
+    sizes = set(comm.allgather(local.Get_size()))
+    local_size = local.Get_size()
+    why = None
+    if platform.machine() not in ("x86_64", "AMD64"):
+        why = f"{platform.machine()} may reorder stores (only x86-64's total store order is relied on)"
+    elif flat.name != "mpi":
+        why = f"the {flat.name} data plane is in use (shared memory replaces the MPI one only)"
+    elif local_size < 2:
+        why = "no two ranks share a host"
+    elif len(sizes) > 1:
+        why = f"nodes have different numbers of ranks ({sorted(sizes)})"
+    if why is not None:
+        if settings.shm == "1" and comm.Get_rank() == 0:
+            log.warning("HVPS_SHM=1 ignored: %s", why)
+        return None
+    buffer_bytes = max(4096, settings.ring_chunk_bytes // 64 * 64)
+    segment, reason = open_segment(local, buffer_bytes, settings.stall_check_seconds)
+    failed = comm.allreduce(0 if segment is not None else 1)
+    if failed:
+        if segment is not None:
+            segment.close()
+        if settings.shm == "1":
+            raise HvpsError(f"HVPS_SHM=1: {reason or 'another node could not create its shared-memory segment'}; "
+                            "set HVPS_SHM=0 to use MPI")
+        if reason and local.Get_rank() == 0:
+            log.warning("hvps: shared-memory data plane off, MPI used instead: %s", reason)
+        return None
+    if local_size == comm.Get_size():
+        return ShmBackend(segment, flat)
+    from .hierarchical import HierarchicalBackend
+
+    backend = HierarchicalBackend(flat, ShmBackend(segment, None), create(settings.backend, cross, settings),
+                                  local.Get_rank(), local_size)
+    backend.name = "hierarchical-shm"
+    return backend

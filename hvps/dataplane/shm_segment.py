@@ -1,0 +1,155 @@
+"""One POSIX shared-memory segment per node, and the counters its ranks synchronise with.
+
+Layout: a header of one 64-byte line per rank (``IN``, ``RED``, ``DONE`` sequence numbers
+and the rank's pid), one line for the abort flag, then per rank a slot of two buffers
+(double-buffering: a rank copies round k+1 in while its peers still read round k).
+
+The segment lives in ``/dev/shm`` under a random name chosen by local rank 0; it is
+unlinked as soon as every rank has mapped it, so the kernel frees it when the last
+process exits, whatever way the job ends. Waits spin briefly, then nap with a growing
+sleep (an oversubscribed box keeps its cores for training), and give up with
+``HvpsError`` when a peer's process is gone, a peer set the abort flag, or nothing
+moved for the stall time.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import time
+
+import numpy as np
+
+from ..core.errors import HvpsError
+
+SHM_DIR = "/dev/shm"
+#: header fields (int64 each) of a rank's line
+IN, RED, DONE, PID = 0, 1, 2, 3
+_LINE = 8  # int64 per 64-byte line
+_HEADER_ALIGN = 4096
+#: seconds a wait polls (yielding the core to any runnable thread between polls) before napping, the
+#: first nap, the longest, and how often peers' pids are checked
+_SPIN_S, _NAP, _MAX_NAP, _PID_CHECK = 2e-3, 20e-6, 1e-3, 0.05
+
+
+def segment_bytes(size: int, buffer_bytes: int) -> int:
+    """Bytes of a segment for ``size`` ranks with buffers of ``buffer_bytes``."""
+    return _HEADER_ALIGN + size * 2 * buffer_bytes
+
+
+def new_name() -> str:
+    """A fresh, unguessable segment name for this user."""
+    return f"hvps-{os.getuid()}-{secrets.token_hex(8)}"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie or a missing process does not; a stopped one does)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+class Segment:
+    """A mapped node segment: ``create`` on local rank 0, ``attach`` on the others, ``unlink`` once all mapped."""
+
+    def __init__(self, name: str, size: int, rank: int, buffer_bytes: int, timeout: float, create: bool) -> None:
+        self.name, self.size, self.rank = name, size, rank
+        self.buffer_bytes, self.timeout = buffer_bytes, timeout
+        self.path = os.path.join(SHM_DIR, name)
+        total = segment_bytes(size, buffer_bytes)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                try:
+                    os.posix_fallocate(fd, 0, total)  # ENOSPC now, not SIGBUS on first touch
+                except OSError:
+                    os.unlink(self.path)
+                    raise
+            elif os.fstat(fd).st_uid != os.getuid():
+                raise PermissionError(f"{self.path} belongs to another user")
+            self.map = mmap.mmap(fd, total)
+        finally:
+            os.close(fd)
+        self.header = np.frombuffer(self.map, np.int64, (size + 1) * _LINE).reshape(size + 1, _LINE)
+        self.counters = self.header[:size, :3]
+        self.header[rank, PID] = os.getpid()
+        self._pids: dict = {}
+
+    def unlink(self) -> None:
+        """Remove the name (mappings stay valid); only local rank 0 calls it."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def buffer(self, rank: int, which: int, dtype: np.dtype, count: int) -> np.ndarray:
+        """``count`` elements of ``dtype`` at the start of buffer ``which`` (0 or 1) of ``rank``'s slot."""
+        offset = _HEADER_ALIGN + (2 * rank + which) * self.buffer_bytes
+        return np.frombuffer(self.map, dtype, count, offset)
+
+    def publish(self, field: int, value: int) -> None:
+        """Set this rank's ``field`` counter (after its data is in place: x86 keeps stores in order)."""
+        self.header[self.rank, field] = value
+
+    def abort(self) -> None:
+        """Tell every peer's wait to give up (this rank failed midway)."""
+        self.header[self.size, 0] = 1
+
+    def wait(self, field: int, value: int, ranks=None) -> None:
+        """Until ``field`` is at least ``value`` on ``ranks`` (every rank when None)."""
+        column = self.counters[:, field] if ranks is None else self.counters[ranks, field]
+        if (column >= value).all():
+            return
+        self._wait_slow(field, value, ranks)
+
+    def _wait_slow(self, field: int, value: int, ranks) -> None:
+        nap = _NAP
+        last = self.counters[:, field].copy()
+        start = time.monotonic()
+        spin_until, deadline, next_check = start + _SPIN_S, start + self.timeout, start + _PID_CHECK
+        while True:
+            column = self.counters[:, field] if ranks is None else self.counters[ranks, field]
+            if (column >= value).all():
+                return
+            if time.monotonic() < spin_until:
+                os.sched_yield()  # as Open MPI's mpi_yield_when_idle: a runnable training thread goes first
+                continue
+            time.sleep(nap)
+            nap = min(_MAX_NAP, nap * 2)
+            now = time.monotonic()
+            if now < next_check:
+                continue
+            next_check = now + _PID_CHECK
+            current = self.counters[:, field]
+            if (current != last).any():  # a peer moved: a slow rank, not a stalled one
+                last = current.copy()
+                deadline = now + self.timeout
+            self._check_peers(field, value, now > deadline)
+
+    def _check_peers(self, field: int, value: int, stalled: bool) -> None:
+        behind = [r for r in range(self.size) if r != self.rank and self.counters[r, field] < value]
+        if self.header[self.size, 0]:
+            raise HvpsError("shared-memory collective aborted: another rank on this node failed midway "
+                            "(it found a peer dead or stalled)")
+        dead = [r for r in behind if not _alive(int(self.header[r, PID]))]
+        if dead:
+            self.abort()
+            raise HvpsError(f"shared-memory collective failed: local ranks {dead} died while this rank waited "
+                            "for them on the node's segment")
+        if stalled:
+            self.abort()
+            raise HvpsError(f"shared-memory collective failed: local ranks {behind} moved no data for "
+                            f"{self.timeout:g} s (HVPS_STALL_CHECK_TIME_SECONDS); a rank hangs or was stopped")
+
+    def close(self) -> None:
+        """Drop the mapping (views into it must be gone)."""
+        self.header = self.counters = None
+        try:
+            self.map.close()
+        except BufferError:  # a caller still holds a view: the kernel frees it at exit
+            pass

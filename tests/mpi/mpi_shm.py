@@ -1,0 +1,118 @@
+"""Inner multi-rank tests of the shared-memory data plane (HVPS_SHM=1): the backend on its own with a
+tiny segment (every dtype, op and size, against a numpy reference, in several rounds), then through
+the engine, a rank stopped shorter than the stall time, and no name left in /dev/shm."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from hvps_testutil import DTYPES, all_inputs, assert_exact, check_allreduce_result, rows_split
+from mpi4py import MPI
+
+import hvps
+from hvps.core.dtypes import ReduceOp
+from hvps.dataplane.backends.shm import ShmBackend, open_segment
+
+pytestmark = pytest.mark.timeout(180)
+
+BUFFER = 4096  # bytes per buffer: sizes below go through the segment in many rounds
+SIZES = [0, 1, 7, 1001, 3 * BUFFER + 5]
+OPS = ["Sum", "Min", "Max", "Product"]
+
+
+@pytest.fixture(scope="module")
+def shm():
+    comm = MPI.COMM_WORLD.Dup()
+    segment, reason = open_segment(comm, BUFFER, 30.0)
+    assert segment is not None, reason
+    backend = ShmBackend(segment, None)
+    yield backend, comm
+    backend.close()
+    comm.Free()
+
+
+def test_segment_name_is_gone_once_mapped(shm):
+    backend, comm = shm
+    comm.Barrier()
+    assert not os.path.exists(backend.segment.path), "the segment must be unlinked once every rank mapped it"
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_allreduce_every_dtype_op_size(shm, name):
+    backend, comm = shm
+    dtype = DTYPES[name]
+    size, rank = comm.Get_size(), comm.Get_rank()
+    for op in OPS:
+        for n in SIZES:
+            arrays = all_inputs(dtype, (n,), f"shm.{op}.{n}", size, op)
+            out = np.empty_like(arrays[rank])
+            backend.allreduce(arrays[rank], out, ReduceOp[op])
+            check_allreduce_result(out, arrays, op, size, what=f"{op} n={n}")
+            inplace = arrays[rank].copy()
+            backend.allreduce(inplace, inplace, ReduceOp[op])
+            assert_exact(inplace, out, f"in place {op} n={n}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64], ids=["float32", "float16", "int64"])
+def test_reducescatter_allgather_broadcast(shm, dtype):
+    backend, comm = shm
+    size, rank = comm.Get_size(), comm.Get_rank()
+    for n in SIZES:
+        arrays = all_inputs(dtype, (n,), f"shm.rs.{n}", size)
+        full = np.empty_like(arrays[rank])
+        backend.allreduce(arrays[rank], full, ReduceOp.Sum)
+        counts = rows_split(n, size)
+        mine = np.empty(counts[rank], dtype)
+        backend.reducescatter(arrays[rank], mine, counts, ReduceOp.Sum)
+        start = sum(counts[:rank])
+        assert_exact(mine, full[start:start + counts[rank]], f"reducescatter n={n}")
+        counts = [n + 3 * r for r in range(size)]
+        gathered = np.empty(sum(counts), dtype)
+        backend.allgatherv(all_inputs(dtype, (counts[rank],), f"shm.ag.{n}", size)[rank], gathered, counts)
+        expected = np.concatenate([all_inputs(dtype, (counts[r],), f"shm.ag.{n}", size)[r] for r in range(size)])
+        assert_exact(gathered, expected, f"allgather n={n}")
+        for root in range(size):
+            buf = arrays[rank].copy()
+            backend.broadcast(buf, root)
+            assert_exact(buf, arrays[root], f"broadcast n={n} root={root}")
+
+
+def test_rank_stopped_shorter_than_the_stall_time_is_waited_for(shm):
+    """Rank 0 stops the last rank for 1.5 s mid-run (stall time 30 s): results stay right."""
+    backend, comm = shm
+    size, rank = comm.Get_size(), comm.Get_rank()
+    pids = comm.allgather(os.getpid())
+    comm.Barrier()
+    if rank == 0:
+        os.kill(pids[-1], signal.SIGSTOP)
+        threading.Timer(1.5, os.kill, (pids[-1], signal.SIGCONT)).start()
+    started = time.monotonic()
+    for i in range(20):
+        arrays = all_inputs(np.float64, (3 * BUFFER + 5,), f"shm.stop.{i}", size)
+        out = np.empty_like(arrays[rank])
+        backend.allreduce(arrays[rank], out, ReduceOp.Sum)
+        check_allreduce_result(out, arrays, "Sum", size, what=f"call {i}")
+    if rank == 0:
+        assert time.monotonic() - started >= 1.0, "the stopped rank was not waited for"
+
+
+def test_engine_uses_shared_memory():
+    hvps.init()
+    try:
+        from hvps.runtime import state
+
+        assert state._state.engine.backend.name == "shm"
+        size, rank = hvps.size(), hvps.rank()
+        arrays = all_inputs(np.float32, (5000,), "shm.engine", size)
+        check_allreduce_result(hvps.allreduce(arrays[rank], op=hvps.Sum, name="shm.e"), arrays, "Sum", size)
+        avg = hvps.allreduce(arrays[rank], op=hvps.Average, name="shm.avg")
+        check_allreduce_result(avg, arrays, "Average", size)
+        rows = hvps.allgather(np.full((rank + 1, 3), rank, np.int32), name="shm.ag")
+        assert rows.tolist() == [[r] * 3 for r in range(size) for _ in range(r + 1)]
+        assert hvps.broadcast(np.arange(9.0) * (rank + 1), root_rank=size - 1, name="shm.b").tolist() == \
+            (np.arange(9.0) * size).tolist()
+    finally:
+        hvps.shutdown()
