@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import sys
 from typing import Optional
 
@@ -125,8 +126,23 @@ def end_job(why: str) -> None:
     sys.stderr.flush()
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        _die_if_stuck(_ABORT_SECONDS)
         MPI.COMM_WORLD.Abort(1)
     os._exit(1)
+
+
+#: MPI's abort may itself wait (Open MPI 5 under --enable-recovery once left a survivor in it for good)
+_ABORT_SECONDS = 10
+
+
+def _die_if_stuck(seconds: int) -> None:
+    """Let the kernel end this process (SIGALRM's default action) if it is still here after ``seconds``:
+    no Python code needs to run for that, whatever thread holds the GIL."""
+    try:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    except ValueError:  # not the main thread: keep the handler there is
+        pass
+    signal.alarm(seconds)
 
 
 atexit.register(shutdown)
