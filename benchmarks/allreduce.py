@@ -47,6 +47,7 @@ from benchmarks.common import (  # noqa: E402
     median,
     parse_size,
     run_mpi_worker,
+    torch_default_group,
     write_json,
 )
 
@@ -106,24 +107,6 @@ def message_sizes(args: argparse.Namespace) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- worker
-def _torch_default_group(comm, device: str) -> None:
-    """torch.distributed's default group, bootstrapped over MPI as hvps's tdist backend is."""
-    import socket
-
-    import torch
-    import torch.distributed as dist
-
-    address = None
-    if comm.Get_rank() == 0:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-    if device == "cuda":
-        torch.cuda.set_device(comm.Get_rank() % torch.cuda.device_count())
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=comm.bcast(address),
-                            rank=comm.Get_rank(), world_size=comm.Get_size())
-
-
 def _contender(impl: str, comm, device: str):
     """``allreduce(send, recv)`` (recv = the sum of every rank's send) for ``impl``."""
     from mpi4py import MPI
@@ -133,7 +116,7 @@ def _contender(impl: str, comm, device: str):
     if impl == "tdist":
         import torch.distributed as dist
 
-        _torch_default_group(comm, device)
+        torch_default_group(comm, device)
 
         def direct(send, recv):
             recv.copy_(send)

@@ -131,6 +131,24 @@ def idle_barrier(comm: Any, poll_s: float = 0.02) -> None:
         time.sleep(poll_s)
 
 
+def torch_default_group(comm: Any, device: str = "cpu") -> None:
+    """torch.distributed's default group, bootstrapped over MPI as hvps's tdist backend is."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    address = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    if device == "cuda":
+        torch.cuda.set_device(comm.Get_rank() % torch.cuda.device_count())
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=comm.bcast(address),
+                            rank=comm.Get_rank(), world_size=comm.Get_size())
+
+
 MPIRUN_HELP = "mpirun executable (default: the one hvpsrun finds: $HVPS_MPIRUN, beside this Python, then PATH)"
 
 

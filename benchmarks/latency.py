@@ -33,6 +33,7 @@ from benchmarks.common import (  # noqa: E402
     median,
     parse_size,
     run_mpi_worker,
+    torch_default_group,
     write_json,
 )
 
@@ -106,20 +107,6 @@ def _gloo(op: str):
     return calls[op], torch.from_numpy
 
 
-def _start_gloo(comm) -> None:
-    import socket
-
-    import torch.distributed as dist
-
-    address = None
-    if comm.Get_rank() == 0:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-    dist.init_process_group("gloo", init_method=comm.bcast(address), rank=comm.Get_rank(),
-                            world_size=comm.Get_size())
-
-
 def run_worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
@@ -130,7 +117,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
         hvps.init()
     elif args.impl == "gloo":
-        _start_gloo(comm)
+        torch_default_group(comm)
     rng = np.random.default_rng(rank)
     results = []
     for op, nbytes in cases(args):

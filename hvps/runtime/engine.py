@@ -135,8 +135,8 @@ class Engine:
         self._backlog: deque = deque()
         #: how long a waiter drives the engine before it blocks (seconds; 0: never)
         self.spin_seconds = settings.spin_wait_us / 1e6
-        #: waits that ran the engine on the waiting thread (the fast path), and those that ran a collective
-        self.driven_waits = self.driven_collectives = 0
+        #: collectives that a waiting thread executed itself (the fast path)
+        self.driven_collectives = 0
         self._stopping = False
         self.timeline = None
         if settings.timeline and settings.timeline != "DYNAMIC":  # DYNAMIC: start_timeline() later
@@ -222,8 +222,8 @@ class Engine:
 
     def _drive(self, handle: Handle) -> bool:
         """Run cycles on this (waiting) thread until ``handle`` is done, a response too large for it
-        comes, or ``spin_seconds`` pass; False if it may not (the engine thread is in a cycle, or other
-        collectives are in flight: they keep the engine thread's pace and fusion)."""
+        comes, or ``spin_seconds`` pass; False if it may not (the engine thread stays in a cycle longer, or
+        other collectives are in flight: they keep the engine thread's pace and fusion)."""
         # The engine thread holds the lock for a cycle at a time (microseconds, unless it is inside a
         # large transfer): waiting for it beats handing over, which wakes a thread on every rank.
         if self.spin_seconds <= 0 or not self._alone(handle) or not self._cycle_lock.acquire(timeout=self.spin_seconds):
@@ -231,7 +231,6 @@ class Engine:
         if not self._alone(handle):  # checked again: the engine thread may have taken more meanwhile
             self._cycle_lock.release()
             return False
-        self.driven_waits += 1
         try:
             self._on_waiter = True
             until = time.monotonic() + self.spin_seconds
@@ -533,7 +532,7 @@ class Engine:
                 if not arrays.is_numpy(array):
                     return False
                 nbytes += array.nbytes
-        return nbytes * max(1, context.size if response.kind == ALLGATHER else 1) <= limit
+        return nbytes * (context.size if response.kind == ALLGATHER else 1) <= limit
 
     def _change_sets(self, response, entries: list) -> None:
         """Build (or free) the data plane of an agreed process set, on its members only."""

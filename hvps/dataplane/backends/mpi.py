@@ -120,8 +120,14 @@ class MPIBackend(Backend):
         """Whether a collective over ``array`` (its size the same on every rank) runs non-blocking."""
         return arrays.is_numpy(array) and array.nbytes <= NONBLOCKING_BYTES
 
-    def _wait(self, request: MPI.Request, what: str) -> None:
-        wait_all([request], self._others, self.timeout, self.abort, f"MPI {what}", point_to_point=False)
+    def _call(self, method: str, polled: bool, *args, **kwargs) -> None:
+        """``comm.<method>(...)``, or when ``polled`` its non-blocking twin (``Iallreduce`` for
+        ``Allreduce``) waited for by polling, so that it gives up once ``abort`` is set."""
+        if not polled:
+            getattr(self.comm, method)(*args, **kwargs)
+            return
+        request = getattr(self.comm, "I" + method.lower())(*args, **kwargs)
+        wait_all([request], self._others, self.timeout, self.abort, f"MPI {method}", point_to_point=False)
 
     def takes(self, device, dtype):
         # User-defined reductions (float16, bfloat16) run on the host: those are staged.
@@ -138,25 +144,15 @@ class MPIBackend(Backend):
                            wire, self.ring_chunk_bytes, self.timeout, self.workspace.view, self.abort)
             return
         send = MPI.IN_PLACE if arrays.address(sendbuf) == arrays.address(recvbuf) else wire(sendbuf)
-        reduce = mpi_op(_dtype(recvbuf), op)
-        if polled:
-            self._wait(self.comm.Iallreduce(send, wire(recvbuf), op=reduce), "allreduce")
-        else:
-            self.comm.Allreduce(send, wire(recvbuf), op=reduce)
+        self._call("Allreduce", polled, send, wire(recvbuf), op=mpi_op(_dtype(recvbuf), op))
 
     def allgatherv(self, sendbuf, recvbuf, counts):
         carrier, datatype = wire(recvbuf)
-        spec = [carrier, (counts, _displacements(counts)), datatype]
-        if self._polled(recvbuf):
-            self._wait(self.comm.Iallgatherv(wire(sendbuf), spec), "allgather")
-        else:
-            self.comm.Allgatherv(wire(sendbuf), spec)
+        self._call("Allgatherv", self._polled(recvbuf), wire(sendbuf),
+                   [carrier, (counts, _displacements(counts)), datatype])
 
     def broadcast(self, buf, root):
-        if self._polled(buf):
-            self._wait(self.comm.Ibcast(wire(buf), root=root), "broadcast")
-        else:
-            self.comm.Bcast(wire(buf), root=root)
+        self._call("Bcast", self._polled(buf), wire(buf), root=root)
 
     def alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
         # Always non-blocking: the byte counts differ between ranks, and every rank must make the same
@@ -165,19 +161,12 @@ class MPIBackend(Backend):
         recv_carrier, _ = wire(recvbuf)
         send = [send_carrier, (sendcounts, _displacements(sendcounts)), datatype]
         receive = [recv_carrier, (recvcounts, _displacements(recvcounts)), datatype]
-        if arrays.is_numpy(recvbuf) and arrays.is_numpy(sendbuf):
-            self._wait(self.comm.Ialltoallv(send, receive), "alltoall")
-        else:
-            self.comm.Alltoallv(send, receive)
+        self._call("Alltoallv", arrays.is_numpy(recvbuf) and arrays.is_numpy(sendbuf), send, receive)
 
     def reducescatter(self, sendbuf, recvbuf, counts, op):
         carrier, datatype = wire(recvbuf)
-        reduce = mpi_op(_dtype(recvbuf), op)
-        if self._polled(sendbuf):
-            self._wait(self.comm.Ireduce_scatter(wire(sendbuf), [carrier, datatype], recvcounts=counts, op=reduce),
-                       "reducescatter")
-        else:
-            self.comm.Reduce_scatter(wire(sendbuf), [carrier, datatype], recvcounts=counts, op=reduce)
+        self._call("Reduce_scatter", self._polled(sendbuf), wire(sendbuf), [carrier, datatype], recvcounts=counts,
+                   op=mpi_op(_dtype(recvbuf), op))
 
     def sendrecv(self, sendbuf, dest, recvbuf, source):
         self.comm.Sendrecv(wire(sendbuf), dest, recvbuf=wire(recvbuf), source=source)
