@@ -96,14 +96,18 @@ def run_job(tmp: Path, np_: int, env: dict, mpi_args: str = "", timeout: float =
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("np_,victim,backend", [(3, 0, "mpi"), (3, 2, "mpi"), (2, 1, "mpi"), (3, 2, "tdist"),
-                                               (3, 1, "shm")],
-                         ids=["np3-rank0", "np3-rank2", "np2-rank1", "np3-rank2-tdist", "np3-rank1-shm"])
+                                               (3, 1, "shm"), (3, 1, "tree"), (3, 2, "tree")],
+                         ids=["np3-rank0", "np3-rank2", "np2-rank1", "np3-rank2-tdist", "np3-rank1-shm",
+                              "np3-rank1-tree", "np3-rank2-tree"])
 def test_killed_rank_is_named_by_every_survivor_within_2s(tmp_path, np_, victim, backend):
     # A stall time far above 2 s: only the closed control connection can explain a fast error. On the
     # torch.distributed data plane gloo notices the reset connection too, without naming the dead rank.
     # On the shared-memory one (HVPS_SHM=1) the survivors wait on the node's segment, and it must be gone after.
+    # In a control-plane tree (HVPS_CONTROL_FANOUT=1: the chain 0 - 1 - 2) rank 1 relays: when it dies, rank 2
+    # has lost its only link to the job; when rank 2 dies, only rank 1 sees it and must pass the word up.
     env = {"MODE": "kill", "VICTIM": str(victim), "HVPS_STALL_CHECK_TIME_SECONDS": "20",
-           "HVPS_BACKEND": "mpi" if backend == "shm" else backend, "HVPS_SHM": "1" if backend == "shm" else "0"}
+           "HVPS_BACKEND": backend if backend in ("mpi", "tdist") else "mpi", "HVPS_SHM": "1" if backend == "shm" else "0",
+           "HVPS_CONTROL_FANOUT": "1" if backend == "tree" else "0"}
     rc, out, _ = run_job(tmp_path, np_, env, mpi_args=_keep_survivors_flag(), timeout=90)
     # (the exit status is not checked: Open MPI 5's recovery mode may return 0 after a rank's abort)
     assert rc is not None, "the job hung:\n" + out

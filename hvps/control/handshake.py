@@ -12,7 +12,8 @@ each side proves it holds the key by answering the other's fresh random challeng
 
 A recorded handshake is useless later (the challenges differ), and a stranger learns
 nothing that lets it forge the next one. The server side is a state machine fed with
-bytes, so rank 0 can run many handshakes at once without one slow peer blocking others.
+bytes, so rank 0 can run many handshakes at once without one slow peer blocking others. In a
+control-plane tree (``tree.py``) every parent plays rank 0's part towards its own children.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ class ServerHandshake:
     then holds any bytes it sent after its proof.
     """
 
-    def __init__(self, key: bytes, size: int, taken: Container) -> None:
-        self._key, self._size, self._taken = key, size, taken
+    def __init__(self, key: bytes, size: int, taken: Container, expected: Optional[Container] = None) -> None:
+        """``expected``: the ranks that may connect here (a rank's children in the control-plane tree)."""
+        self._key, self._size, self._taken, self._expected = key, size, taken, expected
         self.reader = FrameReader(MAX_UNAUTHENTICATED)
         self.rank: Optional[int] = None
         self.session: Optional[Session] = None
@@ -88,6 +90,8 @@ class ServerHandshake:
     def _hello(self, payload: bytes) -> bytes:
         hello = _parse(payload, _HELLO)
         rank = check_rank(hello["rank"], self._size, self._taken)
+        if self._expected is not None and rank not in self._expected:
+            raise ProtocolError(f"rank {rank} does not announce to this rank in the control-plane tree")
         worker_nonce, rank0_nonce = check_nonce(hello["nonce"]), secrets.token_bytes(16)
         self.rank, self._nonces = rank, (worker_nonce, rank0_nonce)
         return frame(encode({"nonce": rank0_nonce.hex(),

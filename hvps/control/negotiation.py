@@ -116,11 +116,25 @@ def to_wire(message) -> dict:
 @dataclass
 class _Pending:
     first_seen: float
+    #: who submitted it -> the request: a rank, or a ``range`` of ranks that a relay reported together
     by_rank: dict
     #: submissions that complete it when no rank has joined (its set's size; 0: unknown set)
     needed: int = 0
     #: whether a rank sent a ``failure`` request for it
     failed: bool = False
+    #: ranks that submitted it (a range counts each of its ranks)
+    count: int = 0
+    #: whether ``by_rank`` holds ranges
+    grouped: bool = False
+
+    def ranks(self) -> dict:
+        """``by_rank`` with every range spelled out, rank by rank."""
+        if not self.grouped:
+            return self.by_rank
+        spelled: dict = {}
+        for who, request in self.by_rank.items():
+            spelled.update(dict.fromkeys(who, request) if isinstance(who, range) else {who: request})
+        return spelled
 
 
 class Coordinator:
@@ -152,9 +166,13 @@ class Coordinator:
             return None
         return min(p.first_seen for p in self._table.values()) + self.stall_seconds
 
-    def submit(self, rank: int, requests: list, now: float) -> None:
-        """Record requests that ``rank`` announced at time ``now``."""
+    def submit(self, rank, requests: list, now: float) -> None:
+        """Record requests that ``rank`` (a rank, or a ``range`` of ranks that all announced the same,
+        from a relay of the control-plane tree) announced at time ``now``."""
         for req in requests:
+            if isinstance(rank, range) and (req.kind in (JOIN, SHUTDOWN) or req.failure or req.name in self._failed):
+                self.submit_each(rank, req, now)
+                continue
             if req.kind == JOIN:
                 if rank not in self._joined:
                     self._joined.append(rank)
@@ -169,8 +187,16 @@ class Coordinator:
             pending = self._table.get(req.name)
             if pending is None:
                 pending = self._table[req.name] = _Pending(now, {}, len(self.sets.get(req.process_set, ())))
+            if rank not in pending.by_rank:
+                pending.count += len(rank) if isinstance(rank, range) else 1
+                pending.grouped = pending.grouped or isinstance(rank, range)
             pending.by_rank[rank] = req
             pending.failed = pending.failed or bool(req.failure)
+
+    def submit_each(self, ranks: range, request: Request, now: float) -> None:
+        """``submit`` ``request`` for each of ``ranks`` on its own (what only single ranks may announce)."""
+        for rank in ranks:
+            self.submit(rank, [request], now)
 
     def _late_submission(self, req: Request, rank: int, failed: tuple) -> None:
         """``rank`` submitted a collective that failed elsewhere before: it gets the same error now."""
@@ -192,7 +218,7 @@ class Coordinator:
         settled = not joined and not self._shutdown
         for name in list(self._table):
             pending = self._table[name]
-            if (settled and not released and not pending.failed and len(pending.by_rank) < pending.needed
+            if (settled and not released and not pending.failed and pending.count < pending.needed
                     and now - pending.first_seen < self.stall_seconds):
                 continue
             set_id = next(iter(pending.by_rank.values())).process_set
@@ -204,25 +230,27 @@ class Coordinator:
             if pending.failed:
                 del self._table[name]
                 ready.append(self._failed_on_some(name, pending, members))
-                released.update(r for r, q in pending.by_rank.items() if not q.failure)
+                released.update(r for r, q in pending.ranks().items() if not q.failure)
                 continue
+            # every rank of the job submitted it (each rank submits a name once): no sets to build
+            everyone = set_id == GLOBAL_SET and not joined and pending.count == self.size
             # join() only excuses ranks from collectives on the global set
-            present = set(pending.by_rank) | (joined if set_id == GLOBAL_SET else set())
-            if not present.issuperset(members):
+            present = set() if everyone else set(pending.ranks()) | (joined if set_id == GLOBAL_SET else set())
+            if not everyone and not present.issuperset(members):
                 left = (set(members) - present) & self._shutdown
                 if left:  # a rank that asked to shut down submits nothing more: fail now, not at the stall
                     ready.append(self._left(name, pending, left))
                     del self._table[name]
-                    released.update(pending.by_rank)
+                    released.update(pending.ranks())
                 elif (set(members) - present) & released:
                     pending.first_seen = now
                 elif now - pending.first_seen >= self.stall_seconds:
                     ready.append(self._stalled(name, pending, present, members))
                     del self._table[name]
-                    released.update(pending.by_rank)
+                    released.update(pending.ranks())
                 continue
             del self._table[name]
-            response = self._check(name, pending.by_rank, joined if set_id == GLOBAL_SET else set(), members)
+            response = self._check(name, pending, joined if set_id == GLOBAL_SET else set(), members)
             self._track_sets(response)
             ready.append(response)
         if released:
@@ -245,7 +273,7 @@ class Coordinator:
         for pending in self._table.values():
             set_id = next(iter(pending.by_rank.values())).process_set
             members = set(self.sets.get(set_id, ()))
-            present = set(pending.by_rank) | (joined if set_id == GLOBAL_SET else set())
+            present = set(pending.ranks()) | (joined if set_id == GLOBAL_SET else set())
             if (members - present) & released:
                 pending.first_seen = now
 
@@ -268,26 +296,26 @@ class Coordinator:
     def _left(self, name: str, pending: _Pending, left: set) -> Response:
         kind = next(iter(pending.by_rank.values())).kind
         return Response(kind, [name], error=(
-            f"hvps: {kind} '{name}' was submitted by ranks {sorted(pending.by_rank)} but ranks {sorted(left)} shut "
+            f"hvps: {kind} '{name}' was submitted by ranks {sorted(pending.ranks())} but ranks {sorted(left)} shut "
             "hvps down (hvps.shutdown(), or the script ended, e.g. sys.exit) and will never submit it. Every rank "
             "must submit the same collectives; check for rank-dependent control flow or an early exit"))
 
     def _failed_on_some(self, name: str, pending: _Pending, members: tuple) -> Response:
         """A collective some ranks could not submit: the error every rank gets at once, naming them
         and their reason; members that have not submitted it yet get the same when they do."""
-        failures = {r: q for r, q in sorted(pending.by_rank.items()) if q.failure}
+        failures = {r: q for r, q in sorted(pending.ranks().items()) if q.failure}
         reasons = "; ".join(f"rank {r}: {q.failure}" for r, q in failures.items())
         kind = next(iter(failures.values())).kind
         error = (f"hvps: {kind} '{name}' failed on ranks {sorted(failures)} before they could submit it "
                  f"({reasons}); it fails on every rank, so that all of them go on in step")
-        waiting = set(members) - set(pending.by_rank)
+        waiting = set(members) - set(pending.ranks())
         if waiting:
             self._failed[name] = (error, waiting)
         return Response(kind, [name], error=error)
 
     def _stalled(self, name: str, pending: _Pending, present: set, members: tuple) -> Response:
         missing = sorted(set(members) - present)
-        submitted = sorted(pending.by_rank)
+        submitted = sorted(pending.ranks())
         kind = next(iter(pending.by_rank.values())).kind
         return Response(
             kind,
@@ -300,11 +328,13 @@ class Coordinator:
             ),
         )
 
-    def _check(self, name: str, by_rank: dict, joined: set, members: tuple) -> Response:
-        reference = next(iter(by_rank.values()))
+    def _check(self, name: str, pending: _Pending, joined: set, members: tuple) -> Response:
+        reference = next(iter(pending.by_rank.values()))
         groups: dict[tuple, list[int]] = {}
         # requests named by a response-cache bit are one object on every rank: equal by construction
-        if any(request is not reference for request in by_rank.values()):
+        uniform = all(request is reference for request in pending.by_rank.values())
+        by_rank = pending.by_rank if uniform and reference.kind not in (ALLGATHER, ALLTOALL) else pending.ranks()
+        if not uniform:
             for rank in sorted(by_rank):
                 groups.setdefault(by_rank[rank].signature(), []).append(rank)
         if len(groups) > 1:

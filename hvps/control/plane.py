@@ -1,4 +1,4 @@
-"""The control plane: small JSON messages between rank 0 and every other rank over TCP.
+"""The control plane: small JSON messages between each rank and its parent over TCP, up to rank 0.
 
 MPI offers no way to wait for a message without spinning a core, so the engine
 negotiates over plain sockets instead: its thread blocks in ``select`` until a
@@ -12,6 +12,10 @@ A connection is trusted only after a mutual challenge-response proves it holds t
 job's key (``control_handshake.py``), and every later frame carries an HMAC
 (``control_wire.py``). Strangers are dropped and logged, one at a time and each
 within its own deadline, so that none of them can stop, stall or bloat the job.
+
+The connections form a tree (``tree.py``, ``HVPS_CONTROL_FANOUT``): a star below that many ranks,
+else every rank with children listens the way rank 0 does, and relays its block's announcements up
+and rank 0's responses down (``relay.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ..core.errors import HvpsError
 from ..core.settings import env_text
 from .handshake import ServerHandshake, client_handshake
 from .liveness import CLOSED, PeerWatch
+from .tree import position
 from .wire import MAX_AUTHENTICATED, FrameReader, ProtocolError, Session, encode
 
 log = logging.getLogger("hvps")
@@ -38,12 +43,14 @@ _SIOCGIFADDR = 0x8915
 HANDSHAKE_SECONDS = 5.0
 #: connections rank 0 keeps in handshake at once; more are refused until some finish
 _MAX_PENDING = 64
-#: what workers send rank 0, and rank 0 the workers; "bye" ends a connection on purpose (close()),
-#: "lost" is rank 0's last word when ranks died (see liveness.py)
 #: bytes per recv: below malloc's mmap threshold (a 1 MiB buffer cost 16 us per message in mmap/munmap)
 _RECV_BYTES = 1 << 16
-_REQUESTS = frozenset({"requests", "epoch", "bye"})
+#: what children send their parent, and a parent its children; "bye" ends a connection on purpose (close()),
+#: "lost" is a rank's last word when ranks died (see liveness.py)
+_REQUESTS = frozenset({"requests", "batch", "epoch", "bye", "lost"})
 _RESPONSES = frozenset({"responses", "tuning", "bye", "lost"})
+#: HVPS_CONTROL_FANOUT's default: jobs of up to 33 ranks are a star
+DEFAULT_FANOUT = 32
 
 
 def interface_address(name: str) -> Optional[str]:
@@ -110,13 +117,13 @@ class _Peer:
         self.accepts = accepts
         self.reader.limit = MAX_AUTHENTICATED
         self.outbox = bytearray()
-        #: shut our sending side once the outbox is out (rank 0's last word: see ControlPlane.farewell)
+        #: shut our sending side once the outbox is out (the last word: see ControlPlane.farewell)
         self.closing = False
         self.lock = threading.Lock()
         self.stash: list = []
         #: the stream has ended (the peer's end closed, or it broke the protocol)
         self.ended = False
-        #: how it ended: with a goodbye, with rank 0's notice of lost ranks, or neither (a dead peer)
+        #: how it ended: with a goodbye, with a notice of lost ranks, or neither (a dead peer)
         self.said_bye = False
         self.notice: dict = {}
         self.judged = False
@@ -185,7 +192,7 @@ class _Peer:
 
     def judge(self) -> dict:
         """Once the stream has ended, and only the first time: the ranks it tells are lost
-        (rank 0's notice, else this peer unless it said goodbye). Empty otherwise."""
+        (its notice, else this peer unless it said goodbye). Empty otherwise."""
         with self.lock:
             if not self.ended or self.judged:
                 return {}
@@ -246,13 +253,16 @@ class _Writer(threading.Thread):
 
 
 class ControlPlane:
-    """Rank 0 holds one connection per other rank; every other rank holds one to rank 0."""
+    """Each rank holds one connection to its parent in the tree (none on rank 0) and one per child."""
 
-    def __init__(self, comm, connect_timeout: float = 60.0, key: Optional[bytes] = None) -> None:
+    def __init__(self, comm, connect_timeout: float = 60.0, key: Optional[bytes] = None,
+                 fanout: int = DEFAULT_FANOUT) -> None:
         """Connect the job's ranks over ``comm``. ``key`` authenticates the connections when every rank
         already holds it (derived from the job's secret); without it rank 0 draws one and sends it
-        over ``comm``."""
+        over ``comm``. ``fanout``: children per rank (``tree.py``; 0: a star)."""
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.position = position(self.rank, self.size, fanout or max(self.size - 1, 1))
+        self.parent, self.children = self.position.parent, self.position.children
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         for sock in (self._wake_r, self._wake_w):
@@ -261,21 +271,22 @@ class ControlPlane:
         self._wake_selector = selectors.DefaultSelector()
         self._wake_selector.register(self._wake_r, selectors.EVENT_READ, None)
         self.peers: dict[int, _Peer] = {}
-        listener = None
-        if self.rank == 0 and self.size > 1:
-            listener = socket.create_server((listen_address(), 0), backlog=max(self.size, 16) + _MAX_PENDING)
+        listener, offer = None, None
+        if self.children:
+            listener = socket.create_server((listen_address(), 0), backlog=max(len(self.children), 16) + _MAX_PENDING)
+            offer = [candidate_addresses(), listener.getsockname()[1], b""]
+        if self.rank == 0 and offer is not None and not key:
             # The key travels over the bootstrap communicator only (MPI, or an authenticated store when the
             # ranks share a secret, which then never travels), never over the control connection.
-            offer = (candidate_addresses(), listener.getsockname()[1], b"" if key else secrets.token_bytes(32))
-        else:
-            offer = None
-        addresses, port, offered = comm.bcast(offer, root=0) if self.size > 1 else (None, 0, b"")
-        key = key or offered
+            offer[2] = secrets.token_bytes(32)
+        offers = comm.allgather(offer) if self.size > 1 else [offer]
+        key = key or (offers[0][2] if offers[0] else b"")
         try:
-            if self.rank == 0 and listener is not None:
-                self._accept(listener, key, connect_timeout)
-            elif self.size > 1:
+            if self.parent is not None:  # first up, then down: the parent listens before it connects
+                addresses, port, _ = offers[self.parent]
                 self._connect(addresses, port, key, connect_timeout)
+            if listener is not None:
+                self._accept(listener, key, connect_timeout)
         finally:
             if listener is not None:
                 listener.close()
@@ -299,12 +310,12 @@ class ControlPlane:
         selector.register(listener, selectors.EVENT_READ, None)
         pending: dict = {}  # socket -> (ServerHandshake, expiry, address)
         try:
-            while len(self.peers) < self.size - 1:
+            while any(child not in self.peers for child in self.children):
                 now = time.monotonic()
                 if now >= deadline:
-                    missing = sorted(set(range(1, self.size)) - set(self.peers))
+                    missing = sorted(set(self.children) - set(self.peers))
                     raise HvpsError(
-                        f"rank 0 heard nothing from ranks {missing} within {timeout:g} s on port "
+                        f"rank {self.rank} heard nothing from ranks {missing} within {timeout:g} s on port "
                         f"{listener.getsockname()[1]}; set HVPS_NETWORK_INTERFACE (hvpsrun --network-interface) "
                         "to an interface every host can reach")
                 wait = min([deadline] + [expiry for _, expiry, _ in pending.values()]) - now
@@ -332,7 +343,7 @@ class ControlPlane:
             sock.close()
             return
         sock.setblocking(False)
-        handshake = ServerHandshake(key, self.size, taken=self.peers)
+        handshake = ServerHandshake(key, self.size, taken=self.peers, expected=self.children)
         pending[sock] = (handshake, time.monotonic() + HANDSHAKE_SECONDS, address[0])
         selector.register(sock, selectors.EVENT_READ, handshake)
 
@@ -384,18 +395,19 @@ class ControlPlane:
                     errors[address] = exc
                     sock.close()
                     continue
-                self.peers[0] = _Peer(sock, 0, session, FrameReader(MAX_AUTHENTICATED), _RESPONSES)
+                self.peers[self.parent] = _Peer(sock, self.parent, session, FrameReader(MAX_AUTHENTICATED),
+                                                _RESPONSES)
                 return
             time.sleep(0.2)
         tried = ", ".join(f"{a}:{port} ({e})" for a, e in errors.items())
         raise HvpsError(
-            f"rank {self.rank} could not reach rank 0's control port: {tried}; set HVPS_NETWORK_INTERFACE "
+            f"rank {self.rank} could not reach rank {self.parent}'s control port: {tried}; set HVPS_NETWORK_INTERFACE "
             "(hvpsrun --network-interface) or HVPS_CONTROL_ADDR to an address every host can reach"
         )
 
     def watch(self, on_lost: Callable[[dict], None]) -> None:
         """From now on, call ``on_lost({rank: why})`` (from any thread, at once) when ranks die: a peer's
-        connection ends without a goodbye, or rank 0's last word names the ranks it lost. A goodbye
+        connection ends without a goodbye, or a peer's last word names the ranks it lost. A goodbye
         (a peer that shut down) is not a loss: ``poll`` reports that connection as closed."""
         self._on_lost = on_lost
         if self.peers:
@@ -416,8 +428,9 @@ class ControlPlane:
             self._on_lost(lost)
 
     def farewell(self, lost: dict) -> None:
-        """Rank 0's last word: tell every other rank which ranks were lost, then shut our sending side
-        (so that a rank whose engine is busy notices at once too, through its watch)."""
+        """This rank's last word: tell every peer still there which ranks were lost, then shut our sending
+        side (so that a rank whose engine is busy notices at once too, through its watch). Each rank
+        passes the word on, so it floods the tree."""
         body = encode({"lost": {str(rank): why for rank, why in lost.items()}})
         for rank, peer in list(self.peers.items()):
             if rank not in lost:
@@ -436,10 +449,10 @@ class ControlPlane:
         """Queue ``message`` for ``rank``; send what the socket takes now, the rest from the writer thread."""
         self._send_encoded(rank, encode(message))
 
-    def send_to_workers(self, message: dict) -> None:
-        """``send`` to every other rank, encoding ``message`` once."""
+    def send_down(self, message: dict) -> None:
+        """``send`` to every child, encoding ``message`` once."""
         body = encode(message)
-        for rank in range(1, self.size):
+        for rank in self.children:
             self._send_encoded(rank, body)
 
     def _send_to_all(self, body: bytes) -> None:

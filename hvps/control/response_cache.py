@@ -31,9 +31,11 @@ _UNCACHED = (JOIN, SHUTDOWN, ADD_SET, REMOVE_SET)
 class ResponseCache:
     """Agreed requests by bit, kept alike on every rank by recording every executed response."""
 
-    def __init__(self, capacity: int, size: int, rank: int = 0) -> None:
+    def __init__(self, capacity: int, size: int, rank: int = 0, children: Optional[dict] = None) -> None:
         self.capacity = capacity
-        self._workers = range(1, size)
+        #: rank 0's children in the control-plane tree -> the ranks each speaks for (a star: every worker)
+        self._children = children if children is not None else {r: range(r, r + 1) for r in range(1, size)}
+        self._workers = tuple(self._children)
         #: only rank 0 resolves other ranks' bits, so only it (with workers) keeps evicted requests
         self._keeps_evicted = rank == 0 and size > 1
         #: request -> bit, least recently used first
@@ -101,16 +103,34 @@ class ResponseCache:
         return [self._requests.get(self._bits.get(r, -1), r) for r in requests]
 
     def resolve(self, rank: int, message: dict) -> list:
-        """The requests a worker announced, its bits looked up; notes the worker's epoch."""
+        """What a child announced, as ``(ranks, requests)`` pairs (``ranks``: one rank, or a ``range`` of
+        its subtree that announced the same), bits looked up; notes the epoch it reported."""
         epoch = message.get("epoch", 0)
         if not isinstance(epoch, int) or epoch > self.epoch:
             raise HvpsError(f"rank {rank} reported response-cache epoch {epoch!r}, but rank 0 has recorded "
                             f"only {self.epoch} responses: the ranks' caches disagree")
-        requests = [Request.from_wire(item) if isinstance(item, dict) else self._lookup(item, rank)
-                    for item in message["requests"]]
+        resolved = []
+        if "requests" in message:
+            resolved.append((rank, [self._request(item, rank) for item in message["requests"]]))
+        for item, spans in message.get("batch", ()):
+            request = self._request(item, rank)
+            resolved.extend((self._ranks(span, rank), [request]) for span in spans)
         self._worker_epochs[rank] = epoch
         self._prune()
-        return requests
+        return resolved
+
+    def _request(self, item: object, rank: int) -> Request:
+        return Request.from_wire(item) if isinstance(item, dict) else self._lookup(item, rank)
+
+    def _ranks(self, span: object, rank: int):
+        """A span ``[low, high)`` of ``rank``'s subtree as one rank or a range; HvpsError outside it."""
+        subtree = self._children.get(rank, range(0))
+        if (not isinstance(span, list) or len(span) != 2 or not all(type(v) is int for v in span)
+                or not subtree.start <= span[0] < span[1] <= subtree.stop):
+            raise HvpsError(f"rank {rank} relayed announcements of ranks {span!r}, outside its subtree "
+                            f"{subtree.start}..{subtree.stop - 1}")
+        low, high = span
+        return low if high - low == 1 else range(low, high)
 
     def encode_responses(self, responses: list) -> list:
         """The wire form of ``responses`` (bits where every request is cached), recording each."""

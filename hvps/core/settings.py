@@ -39,6 +39,7 @@ VARIABLES: dict[str, str] = {
     "HVPS_LOCAL_SIZE": "ranks per node, overriding discovery",
     "HVPS_NETWORK_INTERFACE": "interface whose address the control plane (and gloo) offers",
     "HVPS_CONTROL_ADDR": "address rank 0's control plane binds and offers, overriding the interface",
+    "HVPS_CONTROL_FANOUT": "children per rank in the control-plane tree (up to this many ranks + 1: a star); 0: a star",
     "HVPS_DYNAMIC_PROCESS_SETS": "1: process sets may be added and removed after init",
     # starting without MPI (hvps.runtime.bootstrap)
     "HVPS_RENDEZVOUS_ADDR": "addresses of hvpsrun --gloo's rendezvous store (hvpsrun sets it)",
@@ -127,6 +128,9 @@ class Settings:
     shm: str = "0"
     #: requests every rank has agreed on, named by a bit from then on (0: off); see response_cache.py
     cache_capacity: int = 1024
+    #: children per rank in the control-plane tree (control/tree.py); above fanout + 1 ranks, relays merge
+    #: their subtree's announcements, so rank 0 hears from ``fanout`` ranks instead of every rank (0: a star)
+    control_fanout: int = 32
     #: tune fusion_threshold and cycle_time_ms from step times during the first steps (autotune.py)
     autotune: bool = False
     autotune_warmup_steps: int = 2
@@ -167,6 +171,7 @@ class Settings:
             autotune_steps_per_sample=int(env_number("HVPS_AUTOTUNE_STEPS_PER_SAMPLE", cls.autotune_steps_per_sample,
                                                      int)) or 1,
             cache_capacity=int(env_number("HVPS_CACHE_CAPACITY", cls.cache_capacity, int)),
+            control_fanout=int(env_number("HVPS_CONTROL_FANOUT", cls.control_fanout, int)),
             fusion_threshold=int(env_number("HVPS_FUSION_THRESHOLD", cls.fusion_threshold, int)),
             cycle_time_ms=env_number("HVPS_CYCLE_TIME", cls.cycle_time_ms),
             spin_wait_us=env_number("HVPS_SPIN_WAIT_MICROSECONDS", cls.spin_wait_us),

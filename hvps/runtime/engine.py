@@ -31,6 +31,7 @@ from .. import metrics as _metrics
 from ..control.liveness import PeerLost
 from ..control.negotiation import ALLGATHER, ADD_SET, GLOBAL_SET, JOIN, REMOVE_SET, SHUTDOWN, Coordinator, Request
 from ..control.plane import ControlPlane
+from ..control.relay import RelayBuffer
 from ..control.response_cache import ResponseCache
 from ..core import arrays
 from ..core.errors import DuplicateNameError, HvpsError
@@ -88,13 +89,17 @@ class Engine:
         self.backend = backend
         #: process set id -> Context, for the sets this rank belongs to
         self.contexts = {GLOBAL_SET: Context(backend, self.rank, self.size, fusion=FusionBuffer())}
-        self.control = ControlPlane(comm, key=control_key)
+        self.control = ControlPlane(comm, key=control_key, fanout=settings.control_fanout)
         self.coordinator = (
             Coordinator(self.size, settings.fusion_threshold, settings.stall_check_seconds)
             if self.rank == 0
             else None
         )
-        self.cache = ResponseCache(settings.cache_capacity, self.size, self.rank)
+        tree = self.control.position
+        self.cache = ResponseCache(settings.cache_capacity, self.size, self.rank,
+                                   children={block.start: block for block in tree.blocks})
+        #: a rank between rank 0 and others merges its subtree's announcements (control-plane tree)
+        self.relay = RelayBuffer(tree.subtree, tree.children) if tree.is_relay else None
         #: the fusion threshold and cycle time in force (HVPS_AUTOTUNE changes them during a run)
         self.fusion_threshold, self.cycle_s = settings.fusion_threshold, settings.cycle_time_ms / 1000.0
         #: rank 0's search, when HVPS_AUTOTUNE=1; its settings reach the other ranks with the next responses
@@ -260,7 +265,7 @@ class Engine:
     def _outstanding(self) -> bool:
         """Whether the engine thread has anything to do or watch (the lock is held)."""
         return bool(self._queue or self._pending or self._backlog or self._abandoned or self._unannounced
-                    or self._stopping or self._failure is not None
+                    or self.relay or self._stopping or self._failure is not None
                     or (self.coordinator is not None and self.coordinator.next_deadline() is not None))
 
     def _claim_wake(self, wanted: bool) -> bool:
@@ -399,8 +404,7 @@ class Engine:
                 return
             self._failure = error
         log.error("hvps rank %d: %s", self.rank, error)
-        if self.rank == 0:
-            self.control.farewell(error.lost)
+        self.control.farewell(error.lost)
         self._fail_all(lambda entry: error.for_collective(entry.request.kind, entry.request.name))
         self._lost.set()  # after the handles have their errors (_run_collective waits for it)
         self.control.wake()
@@ -414,6 +418,8 @@ class Engine:
             deadlines.append(now + self.cycle_s)
         if self._unannounced:
             deadlines.append(self._last_announce + self.cycle_s)
+        if self.relay:
+            deadlines.append(self.relay.deadline(self.cycle_s))
         if self.coordinator is not None and self.coordinator.next_deadline() is not None:
             deadlines.append(self.coordinator.next_deadline())
         return poll_timeout(min(deadlines), now) if deadlines else None
@@ -454,10 +460,9 @@ class Engine:
         now = time.monotonic()
         self.coordinator.submit(0, self.cache.canonical(self._due_announcements()), now)
         for source, message in messages:
-            self.coordinator.submit(source, self.cache.resolve(source, message), now)
-        if closed and not self._stopping:  # a worker said goodbye without the others: it left the job
-            self._peers_lost({rank: "it shut its control connection down alone (its hvps engine stopped)"
-                              for rank in closed})
+            for ranks, requests in self.cache.resolve(source, message):
+                self.coordinator.submit(ranks, requests, now)
+        self._left_alone(closed)
         if self._failure is not None:
             return
         responses = self.coordinator.poll(time.monotonic())
@@ -466,24 +471,39 @@ class Engine:
             if self._tuning is not None:
                 with self._lock:
                     wire["tuning"], self._tuning = self._tuning, None
-            self.control.send_to_workers(wire)
+            self.control.send_down(wire)
         self.negotiation_seconds += time.perf_counter() - started
         self._execute(responses)
 
     def _work(self, messages: list, closed: list) -> None:
         started = time.perf_counter()
         due = self._due_announcements()
-        if due:
-            self.control.send(0, self.cache.announce(due))
+        parent, relay = self.control.parent, self.relay
+        if due and relay is None:
+            self.control.send(parent, self.cache.announce(due))
+        elif due:
+            relay.add(self.rank, self.cache.announce(due), time.monotonic())
         responses: list = []
-        for _, message in messages:
+        for source, message in messages:
+            if source != parent:  # a child's announcements, to merge and pass up
+                relay.add(source, message, time.monotonic())
+                continue
+            if self.control.children:
+                self.control.send_down(message)
             responses += self.cache.decode_responses(message["responses"])
             if "tuning" in message:
                 self._apply_tuning(message["tuning"])
+        if relay is not None and relay.due(time.monotonic(), self.cycle_s):
+            self.control.send(parent, relay.take(self.cache.epoch))
         self.negotiation_seconds += time.perf_counter() - started
         self._execute(responses)
-        if closed and not self._stopping:  # rank 0 said goodbye before agreeing to stop with the others
-            self._peers_lost({0: "it shut its control connection down alone (its hvps engine stopped)"})
+        self._left_alone(closed)
+
+    def _left_alone(self, closed: list) -> None:
+        """Peers that said goodbye before every rank agreed to stop have left the job: it cannot go on."""
+        if closed and not self._stopping:
+            self._peers_lost({rank: "it shut its control connection down alone (its hvps engine stopped)"
+                              for rank in closed})
 
     def _execute(self, responses: list) -> None:
         """Run ``responses`` after any left from before, in order; a waiter leaves the first one its
