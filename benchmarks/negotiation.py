@@ -9,7 +9,10 @@ respond). Two measures per step:
   encoding and sending responses; ``Engine.negotiation_seconds``), and ``worker_s`` the same on
   the busiest other rank (announcing, decoding);
 * ``step_s - raw_s``: the whole step's wall time minus one raw ``MPI.Allreduce`` of the same
-  bytes, timed side by side in the same job (this also counts the per-tensor submit path).
+  bytes, timed side by side in the same job (this also counts the per-tensor submit path);
+* ``coordinator_cpu_s`` and ``worker_cpu_s``: the CPU time of rank 0's engine thread per step, and of
+  the busiest other rank's (a relay's, in a tree): unlike the wall times, preemption on an
+  oversubscribed machine does not count.
 
 Contenders alternate over rounds, each in jobs of its own:
 
@@ -17,8 +20,11 @@ Contenders alternate over rounds, each in jobs of its own:
 * ``no-cache``: ``HVPS_CACHE_CAPACITY=0`` (every step announces full requests)
 * ``before``:   with ``--before DIR``, this script run from another checkout of hvps (e.g. a
   ``git worktree`` of an older commit whose engine counts ``negotiation_seconds``)
+* ``fanout-K``: with ``--fanout K``, the cache on and ``HVPS_CONTROL_FANOUT=K`` (a control-plane tree
+  with K children per rank, where the default is a star up to 33 ranks)
 
     python benchmarks/negotiation.py --np 2 3 8 --rounds 3 --json out/negotiation.json
+    python benchmarks/negotiation.py --np 16 64 --fanout 4 8 --contenders cache --rounds 1
 """
 from __future__ import annotations
 
@@ -52,6 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="driver: rounds of alternating jobs; medians over rounds (default: %(default)s)")
     p.add_argument("--steps", type=int, default=60, help="timed steps per job (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps per job (default: %(default)s)")
+    p.add_argument("--fanout", type=int, nargs="*", default=[],
+                   help="driver: also time control-plane trees of these fan-outs (HVPS_CONTROL_FANOUT)")
+    p.add_argument("--contenders", nargs="+", choices=sorted(CONTENDERS), default=sorted(CONTENDERS),
+                   help="driver: which of the built-in contenders to time (default: all)")
     p.add_argument("--before", default=None, metavar="DIR",
                    help="driver: also time a checkout of hvps in DIR (its own benchmarks/negotiation.py)")
     p.add_argument("--mpirun", default=None, help="driver: " + MPIRUN_HELP)
@@ -102,15 +112,18 @@ def run_worker(args: argparse.Namespace) -> None:
 
     times = {"hvps": np.empty(args.steps), "raw": np.empty(args.steps)}
     engine = runtime.engine()
+    engine_clock = time.pthread_getcpuclockid(engine._thread.ident)
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             negotiated_before = engine.negotiation_seconds
+            cpu_before = time.clock_gettime(engine_clock)
         for label, step in (("hvps", hvps_step), ("raw", raw_step)):
             comm.Barrier()
             elapsed = step()
             if i >= args.warmup:
                 times[label][i - args.warmup] = elapsed
     negotiated = comm.gather((engine.negotiation_seconds - negotiated_before) / args.steps)
+    cpu = comm.gather((time.clock_gettime(engine_clock) - cpu_before) / args.steps)
     correct = bool(np.allclose(np.concatenate(hvps_step.last), expected, rtol=1e-5, atol=1e-5))
     correct = comm.allreduce(correct, op=MPI.LAND)
     slowest = {}
@@ -122,7 +135,8 @@ def run_worker(args: argparse.Namespace) -> None:
     if rank == 0:
         result = {"ranks": size, "tensors": len(names), "correct": correct,
                   "hvps_s": summarize(slowest["hvps"])["median"], "raw_s": summarize(slowest["raw"])["median"],
-                  "coordinator_s": negotiated[0], "worker_s": max(negotiated[1:])}
+                  "coordinator_s": negotiated[0], "worker_s": max(negotiated[1:]),
+                  "coordinator_cpu_s": cpu[0], "worker_cpu_s": max(cpu[1:])}
         result["negotiation_s"] = result["hvps_s"] - result["raw_s"]
         write_json(args.json, result)
 
@@ -130,7 +144,8 @@ def run_worker(args: argparse.Namespace) -> None:
 def run_driver(args: argparse.Namespace) -> dict:
     """Alternate the contenders per rank count; report negotiation per step, medians over rounds."""
     common = ["--worker", "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    contenders = {name: (__file__, env) for name, env in CONTENDERS.items()}
+    contenders = {name: (__file__, env) for name, env in CONTENDERS.items() if name in args.contenders}
+    contenders.update({f"fanout-{k}": (__file__, {"HVPS_CONTROL_FANOUT": str(k)}) for k in args.fanout})
     if args.before:
         before = Path(args.before).resolve()
         contenders["before"] = (before / "benchmarks" / "negotiation.py", {"PYTHONPATH": str(before)})
@@ -147,12 +162,15 @@ def run_driver(args: argparse.Namespace) -> dict:
                 correct = correct and res["correct"]
         row = {c: {"coordinator_s": median([r["coordinator_s"] for r in rs]),
                    "worker_s": median([r["worker_s"] for r in rs]),
+                   "coordinator_cpu_s": median([r.get("coordinator_cpu_s", float("nan")) for r in rs]),
+                   "worker_cpu_s": median([r.get("worker_cpu_s", float("nan")) for r in rs]),
                    "negotiation_s": median([r["negotiation_s"] for r in rs]),
                    "hvps_step_s": median([r["hvps_s"] for r in rs]),
                    "raw_allreduce_s": median([r["raw_s"] for r in rs]),
                    "per_round_negotiation_s": [r["negotiation_s"] for r in rs]} for c, rs in runs.items()}
-        row["cached_share"] = row["cache"]["coordinator_s"] / row["no-cache"]["coordinator_s"]
-        row["cached_share_of_step"] = row["cache"]["negotiation_s"] / row["no-cache"]["negotiation_s"]
+        if "cache" in row and "no-cache" in row:
+            row["cached_share"] = row["cache"]["coordinator_s"] / row["no-cache"]["coordinator_s"]
+            row["cached_share_of_step"] = row["cache"]["negotiation_s"] / row["no-cache"]["negotiation_s"]
         if "before" in row:
             row["cached_share_of_before"] = row["cache"]["coordinator_s"] / row["before"]["coordinator_s"]
             row["cached_share_of_before_step"] = row["cache"]["negotiation_s"] / row["before"]["negotiation_s"]
@@ -161,13 +179,13 @@ def run_driver(args: argparse.Namespace) -> dict:
               "rounds": args.rounds, "steps": args.steps, "correct": correct, "by_ranks": table,
               "target": "coordinator cache/no-cache <= 0.20 at 8 ranks"}
     print(f"\n# negotiation per step, 161 tensors, ms (medians over {args.rounds} rounds)")
-    print(f"{'ranks':>5} | {'rank 0 engine: off':>18} {'on':>7} {'on/off':>7} | {'worker: off':>11} {'on':>7} "
-          f"| {'step-raw: off':>13} {'on':>7} {'on/off':>7}")
+    print(f"{'ranks':>5} {'contender':>10} | {'rank 0 engine':>13} {'its CPU':>8} | {'busiest other':>13} "
+          f"{'its CPU':>8} | {'step - raw':>10}")
     for np_, row in table.items():
-        off, on = row["no-cache"], row["cache"]
-        print(f"{np_:>5} | {off['coordinator_s'] * 1e3:18.2f} {on['coordinator_s'] * 1e3:7.2f} {row['cached_share']:7.3f} "
-              f"| {off['worker_s'] * 1e3:11.2f} {on['worker_s'] * 1e3:7.2f} "
-              f"| {off['negotiation_s'] * 1e3:13.2f} {on['negotiation_s'] * 1e3:7.2f} {row['cached_share_of_step']:7.3f}")
+        for name in contenders:
+            c = row[name]
+            print(f"{np_:>5} {name:>10} | {c['coordinator_s'] * 1e3:13.2f} {c['coordinator_cpu_s'] * 1e3:8.2f} "
+                  f"| {c['worker_s'] * 1e3:13.2f} {c['worker_cpu_s'] * 1e3:8.2f} | {c['negotiation_s'] * 1e3:10.2f}")
     for np_, row in table.items():
         if "before" in row:
             before = row["before"]

@@ -51,6 +51,27 @@ def test_inner_module(np_, case_name, inner_results):
     inner_results[case_name].assert_all_passed()
 
 
+# Through a relay of the control-plane tree (HVPS_CONTROL_FANOUT=1: the chain 0 - 1 - 2, rank 1 passing rank 2's
+# announcements up and rank 0's responses down): the collectives, and the mismatch, stall and join errors. At 2
+# ranks a fan-out of 1 is the star again, so 3 ranks only.
+TREE_CASES = {
+    "collectives-tree": ("mpi_collectives.py", {"HVPS_CONTROL_FANOUT": "1"}, 420),
+    "errors-tree": ("mpi_errors.py", {"HVPS_CONTROL_FANOUT": "1", "HVPS_STALL_CHECK_TIME_SECONDS": "3"}, 240),
+}
+
+
+def _tree_cases(np_, case_name):
+    module, env, timeout = TREE_CASES[case_name]
+    return [(np_, case(case_name, module, env=env, timeout=timeout))]
+
+
+@pytest.mark.inner_cases(cases=_tree_cases)
+@pytest.mark.parametrize("case_name", list(TREE_CASES))
+@pytest.mark.parametrize("np_", [3], ids=["np3"])
+def test_inner_module_through_a_control_plane_relay(np_, case_name, inner_results):
+    inner_results[case_name].assert_all_passed()
+
+
 def _one_gib_cases(np_):
     # A job of its own: the shared job's processes already hold the memory of the cases before it,
     # and 3 ranks of that plus 2 GiB each (parameter and gradient) exceeded a 24 GiB machine.

@@ -1,94 +1,102 @@
-"""A relay's merge of its subtree's announcements, so that its parent hears one message for the block.
+"""A relay's merge of its subtree's announcements, so that its parent hears one entry per request for the block.
 
-A rank with children in the control-plane tree (``tree.py``) collects what its subtree announces: its
-own requests and its children's messages. Identical announcements (the same response-cache bit) merge
-into one entry that lists the ranks as spans ``[low, high)``: when every rank of the subtree announced
-a bit, the entry is one span, however large the subtree. Uncached requests (full JSON) travel
-unmerged, one entry per rank, so that the coordinator still compares every rank's arguments.
+A rank with both a parent and children in the control-plane tree (``tree.py``) collects what its subtree
+announces: its own requests and its children's messages. Announcements of the same response-cache bit
+merge into one entry listing the ranks as spans ``[low, high)``, and the relay holds a bit until every
+rank of its subtree that the request's process set includes has announced it: then the entry is one span
+however large the subtree, and rank 0 does one step of matching for the whole block. Holding costs no
+latency, since the collective cannot run before those ranks announce it anyway. A bit some of them never
+announce in time (a rank that joined, a mismatch, a stall) goes up as it is after ``hold_s``, so rank 0
+still names the missing ranks. Full requests (uncached: a first step, join, shutdown, a failure) go up at
+once and unmerged, one per rank, so that rank 0 compares every rank's arguments as in a star.
 
-The merge goes up when every request in it has been announced by the whole subtree, or a cycle after
-its oldest part arrived, whichever comes first: a synchronous collective waits for its slowest rank and
-no longer, and a burst of gradients goes up at most once per cycle, as a rank's own announcements do.
-
-Upward messages are ``{"batch": [[item, [[low, high], ...]], ...], "epoch": e}``; ``e`` is the lowest
-response-cache epoch the subtree has reported, a safe bound for rank 0's pruning of evicted bits.
+Upward messages are ``{"batch": [[item, [[low, high], ...]], ...], "epoch": e}``; ``e`` is at most every
+epoch the subtree reported with what is in the buffer or after it, a safe bound for rank 0's pruning of
+evicted bits (``response_cache.py``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from ..core.errors import HvpsError
 
 
-class RelayBuffer:
-    """Announcements of the subtree ``subtree`` (a range of ranks) not yet sent up."""
+@dataclass
+class _Held:
+    """One bit's announcements so far."""
 
-    def __init__(self, subtree: range, children: tuple) -> None:
+    since: float
+    epoch: int
+    spans: list = field(default_factory=list)
+    count: int = 0
+
+
+class RelayBuffer:
+    """Announcements of the ranks ``subtree`` not yet sent up."""
+
+    def __init__(self, subtree: range, children: tuple, hold_s: float,
+                 expected: Optional[Callable[[int], int]] = None) -> None:
+        """``expected(bit)``: how many of the subtree's ranks announce that bit (default: all of them)."""
         self.subtree = subtree
+        self.hold_s = hold_s
+        self._expected = expected or (lambda bit: len(subtree))
         #: each child -> the epoch its subtree last reported (0 until then: a safe bound)
         self._epochs = dict.fromkeys(children, 0)
-        #: the epoch of this rank's own announcement in the buffer (None: none there)
-        self._own_epoch: Optional[int] = None
-        self._entries: list = []
-        #: response-cache bit -> its entry (identical announcements merge)
-        self._by_bit: dict = {}
-        #: bit or name -> ranks that announced it so far
-        self._counts: dict = {}
-        self._since: Optional[float] = None
+        self._held: dict[int, _Held] = {}
+        #: full requests, passed up at once: [item, spans, epoch]
+        self._passing: list = []
 
     def __bool__(self) -> bool:
-        return bool(self._entries)
+        return bool(self._held or self._passing)
 
     def add(self, source: int, message: dict, now: float) -> None:
-        """Take a message from ``source`` (this rank, with its own announcement, or a child)."""
+        """Take a message from ``source``: this rank, with its own announcement, or a child."""
         try:
             epoch = int(message.get("epoch", 0))
             if source in self._epochs:
                 self._epochs[source] = epoch
-            elif source == self.subtree.start and self._own_epoch is None:
-                self._own_epoch = epoch
             for item in message.get("requests", ()):
-                self._add(item, [[source, source + 1]])
+                self._add(item, [[source, source + 1]], epoch, now)
             for item, spans in message.get("batch", ()):
-                self._add(item, [[int(low), int(high)] for low, high in spans])
+                self._add(item, [[int(low), int(high)] for low, high in spans], epoch, now)
         except (TypeError, ValueError, KeyError) as exc:
             raise HvpsError(f"rank {source} sent the control-plane relay a malformed announcement: {exc!r}") from None
-        if self._since is None and self._entries:
-            self._since = now
 
-    def _add(self, item: object, spans: list) -> None:
-        bit = isinstance(item, int) and not isinstance(item, bool)
-        key = item if bit else item["name"]
-        self._counts[key] = self._counts.get(key, 0) + sum(high - low for low, high in spans)
-        entry = self._by_bit.get(item) if bit else None
-        if entry is None:
-            entry = [item, []]
-            self._entries.append(entry)
-            if bit:
-                self._by_bit[item] = entry
-        entry[1].extend(spans)
+    def _add(self, item: object, spans: list, epoch: int, now: float) -> None:
+        if not isinstance(item, int) or isinstance(item, bool):
+            if not isinstance(item, dict):
+                raise TypeError(f"{item!r} is neither a bit nor a request")
+            self._passing.append([item, spans, epoch])
+            return
+        held = self._held.get(item)
+        if held is None:
+            held = self._held[item] = _Held(now, epoch)
+        held.spans.extend(spans)
+        held.count += sum(high - low for low, high in spans)
+        held.epoch = min(held.epoch, epoch)
 
-    def deadline(self, cycle_s: float) -> Optional[float]:
-        """When the merge must go up even if parts of the subtree are still missing."""
-        return None if self._since is None else self._since + cycle_s
+    def deadline(self) -> Optional[float]:
+        """When something must go up even if parts of the subtree are still missing (None: nothing held)."""
+        if self._passing:
+            return 0.0
+        if not self._held:
+            return None
+        return min(held.since for held in self._held.values()) + self.hold_s
 
-    def due(self, now: float, cycle_s: float) -> bool:
-        """Whether to send the merge up now: the whole subtree announced all of it, or it waited a cycle."""
-        if not self._entries:
-            return False
-        if now >= self._since + cycle_s:
-            return True
-        whole = len(self.subtree)
-        return all(count >= whole for count in self._counts.values())
-
-    def take(self, epoch_now: int) -> dict:
-        """The upward message, spans merged where they touch; the buffer starts over. ``epoch_now``: this
-        rank's response-cache epoch (its own announcement in the buffer may be older)."""
-        batch = [[item, _coalesce(spans)] for item, spans in self._entries]
-        own = epoch_now if self._own_epoch is None else self._own_epoch
-        epoch = min(own, *self._epochs.values())
-        self._entries, self._by_bit, self._counts, self._since, self._own_epoch = [], {}, {}, None, None
+    def take(self, now: float, epoch_now: int) -> Optional[dict]:
+        """The upward message of what is due now (None: nothing is), spans merged where they touch.
+        ``epoch_now``: this rank's response-cache epoch."""
+        due = [bit for bit, held in self._held.items()
+               if held.count >= self._expected(bit) or now >= held.since + self.hold_s]
+        if not due and not self._passing:
+            return None
+        epoch = min(epoch_now, *self._epochs.values(), *(h.epoch for h in self._held.values()),
+                    *(epoch for _, _, epoch in self._passing))
+        batch = [[item, spans] for item, spans, _ in self._passing]
+        batch += [[bit, _coalesce(self._held.pop(bit).spans)] for bit in due]
+        self._passing = []
         return {"batch": batch, "epoch": epoch}
 
 

@@ -71,6 +71,10 @@ class ResponseCache:
                 if self._keeps_evicted:
                     self._retired[bit] = (old, self.epoch)
 
+    def request_of(self, bit: int) -> Optional[Request]:
+        """The request ``bit`` names on this rank now (None: not held)."""
+        return self._requests.get(bit)
+
     # -- a worker's side ---------------------------------------------------------------
     def announce(self, requests: Iterable[Request]) -> dict:
         """The message announcing ``requests``: a bit for each cached one, else its full form."""

@@ -49,6 +49,9 @@ _ACTIVE_CYCLES = 20
 #: an idle engine reads unasked messages (other ranks' announcements, which only rank 0 gets) this often;
 #: its own submissions wake it at once
 _IDLE_READ_SECONDS = 0.05
+#: a relay of the control-plane tree holds a request some ranks of its subtree have not announced for up to
+#: this many cycles, so that the whole block's announcements go up together (control/relay.py)
+_RELAY_HOLD_CYCLES = 10
 #: after a collective failed in the data plane, how long the engine waits for the control plane to
 #: tell which rank died (it knows within milliseconds of the kernel closing the dead rank's sockets)
 _LOSS_GRACE_SECONDS = 1.0
@@ -98,10 +101,13 @@ class Engine:
         tree = self.control.position
         self.cache = ResponseCache(settings.cache_capacity, self.size, self.rank,
                                    children={block.start: block for block in tree.blocks})
-        #: a rank between rank 0 and others merges its subtree's announcements (control-plane tree)
-        self.relay = RelayBuffer(tree.subtree, tree.children) if tree.is_relay else None
+        #: process set id -> how many of its ranks are in this rank's subtree (what a relay waits for)
+        self._members_below: dict = {}
         #: the fusion threshold and cycle time in force (HVPS_AUTOTUNE changes them during a run)
         self.fusion_threshold, self.cycle_s = settings.fusion_threshold, settings.cycle_time_ms / 1000.0
+        #: a rank between rank 0 and others merges its subtree's announcements (control-plane tree)
+        self.relay = (RelayBuffer(tree.subtree, tree.children, _RELAY_HOLD_CYCLES * self.cycle_s, self._announcers)
+                      if tree.is_relay else None)
         #: rank 0's search, when HVPS_AUTOTUNE=1; its settings reach the other ranks with the next responses
         self.autotuner = (Autotuner(Setting(settings.fusion_threshold, settings.cycle_time_ms),
                                     settings.autotune_warmup_steps, settings.autotune_steps_per_sample)
@@ -350,7 +356,8 @@ class Engine:
                     # "More than a cycle", with slack: (now + cycle) - now rounds to a hair above
                     # a cycle, which would make every submission pay for a wake-up while active.
                     self._sleeping = timeout is None or timeout > 1.5 * self.cycle_s
-                    idle = timeout is None and not self._outstanding()
+                    # a relay passes on what it hears at once, whether or not anything of its own is in flight
+                    idle = timeout is None and not self._outstanding() and self.relay is None
                 if idle:  # nothing of ours in flight: unasked messages (announcements to rank 0) can wait
                     self.control.wait(_IDLE_READ_SECONDS, messages=False)
                 else:
@@ -419,7 +426,7 @@ class Engine:
         if self._unannounced:
             deadlines.append(self._last_announce + self.cycle_s)
         if self.relay:
-            deadlines.append(self.relay.deadline(self.cycle_s))
+            deadlines.append(self.relay.deadline())
         if self.coordinator is not None and self.coordinator.next_deadline() is not None:
             deadlines.append(self.coordinator.next_deadline())
         return poll_timeout(min(deadlines), now) if deadlines else None
@@ -493,11 +500,20 @@ class Engine:
             responses += self.cache.decode_responses(message["responses"])
             if "tuning" in message:
                 self._apply_tuning(message["tuning"])
-        if relay is not None and relay.due(time.monotonic(), self.cycle_s):
-            self.control.send(parent, relay.take(self.cache.epoch))
+        upward = relay.take(time.monotonic(), self.cache.epoch) if relay is not None else None
+        if upward is not None:
+            self.control.send(parent, upward)
         self.negotiation_seconds += time.perf_counter() - started
         self._execute(responses)
         self._left_alone(closed)
+
+    def _announcers(self, bit: int) -> int:
+        """How many ranks of this relay's subtree announce the request ``bit`` names: its process set's."""
+        request = self.cache.request_of(bit)
+        subtree = self.control.position.subtree
+        if request is None or request.process_set == GLOBAL_SET:
+            return len(subtree)
+        return self._members_below.get(request.process_set, len(subtree))
 
     def _left_alone(self, closed: list) -> None:
         """Peers that said goodbye before every rank agreed to stop have left the job: it cannot go on."""
@@ -557,6 +573,10 @@ class Engine:
     def _change_sets(self, response, entries: list) -> None:
         """Build (or free) the data plane of an agreed process set, on its members only."""
         req = response.requests[0]
+        if response.kind == ADD_SET:
+            self._members_below[req.root] = sum(rank in self.control.position.subtree for rank in req.splits)
+        else:
+            self._members_below.pop(req.root, None)
         try:
             if response.kind == ADD_SET and self.rank in req.splits:
                 ranks = tuple(req.splits)
