@@ -54,13 +54,13 @@ def test_a_fanout_below_one_is_refused():
 
 def test_a_relay_holds_a_bit_until_its_whole_block_announced_it_then_sends_one_span():
     # rank 4; children 5 (ranks 5-7) and 8 (ranks 8, 9)
-    relay = RelayBuffer(range(4, 10), children=(5, 8), hold_s=0.010)
+    relay = RelayBuffer(range(4, 10), blocks=(range(5, 8), range(8, 10)), hold_s=0.010)
     relay.add(4, {"requests": [3, 7], "epoch": 12}, now=0.0)
-    relay.add(8, {"batch": [[3, [[8, 10]]], [7, [[9, 10]]]], "epoch": 11}, now=0.0)
+    relay.add(8, {"whole": [3], "batch": [[7, [[9, 10]]]], "epoch": 11}, now=0.0)
     assert relay.take(0.001, epoch_now=12) is None, "ranks 5-7 have not announced yet"
     relay.add(5, {"batch": [[3, [[6, 8]]], [3, [[5, 6]]]], "epoch": 12}, now=0.002)
-    assert relay.take(0.002, epoch_now=12) == {"batch": [[3, [[4, 10]]]], "epoch": 11}, \
-        "bit 3 is complete and goes up as one span; bit 7 stays (and bounds the epoch)"
+    assert relay.take(0.002, epoch_now=12) == {"whole": [3], "epoch": 11}, \
+        "bit 3 is complete: one integer for the whole block; bit 7 stays (and bounds the epoch)"
     assert relay.deadline() == pytest.approx(0.010)
     assert relay.take(0.009, epoch_now=13) is None
     assert relay.take(0.011, epoch_now=13) == {"batch": [[7, [[4, 5], [9, 10]]]], "epoch": 11}, \
@@ -69,14 +69,15 @@ def test_a_relay_holds_a_bit_until_its_whole_block_announced_it_then_sends_one_s
 
 
 def test_a_relay_waits_only_for_the_members_of_a_bits_process_set():
-    relay = RelayBuffer(range(1, 4), children=(2, 3), hold_s=10.0, expected=lambda bit: 2 if bit == 5 else 3)
+    relay = RelayBuffer(range(1, 4), blocks=(range(2, 3), range(3, 4)), hold_s=10.0,
+                        expected=lambda bit: 2 if bit == 5 else 3)
     relay.add(1, {"requests": [5], "epoch": 0}, now=0.0)
     relay.add(3, {"requests": [5], "epoch": 0}, now=0.0)
     assert relay.take(0.0, epoch_now=0)["batch"] == [[5, [[1, 2], [3, 4]]]]
 
 
 def test_a_relay_passes_full_requests_up_at_once_one_per_rank():
-    relay = RelayBuffer(range(1, 3), children=(2,), hold_s=10.0)
+    relay = RelayBuffer(range(1, 3), blocks=(range(2, 3),), hold_s=10.0)
     full = {"name": "x", "kind": "allreduce"}
     relay.add(1, {"requests": [full], "epoch": 0}, now=5.0)
     assert relay.deadline() == 0.0
@@ -87,7 +88,7 @@ def test_a_relay_passes_full_requests_up_at_once_one_per_rank():
 
 
 def test_a_relay_reports_the_lowest_epoch_of_its_subtree():
-    relay = RelayBuffer(range(1, 4), children=(2, 3), hold_s=0.0)
+    relay = RelayBuffer(range(1, 4), blocks=(range(2, 3), range(3, 4)), hold_s=0.0)
     relay.add(2, {"requests": [0], "epoch": 9}, now=0.0)
     assert relay.take(0.0, epoch_now=10)["epoch"] == 0, "rank 3 has reported nothing yet"
     relay.add(3, {"requests": [0], "epoch": 8}, now=0.0)
@@ -96,11 +97,11 @@ def test_a_relay_reports_the_lowest_epoch_of_its_subtree():
     assert relay.take(0.0, epoch_now=10)["epoch"] == 7
 
 
-@pytest.mark.parametrize("message", [{"batch": [[0, [[1]]]]}, {"batch": [[0, "x"]]}, {"requests": [None]},
-                                     {"requests": ["0"]}])
-def test_a_malformed_message_is_an_error_naming_its_sender(message):
-    with pytest.raises(HvpsError, match="rank 2 sent the control-plane relay a malformed announcement"):
-        RelayBuffer(range(1, 3), children=(2,), hold_s=0.0).add(2, message, now=0.0)
+@pytest.mark.parametrize("source,message", [(2, {"batch": [[0, [[1]]]]}), (2, {"batch": [[0, "x"]]}),
+                                            (2, {"requests": [None]}), (2, {"requests": ["0"]}), (5, {"whole": [0]})])
+def test_a_malformed_message_is_an_error_naming_its_sender(source, message):
+    with pytest.raises(HvpsError, match=f"rank {source} sent the control-plane relay a malformed announcement"):
+        RelayBuffer(range(1, 3), blocks=(range(2, 3),), hold_s=0.0).add(source, message, now=0.0)
 
 
 def test_ranges_complete_a_collective_without_being_spelled_out():

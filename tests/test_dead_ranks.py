@@ -106,7 +106,8 @@ def test_killed_rank_is_named_by_every_survivor_within_2s(tmp_path, np_, victim,
     # In a control-plane tree (HVPS_CONTROL_FANOUT=1: the chain 0 - 1 - 2) rank 1 relays: when it dies, rank 2
     # has lost its only link to the job; when rank 2 dies, only rank 1 sees it and must pass the word up.
     env = {"MODE": "kill", "VICTIM": str(victim), "HVPS_STALL_CHECK_TIME_SECONDS": "20",
-           "HVPS_BACKEND": backend if backend in ("mpi", "tdist") else "mpi", "HVPS_SHM": "1" if backend == "shm" else "0",
+           "HVPS_BACKEND": backend if backend in ("mpi", "tdist") else "mpi",
+           "HVPS_SHM": "1" if backend == "shm" else "0",
            "HVPS_CONTROL_FANOUT": "1" if backend == "tree" else "0"}
     rc, out, _ = run_job(tmp_path, np_, env, mpi_args=_keep_survivors_flag(), timeout=90)
     # (the exit status is not checked: Open MPI 5's recovery mode may return 0 after a rank's abort)

@@ -27,13 +27,13 @@ def test_a_request_is_announced_in_full_then_by_its_bit():
     req = _request(0)
     first = worker.announce([req])
     assert first["requests"] == [to_wire(req)]
-    assert root.resolve(1, first) == [(1, [req])]
+    assert root.resolve(1, first) == [(1, req)]
     wire = root.encode_responses([Response(ALLREDUCE, [req.name], requests=[req])])
     assert "requests" in wire[0]  # not cached yet when encoded: sent in full
     assert worker.decode_responses(wire)[0].requests == [req]
     second = worker.announce([req])
     assert second["requests"] == [0] and second["epoch"] == 1
-    assert root.resolve(1, second)[0][1][0] is root._requests[0]
+    assert root.resolve(1, second)[0][1] is root._requests[0]
     wire = root.encode_responses([Response(ALLREDUCE, [req.name], requests=[req])])
     assert wire == [{"kind": ALLREDUCE, "bits": [0]}]
     decoded = worker.decode_responses(wire)[0]
@@ -100,7 +100,7 @@ def test_a_lagging_worker_may_name_a_bit_rank_0_has_evicted():
     worker.decode_responses([to_wire(Response(ALLREDUCE, ["grad.0"], requests=[_request(0)]))])
     stale = worker.announce([_request(0)])  # bit 0, from before the eviction below
     root.encode_responses([Response(ALLREDUCE, ["grad.1"], requests=[_request(1)])])  # evicts bit 0
-    assert root.resolve(1, stale) == [(1, [_request(0)])]
+    assert root.resolve(1, stale) == [(1, _request(0))]
     # once the worker reports an epoch past the eviction, rank 0 forgets the evicted request
     worker.record(Response(ALLREDUCE, ["grad.1"], requests=[_request(1)]))
     root.resolve(1, worker.announce([]))
@@ -113,7 +113,7 @@ def test_retired_requests_wait_for_every_worker():
     for i in range(3):
         root.encode_responses([Response(ALLREDUCE, [f"grad.{i}"], requests=[_request(i)])])
     root.resolve(1, {"requests": [], "epoch": 3})  # rank 2 has said nothing yet: keep them
-    assert root.resolve(2, {"requests": [0], "epoch": 1}) == [(2, [_request(0)])]
+    assert root.resolve(2, {"requests": [0], "epoch": 1}) == [(2, _request(0))]
 
 
 @pytest.mark.parametrize("message", [{"requests": [99], "epoch": 0}, {"requests": ["0"], "epoch": 0},
@@ -141,7 +141,7 @@ def test_random_steps_with_lagging_workers_round_trip():
                     cache.decode_responses(wire)
                 seen[rank] = upto
                 reqs = [_request(rng.randrange(5), shape=(rng.choice([2, 3]),)) for _ in range(rng.randint(0, 3))]
-                assert root.resolve(rank, cache.announce(reqs)) == [(rank, reqs)], f"trial {trial}"
+                assert root.resolve(rank, cache.announce(reqs)) == [(rank, r) for r in reqs], f"trial {trial}"
             batch = [Response(ALLREDUCE, [r.name], requests=[r])
                      for r in (_request(rng.randrange(5), shape=(rng.choice([2, 3]),)) for _ in range(rng.randint(0, 3)))]
             sent.append(root.encode_responses(batch))
@@ -158,6 +158,7 @@ def test_a_relay_speaks_for_its_subtree_by_spans_and_only_for_it():
     req = _request(0)
     root.encode_responses([Response(ALLREDUCE, [req.name], requests=[req])])
     batch = {"batch": [[0, [[1, 3]]], [to_wire(_request(1)), [[2, 3]]]], "epoch": 1}
-    assert root.resolve(1, batch) == [(range(1, 3), [req]), (2, [_request(1)])]
+    assert root.resolve(1, batch) == [(range(1, 3), req), (2, _request(1))]
+    assert root.resolve(3, {"whole": [0], "epoch": 1}) == [(range(3, 5), req)], "every rank of its subtree"
     with pytest.raises(HvpsError, match=r"rank 3 relayed announcements of ranks \[2, 4\], outside its subtree 3..4"):
         root.resolve(3, {"batch": [[0, [[2, 4]]]], "epoch": 1})

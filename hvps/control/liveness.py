@@ -12,10 +12,11 @@ Which ranks died, and what every rank then sees:
 
 - a connection that ends without a goodbye frame (``{"bye": ...}``, which ``ControlPlane.close``
   sends) is a dead peer;
-- rank 0, the coordinator, tells every other rank which ranks it lost (``{"lost": {rank: why}}``)
-  and then closes its end, so that a worker whose engine is stuck in a transfer with the dead rank
-  learns of it as fast as one that is idle, and names the dead rank, not rank 0;
-- a worker whose connection to rank 0 ends without such a notice has lost rank 0.
+- a rank that learns of a loss tells its other peers which ranks were lost (``{"lost": {rank: why}}``)
+  and then closes its end, so that a rank whose engine is stuck in a transfer with the dead rank
+  learns of it as fast as one that is idle, and names the dead rank, not the messenger; in a
+  control-plane tree (``tree.py``) the word floods from the dead rank's neighbours to every rank;
+- a rank whose connection to a peer ends without such a notice has lost that peer.
 
 :class:`PeerLost` is the error each outstanding collective then fails with; the engine stops, as a
 fixed-size job cannot go on without a rank (hvpsrun ``--max-restarts`` relaunches it; elastic mode

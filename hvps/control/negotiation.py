@@ -169,34 +169,47 @@ class Coordinator:
     def submit(self, rank, requests: list, now: float) -> None:
         """Record requests that ``rank`` (a rank, or a ``range`` of ranks that all announced the same,
         from a relay of the control-plane tree) announced at time ``now``."""
-        for req in requests:
-            if isinstance(rank, range) and (req.kind in (JOIN, SHUTDOWN) or req.failure or req.name in self._failed):
-                self.submit_each(rank, req, now)
-                continue
-            if req.kind == JOIN:
-                if rank not in self._joined:
-                    self._joined.append(rank)
-                continue
-            if req.kind == SHUTDOWN:
-                self._shutdown.add(rank)
-                continue
-            failed = self._failed.get(req.name)
-            if failed is not None and rank in failed[1]:
-                self._late_submission(req, rank, failed)
-                continue
-            pending = self._table.get(req.name)
-            if pending is None:
-                pending = self._table[req.name] = _Pending(now, {}, len(self.sets.get(req.process_set, ())))
-            if rank not in pending.by_rank:
-                pending.count += len(rank) if isinstance(rank, range) else 1
-                pending.grouped = pending.grouped or isinstance(rank, range)
-            pending.by_rank[rank] = req
-            pending.failed = pending.failed or bool(req.failure)
+        self.submit_pairs([(rank, request) for request in requests], now)
 
-    def submit_each(self, ranks: range, request: Request, now: float) -> None:
-        """``submit`` ``request`` for each of ``ranks`` on its own (what only single ranks may announce)."""
-        for rank in ranks:
-            self.submit(rank, [request], now)
+    def submit_pairs(self, pairs: list, now: float) -> None:
+        """Record ``(ranks, request)`` pairs announced at ``now``: ``ranks`` as in ``submit``."""
+        table, failed = self._table, self._failed
+        for who, req in pairs:
+            if req.kind == JOIN or req.kind == SHUTDOWN or req.failure or req.name in failed:
+                for rank in who if isinstance(who, range) else (who,):
+                    self._submit_special(rank, req, now)
+                continue
+            pending = table.get(req.name)
+            if pending is None:
+                pending = table[req.name] = _Pending(now, {}, len(self.sets.get(req.process_set, ())))
+            if who not in pending.by_rank:
+                if type(who) is int:
+                    pending.count += 1
+                else:
+                    pending.count += len(who)
+                    pending.grouped = True
+            pending.by_rank[who] = req
+
+    def _submit_special(self, rank: int, req: Request, now: float) -> None:
+        """A join, a shutdown, a failure (``abandon``) or a submission of a name that failed elsewhere."""
+        if req.kind == JOIN:
+            if rank not in self._joined:
+                self._joined.append(rank)
+            return
+        if req.kind == SHUTDOWN:
+            self._shutdown.add(rank)
+            return
+        failed = self._failed.get(req.name)
+        if failed is not None and rank in failed[1]:
+            self._late_submission(req, rank, failed)
+            return
+        pending = self._table.get(req.name)
+        if pending is None:
+            pending = self._table[req.name] = _Pending(now, {}, len(self.sets.get(req.process_set, ())))
+        if rank not in pending.by_rank:
+            pending.count += 1
+        pending.by_rank[rank] = req
+        pending.failed = pending.failed or bool(req.failure)
 
     def _late_submission(self, req: Request, rank: int, failed: tuple) -> None:
         """``rank`` submitted a collective that failed elsewhere before: it gets the same error now."""

@@ -47,10 +47,8 @@ _MAX_PENDING = 64
 _RECV_BYTES = 1 << 16
 #: what children send their parent, and a parent its children; "bye" ends a connection on purpose (close()),
 #: "lost" is a rank's last word when ranks died (see liveness.py)
-_REQUESTS = frozenset({"requests", "batch", "epoch", "bye", "lost"})
+_REQUESTS = frozenset({"requests", "whole", "batch", "epoch", "bye", "lost"})
 _RESPONSES = frozenset({"responses", "tuning", "bye", "lost"})
-#: HVPS_CONTROL_FANOUT's default: jobs of up to 33 ranks are a star
-DEFAULT_FANOUT = 32
 
 
 def interface_address(name: str) -> Optional[str]:
@@ -256,7 +254,7 @@ class ControlPlane:
     """Each rank holds one connection to its parent in the tree (none on rank 0) and one per child."""
 
     def __init__(self, comm, connect_timeout: float = 60.0, key: Optional[bytes] = None,
-                 fanout: int = DEFAULT_FANOUT) -> None:
+                 fanout: int = 0) -> None:
         """Connect the job's ranks over ``comm``. ``key`` authenticates the connections when every rank
         already holds it (derived from the job's secret); without it rank 0 draws one and sends it
         over ``comm``. ``fanout``: children per rank (``tree.py``; 0: a star)."""

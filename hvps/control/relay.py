@@ -10,9 +10,11 @@ announce in time (a rank that joined, a mismatch, a stall) goes up as it is afte
 still names the missing ranks. Full requests (uncached: a first step, join, shutdown, a failure) go up at
 once and unmerged, one per rank, so that rank 0 compares every rank's arguments as in a star.
 
-Upward messages are ``{"batch": [[item, [[low, high], ...]], ...], "epoch": e}``; ``e`` is at most every
-epoch the subtree reported with what is in the buffer or after it, a safe bound for rank 0's pruning of
-evicted bits (``response_cache.py``).
+Upward messages are ``{"whole": [bit, ...], "batch": [[item, [[low, high], ...]], ...], "epoch": e}``:
+``whole`` lists the bits every rank of the subtree announced (the steady state: one integer per request
+for the whole block), ``batch`` the rest by spans. ``e`` is at most every epoch the subtree reported
+with what is in the buffer or after it, a safe bound for rank 0's pruning of evicted bits
+(``response_cache.py``).
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ class _Held:
 class RelayBuffer:
     """Announcements of the ranks ``subtree`` not yet sent up."""
 
-    def __init__(self, subtree: range, children: tuple, hold_s: float,
+    def __init__(self, subtree: range, blocks: tuple, hold_s: float,
                  expected: Optional[Callable[[int], int]] = None) -> None:
-        """``expected(bit)``: how many of the subtree's ranks announce that bit (default: all of them)."""
+        """``blocks``: the children's subtrees; ``expected(bit)``: how many of the subtree's ranks announce
+        that bit (default: all of them)."""
         self.subtree = subtree
+        self._blocks = {block.start: block for block in blocks}
+        children = tuple(self._blocks)
         self.hold_s = hold_s
         self._expected = expected or (lambda bit: len(subtree))
         #: each child -> the epoch its subtree last reported (0 until then: a safe bound)
@@ -61,6 +66,11 @@ class RelayBuffer:
                 self._add(item, [[source, source + 1]], epoch, now)
             for item, spans in message.get("batch", ()):
                 self._add(item, [[int(low), int(high)] for low, high in spans], epoch, now)
+            whole = message.get("whole", ())
+            if whole:
+                block = self._blocks[source]
+                for item in whole:
+                    self._add(item, [[block.start, block.stop]], epoch, now)
         except (TypeError, ValueError, KeyError) as exc:
             raise HvpsError(f"rank {source} sent the control-plane relay a malformed announcement: {exc!r}") from None
 
@@ -95,9 +105,20 @@ class RelayBuffer:
         epoch = min(epoch_now, *self._epochs.values(), *(h.epoch for h in self._held.values()),
                     *(epoch for _, _, epoch in self._passing))
         batch = [[item, spans] for item, spans, _ in self._passing]
-        batch += [[bit, _coalesce(self._held.pop(bit).spans)] for bit in due]
+        whole, everyone = [], [[self.subtree.start, self.subtree.stop]]
+        for bit in due:
+            spans = _coalesce(self._held.pop(bit).spans)
+            if spans == everyone:
+                whole.append(bit)
+            else:
+                batch.append([bit, spans])
         self._passing = []
-        return {"batch": batch, "epoch": epoch}
+        message: dict = {"epoch": epoch}
+        if whole:
+            message["whole"] = whole
+        if batch:
+            message["batch"] = batch
+        return message
 
 
 def _coalesce(spans: list) -> list:

@@ -107,33 +107,36 @@ class ResponseCache:
         return [self._requests.get(self._bits.get(r, -1), r) for r in requests]
 
     def resolve(self, rank: int, message: dict) -> list:
-        """What a child announced, as ``(ranks, requests)`` pairs (``ranks``: one rank, or a ``range`` of
+        """What a child announced, as ``(ranks, request)`` pairs (``ranks``: one rank, or a ``range`` of
         its subtree that announced the same), bits looked up; notes the epoch it reported."""
         epoch = message.get("epoch", 0)
         if not isinstance(epoch, int) or epoch > self.epoch:
             raise HvpsError(f"rank {rank} reported response-cache epoch {epoch!r}, but rank 0 has recorded "
                             f"only {self.epoch} responses: the ranks' caches disagree")
-        resolved = []
-        if "requests" in message:
-            resolved.append((rank, [self._request(item, rank) for item in message["requests"]]))
-        for item, spans in message.get("batch", ()):
-            request = self._request(item, rank)
-            resolved.extend((self._ranks(span, rank), [request]) for span in spans)
+        pairs = [(rank, self._request(item, rank)) for item in message.get("requests", ())]
+        subtree = self._children.get(rank, range(0))
+        whole = message.get("whole")
+        if whole:  # bits every rank of the child's subtree announced
+            pairs += [(subtree if len(subtree) > 1 else rank, self._lookup(bit, rank)) for bit in whole]
+        batch = message.get("batch")
+        if batch:
+            for item, spans in batch:
+                request = self._request(item, rank)
+                pairs += [(self._ranks(span, subtree, rank), request) for span in spans]
         self._worker_epochs[rank] = epoch
         self._prune()
-        return resolved
+        return pairs
 
     def _request(self, item: object, rank: int) -> Request:
         return Request.from_wire(item) if isinstance(item, dict) else self._lookup(item, rank)
 
-    def _ranks(self, span: object, rank: int):
-        """A span ``[low, high)`` of ``rank``'s subtree as one rank or a range; HvpsError outside it."""
-        subtree = self._children.get(rank, range(0))
-        if (not isinstance(span, list) or len(span) != 2 or not all(type(v) is int for v in span)
-                or not subtree.start <= span[0] < span[1] <= subtree.stop):
+    @staticmethod
+    def _ranks(span: object, subtree: range, rank: int):
+        """A span ``[low, high)`` of ``rank``'s ``subtree`` as one rank or a range; HvpsError outside it."""
+        low, high = span if isinstance(span, list) and len(span) == 2 else (None, None)
+        if type(low) is not int or type(high) is not int or not subtree.start <= low < high <= subtree.stop:
             raise HvpsError(f"rank {rank} relayed announcements of ranks {span!r}, outside its subtree "
                             f"{subtree.start}..{subtree.stop - 1}")
-        low, high = span
         return low if high - low == 1 else range(low, high)
 
     def encode_responses(self, responses: list) -> list:

@@ -129,8 +129,9 @@ class Settings:
     #: requests every rank has agreed on, named by a bit from then on (0: off); see response_cache.py
     cache_capacity: int = 1024
     #: children per rank in the control-plane tree (control/tree.py); above fanout + 1 ranks, relays merge
-    #: their subtree's announcements, so rank 0 hears from ``fanout`` ranks instead of every rank (0: a star)
-    control_fanout: int = 32
+    #: their subtree's announcements, so rank 0 hears from ``fanout`` ranks instead of every rank (0: a star).
+    #: 16: rank 0 and the busiest relay stay under 5 ms of negotiation per step up to 4,096 ranks (RESULTS.md)
+    control_fanout: int = 16
     #: tune fusion_threshold and cycle_time_ms from step times during the first steps (autotune.py)
     autotune: bool = False
     autotune_warmup_steps: int = 2

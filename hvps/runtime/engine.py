@@ -1,9 +1,9 @@
 """The engine: it owns every data-plane call, and a background thread runs it.
 
 Each rank queues collectives locally; the engine announces them to rank 0's
-coordinator (at most once per cycle, so that tensors arriving together fuse),
-which answers with the responses every rank executes in the same order (see
-``negotiation.py``). Between messages the thread blocks in ``select`` on the
+coordinator (at most once per cycle, so that tensors arriving together fuse; above 17 ranks
+through relays of the control-plane tree, ``control/tree.py``), which answers with the
+responses every rank executes in the same order (see ``negotiation.py``). Between messages the thread blocks in ``select`` on the
 control plane (``plane.py``), so it takes no CPU from training while it waits.
 
 The fast path: a thread that waits for a collective while nothing else is in flight runs the
@@ -106,7 +106,7 @@ class Engine:
         #: the fusion threshold and cycle time in force (HVPS_AUTOTUNE changes them during a run)
         self.fusion_threshold, self.cycle_s = settings.fusion_threshold, settings.cycle_time_ms / 1000.0
         #: a rank between rank 0 and others merges its subtree's announcements (control-plane tree)
-        self.relay = (RelayBuffer(tree.subtree, tree.children, _RELAY_HOLD_CYCLES * self.cycle_s, self._announcers)
+        self.relay = (RelayBuffer(tree.subtree, tree.blocks, _RELAY_HOLD_CYCLES * self.cycle_s, self._announcers)
                       if tree.is_relay else None)
         #: rank 0's search, when HVPS_AUTOTUNE=1; its settings reach the other ranks with the next responses
         self.autotuner = (Autotuner(Setting(settings.fusion_threshold, settings.cycle_time_ms),
@@ -115,6 +115,9 @@ class Engine:
         self._tuning: Optional[dict] = None
         #: time this rank's engine thread spent negotiating (announcing, matching, encoding, decoding)
         self.negotiation_seconds = 0.0
+        #: when set (a benchmark does), the CPU time of the same (thread_time costs 0.6 us a call, so off)
+        self.count_cpu = False
+        self.negotiation_cpu_seconds = 0.0
         self._lock = threading.Lock()
         self._queue: deque = deque()
         self._queued_names: set = set()
@@ -463,12 +466,11 @@ class Engine:
         return due
 
     def _coordinate(self, messages: list, closed: list) -> None:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), self.count_cpu and time.thread_time()
         now = time.monotonic()
         self.coordinator.submit(0, self.cache.canonical(self._due_announcements()), now)
         for source, message in messages:
-            for ranks, requests in self.cache.resolve(source, message):
-                self.coordinator.submit(ranks, requests, now)
+            self.coordinator.submit_pairs(self.cache.resolve(source, message), now)
         self._left_alone(closed)
         if self._failure is not None:
             return
@@ -479,11 +481,11 @@ class Engine:
                 with self._lock:
                     wire["tuning"], self._tuning = self._tuning, None
             self.control.send_down(wire)
-        self.negotiation_seconds += time.perf_counter() - started
+        self._negotiated(started, cpu)
         self._execute(responses)
 
     def _work(self, messages: list, closed: list) -> None:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), self.count_cpu and time.thread_time()
         due = self._due_announcements()
         parent, relay = self.control.parent, self.relay
         if due and relay is None:
@@ -503,9 +505,15 @@ class Engine:
         upward = relay.take(time.monotonic(), self.cache.epoch) if relay is not None else None
         if upward is not None:
             self.control.send(parent, upward)
-        self.negotiation_seconds += time.perf_counter() - started
+        self._negotiated(started, cpu)
         self._execute(responses)
         self._left_alone(closed)
+
+    def _negotiated(self, started: float, cpu) -> None:
+        """Count the time since ``started`` (perf_counter) and CPU time since ``cpu`` (False: not counted)."""
+        self.negotiation_seconds += time.perf_counter() - started
+        if cpu is not False:
+            self.negotiation_cpu_seconds += time.thread_time() - cpu
 
     def _announcers(self, bit: int) -> int:
         """How many ranks of this relay's subtree announce the request ``bit`` names: its process set's."""
