@@ -140,7 +140,8 @@ def run_worker(args: argparse.Namespace) -> None:
                   "hvps_s": summarize(slowest["hvps"])["median"], "raw_s": summarize(slowest["raw"])["median"],
                   "coordinator_s": negotiated[0], "worker_s": max(negotiated[1:]),
                   "coordinator_cpu_s": cpu[0], "worker_cpu_s": max(cpu[1:]),
-                  "coordinator_negotiation_cpu_s": negotiated_cpu[0], "worker_negotiation_cpu_s": max(negotiated_cpu[1:])}
+                  "coordinator_negotiation_cpu_s": negotiated_cpu[0],
+                  "worker_negotiation_cpu_s": max(negotiated_cpu[1:])}
         result["negotiation_s"] = result["hvps_s"] - result["raw_s"]
         write_json(args.json, result)
 
@@ -189,10 +190,10 @@ def run_driver(args: argparse.Namespace) -> dict:
           f"{'thread':>7} | {'step - raw':>10}")
     for np_, row in table.items():
         for name in contenders:
-            c = row[name]
-            print(f"{np_:>5} {name:>10} | {c['coordinator_s'] * 1e3:9.2f} {c['coordinator_negotiation_cpu_s'] * 1e3:8.2f} "
-                  f"{c['coordinator_cpu_s'] * 1e3:7.2f} | {c['worker_s'] * 1e3:6.2f} "
-                  f"{c['worker_negotiation_cpu_s'] * 1e3:6.2f} {c['worker_cpu_s'] * 1e3:7.2f} | {c['negotiation_s'] * 1e3:10.2f}")
+            ms = {key: value * 1e3 for key, value in row[name].items() if isinstance(value, float)}
+            print(f"{np_:>5} {name:>10} | {ms['coordinator_s']:9.2f} {ms['coordinator_negotiation_cpu_s']:8.2f} "
+                  f"{ms['coordinator_cpu_s']:7.2f} | {ms['worker_s']:6.2f} {ms['worker_negotiation_cpu_s']:6.2f} "
+                  f"{ms['worker_cpu_s']:7.2f} | {ms['negotiation_s']:10.2f}")
     for np_, row in table.items():
         if "before" in row:
             before = row["before"]

@@ -3,8 +3,9 @@
 Each rank queues collectives locally; the engine announces them to rank 0's
 coordinator (at most once per cycle, so that tensors arriving together fuse; above 17 ranks
 through relays of the control-plane tree, ``control/tree.py``), which answers with the
-responses every rank executes in the same order (see ``negotiation.py``). Between messages the thread blocks in ``select`` on the
-control plane (``plane.py``), so it takes no CPU from training while it waits.
+responses every rank executes in the same order (see ``negotiation.py``). Between messages
+the thread blocks in ``select`` on the control plane (``plane.py``), so it takes no CPU from
+training while it waits.
 
 The fast path: a thread that waits for a collective while nothing else is in flight runs the
 engine's cycles itself, polling the control plane instead of sleeping, for up to
