@@ -44,11 +44,10 @@ class RelayBuffer:
         that bit (default: all of them)."""
         self.subtree = subtree
         self._blocks = {block.start: block for block in blocks}
-        children = tuple(self._blocks)
         self.hold_s = hold_s
         self._expected = expected or (lambda bit: len(subtree))
         #: each child -> the epoch its subtree last reported (0 until then: a safe bound)
-        self._epochs = dict.fromkeys(children, 0)
+        self._epochs = dict.fromkeys(self._blocks, 0)
         self._held: dict[int, _Held] = {}
         #: full requests, passed up at once: [item, spans, epoch]
         self._passing: list = []
