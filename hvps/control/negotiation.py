@@ -127,6 +127,16 @@ class _Pending:
     #: whether ``by_rank`` holds ranges
     grouped: bool = False
 
+    def add(self, who, request: Request) -> None:
+        """Record ``request`` from ``who``: a rank, or a ``range`` of ranks."""
+        if who not in self.by_rank:
+            if type(who) is int:
+                self.count += 1
+            else:
+                self.count += len(who)
+                self.grouped = True
+        self.by_rank[who] = request
+
     def ranks(self) -> dict:
         """``by_rank`` with every range spelled out, rank by rank."""
         if not self.grouped:
@@ -173,22 +183,20 @@ class Coordinator:
 
     def submit_pairs(self, pairs: list, now: float) -> None:
         """Record ``(ranks, request)`` pairs announced at ``now``: ``ranks`` as in ``submit``."""
-        table, failed = self._table, self._failed
+        failed = self._failed
         for who, req in pairs:
             if req.kind == JOIN or req.kind == SHUTDOWN or req.failure or req.name in failed:
                 for rank in who if isinstance(who, range) else (who,):
                     self._submit_special(rank, req, now)
                 continue
-            pending = table.get(req.name)
-            if pending is None:
-                pending = table[req.name] = _Pending(now, {}, len(self.sets.get(req.process_set, ())))
-            if who not in pending.by_rank:
-                if type(who) is int:
-                    pending.count += 1
-                else:
-                    pending.count += len(who)
-                    pending.grouped = True
-            pending.by_rank[who] = req
+            self._pending(req, now).add(who, req)
+
+    def _pending(self, req: Request, now: float) -> _Pending:
+        """The table's entry for ``req``'s name, made (first seen ``now``) if there is none."""
+        pending = self._table.get(req.name)
+        if pending is None:
+            pending = self._table[req.name] = _Pending(now, {}, len(self.sets.get(req.process_set, ())))
+        return pending
 
     def _submit_special(self, rank: int, req: Request, now: float) -> None:
         """A join, a shutdown, a failure (``abandon``) or a submission of a name that failed elsewhere."""
@@ -203,12 +211,8 @@ class Coordinator:
         if failed is not None and rank in failed[1]:
             self._late_submission(req, rank, failed)
             return
-        pending = self._table.get(req.name)
-        if pending is None:
-            pending = self._table[req.name] = _Pending(now, {}, len(self.sets.get(req.process_set, ())))
-        if rank not in pending.by_rank:
-            pending.count += 1
-        pending.by_rank[rank] = req
+        pending = self._pending(req, now)
+        pending.add(rank, req)
         pending.failed = pending.failed or bool(req.failure)
 
     def _late_submission(self, req: Request, rank: int, failed: tuple) -> None:

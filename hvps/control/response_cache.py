@@ -35,7 +35,6 @@ class ResponseCache:
         self.capacity = capacity
         #: rank 0's children in the control-plane tree -> the ranks each speaks for (a star: every worker)
         self._children = children if children is not None else {r: range(r, r + 1) for r in range(1, size)}
-        self._workers = tuple(self._children)
         #: only rank 0 resolves other ranks' bits, so only it (with workers) keeps evicted requests
         self._keeps_evicted = rank == 0 and size > 1
         #: request -> bit, least recently used first
@@ -174,6 +173,6 @@ class ResponseCache:
         """Forget evicted requests that every worker has seen evicted."""
         if not self._retired:
             return
-        oldest = min((self._worker_epochs.get(rank, 0) for rank in self._workers), default=self.epoch)
+        oldest = min((self._worker_epochs.get(rank, 0) for rank in self._children), default=self.epoch)
         for bit in [b for b, (_, evicted_at) in self._retired.items() if evicted_at <= oldest]:
             del self._retired[bit]

@@ -467,7 +467,7 @@ class Engine:
         return due
 
     def _coordinate(self, messages: list, closed: list) -> None:
-        started, cpu = time.perf_counter(), self.count_cpu and time.thread_time()
+        started, cpu = time.perf_counter(), time.thread_time() if self.count_cpu else None
         now = time.monotonic()
         self.coordinator.submit(0, self.cache.canonical(self._due_announcements()), now)
         for source, message in messages:
@@ -486,7 +486,7 @@ class Engine:
         self._execute(responses)
 
     def _work(self, messages: list, closed: list) -> None:
-        started, cpu = time.perf_counter(), self.count_cpu and time.thread_time()
+        started, cpu = time.perf_counter(), time.thread_time() if self.count_cpu else None
         due = self._due_announcements()
         parent, relay = self.control.parent, self.relay
         if due and relay is None:
@@ -510,10 +510,10 @@ class Engine:
         self._execute(responses)
         self._left_alone(closed)
 
-    def _negotiated(self, started: float, cpu) -> None:
-        """Count the time since ``started`` (perf_counter) and CPU time since ``cpu`` (False: not counted)."""
+    def _negotiated(self, started: float, cpu: Optional[float]) -> None:
+        """Count the time since ``started`` (perf_counter) and CPU time since ``cpu`` (None: not counted)."""
         self.negotiation_seconds += time.perf_counter() - started
-        if cpu is not False:
+        if cpu is not None:
             self.negotiation_cpu_seconds += time.thread_time() - cpu
 
     def _announcers(self, bit: int) -> int:
@@ -674,4 +674,3 @@ class Engine:
                 failure = error(entry)
                 _metrics.on_collective_error(str(failure), True)
                 entry.handle.set_error(failure)
-
