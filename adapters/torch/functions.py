@@ -2,25 +2,68 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional, Union
+import io
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
 import hvps
 from hvps import ProcessSet, global_process_set
+from hvps.core import devices
 
 from .mpi_ops import broadcast_async_
 
 
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def rank_device() -> str:
+    """Where tensors that arrive from other ranks' CUDA memory are put on this rank: its CUDA device (the
+    device of its CUDA tensors, else its local rank's GPU), or the host without CUDA."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    index = devices.chosen()
+    return f"cuda:{devices.fallback_index(torch.cuda.device_count()) if index is None else index}"
+
+
+def placer(target: str) -> Callable:
+    """``torch.load``'s ``map_location``: storages saved on any CUDA device come back on ``target``
+    (``"cpu"`` or ``"cuda:<index>"``), never on the device the sender used (another rank's GPU, or
+    cuda:0 for every rank of a node); host storages stay on the host."""
+    index = None if target == "cpu" else int(target.split(":")[1])
+
+    def place(storage, location: str):
+        if index is None or not location.startswith("cuda"):
+            return storage
+        return storage.cuda(index)
+
+    return place
+
+
+def _loads(data: bytes, target: str) -> Any:
+    # torch.load reads every storage into host memory first, then hands it to map_location
+    return torch.load(io.BytesIO(data), map_location=placer(target), weights_only=False)
+
+
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = None,
-                     process_set: ProcessSet = global_process_set) -> Any:
-    """Pickle ``obj`` on the root and return a copy of it on every member of the set."""
-    return hvps.broadcast_object(obj, root_rank, name, process_set)
+                     process_set: ProcessSet = global_process_set, map_location: Optional[str] = None) -> Any:
+    """Pickle ``obj`` on the root and return a copy of it on every member of the set.
+
+    Tensors the root had on a GPU arrive on this rank's GPU (``map_location``: ``"cpu"`` or
+    ``"cuda:<index>"`` instead), not on the root's device (issue 43, finding 8)."""
+    root = hvps.rank() == root_rank
+    data = hvps.broadcast_object(_dumps(obj) if root else None, root_rank, name, process_set)
+    return obj if root else _loads(data, map_location or rank_device())
 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> list:
-    """Pickle ``obj`` on every member and return all members' objects, in rank order."""
-    return hvps.allgather_object(obj, name, process_set)
+    """Pickle ``obj`` on every member and return all members' objects, in rank order (CUDA tensors on
+    this rank's GPU, as ``broadcast_object``)."""
+    target = rank_device()
+    return [_loads(data, target) for data in hvps.allgather_object(_dumps(obj), name, process_set)]
 
 
 def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable], root_rank: int = 0,
@@ -59,7 +102,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     """
     if not optimizer.state_dict()["state"]:
         _zero_missing_grads(optimizer)
-    state: Any = hvps.broadcast_object(optimizer.state_dict() if hvps.rank() == root_rank else None, root_rank,
-                                       name="optimizer_state", process_set=process_set)
+    # arrives in host memory (never on the root's GPU); load_state_dict moves each state to its parameter's device
+    state: Any = broadcast_object(optimizer.state_dict() if hvps.rank() == root_rank else None, root_rank,
+                                  name="optimizer_state", process_set=process_set, map_location="cpu")
     if hvps.rank() != root_rank:
         optimizer.load_state_dict(state)

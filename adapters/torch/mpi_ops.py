@@ -394,9 +394,11 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
 def join(device: int = -1) -> int:
     """Stop contributing; other ranks' allreduces proceed with zeros. Returns the last rank to join.
 
-    ``device`` (Horovod's GPU for the zeros) is accepted; hvps makes zeros where each tensor lives.
+    ``device``: the GPU index on which this rank makes the zeros it contributes to collectives on CUDA
+    tensors (Horovod's argument); -1, the default, means the device of this rank's CUDA tensors, else its
+    local rank's GPU.
     """
-    return hvps.join()
+    return hvps.join(device)
 
 
 @synchronous

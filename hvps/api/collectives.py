@@ -31,7 +31,7 @@ from ..control.negotiation import (
     REDUCESCATTER,
     Request,
 )
-from ..core import arrays, dtypes
+from ..core import arrays, devices, dtypes
 from ..core.dtypes import ReduceOp
 from ..core.errors import DuplicateNameError, HvpsError, NotInitializedError
 from ..core.handle import Handle
@@ -235,6 +235,9 @@ def _describe(array: Any, set_id: int) -> dict:
 
 def _submit_all(pairs: list, grouped: bool = False) -> list:
     """Submit ``(request, inputs, outputs)`` triples as one unit: all of them or, on an error, none."""
+    tensors = [a for _, inputs, outputs in pairs for a in (*inputs, *outputs) if not arrays.is_numpy(a)]
+    if tensors:  # one device per collective, and per rank (HvpsError before anything is enqueued)
+        devices.check(", ".join(request.name for request, _, _ in pairs), tensors)
     entries = [Entry(request, list(inputs), list(outputs), grouped=grouped, ready_event=arrays.ready_event(inputs))
                for request, inputs, outputs in pairs]
     handles = runtime.engine().submit_all(entries)
@@ -364,6 +367,8 @@ def allreduce_gradients_async(buffers: list, dtype: str, name: str, op: ReduceOp
         label = _name(ALLREDUCE, name, set_id)
     first = buffers[0]
     device = "cpu" if isinstance(first, np.ndarray) else first.device.type
+    if device != "cpu":
+        devices.check(label, buffers)
     shapes = (tuple(first.shape),) if len(buffers) == 1 else tuple(tuple(b.shape) for b in buffers)
     request = Request(label, ALLREDUCE, dtype, shapes, op._value_, prescale=float(prescale_factor),
                       postscale=float(postscale_factor), device=device, process_set=set_id)
@@ -579,12 +584,15 @@ def barrier(process_set: Optional[ProcessSet] = None) -> None:
 
 
 @synchronous
-def join() -> int:
+def join(device: Optional[int] = None) -> int:
     """Stop contributing data: allreduces of other ranks proceed with zeros from this rank.
 
-    Returns the rank that joined last, once every rank has joined.
+    ``device``: the CUDA device index on which this rank makes those zeros for collectives on CUDA
+    tensors (Horovod's argument); by default the device of this rank's CUDA tensors, else the
+    local rank's GPU. Returns the rank that joined last, once every rank has joined.
     """
     runtime.engine()
+    devices.set_join_device(device)
     return _submit_all([(Request("join", JOIN), [], [])])[0].wait()
 
 

@@ -37,7 +37,8 @@ class Handle:
         self._submitted = time.monotonic()
         self._started: Optional[float] = None
         self._limit = stall_seconds * _WATCHDOG_FACTOR + 1.0
-        #: CUDA results: the event after which they are valid on the device (None on the host)
+        #: CUDA results: what they are valid after on the device, with ``wait(result)`` (the waiter's stream on
+        #: that device waits for it) and ``query()`` (None on the host)
         self.event: Any = None
         #: called once, with the handle, by the first wait() that would block: the engine then starts
         #: the collective now instead of at its next cycle, or lets the waiter run it (it has nothing
@@ -62,10 +63,19 @@ class Handle:
         return derived
 
     def poll(self) -> bool:
-        """Whether the collective has finished (successfully or not); never blocks."""
-        return self._done or (self._source is not None and self._source.poll())
+        """Whether the collective has finished (successfully or not); never blocks. On CUDA tensors,
+        once the GPU has finished it, as in Horovod (not once the engine has enqueued it)."""
+        if self._source is not None:
+            return self._done or self._source.poll()
+        return self._done and (self.event is None or self._error is not None or self.event.query())
 
     done = poll
+
+    @property
+    def finished(self) -> bool:
+        """Whether the engine has finished with the collective (the host's view: on CUDA the GPU may still
+        be running it; ``poll`` waits for that too). What the engine itself checks."""
+        return self._done
 
     @property
     def claimed(self) -> bool:
@@ -96,7 +106,9 @@ class Handle:
         if self._error is not None:
             raise self._error
         if self.event is not None:
-            self.event.wait()  # the waiter's current CUDA stream waits; the host does not
+            # the waiter's current stream on the result's device waits (the host does not), and the
+            # result's tensors are marked in use by it (``dataplane/backends/device.py``'s ``Done``)
+            self.event.wait(self._result)
         if self._finish is not None:
             self._result = self._finish(self._result)
             self._finish = None

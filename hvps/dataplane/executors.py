@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..control.negotiation import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER, Request
-from ..core import arrays, scaling
+from ..core import arrays, devices, scaling
 from ..core.dtypes import ReduceOp
 from ..core.handle import Handle
 from .adasum import adasum_allreduce
@@ -109,7 +110,13 @@ def _reduce_packed(ctx: Context, ins: list, outs: list, op: ReduceOp, first: Req
 
 
 def _zeros_for(req: Request) -> list:
-    return [arrays.zeros(shape, req.dtype, req.device) for shape in req.shapes]
+    """A joined rank's zeros for ``req``: on this rank's GPU for a CUDA collective (``devices.zeros_device``),
+    never on the engine thread's current device (cuda:0), where NCCL would open a communicator on
+    another rank's GPU."""
+    device = req.device
+    if device == "cuda":
+        device = devices.zeros_device(device, sys.modules["torch"].cuda.device_count())
+    return [arrays.zeros(shape, req.dtype, device) for shape in req.shapes]
 
 
 def run_allreduce(ctx: Context, response, entries: list) -> list:

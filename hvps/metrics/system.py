@@ -8,12 +8,12 @@ does, when installed (hvps's ``dev`` extra); otherwise they are left out.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from typing import Any, Iterator, Optional
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..core import devices
 from . import nvml
 
 _MODES = ("user", "system", "idle", "iowait", "steal")
@@ -106,8 +106,8 @@ class HostCollector:
 class GpuCollector:
     """``hvps_gpu_*{rank,host,gpu}`` of this rank's GPU through NVML; nothing without one.
 
-    The GPU is torch's current CUDA device once torch has initialised CUDA, else the local
-    rank's (one GPU per rank, pinned by local rank, as Horovod's examples do).
+    The GPU is the device of the CUDA tensors this rank has submitted (``core/devices.py``), else the
+    local rank's (one GPU per rank, pinned by local rank, as Horovod's examples do).
     """
 
     def __init__(self, rank: str, host: str, local_rank: int) -> None:
@@ -120,13 +120,10 @@ class GpuCollector:
         self._handles: dict = {}
 
     def _cuda_index(self) -> int:
-        torch = sys.modules.get("torch")
-        try:
-            if torch is not None and torch.cuda.is_initialized():
-                return int(torch.cuda.current_device())
-        except Exception:  # a torch without CUDA support
-            pass
-        return self.local_rank
+        # Never torch.cuda.current_device(): this runs on the metrics thread, where it is 0 whatever
+        # device the rank trains on (issue 43, finding 9).
+        index = devices.chosen()
+        return self.local_rank if index is None else index
 
     def _handle(self) -> tuple:
         with self._lock:

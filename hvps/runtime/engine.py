@@ -250,7 +250,7 @@ class Engine:
             self._on_waiter = True
             until = time.monotonic() + self.spin_seconds
             with self._failures_stop_it():
-                while not handle.poll() and not self._backlog and not self._stopping and self._failure is None:
+                while not handle.finished and not self._backlog and not self._stopping and self._failure is None:
                     self._cycle(0.0)
                     if time.monotonic() > until:
                         break
@@ -327,7 +327,7 @@ class Engine:
         agree to stop.
         """
         why = self._failure and f"the hvps engine stopped: {str(self._failure).removeprefix('hvps: ')}"
-        unanswered = sorted(entry.request.name for entry in list(self._pending.values()) if entry.handle.poll())
+        unanswered = sorted(entry.request.name for entry in list(self._pending.values()) if entry.handle.finished)
         if why is None and unanswered:  # failed by a waiter's watchdog: rank 0 never answered them
             why = f"rank 0 (the coordinator) never answered {unanswered[:3]}"
         if why is None:
@@ -666,7 +666,7 @@ class Engine:
             self._queue.clear()
             self._queued_names.clear()
         for entry in entries + self._running:
-            if entry.handle.poll():
+            if entry.handle.finished:
                 continue
             if isinstance(error, BaseException):
                 entry.handle.set_error(error)

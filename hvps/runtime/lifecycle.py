@@ -14,6 +14,7 @@ import sys
 from typing import Optional
 
 from .. import metrics
+from ..core import devices
 from ..core.errors import HvpsError
 from ..core.settings import Settings, env_text
 from ..dataplane import backends
@@ -70,6 +71,7 @@ def init(comm=None, process_sets=None) -> None:
             except MembershipChanged as changed:  # an elastic job changed while this worker joined it
                 logging.getLogger("hvps").info("hvps: %s; joining the new one", changed)
     topology = state.topology()
+    devices.reset(topology.local_rank)
     metrics.set_job_identity((topology.rank, topology.local_rank))
     setup_process_sets(process_sets)
     metrics.start_from_env()  # HVPS_METRICS_PORT: serve this rank's metrics on port + local rank
@@ -97,6 +99,7 @@ def shutdown() -> None:
     if state.forked():  # the engine is the parent's: leave it (and the job) alone
         return
     reset_process_sets()
+    devices.reset()
     metrics.set_job_identity(None)
     with state._state.lock:
         engine, state._state.engine = state._state.engine, None

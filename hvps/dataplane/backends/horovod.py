@@ -16,6 +16,7 @@ from ...core.dtypes import ReduceOp
 from ...core.errors import HvpsError
 from ...core.views import as_tensor
 from .base import Backend
+from .device import cuda_order
 
 UNAVAILABLE = ("Horovod is not importable: horovod 0.28.1 from PyPI does not build against torch 2.13; "
                "install a Horovod built for this PyTorch to use HVPS_BACKEND=horovod")
@@ -46,6 +47,12 @@ class HorovodBackend(Backend):
 
     def takes(self, device, dtype):
         return True
+
+    def ordered(self, entries):
+        # CUDA tensors run on the engine's stream of their device, after their producers' ready events:
+        # Horovod records its own ready event on that (current) stream, and hvps's done event follows its
+        # synchronous op (issue 43, finding 11). NCCL or MPI inside Horovod never read on the host here.
+        return cuda_order(entries, host_sync=False)
 
     def _op(self, op: ReduceOp, tensor):
         import torch

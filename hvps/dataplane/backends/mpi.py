@@ -2,8 +2,9 @@
 
 With a CUDA-aware MPI (Open MPI's ``MPIX_Query_cuda_support``), CUDA tensors
 of MPI's native types are handed to MPI as they are (mpi4py reads their
-``__cuda_array_interface__``), after the engine's stream has caught up with
-their producers; otherwise the torch adapter stages them through host memory.
+``__cuda_array_interface__``), each right after the host has waited for the
+engine's stream (``wire``); otherwise the torch adapter stages them through
+host memory.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ...core.dtypes import ReduceOp
 from ..buffers import FusionBuffer
 from ..ring import ring_allreduce, wait_all
 from .base import Backend, sub_communicator
-from .device import cuda_order
+from .device import cuda_order, settle
 
 #: dtype -> (numpy carrier dtype, MPI datatype). Half types travel as 16-bit words
 #: and are reduced by user-defined ops, since MPI has no float16 or bfloat16.
@@ -42,8 +43,15 @@ _BOOL_OPS = {ReduceOp.Sum: MPI.LOR, ReduceOp.Max: MPI.LOR, ReduceOp.Min: MPI.LAN
 
 
 def wire(array):
-    """The ``[buffer, datatype]`` spec MPI needs for a contiguous array (or CUDA tensor) of a supported dtype."""
+    """The ``[buffer, datatype]`` spec MPI needs for a contiguous array (or CUDA tensor) of a supported dtype.
+
+    A CUDA tensor is handed over once its stream has run what is queued on it: MPI reads and writes
+    device memory from this thread at once, while the fusion packing, prescale or broadcast's copy
+    that the executor queued just before may still be running on the engine's stream (issue 43,
+    finding 3). Every MPI call of this backend builds its buffers here, right before the call.
+    """
     if not arrays.is_numpy(array):
+        settle(array)
         return [array, _WIRE[dtypes.BY_NAME[arrays.dtype_name(array)]][1]]
     carrier, datatype = _WIRE[array.dtype]
     return [array.view(carrier), datatype]
