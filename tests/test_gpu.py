@@ -252,3 +252,41 @@ def test_joined_rank_and_received_state_stay_on_the_ranks_gpu():
         print("ok")
     """, HVPS_BACKEND="tdist")
     assert "ok" in out
+
+
+def test_sync_batch_norm_uses_fused_kernels_matches_batch_norm_and_never_syncs():
+    out = _run("""
+        hvd.init()
+        torch.cuda.set_device(0)
+        torch.manual_seed(0)
+        for shape in ((8, 16, 12, 12), (5, 3), (1, 4, 7)):
+            x = torch.randn(*shape, device="cuda", requires_grad=True)
+            x_ref = x.detach().clone().requires_grad_()
+            sync = hvd.SyncBatchNorm(shape[1], momentum=0.3).cuda()
+            ref = torch.nn.BatchNorm1d(shape[1], momentum=0.3).cuda() if len(shape) < 4 else \\
+                torch.nn.BatchNorm2d(shape[1], momentum=0.3).cuda()
+            dy = torch.randn(*shape, device="cuda")
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")  # no .item(): not one host sync in forward or backward
+            y = sync(x)
+            (y * dy).sum().backward()
+            torch.cuda.set_sync_debug_mode("default")
+            y_ref = ref(x_ref)
+            (y_ref * dy).sum().backward()
+            torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(sync.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(sync.running_mean, ref.running_mean)
+            torch.testing.assert_close(sync.running_var, ref.running_var)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            x = torch.randn(16, 32, 8, 8, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            sync = hvd.SyncBatchNorm(32).cuda()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            y = sync(x)
+            peak = torch.cuda.max_memory_allocated() - base
+            assert peak <= 3 * x.numel() * x.element_size(), peak  # no float64 copies of the activation
+            y.float().sum().backward()
+        print("ok")
+    """, HVPS_BACKEND="tdist")
+    assert "ok" in out

@@ -6,6 +6,13 @@ and update the running statistics (with the unbiased variance, as ``BatchNorm``)
 sums the two per-channel reductions the input gradient needs (``Σ dy`` and ``Σ dy·(x - μ)``)
 the same way; the weight and bias gradients stay local (the optimizer averages them). Ranks
 may hold different batch sizes. In evaluation mode it is plain ``BatchNorm``.
+
+On CUDA it uses torch's fused kernels as PyTorch's and Horovod's SyncBatchNorm do
+(``batch_norm_stats``, ``batch_norm_gather_stats_with_counts``, ``batch_norm_elemt``,
+``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``): per-channel statistics in the
+input's accumulate type, one allgather of ``[mean, invstd, count]`` per layer, no float64 copy of
+the activation and no ``.item()`` (no host sync) — issue 43, finding 7. Those kernels exist only
+for CUDA, so CPU tensors keep the float64 reductions below.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from hvps import ProcessSet, global_process_set
 
-from .mpi_ops import Sum, allreduce_async
+from .mpi_ops import Sum, allgather_async, allreduce_async
 
 
 def _channel_dims(x: torch.Tensor) -> list:
@@ -78,6 +85,52 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return grad_input.to(x.dtype), grad_weight, grad_bias, None, None, None, None, None
 
 
+class _FusedSyncBatchNormFunction(torch.autograd.Function):
+    """The CUDA path, after ``torch/nn/modules/_functions.py``'s ``SyncBatchNorm`` (without its boolean-mask
+    filtering of empty ranks, which syncs: an empty rank sends ``invstd = 1`` with count 0, weighted out)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, process_set):
+        x = x.contiguous()
+        channels = x.shape[1]
+        count = x.numel() // channels if channels else 0
+        if count > 0:
+            mean, invstd = torch.batch_norm_stats(x, eps)
+        else:  # the dtype batch_norm_stats gives (its accumulate type): every rank gathers the same
+            accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
+            mean = torch.zeros(channels, dtype=accumulate, device=x.device)
+            invstd = torch.ones(channels, dtype=accumulate, device=x.device)
+        counted = torch.full((1,), float(count), dtype=mean.dtype, device=mean.device)
+        combined = torch.cat([mean, invstd, counted]).view(1, -1)
+        gathered = allgather_async(combined, process_set=process_set).wait()  # (ranks, 2C + 1)
+        mean_all, invstd_all, count_all = torch.split(gathered, channels, dim=1)
+        mean, invstd = torch.batch_norm_gather_stats_with_counts(
+            x, mean_all, invstd_all, running_mean, running_var, momentum, eps, count_all.reshape(-1))
+        ctx.save_for_backward(x, weight, mean, invstd, count_all.reshape(-1).to(torch.int32))
+        ctx.process_set = process_set
+        return torch.batch_norm_elemt(x, weight, bias, mean, invstd, eps)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight, mean, invstd, count_all = ctx.saved_tensors
+        grad_output = grad_output.contiguous()
+        sum_dy, sum_dy_xmu, grad_weight, grad_bias = torch.batch_norm_backward_reduce(
+            grad_output, x, mean, invstd, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+            ctx.needs_input_grad[2])
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            channels = x.shape[1]
+            totals = _sum_over_set(torch.cat([sum_dy, sum_dy_xmu]), ctx.process_set)
+            sum_dy, sum_dy_xmu = torch.split(totals, channels)
+            grad_input = torch.batch_norm_backward_elemt(grad_output, x, mean, invstd, weight, sum_dy, sum_dy_xmu,
+                                                         count_all)
+        if weight is None or not ctx.needs_input_grad[1]:
+            grad_weight = None
+        if weight is None or not ctx.needs_input_grad[2]:
+            grad_bias = None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
 class SyncBatchNorm(_BatchNorm):
     """Batch normalisation whose statistics span every rank of ``process_set`` (Horovod's ``SyncBatchNorm``).
 
@@ -104,5 +157,5 @@ class SyncBatchNorm(_BatchNorm):
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
                                 self.eps)
         running = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
-        return _SyncBatchNormFunction.apply(input, self.weight, self.bias, *running, self.eps, factor,
-                                            self.process_set)
+        function = _FusedSyncBatchNormFunction if input.is_cuda else _SyncBatchNormFunction
+        return function.apply(input, self.weight, self.bias, *running, self.eps, factor, self.process_set)

@@ -253,6 +253,87 @@ def test_sync_batch_norm_matches_batch_norm_on_the_global_batch(spatial, request
     torch.testing.assert_close(sync(full[mine]), ref(full)[mine], rtol=1e-10, atol=1e-10)
 
 
+# SyncBatchNorm's CUDA path (torch's fused statistics kernels, issue 43 finding 7) on CPU tensors: those
+# kernels exist only for CUDA, so CPU stand-ins with their documented semantics replace them here; hvps's
+# code around them (one allgather of [mean, invstd, count], the reductions, an empty rank) runs as it is.
+def _bn_dims(x):
+    return [d for d in range(x.dim()) if d != 1]
+
+
+def _bn_view(v, x):
+    return v.view([1, -1] + [1] * (x.dim() - 2))
+
+
+def _bn_stats(x, eps):
+    var, mean = torch.var_mean(x, _bn_dims(x), unbiased=False)
+    return mean, torch.rsqrt(var + eps)
+
+
+def _bn_gather(x, mean_all, invstd_all, running_mean, running_var, momentum, eps, counts):
+    total = counts.sum()
+    mean = (mean_all * counts[:, None]).sum(0) / total
+    var_all = invstd_all.pow(-2) - eps
+    var = (counts[:, None] * (var_all + (mean_all - mean) ** 2)).sum(0) / total
+    if running_mean is not None:
+        running_mean.mul_(1 - momentum).add_(momentum * mean)
+        running_var.mul_(1 - momentum).add_(momentum * var * total / (total - 1))
+    return mean, torch.rsqrt(var + eps)
+
+
+def _bn_elemt(x, weight, bias, mean, invstd, eps):
+    out = (x - _bn_view(mean, x)) * _bn_view(invstd, x)
+    return out * _bn_view(weight, x) + _bn_view(bias, x) if weight is not None else out
+
+
+def _bn_backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
+    sum_dy = dy.sum(_bn_dims(x))
+    sum_dy_xmu = (dy * (x - _bn_view(mean, x))).sum(_bn_dims(x))
+    return sum_dy, sum_dy_xmu, sum_dy_xmu * invstd, sum_dy
+
+
+def _bn_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
+    total = count.sum()
+    scale = _bn_view(invstd, x) * (_bn_view(weight, x) if weight is not None else 1.0)
+    xmu = x - _bn_view(mean, x)
+    return scale * (dy - _bn_view(sum_dy / total, x) - xmu * _bn_view(invstd, x) ** 2 * _bn_view(sum_dy_xmu / total, x))
+
+
+@pytest.mark.parametrize("spatial", [(), (3, 2)])
+def test_fused_sync_batch_norm_matches_batch_norm_with_an_empty_rank(spatial, request, monkeypatch):
+    from hvps.adapters.torch import sync_batch_norm
+
+    for name, kernel in (("batch_norm_stats", _bn_stats), ("batch_norm_gather_stats_with_counts", _bn_gather),
+                         ("batch_norm_elemt", _bn_elemt), ("batch_norm_backward_reduce", _bn_backward_reduce),
+                         ("batch_norm_backward_elemt", _bn_backward_elemt)):
+        monkeypatch.setattr(torch, name, kernel)
+    size, me = hvd.size(), hvd.rank()
+    channels = 3
+    rows = [(3, 0, 2)[r % 3] for r in range(size)]  # rank 1 holds no rows
+    key = request.node.name
+    full = torch.from_numpy(random_array(np.float64, (sum(rows), channels) + spatial, key, 0))
+    grads = torch.from_numpy(random_array(np.float64, (sum(rows), channels) + spatial, key + "g", 0))
+    start = sum(rows[:me])
+    mine = slice(start, start + rows[me])
+    ref = (torch.nn.BatchNorm1d if not spatial else torch.nn.BatchNorm2d)(channels, momentum=0.3).double()
+    weight = torch.linspace(0.5, 1.5, channels, dtype=torch.float64, requires_grad=True)
+    bias = torch.linspace(-1.0, 1.0, channels, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        ref.weight.copy_(weight)
+        ref.bias.copy_(bias)
+    running_mean, running_var = torch.zeros(channels, dtype=torch.float64), torch.ones(channels, dtype=torch.float64)
+    x_ref, x_mine = full.clone().requires_grad_(), full[mine].clone().requires_grad_()
+    out_ref = ref(x_ref)
+    out_mine = sync_batch_norm._FusedSyncBatchNormFunction.apply(x_mine, weight, bias, running_mean, running_var,
+                                                                 1e-5, 0.3, hvd.global_process_set)
+    torch.testing.assert_close(out_mine, out_ref[mine], rtol=1e-10, atol=1e-10)
+    (out_ref * grads).sum().backward()
+    (out_mine * grads[mine]).sum().backward()
+    torch.testing.assert_close(x_mine.grad, x_ref.grad[mine], rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(running_mean, ref.running_mean, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(running_var, ref.running_var, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(hvd.allreduce(weight.grad, op=hvd.Sum), ref.weight.grad, rtol=1e-9, atol=1e-10)
+
+
 # -- optimizer state, compression ------------------------------------------------------------------
 def test_broadcast_optimizer_state_with_gradless_parameters():
     class Model(torch.nn.Module):
