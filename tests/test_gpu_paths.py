@@ -309,3 +309,84 @@ def test_object_round_trip_keeps_tensors_and_values():
     back = functions._loads(functions._dumps(state), "cpu")
     assert torch.equal(back["state"][0]["momentum_buffer"], torch.arange(3.0))
     assert back["param_groups"] == state["param_groups"]
+
+
+# -- finding 4: NCCL's asynchronous errors and timeouts reach hvps, named; a lost rank aborts NCCL --------
+class FakeWork:
+    """A ProcessGroupNCCL Work as NCCL leaves it: done when its end event has fired, or failed."""
+
+    def __init__(self):
+        self.completed, self.error = False, None
+
+    def is_completed(self):
+        return self.completed
+
+    def exception(self):
+        return self.error
+
+
+def test_nccl_watch_times_a_collective_from_its_turn_on_the_gpu_not_from_enqueue():
+    from hvps.dataplane.backends.tdist import NcclWatch
+
+    aborted = []
+    watch = NcclWatch(10.0, lambda: aborted.append(True), rank=1)
+    first, second = FakeWork(), FakeWork()
+    watch._thread = True  # checked by hand here, no thread
+    watch.track("allreduce", "allreduce.a", first)
+    watch.track("allgather", "allgather.b", second)
+    assert watch.check(now=0.0) is None
+    assert watch.check(now=9.0) is None
+    first.completed = True  # the GPU reaches the second at t=9: a deep queue is no failure
+    assert watch.check(now=9.0) is None
+    assert watch.check(now=18.0) is None  # 18 s after enqueue, 9 s after its turn
+    error = watch.check(now=19.5)
+    assert isinstance(error, HvpsError)
+    assert "NCCL allgather 'allgather.b'" in str(error) and "rank 1" in str(error) and "10 s" in str(error)
+    second.completed = True
+    assert watch.check(now=30.0) is None and not aborted
+
+
+def test_nccl_watch_names_an_asynchronous_error_aborts_and_fails_the_engine():
+    from hvps.dataplane.backends.tdist import NcclWatch
+
+    aborted, failures, reported = [], [], __import__("threading").Event()
+    watch = NcclWatch(60.0, lambda: aborted.append(True), rank=0, interval=0.01)
+    watch.failed = lambda error: (failures.append(error), reported.set())
+    work = FakeWork()
+    watch.track("reducescatter", "reducescatter.grads", work)
+    work.error = RuntimeError("NCCL error: remote process exited or there was a network error")
+    assert reported.wait(30), "the watch never reported the failed NCCL work"
+    assert aborted == [True]
+    assert "NCCL reducescatter 'reducescatter.grads' failed on rank 0" in str(failures[0])
+    assert "remote process exited" in str(failures[0])
+
+
+def test_a_rank_lost_on_the_control_plane_aborts_the_nccl_groups():
+    import threading
+
+    from hvps.dataplane.backends.tdist import NcclWatch
+
+    aborted = []
+    watch = NcclWatch(60.0, lambda: aborted.append(True))
+    watch.lost = threading.Event()
+    watch._thread = True
+    watch.track("allreduce", "allreduce.x", FakeWork())
+    assert watch.check(1.0) is None and not aborted
+    watch.lost.set()
+    assert watch.check(2.0) is None and watch.check(3.0) is None
+    assert aborted == [True]  # once
+
+
+def test_torch_nccl_watchdog_settings_are_hvps_own_and_the_users_win(monkeypatch):
+    import os
+
+    from hvps.dataplane.backends import tdist
+
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    with tdist._TorchNcclSettings():
+        assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"  # never torch's default 3 (kills the process)
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    with tdist._TorchNcclSettings():
+        assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"

@@ -142,6 +142,7 @@ class Engine:
         #: set once ranks were found dead (_peers_lost); a collective in flight then gives up
         self._lost = threading.Event()
         backend.interrupt_on(self._lost)
+        backend.report_failures_to(self._failed)  # NCCL's asynchronous errors and timeouts (tdist.NcclWatch)
         #: held by whichever thread runs a cycle: the engine thread, or a waiter that drives it (_drive)
         self._cycle_lock = threading.Lock()
         #: whether the thread in a cycle is a waiter (it runs only what the backend can abandon at once)

@@ -27,6 +27,10 @@ class Backend(abc.ABC):
     def interrupt_on(self, event) -> None:
         """From now on, give up a collective in flight once ``event`` (a ``threading.Event``) is set."""
 
+    def report_failures_to(self, failed) -> None:
+        """From now on, call ``failed(HvpsError)`` when a collective fails after its call returned (NCCL's
+        asynchronous errors and timeouts: the engine then fails every handle and stops)."""
+
     def ordered(self, entries: list):
         """A context the engine runs each collective in (device stream ordering; none on the host)."""
         return contextlib.nullcontext()

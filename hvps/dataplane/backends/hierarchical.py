@@ -40,6 +40,14 @@ class HierarchicalBackend(Backend):
     def ordered(self, entries):
         return self.flat.ordered(entries)
 
+    def interrupt_on(self, event):
+        for backend in (self.local, self.cross, self.flat):
+            backend.interrupt_on(event)
+
+    def report_failures_to(self, failed):
+        for backend in (self.local, self.cross, self.flat):
+            backend.report_failures_to(failed)
+
     def allreduce(self, sendbuf, recvbuf, op):
         counts = [stop - start for start, stop in segments(arrays.numel(recvbuf), self.local_size)]
         shard = self.workspace.like(recvbuf, counts[self.local_rank])

@@ -28,6 +28,14 @@ class DeviceRouter(Backend):
     def ordered(self, entries):
         return self.device.ordered(entries)
 
+    def interrupt_on(self, event):
+        self.host.interrupt_on(event)
+        self.device.interrupt_on(event)
+
+    def report_failures_to(self, failed):
+        self.host.report_failures_to(failed)
+        self.device.report_failures_to(failed)
+
     def allreduce(self, sendbuf, recvbuf, op):
         self._for(recvbuf).allreduce(sendbuf, recvbuf, op)
 

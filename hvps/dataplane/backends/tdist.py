@@ -11,12 +11,28 @@ Numpy arrays travel as zero-copy tensor views; CUDA tensors never leave the
 device. On CUDA the engine thread enqueues work on its own stream ordered
 after each submission's ready event (see ``device.py``): NCCL's ``wait()``
 only orders streams, so no call here blocks the host on the GPU.
+
+NCCL fails asynchronously, after the call returned: ``NcclWatch`` follows
+every NCCL Work and turns an error, or a collective that the GPU reached but
+did not finish within HVPS_STALL_CHECK_TIME_SECONDS, into an HvpsError naming
+the collective (the engine's failure: every handle gets it, elastic jobs
+reset as on gloo), after aborting the NCCL groups; a rank lost on the control
+plane aborts them too, so that no survivor stays blocked in a kernel. torch's
+own watchdog is given no error handling (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``
+unless the user set it: its default 3 kills the process) and a timeout well
+past hvps's (issue 43, finding 4).
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
+import logging
+import os
 import socket
+import threading
+import time
+from typing import Callable, Optional
 
 from ...control.plane import candidate_addresses, listen_address, reachable
 from ...core.dtypes import ReduceOp
@@ -45,6 +61,112 @@ def _moved(array):
     return tensor.view(torch.float16) if tensor.dtype in (torch.int16, torch.uint16) else tensor
 
 
+#: what hvps gives torch's NCCL process groups: no asynchronous error handling of torch's own (hvps's
+#: NcclWatch aborts and reports instead; torch's default, 3, kills the process), unless the user set it
+TORCH_NCCL_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+#: torch's NCCL timeout: this multiple of hvps's stall time, at least 10 minutes. torch counts from enqueue,
+#: so a deep GPU queue could trip a short one on a healthy job; hvps's own limit counts from the GPU's turn
+TORCH_NCCL_TIMEOUT_FACTOR, TORCH_NCCL_TIMEOUT_MIN_SECONDS = 10.0, 600.0
+
+
+class _TorchNcclSettings:
+    """Set ``TORCH_NCCL_SETTINGS`` (those the user left unset) while a ProcessGroupNCCL is made, then restore."""
+
+    def __enter__(self):
+        self._set = [name for name in TORCH_NCCL_SETTINGS if name not in os.environ]
+        for name in self._set:
+            os.environ[name] = TORCH_NCCL_SETTINGS[name]
+        return self
+
+    def __exit__(self, *exc):
+        for name in self._set:
+            os.environ.pop(name, None)
+
+
+class NcclWatch:
+    """hvps's watchdog over its NCCL work.
+
+    ``track`` takes each NCCL Work after its call returned. A daemon thread (``start``) calls ``check``
+    every ``interval`` seconds: a Work with an exception, or the oldest unfinished one still unfinished
+    ``timeout`` seconds after it became the oldest (the GPU had reached it: counted from then, not from
+    enqueue), is an HvpsError naming the collective; the watch then aborts the NCCL groups (``abort``)
+    and hands the error to ``failed`` (the engine's failure). Once ``lost`` (the engine's event for ranks
+    lost on the control plane) is set, it aborts the groups at once.
+    """
+
+    def __init__(self, timeout: float, abort: Callable[[], None], rank: int = 0, interval: float = 0.2) -> None:
+        self.timeout, self.interval, self.rank = timeout, interval, rank
+        self._abort = abort
+        self.lost: Optional[threading.Event] = None
+        self.failed: Optional[Callable[[BaseException], None]] = None
+        self._works: collections.deque = collections.deque()
+        self._head_since: Optional[float] = None
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self.aborted = False
+
+    def track(self, what: str, names: str, work) -> None:
+        with self._lock:
+            self._works.append((what, names, work))
+        if self._thread is None:
+            self.start()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="hvps-nccl-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def abort(self) -> None:
+        if not self.aborted:
+            self.aborted = True
+            self._abort()
+
+    def check(self, now: float) -> Optional[HvpsError]:
+        """The error the NCCL work tracked so far amounts to at ``now``, if any (aborts on a lost rank)."""
+        if self.lost is not None and self.lost.is_set():
+            self.abort()
+            return None  # the engine has failed every handle already, naming the lost ranks
+        with self._lock:
+            while self._works:
+                what, names, work = self._works[0]
+                try:
+                    exc = work.exception()
+                    done = exc is None and work.is_completed()
+                except RuntimeError as err:  # is_completed raises the Work's error on some torch versions
+                    exc, done = err, False
+                if exc is not None:
+                    return HvpsError(f"hvps: NCCL {what} {names!r} failed on rank {self.rank}: {exc}")
+                if not done:
+                    break
+                self._works.popleft()
+                self._head_since = now
+            if not self._works:
+                self._head_since = None
+                return None
+            if self._head_since is None:
+                self._head_since = now
+            if now - self._head_since > self.timeout:
+                what, names, _ = self._works[0]
+                return HvpsError(
+                    f"hvps: NCCL {what} {names!r} did not finish on rank {self.rank} within {self.timeout:g} s of "
+                    "reaching the GPU (a rank died, a link is down, or ranks run different collectives; "
+                    "HVPS_STALL_CHECK_TIME_SECONDS sets the limit)")
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            error = self.check(time.monotonic())
+            if error is not None:
+                logging.getLogger("hvps").error("%s; aborting the NCCL communicators", error)
+                self.abort()
+                if self.failed is not None:
+                    self.failed(error)
+                return
+
+
 class TorchDistBackend(Backend):
     """Collectives on private torch.distributed process groups (gloo on CPU, NCCL on CUDA)."""
 
@@ -62,6 +184,12 @@ class TorchDistBackend(Backend):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.timeout = datetime.timedelta(seconds=max(1.0, settings.stall_check_seconds))
         self._groups: dict = {}
+        #: hvps's limit for a collective the GPU reached; torch's own, counted from enqueue, lies well past it
+        self.nccl_timeout = datetime.timedelta(seconds=max(TORCH_NCCL_TIMEOUT_MIN_SECONDS,
+                                                           settings.stall_check_seconds * TORCH_NCCL_TIMEOUT_FACTOR))
+        self.watch = NcclWatch(max(1.0, settings.stall_check_seconds), self._abort_nccl, self.rank)
+        #: the names of the collectives ``ordered`` runs now (NcclWatch's errors name them)
+        self._names = ""
         store = None
         if self.rank == 0:
             # Bound to HVPS_NETWORK_INTERFACE when set; torch's store has no authentication (SECURITY.md).
@@ -95,8 +223,9 @@ class TorchDistBackend(Backend):
             if not dist.is_nccl_available():
                 raise HvpsError("CUDA tensors on HVPS_BACKEND=tdist need NCCL, and this PyTorch has none")
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = self.timeout
-            return dist.ProcessGroupNCCL(prefix, self.rank, self.size, options)
+            options._timeout = self.nccl_timeout
+            with _TorchNcclSettings():
+                return dist.ProcessGroupNCCL(prefix, self.rank, self.size, options)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = self.timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.address)]
@@ -106,13 +235,31 @@ class TorchDistBackend(Backend):
         return device == "cpu" or (device == "cuda" and self.dist.is_nccl_available())
 
     def ordered(self, entries: list):
+        self._names = ", ".join(entry.request.name for entry in entries if entry is not None)
         return cuda_order(entries, host_sync=False)
+
+    def interrupt_on(self, event):
+        self.watch.lost = event
+
+    def report_failures_to(self, failed):
+        self.watch.failed = failed
+
+    def _abort_nccl(self) -> None:
+        group = self._groups.get("cuda")
+        if group is not None:
+            try:
+                group.abort()
+            except (AttributeError, RuntimeError):
+                pass
 
     # -- collectives ------------------------------------------------------------------
     def _run(self, what: str, tensor, start) -> None:
         """Run ``start(group)`` (which returns a Work) and wait for it, naming the failure."""
         try:
-            start(self._group(tensor.device.type)).wait()
+            work = start(self._group(tensor.device.type))
+            work.wait()  # on CUDA: the current (engine) stream waits for NCCL's, the host does not
+            if tensor.device.type == "cuda":
+                self.watch.track(what, self._names or what, work)
         except RuntimeError as exc:
             raise HvpsError(
                 f"torch.distributed {what} failed on rank {self.rank} (a rank died, a link is down, or nothing "
@@ -199,9 +346,12 @@ class TorchDistBackend(Backend):
 
     def subset(self, ranks):
         # the set's own store and process groups, bootstrapped over a sub-communicator
-        return TorchDistBackend(sub_communicator(self.comm, ranks), self.settings, owned=True)
+        subset = TorchDistBackend(sub_communicator(self.comm, ranks), self.settings, owned=True)
+        subset.watch.lost, subset.watch.failed = self.watch.lost, self.watch.failed
+        return subset
 
     def close(self, failed=False):
+        self.watch.stop()
         for group in self._groups.values():
             # a failed NCCL communicator is aborted, never destroyed: destroying it waits for peers that
             # are gone (torch's ProcessGroupNCCL.abort); gloo's pairs just close
