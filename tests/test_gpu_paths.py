@@ -94,12 +94,16 @@ class FakeCuda:
         monkeypatch.setattr(cuda, "is_initialized", lambda: True)
         monkeypatch.setattr(cuda, "device_count", lambda: 4)
         monkeypatch.setattr(cuda, "current_device", lambda: 0)
-        monkeypatch.setattr(cuda, "Stream", lambda device=None: FakeStream(self.log, device, "engine"))
+        monkeypatch.setattr(cuda, "Stream", self.stream)
         monkeypatch.setattr(cuda, "Event", lambda *a, **k: FakeEvent(self.log))
         monkeypatch.setattr(cuda, "current_stream", self.current_stream)
         monkeypatch.setattr(cuda, "device", lambda d: contextlib.nullcontext())
         monkeypatch.setattr(cuda, "stream", lambda s: contextlib.nullcontext())
         monkeypatch.setattr(device_order, "_streams", {})
+
+    def stream(self, device=None, priority=0):
+        self.log.append(("Stream", str(device), priority))
+        return FakeStream(self.log, device, "engine")
 
     def current_stream(self, device=None):
         device = torch.device("cuda", 0) if device is None else device  # torch: the current device, 0 here
@@ -136,6 +140,7 @@ def test_wait_orders_the_consumer_stream_of_the_tensors_device_not_cuda0(cuda):
     with device_order.cuda_order([entry], host_sync=False):
         cuda.log.append(("body",))
     assert ("wait_event", "engine", "cuda:1", ready.label) in cuda.log  # the engine waits for the producer
+    assert ("Stream", "cuda:1", -1) in cuda.log  # the engine's stream has the highest priority (finding 12)
     entry.handle.set_result(x)
     del cuda.log[:]
     assert entry.handle.wait() is x

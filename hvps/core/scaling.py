@@ -38,8 +38,8 @@ def scale(array: Any, factor: float) -> None:
             array[...] = (array.astype(np.float32) * np.float32(factor)).astype(array.dtype)
         else:
             np.multiply(array, array.dtype.type(factor), out=array)
-    elif array.dtype.is_floating_point and array.element_size() > 2:
-        array.mul_(factor)
+    elif array.dtype.is_floating_point and (array.element_size() > 2 or array.is_cuda):
+        array.mul_(factor)  # CUDA computes half types in float32 inside the kernel: no float32 temporary
     elif array.dtype.is_floating_point:
         array.copy_(array.float() * factor)
     elif str(array.dtype) == "torch.bool":
@@ -54,8 +54,8 @@ def divide(array: Any, divisor: int) -> None:
     if divisor == 1 or arrays.numel(array) == 0:
         return
     if not arrays.is_numpy(array):
-        if array.dtype.is_floating_point and array.element_size() > 2:
-            array.div_(divisor)
+        if array.dtype.is_floating_point and (array.element_size() > 2 or array.is_cuda):
+            array.div_(divisor)  # on CUDA half types divide in float32 inside the kernel
         elif array.dtype.is_floating_point:
             array.copy_(array.float() / divisor)
         else:

@@ -96,6 +96,12 @@ def _reduce_where_it_lives(ctx: Context, src, dst, op: ReduceOp, first: Request)
 def _reduce_packed(ctx: Context, ins: list, outs: list, op: ReduceOp, first: Request) -> None:
     """Reduce ``ins`` into ``outs`` as one flat array in the fusion buffer."""
     flat = ctx.fusion.like(ins[0], sum(arrays.numel(a) for a in ins))
+    if not arrays.is_numpy(flat):  # tensors: one launch to pack, one to unpack (not one per tensor)
+        torch = sys.modules["torch"]
+        torch.cat([a.reshape(-1) for a in ins], out=flat)
+        _reduce_where_it_lives(ctx, flat, flat, op, first)
+        torch._foreach_copy_([a.reshape(-1) for a in outs], list(flat.split([arrays.numel(a) for a in outs])))
+        return
     offset = 0
     for array in ins:
         n = arrays.numel(array)

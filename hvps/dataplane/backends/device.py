@@ -79,7 +79,8 @@ def engine_stream(device) -> Any:
     if stream is None:
         import torch
 
-        stream = _streams[device] = torch.cuda.Stream(device=device)
+        # the highest priority, as Horovod's: communication is not queued behind the backward's kernels
+        stream = _streams[device] = torch.cuda.Stream(device=device, priority=-1)
     return stream
 
 

@@ -331,6 +331,9 @@ class TorchDistBackend(Backend):
             return
         options, wire_recv = self._reduce_options(self.dist.ReduceScatterOptions(), recv, op)
         wire_send = send.view(wire_recv.dtype)
+        if len(set(counts)) == 1:  # equal blocks: the flat form, without the list form's copy into a flat buffer
+            self._run("reducescatter", recv, lambda group: group._reduce_scatter_base(wire_recv, wire_send, options))
+            return
         blocks = list(wire_send.split([int(c) for c in counts]))
         self._run("reducescatter", recv, lambda group: group.reduce_scatter([wire_recv], [blocks], options))
 
