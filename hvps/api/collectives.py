@@ -60,7 +60,7 @@ def _check_unnamed_thread(kind: str) -> None:
     with _unnamed_lock:
         owner = _unnamed["owner"]
         if owner is not me:
-            _unnamed["handles"] = [h for h in _unnamed["handles"] if not h.poll()]
+            _unnamed["handles"] = [h for h in _unnamed["handles"] if not h.finished]
             if owner is not None and owner.is_alive() and _unnamed["handles"]:
                 owner = owner.name
             else:
@@ -100,7 +100,7 @@ def _track_unnamed(handles: list) -> None:
     with _unnamed_lock:
         _unnamed["handles"].extend(h for h in handles if ".noname." in h.name)
         if len(_unnamed["handles"]) > 4096:  # forget finished ones now and then
-            _unnamed["handles"] = [h for h in _unnamed["handles"] if not h.poll()]
+            _unnamed["handles"] = [h for h in _unnamed["handles"] if not h.finished]
 
 
 def check_name(name: Any) -> Optional[str]:
