@@ -314,3 +314,29 @@ def test_nccl_works_are_watched_and_an_aborted_communicator_fails_with_an_hvps_e
         print("ok")
     """, check=False, HVPS_BACKEND="tdist", HVPS_STALL_CHECK_TIME_SECONDS="20")
     assert "ok" in out and "raised:" in out and "after.abort" in out
+
+
+def test_staged_gradients_are_copied_asynchronously_and_still_reduce_exactly():
+    # HVPS_BACKEND=mpi: without a CUDA-aware MPI each gradient is staged through pinned memory by an
+    # asynchronous copy that the engine waits for (autograd's thread does not)
+    out = _run("""
+        hvd.init()
+        torch.cuda.set_device(0)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(10)]).cuda()
+        reference = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(10)]).cuda()
+        reference.load_state_dict(model.state_dict())
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(64, 128, device="cuda")
+            for net, optimizer in ((model, opt), (reference, ref_opt)):
+                optimizer.zero_grad()
+                net(x).square().mean().backward()
+                optimizer.step()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q)
+        print("ok")
+    """, HVPS_BACKEND="mpi")
+    assert "ok" in out

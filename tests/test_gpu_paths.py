@@ -395,3 +395,13 @@ def test_torch_nccl_watchdog_settings_are_hvps_own_and_the_users_win(monkeypatch
     with tdist._TorchNcclSettings():
         assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+# -- finding 6: staged CUDA gradients are copied asynchronously; the engine, not autograd, waits ----------
+def test_the_engine_waits_for_asynchronous_staging_copies_before_it_reads_them(cuda):
+    from hvps.control.negotiation import BARRIER
+
+    copied = cuda.event()
+    entry = Entry(Request("s", BARRIER), [], [], handle=Handle("s"), host_ready=(copied,))
+    assert executors.EXECUTORS[BARRIER](Context(None, 0, 1), Response(BARRIER, ["s"]), [entry]) == [None]
+    assert ("event.synchronize", copied.label) in cuda.log

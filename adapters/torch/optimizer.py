@@ -186,7 +186,7 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
         else:
             plan = self._plan
             handle = allreduce_gradients_async(install.views, install.dtype, name, plan.op, plan.prescale,
-                                               plan.postscale, self.process_set).finish_with(install)
+                                               plan.postscale, self.process_set, install.ready).finish_with(install)
         if group is None:
             self._handles[p] = handle
             return
@@ -338,7 +338,7 @@ class _Install:
     every member's gradient.
     """
 
-    __slots__ = ("members", "grads", "payloads", "ctxs", "buffers", "views", "dtype", "pipeline", "after")
+    __slots__ = ("members", "grads", "payloads", "ctxs", "buffers", "views", "dtype", "pipeline", "after", "ready")
 
     def __init__(self, opt: DistributedOptimizer, members: tuple) -> None:
         self.members = members
@@ -347,13 +347,16 @@ class _Install:
         before = opt._plan.before
         self.after = opt._plan.after
         grads, payloads, ctxs, views, buffers, kinds = [], [], [], [], [], set()
+        #: CUDA gradients staged to the host (non-CUDA-aware planes) are copied asynchronously; the engine
+        #: waits for these events, autograd's thread does not (issue 43, finding 6)
+        self.ready: list = []
         for p in members:
             grad = opt._prepare_grad(p)
             grads.append(grad)
             if grad.is_sparse or not opt._summable:
                 continue
             payload, ctx = summable.compress_tensor(pipeline, grad if before == 1.0 else OPS.scale(grad, before), OPS)
-            view, buffer, dtype = core_view(payload)
+            view, buffer, dtype = core_view(payload, self.ready)
             payloads.append(payload)
             ctxs.append(ctx)
             views.append(view)
@@ -375,7 +378,7 @@ class _Install:
             if staged:  # the core reduced the view in place: staged copies go back first
                 buffer = self.buffers[i]
                 if buffer.data_ptr() != payload.data_ptr() or buffer.device != payload.device:
-                    payload.copy_(buffer)
+                    payload.copy_(buffer, non_blocking=True)  # from pinned memory: the host does not wait
             grad = summable.decompress_tensor(self.pipeline, payload, self.ctxs[i], OPS)
             _install(member, grad if self.after == 1.0 else OPS.scale(grad, self.after))
 

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -73,13 +73,24 @@ def takes_tensor(tensor: torch.Tensor) -> bool:
     return runtime.engine().backend.takes(tensor.device.type, dtype_name(tensor))
 
 
-def host_buffer(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor with ``tensor``'s values: itself when it already is one, else pinned memory."""
+def host_buffer(tensor: torch.Tensor, ready: Optional[list] = None) -> torch.Tensor:
+    """A contiguous CPU tensor with ``tensor``'s values: itself when it already is one, else pinned memory.
+
+    With ``ready`` (a list), a CUDA tensor's copy is asynchronous: the event after which the pinned copy
+    holds the values is appended to ``ready``, and whoever reads the copy on the host must synchronize
+    with it first (the engine does, for ``Entry.host_ready``). Without, the copy blocks this thread.
+    """
     if tensor.device.type == "cpu":
         return tensor.detach().contiguous()
     _warn_staging(tensor)
     staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
-    staged.copy_(tensor.detach())  # waits for the copy: the engine reads it from the host
+    if ready is None:
+        staged.copy_(tensor.detach())  # waits for the copy: the engine reads it from the host
+        return staged
+    staged.copy_(tensor.detach(), non_blocking=True)  # queued behind the producer on its stream
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    ready.append(event)
     return staged
 
 
@@ -89,13 +100,14 @@ def core_buffer(tensor: torch.Tensor) -> tuple:
     return array, buffer
 
 
-def core_view(tensor: torch.Tensor) -> tuple:
-    """``(array, buffer, dtype name)``: :func:`core_buffer` and hvps's name for the dtype, checked once."""
+def core_view(tensor: torch.Tensor, ready: Optional[list] = None) -> tuple:
+    """``(array, buffer, dtype name)``: :func:`core_buffer` and hvps's name for the dtype, checked once
+    (``ready``: stage asynchronously, as :func:`host_buffer`)."""
     name = dtype_name(tensor)
     if runtime.engine().backend.takes(tensor.device.type, name):
         buffer = tensor if tensor.is_contiguous() and not tensor.requires_grad else tensor.detach().contiguous()
         return buffer, buffer, name
-    buffer = host_buffer(tensor)
+    buffer = host_buffer(tensor, ready)
     return as_array(buffer), buffer, name
 
 

@@ -35,6 +35,9 @@ class Entry:
     grouped: bool = False
     #: CUDA inputs: an event on the submitting stream after which they are ready
     ready_event: Any = None
+    #: host inputs staged from CUDA memory by an asynchronous copy: events the engine synchronizes with
+    #: before it reads them (the submitting thread, autograd's, never waits for the copy)
+    host_ready: tuple = ()
 
 
 class Context:
@@ -237,11 +240,24 @@ def run_barrier(ctx: Context, response, entries: list) -> list:
     return [None for _ in entries]
 
 
-EXECUTORS = {
+def _after_staging(run):
+    """``run``, once every entry's asynchronous staging copies (``Entry.host_ready``) have landed."""
+    def staged(ctx: Context, response, entries: list) -> list:
+        for entry in entries:
+            if entry is not None:
+                for event in entry.host_ready:
+                    event.synchronize()
+        return run(ctx, response, entries)
+
+    staged.__name__ = run.__name__
+    return staged
+
+
+EXECUTORS = {kind: _after_staging(run) for kind, run in {
     ALLREDUCE: run_allreduce,
     ALLGATHER: run_allgather,
     BROADCAST: run_broadcast,
     ALLTOALL: run_alltoall,
     REDUCESCATTER: run_reducescatter,
     BARRIER: run_barrier,
-}
+}.items()}
