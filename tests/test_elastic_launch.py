@@ -219,6 +219,21 @@ def test_blacklisted_host_resurrected(tmp_path):
     assert last[1][3] == "localhost" and last[1][4] == 3, "localhost is back, after 127.0.0.1, in rendezvous 3"
 
 
+@pytest.mark.parametrize("point", ["backward", "between", "step"])
+def test_a_rank_dies_with_gradients_in_flight(tmp_path, point):
+    """A rank dies in the middle of a step, twice: at 3 ranks (epoch 1, SIGKILL) and at 2 (epoch 2,
+    os._exit). The survivors meet the failure at ``point`` of their own step, with gradients in flight
+    (inside backward, between backward and step(), inside step()); the restore leaves their
+    DistributedOptimizer ready, and the run finishes bit-exact, each step applied once."""
+    schedule = {"1": {"fail": [1], "at": point, "size": 3, "how": "kill"},
+                "2": {"fail": [1], "at": point, "size": 2, "how": "exit"}}
+    job = Job(tmp_path, THREE_HOSTS, schedule, ["-np", "3", "--min-np", "1"])
+    job.assert_exact()
+    assert job.sizes() == [3, 2, 1, 1], job.output()
+    assert job.stderr.count("a collective failed") == 3, job.output()  # 2 survivors, then 1: each recovers once
+    assert "gradients are still being reduced" not in job.stderr, job.output()
+
+
 # -- Horovod's reported bugs --------------------------------------------------------------------------
 
 def test_graceful_leave_below_min_np_then_a_host_comes(tmp_path):
