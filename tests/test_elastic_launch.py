@@ -9,6 +9,7 @@ changed); the per-epoch log lines show the sizes and rendezvous counts. Then the
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -37,6 +38,13 @@ def _env(**extra) -> dict:
     env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", HVPS_STALL_CHECK_TIME_SECONDS="30")
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(epochs: int) -> list:
+    """The uninterrupted one-process run's final parameters (computed once per session and epoch count)."""
+    return json.loads(subprocess.run([sys.executable, TRAIN, "reference"], capture_output=True, text=True,
+                                     check=True, env=_env(EPOCHS=epochs)).stdout)
 
 
 class Job:
@@ -120,9 +128,7 @@ class Job:
     def assert_exact(self, epochs: int = 4) -> None:
         assert self.rc == 0, self.output()
         final = json.loads((self.dir / "out" / "final.json").read_text())
-        reference = json.loads(subprocess.run([sys.executable, TRAIN, "reference"], capture_output=True, text=True,
-                                              check=True, env=_env(EPOCHS=epochs)).stdout)
-        assert final == reference, f"final parameters differ from the uninterrupted run\n{self.output()}"
+        assert final == _reference(epochs), f"final parameters differ from the uninterrupted run\n{self.output()}"
         assert sorted(self.epochs()) == list(range(epochs)), self.output()
         for lines in self.epochs().values():  # each epoch logged once by every rank of its size
             assert [rank for rank, *_ in lines] == list(range(lines[0][1])), self.output()

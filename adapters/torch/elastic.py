@@ -21,6 +21,7 @@ import torch
 import torch.utils.data
 
 import hvps
+from hvps.adapters.common.controls import compression_of
 from hvps.elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, State, notify_hosts_updated, run_fn
 from hvps.elastic import reset as _reset
 from hvps.elastic.state import SavedValue
@@ -207,23 +208,18 @@ class OptimizerStateHandler(_StateDictHandler):
 
     def save(self) -> None:
         super().save()
-        compression = _compression_of(self.value)
+        compression = compression_of(self.value)
         self._saved_compression = None if compression is None else copy.deepcopy(compression.state_dict())
 
     def restore(self) -> None:
         super().restore()
-        compression = _compression_of(self.value)
+        compression = compression_of(self.value)
         if compression is not None and self._saved_compression is not None:
             compression.load_state_dict(copy.deepcopy(self._saved_compression))
 
     def sync(self) -> None:
         broadcast_optimizer_state(self.value, root_rank=0)
 
-
-def _compression_of(optimizer: torch.optim.Optimizer) -> Any:
-    """The error-feedback holder of a ``hvd.DistributedOptimizer`` (its compression), else None."""
-    compression = getattr(optimizer, "compression", None)
-    return compression if callable(getattr(compression, "state_dict", None)) else None
 
 
 class LRSchedulerStateHandler(_StateDictHandler):
