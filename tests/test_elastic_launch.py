@@ -29,6 +29,7 @@ from hvps.runner.settings import parse_args
 
 TRAIN = str(REPO_ROOT / "tests" / "inner_jobs" / "elastic_train.py")
 KERAS_FIT = str(REPO_ROOT / "tests" / "inner_jobs" / "elastic_keras_fit.py")
+KERAS_TRAIN = str(REPO_ROOT / "tests" / "inner_jobs" / "elastic_keras_train.py")
 HOST = socket.gethostname()
 THREE_HOSTS = f"localhost:1\n127.0.0.1:1\n{HOST}:1"
 
@@ -288,6 +289,26 @@ def test_keras_fit_with_a_rank_killed_midway_reaches_the_static_accuracy(tmp_pat
     assert static["sizes"] == [3] and killed["sizes"] == [3, 2], (static, killed)
     assert static["accuracy"] >= 0.9, static
     assert killed["accuracy"] >= static["accuracy"] - 0.03, (static, killed)
+
+
+def test_keras_loop_with_a_rank_killed_inside_a_step_is_bit_exact(tmp_path):
+    """A Keras custom loop (a tf.function step, the Keras DistributedOptimizer, TensorFlowKerasState) at
+    2 ranks (TensorFlow's import is what costs here): rank 1 dies inside the step; the survivor's
+    apply has both gradient buckets in flight and fails on the first. The restore leaves no bucket of
+    the interrupted step registered, and the final weights are bit-exact the uninterrupted run's."""
+    pytest.importorskip("tensorflow", reason="the tensorflow extra is not installed")
+    job = Job(tmp_path, "localhost:1\n127.0.0.1:1", flags=["-np", "2", "--min-np", "1"], script=KERAS_TRAIN,
+              timeout=240, VICTIM=1, KILL_AT=1, KILL_SIZE=2, HVPS_TF_BUCKET_BYTES=0, TF_CPP_MIN_LOG_LEVEL=2)
+    assert job.rc == 0, job.output()
+    final = json.loads((job.dir / "out" / "final.json").read_text())
+    reference = json.loads(subprocess.run([sys.executable, KERAS_TRAIN, "reference"], capture_output=True,
+                                          text=True, check=True, env=_env()).stdout)
+    assert final == reference, f"final weights differ from the uninterrupted run\n{job.output()}"
+    assert job.sizes() == [2, 1, 1, 1], job.output()
+    assert job.stderr.count("a collective failed") == 1, job.output()  # the survivor recovers once
+    (restored,) = [json.loads(line.split(">:", 1)[1]) for line in job.stdout.splitlines()
+                   if '"restored"' in line]
+    assert restored == {"restored": 0, "buckets_before": 1, "buckets_after": 0}, job.output()
 
 
 # -- bad input ------------------------------------------------------------------------------------------
