@@ -10,6 +10,7 @@ changed); the per-epoch log lines show the sizes and rendezvous counts. Then the
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import socket
@@ -41,11 +42,19 @@ def _env(**extra) -> dict:
     return env
 
 
+def _inner_job(path: str):
+    """An inner job's module, loaded here (its ``reference()``: the uninterrupted run, in this process)."""
+    spec = importlib.util.spec_from_file_location(f"inner_{os.path.basename(path)[:-3]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @functools.lru_cache(maxsize=None)
 def _reference(epochs: int) -> list:
-    """The uninterrupted one-process run's final parameters (computed once per session and epoch count)."""
-    return json.loads(subprocess.run([sys.executable, TRAIN, "reference"], capture_output=True, text=True,
-                                     check=True, env=_env(EPOCHS=epochs)).stdout)
+    """The uninterrupted one-process run's final parameters (once per session and epoch count), as JSON
+    has them."""
+    return json.loads(json.dumps(_inner_job(TRAIN).reference(epochs)))
 
 
 class Job:
@@ -301,8 +310,7 @@ def test_keras_loop_with_a_rank_killed_inside_a_step_is_bit_exact(tmp_path):
               timeout=240, VICTIM=1, KILL_AT=1, KILL_SIZE=2, HVPS_TF_BUCKET_BYTES=0, TF_CPP_MIN_LOG_LEVEL=2)
     assert job.rc == 0, job.output()
     final = json.loads((job.dir / "out" / "final.json").read_text())
-    reference = json.loads(subprocess.run([sys.executable, KERAS_TRAIN, "reference"], capture_output=True,
-                                          text=True, check=True, env=_env()).stdout)
+    reference = json.loads(json.dumps(_inner_job(KERAS_TRAIN).reference()))
     assert final == reference, f"final weights differ from the uninterrupted run\n{job.output()}"
     assert job.sizes() == [2, 1, 1, 1], job.output()
     assert job.stderr.count("a collective failed") == 1, job.output()  # the survivor recovers once
