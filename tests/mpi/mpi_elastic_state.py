@@ -302,20 +302,23 @@ def test_sampler_splits_what_is_left_over_the_ranks():
     assert sampler.processed_indices == processed
 
 
+@pytest.mark.parametrize("options", ["topk", "one_group"])
 @pytest.mark.parametrize("point", ["backward", "between", "synchronized"])
-def test_a_failure_mid_step_leaves_the_optimizer_ready_and_the_error_feedback_at_the_commit(monkeypatch, point):
+def test_a_failure_mid_step_leaves_the_optimizer_ready_and_the_error_feedback_at_the_commit(monkeypatch, point,
+                                                                                          options):
     """A collective fails in the middle of a step (inside backward, after it, or after synchronize()
-    and before step()), with top-k error feedback and backward_passes_per_step=2: the restore forgets
-    the step (handles, countdowns, the synchronized flag) and puts the residuals back to the commit's,
-    so the step run again is bit-exact the uninterrupted run's."""
+    and before step()), with backward_passes_per_step=2 and top-k error feedback, or all gradients in
+    one group (inside backward the group is then half ready): the restore forgets the step (handles,
+    countdowns, the partial group, the synchronized flag) and puts the residuals back to the
+    commit's, so the step run again is bit-exact the uninterrupted run's."""
     monkeypatch.setenv("HVPS_ELASTIC", "1")
-
     def build():
+        extra = {"compression": hvd.Compression.topk(0.5)} if options == "topk" else {"groups": 1}  # fresh memory
         _seed("midstep", 0)  # the same start on every rank
         model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
         optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
-                                             named_parameters=model.named_parameters(),
-                                             compression=hvd.Compression.topk(0.5), backward_passes_per_step=2)
+                                             named_parameters=model.named_parameters(), backward_passes_per_step=2,
+                                             **extra)
         return model, optimizer
 
     def backward(model, key, hook=None):
