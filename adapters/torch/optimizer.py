@@ -306,8 +306,8 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
         of gradients in flight (not waited for: after an elastic reset they belong to a shut-down
         engine, which has failed them), every ``backward_passes_per_step`` countdown (full again),
         groups partly ready, gradients densified this step and the "already synchronized" flag (the
-        next ``step()`` synchronizes). When a step was in progress its gradients are dropped too
-        (``p.grad = None``): some were averaged in place and others not, so none is worth keeping.
+        next ``step()`` synchronizes). The gradients themselves stay, as in Horovod (some may be
+        averaged already, others not): ``zero_grad()``, which a step starts with, clears them.
         ``skip_synchronize()``'s flag is its context manager's to restore, and the compression's
         error feedback is state that ``hvd.elastic.TorchState`` commits and restores with the
         optimizer. ``load_state_dict`` calls this (as Horovod's does), so an elastic ``restore()``
@@ -317,7 +317,6 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
         healthy engine keep their names in use until they finish.
         """
         full = self.backward_passes_per_step
-        in_progress = bool(self._handles) or self._synchronized or any(d != full for d in self._delay.values())
         for handle in self._handles.values():  # claim the finished ones: their names are free again
             if handle is not None and handle.poll():
                 try:
@@ -330,9 +329,6 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
         for p in self._delay:
             self._delay[p] = full
         self._synchronized = False
-        if in_progress:
-            for p in self._params():
-                p.grad = None
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load into the wrapped optimizer and share its new groups and state again; the step in
