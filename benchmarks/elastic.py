@@ -9,7 +9,9 @@ own jobs; every worker prints JSON event lines with wall-clock times, which the 
   for ``--rounds``; the median step time of each (after warm-up) and their ratio (target elastic
   throughput >= 0.97x static), and ``commit()``'s own cost (the state copy of ResNet-50's model and
   optimizer);
-- ``recovery``: 3 ranks on 3 host names; rank 2 kills itself (SIGKILL) at a step; from the kill to
+- ``recovery``: 3 ranks on 3 host names; rank 2 kills itself (SIGKILL) at a step (``--kill-point``: at
+  its start, inside its backward, or between backward and ``step()``: the survivors then restore
+  with gradients in flight, as when Horovod's elastic example loses a worker); from the kill to
   the survivors' first completed step (target <= 5 s), split into detection (the survivors' failed
   collective), rendezvous (until hvpsrun published the next membership), re-initialization (until
   the reset callbacks ran), ``sync()`` (until the training function was re-entered) and the first
@@ -44,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import median, write_json  # noqa: E402
 
 EXPERIMENTS = ("steps", "recovery", "growth", "planes")
+KILL_POINTS = ("start", "backward", "between")
 TARGETS = {"step_ratio": 0.97, "recovery_s": 5.0, "growth_s": 10.0, "gloo_vs_mpi_step": 1.05}
 HVPSRUN = [sys.executable, "-m", "hvps.runner.launch"]
 
@@ -58,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--image-size", type=int, default=128)
     p.add_argument("--event-step", type=int, default=4, help="the step at which the kill or the new host happens")
+    p.add_argument("--kill-point", choices=KILL_POINTS, default="start",
+                   help="where in its step the victim dies in 'recovery' (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per job (default: %(default)s)")
     p.add_argument("--json", default="", help="write the results as JSON to this path")
     return p.parse_args(argv)
@@ -97,10 +102,19 @@ def run_worker(args: argparse.Namespace) -> None:
     victim = int(os.environ.get("VICTIM", "-1"))
     grow = os.environ.get("GROW_HOSTS")
 
-    def step(number: int) -> None:
+    def die() -> None:
+        _event("kill", rank=hvd.rank())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def step(number: int, kill_at: str = "") -> None:
         start = time.time()
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(data), target).backward()
+        out = model(data)
+        if kill_at == "backward":  # as the first gradients' allreduces start
+            out.register_hook(lambda grad: die())
+        torch.nn.functional.cross_entropy(out, target).backward()
+        if kill_at == "between":
+            die()
         optimizer.step()
         _event("step", rank=hvd.rank(), size=hvd.size(), step=number, seconds=time.time() - start)
 
@@ -116,13 +130,13 @@ def run_worker(args: argparse.Namespace) -> None:
     def train(state):
         _event("entered", rank=hvd.rank(), size=hvd.size())
         while state.step < args.steps:
-            if state.step == args.event_step and hvd.rank() == victim and hvd.size() == 3:
-                _event("kill", rank=hvd.rank())
-                os.kill(os.getpid(), signal.SIGKILL)
+            doomed = state.step == args.event_step and hvd.rank() == victim and hvd.size() == 3
+            if doomed and args.kill_point == "start":
+                die()
             if state.step == args.event_step and grow and hvd.rank() == 0 and hvd.size() == 2:
                 Path(os.environ["HOSTS_FILE"]).write_text(grow)
                 _event("host_listed")
-            step(state.step)
+            step(state.step, args.kill_point if doomed else "")
             state.step += 1
             if state.step % args.commit_every == 0 or (grow and hvd.size() == 2 and state.step > args.event_step):
                 start = time.time()
@@ -137,7 +151,8 @@ def _job(args: argparse.Namespace, flags: list, worker: str, env: dict | None = 
     """Run one job; its events (with the driver's own log lines timed on arrival) and stderr."""
     cmd = HVPSRUN + flags + [sys.executable, __file__, "--worker", worker, "--steps", str(args.steps),
                              "--commit-every", str(args.commit_every), "--batch-size", str(args.batch_size),
-                             "--image-size", str(args.image_size), "--event-step", str(args.event_step)]
+                             "--image-size", str(args.image_size), "--event-step", str(args.event_step),
+                             "--kill-point", args.kill_point]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     events, errors = [], []

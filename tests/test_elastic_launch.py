@@ -9,6 +9,8 @@ changed); the per-epoch log lines show the sizes and rendezvous counts. Then the
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
 import socket
@@ -28,6 +30,7 @@ from hvps.runner.settings import parse_args
 
 TRAIN = str(REPO_ROOT / "tests" / "inner_jobs" / "elastic_train.py")
 KERAS_FIT = str(REPO_ROOT / "tests" / "inner_jobs" / "elastic_keras_fit.py")
+KERAS_TRAIN = str(REPO_ROOT / "tests" / "inner_jobs" / "elastic_keras_train.py")
 HOST = socket.gethostname()
 THREE_HOSTS = f"localhost:1\n127.0.0.1:1\n{HOST}:1"
 
@@ -37,6 +40,21 @@ def _env(**extra) -> dict:
     env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", HVPS_STALL_CHECK_TIME_SECONDS="30")
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def _inner_job(path: str):
+    """An inner job's module, loaded here (its ``reference()``: the uninterrupted run, in this process)."""
+    spec = importlib.util.spec_from_file_location(f"inner_{os.path.basename(path)[:-3]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(epochs: int) -> list:
+    """The uninterrupted one-process run's final parameters (once per session and epoch count), as JSON
+    has them."""
+    return json.loads(json.dumps(_inner_job(TRAIN).reference(epochs)))
 
 
 class Job:
@@ -120,9 +138,7 @@ class Job:
     def assert_exact(self, epochs: int = 4) -> None:
         assert self.rc == 0, self.output()
         final = json.loads((self.dir / "out" / "final.json").read_text())
-        reference = json.loads(subprocess.run([sys.executable, TRAIN, "reference"], capture_output=True, text=True,
-                                              check=True, env=_env(EPOCHS=epochs)).stdout)
-        assert final == reference, f"final parameters differ from the uninterrupted run\n{self.output()}"
+        assert final == _reference(epochs), f"final parameters differ from the uninterrupted run\n{self.output()}"
         assert sorted(self.epochs()) == list(range(epochs)), self.output()
         for lines in self.epochs().values():  # each epoch logged once by every rank of its size
             assert [rank for rank, *_ in lines] == list(range(lines[0][1])), self.output()
@@ -219,6 +235,21 @@ def test_blacklisted_host_resurrected(tmp_path):
     assert last[1][3] == "localhost" and last[1][4] == 3, "localhost is back, after 127.0.0.1, in rendezvous 3"
 
 
+@pytest.mark.parametrize("point", ["backward", "between", "step"])
+def test_a_rank_dies_with_gradients_in_flight(tmp_path, point):
+    """A rank dies in the middle of a step, twice: at 3 ranks (epoch 1, SIGKILL) and at 2 (epoch 2,
+    os._exit). The survivors meet the failure at ``point`` of their own step, with gradients in flight
+    (inside backward, between backward and step(), inside step()); the restore leaves their
+    DistributedOptimizer ready, and the run finishes bit-exact, each step applied once."""
+    schedule = {"1": {"fail": [1], "at": point, "size": 3, "how": "kill"},
+                "2": {"fail": [1], "at": point, "size": 2, "how": "exit"}}
+    job = Job(tmp_path, THREE_HOSTS, schedule, ["-np", "3", "--min-np", "1"])
+    job.assert_exact()
+    assert job.sizes() == [3, 2, 1, 1], job.output()
+    assert job.stderr.count("a collective failed") == 3, job.output()  # 2 survivors, then 1: each recovers once
+    assert "gradients are still being reduced" not in job.stderr, job.output()
+
+
 # -- Horovod's reported bugs --------------------------------------------------------------------------
 
 def test_graceful_leave_below_min_np_then_a_host_comes(tmp_path):
@@ -267,6 +298,25 @@ def test_keras_fit_with_a_rank_killed_midway_reaches_the_static_accuracy(tmp_pat
     assert static["sizes"] == [3] and killed["sizes"] == [3, 2], (static, killed)
     assert static["accuracy"] >= 0.9, static
     assert killed["accuracy"] >= static["accuracy"] - 0.03, (static, killed)
+
+
+def test_keras_loop_with_a_rank_killed_inside_a_step_is_bit_exact(tmp_path):
+    """A Keras custom loop (a tf.function step, the Keras DistributedOptimizer, TensorFlowKerasState) at
+    2 ranks (TensorFlow's import is what costs here): rank 1 dies inside the step; the survivor's
+    apply has both gradient buckets in flight and fails on the first. The restore leaves no bucket of
+    the interrupted step registered, and the final weights are bit-exact the uninterrupted run's."""
+    pytest.importorskip("tensorflow", reason="the tensorflow extra is not installed")
+    job = Job(tmp_path, "localhost:1\n127.0.0.1:1", flags=["-np", "2", "--min-np", "1"], script=KERAS_TRAIN,
+              timeout=240, VICTIM=1, KILL_AT=1, KILL_SIZE=2, HVPS_TF_BUCKET_BYTES=0, TF_CPP_MIN_LOG_LEVEL=2)
+    assert job.rc == 0, job.output()
+    final = json.loads((job.dir / "out" / "final.json").read_text())
+    reference = json.loads(json.dumps(_inner_job(KERAS_TRAIN).reference()))
+    assert final == reference, f"final weights differ from the uninterrupted run\n{job.output()}"
+    assert job.sizes() == [2, 1, 1, 1], job.output()
+    assert job.stderr.count("a collective failed") == 1, job.output()  # the survivor recovers once
+    (restored,) = [json.loads(line.split(">:", 1)[1]) for line in job.stdout.splitlines()
+                   if '"restored"' in line]
+    assert restored == {"restored": 0, "buckets_before": 1, "buckets_after": 0}, job.output()
 
 
 # -- bad input ------------------------------------------------------------------------------------------

@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 from hvps.compression import GradientCompression
+
+
+def compression_of(optimizer: Any) -> Optional[GradientCompression]:
+    """The compression of a gradient wrapper (a ``hvd.DistributedOptimizer``), which holds its error
+    feedback, else None: what an elastic state commits and restores beside the optimizer's state.
+
+    Args:
+        optimizer: any optimizer.
+
+    Returns:
+        Its ``compression`` when that has ``state_dict()``, else None.
+    """
+    compression = getattr(optimizer, "compression", None)
+    return compression if callable(getattr(compression, "state_dict", None)) else None
 
 
 class CompressionControls:

@@ -12,6 +12,7 @@ sessions). What works without an elastic launcher is in the README's "Elastic tr
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any, Callable, Iterable, Optional
 
@@ -19,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvps import HvpsError
+from hvps.adapters.common.controls import compression_of
 from hvps.elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, State, notify_hosts_updated, run_fn
 from hvps.elastic import reset as _reset
 
@@ -93,6 +95,7 @@ class TensorFlowState(ObjectState):
         super().sync()
 
 
+
 def _optimizer_variables(optimizer: Any) -> list:
     if optimizer is None:
         return []
@@ -127,12 +130,24 @@ class TensorFlowKerasState(ObjectState):
     def _save_model(self) -> None:
         self._saved_model_state = _host_copies(self.model.variables)
         self._saved_optimizer_state = _host_copies(_optimizer_variables(self.optimizer))
+        compression = compression_of(self.optimizer)
+        self._saved_compression = None if compression is None else copy.deepcopy(compression.state_dict())
 
     def _load_model(self) -> None:
+        """Put the commit back: a ``hvd.DistributedOptimizer`` first forgets the step the failure
+        interrupted (``reset_step()``); its compression's error feedback (the part of past gradients
+        not yet applied, so part of the commit, as the variables are; this rank's own, never synced)
+        returns to the commit's, so that a step that runs again does not count its gradient twice."""
+        reset_step = getattr(self.optimizer, "reset_step", None)
+        if callable(reset_step):
+            reset_step()
         _assign(self.model.variables, self._saved_model_state)
         optimizer_variables = _optimizer_variables(self.optimizer)
         if optimizer_variables or self._saved_optimizer_state:
             _assign(optimizer_variables, self._saved_optimizer_state)
+        compression = compression_of(self.optimizer)
+        if compression is not None and self._saved_compression is not None:
+            compression.load_state_dict(copy.deepcopy(self._saved_compression))
 
     def save(self) -> None:
         self._save_model()

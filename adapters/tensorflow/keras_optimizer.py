@@ -31,6 +31,7 @@ from hvps import global_process_set
 from hvps.adapters.common.controls import CompressionControls
 from hvps.compression.horovod import from_name
 
+from . import overlap
 from .compression import is_fusable
 from .gradients import allreduce_gradients, gradient_options, reduce_shared_gradients, variable_key, variable_name
 from .mpi_ops import Average, _check_process_set
@@ -167,6 +168,20 @@ class DistributedOptimizer(CompressionControls, keras.optimizers.Optimizer):
             self._pass_counter.assign(0)
 
         tf.cond(tf.equal(tf.convert_to_tensor(self._pass_counter), steps), communicate_and_apply, lambda: None)
+
+    # -- elastic ----------------------------------------------------------------------------------
+    def reset_step(self) -> None:
+        """Forget the step in progress, so that the next ``apply`` starts a fresh one.
+
+        The only state a step keeps outside variables is its gradient buckets in flight (started,
+        not finished: a failure came between); those whose collective has finished (an elastic
+        reset has failed them) are claimed and forgotten, any still running are waited for by the
+        next start under their name. The ``backward_passes_per_step`` accumulators and pass counter
+        are variables: ``hvd.elastic.KerasState`` commits and restores them with the optimizer's
+        other variables, as it does the compression's error feedback. ``KerasState.restore()``
+        calls this, so a restore leaves the optimizer ready wherever the failure interrupted a step.
+        """
+        overlap.forget_finished()
 
     # -- serialisation ----------------------------------------------------------------------------
     def get_config(self):

@@ -116,6 +116,17 @@ def _drain(token: int) -> None:
             pass
 
 
+def forget_finished() -> int:
+    """Claim and forget every bucket whose collective has finished (failed, after an elastic reset)
+    without its finish having run: its step was abandoned. Returns how many. A bucket still running
+    stays registered: the next start under its name waits for it, as after any abandoned step."""
+    with _lock:
+        done = [token for token, (_, handle, _) in _pending.items() if handle.poll()]
+    for token in done:
+        _drain(token)
+    return len(done)
+
+
 def _start(arrays: Sequence[np.ndarray], name: str, set_key: Any, op: ReduceOp, prescale: float,
            postscale: float, process_set: Any, labels: Sequence[str],
            observe: Optional[Callable[[Sequence[np.ndarray]], None]]) -> int:

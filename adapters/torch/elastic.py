@@ -21,6 +21,7 @@ import torch
 import torch.utils.data
 
 import hvps
+from hvps.adapters.common.controls import compression_of
 from hvps.elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, State, notify_hosts_updated, run_fn
 from hvps.elastic import reset as _reset
 from hvps.elastic.state import SavedValue
@@ -195,10 +196,30 @@ class ModelStateHandler(_StateDictHandler):
 
 
 class OptimizerStateHandler(_StateDictHandler):
-    """A ``torch.optim.Optimizer``: hyper-parameters and buffers broadcast from rank 0."""
+    """A ``torch.optim.Optimizer``: hyper-parameters and buffers broadcast from rank 0.
+
+    A ``hvd.DistributedOptimizer``'s restore goes through its ``load_state_dict``, which forgets the
+    step the failure interrupted (``reset_step()``: handles in flight, countdowns, partial gradients).
+    Its compression's error feedback (top-k, DGC, int8, PowerSGD) is saved and restored with it: the
+    residual is the part of past gradients not yet applied to the parameters, so it belongs to the
+    commit as the parameters do. Kept from an aborted step, it would count that step's gradient once
+    more when the step runs again. It is this rank's own, so ``sync()`` leaves it alone (a worker that
+    joins starts with none)."""
+
+    def save(self) -> None:
+        super().save()
+        compression = compression_of(self.value)
+        self._saved_compression = None if compression is None else copy.deepcopy(compression.state_dict())
+
+    def restore(self) -> None:
+        super().restore()
+        compression = compression_of(self.value)
+        if compression is not None and self._saved_compression is not None:
+            compression.load_state_dict(copy.deepcopy(self._saved_compression))
 
     def sync(self) -> None:
         broadcast_optimizer_state(self.value, root_rank=0)
+
 
 
 class LRSchedulerStateHandler(_StateDictHandler):

@@ -299,8 +299,41 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
         """The wrapped optimizer's ``state_dict()`` (torch's integer keys, nothing of the wrapper's)."""
         return self._inner.state_dict()
 
+    def reset_step(self) -> None:
+        """Forget the step in progress, so that the next ``backward()`` starts a fresh one.
+
+        What a step keeps between its first gradient hook and the end of ``step()`` goes: the handles
+        of gradients in flight (not waited for: after an elastic reset they belong to a shut-down
+        engine, which has failed them), every ``backward_passes_per_step`` countdown (full again),
+        groups partly ready, gradients densified this step and the "already synchronized" flag (the
+        next ``step()`` synchronizes). The gradients themselves stay, as in Horovod (some may be
+        averaged already, others not): ``zero_grad()``, which a step starts with, clears them.
+        ``skip_synchronize()``'s flag is its context manager's to restore, and the compression's
+        error feedback is state that ``hvd.elastic.TorchState`` commits and restores with the
+        optimizer. ``load_state_dict`` calls this (as Horovod's does), so an elastic ``restore()``
+        leaves the optimizer ready for the next step, wherever the failure interrupted the last one.
+
+        Call it between steps or after a failed collective: collectives that are still running on a
+        healthy engine keep their names in use until they finish.
+        """
+        full = self.backward_passes_per_step
+        for handle in self._handles.values():  # claim the finished ones: their names are free again
+            if handle is not None and handle.poll():
+                try:
+                    handle.wait()
+                except Exception:  # noqa: BLE001 - the failure that ended the step, reported where it happened
+                    pass
+        self._handles.clear()
+        self._group_ready.clear()
+        self._densified.clear()
+        for p in self._delay:
+            self._delay[p] = full
+        self._synchronized = False
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load into the wrapped optimizer and share its new groups and state again."""
+        """Load into the wrapped optimizer and share its new groups and state again; the step in
+        progress, if any, is forgotten (:meth:`reset_step`)."""
+        self.reset_step()
         self._inner.load_state_dict(state_dict)
         self.param_groups = self._inner.param_groups
         self.state = self._inner.state

@@ -14,6 +14,14 @@ answer; rank 0 then waits until hvpsrun's notice has arrived, so the change land
 ``raise`` (an exception out of the training function), ``stop`` (SIGSTOP), ``leave`` (status 0, Horovod issue 3852).
 An action happens once per job, or with ``"round": N`` whenever the epoch starts in rendezvous N
 (so that all of several ranks act, not only the first to get there).
+
+``"at": "backward" | "between" | "step"`` moves a failure into the step of the epoch's batch 1, with
+gradients in flight, whenever the job has ``"size"`` ranks: ranks ``fail`` die there (``how``) and the
+others meet the failure at that point of their own step: ``backward`` inside ``loss.backward()``
+(the bias's allreduce started, the weight's not yet: a collective the dead rank never joins fails in a
+tensor hook between the two), ``between`` after ``backward()`` and before ``step()`` (both in
+flight; the same failing collective), ``step`` inside ``optimizer.step()`` (the dead rank died in its
+backward before starting the weight's allreduce, which the others' ``step()`` then waits for).
 """
 
 import json
@@ -48,26 +56,60 @@ def make_model() -> torch.nn.Module:
     return model
 
 
-def step(model, optimizer, x: torch.Tensor) -> None:
+def step(model, optimizer, x: torch.Tensor, interrupt=None) -> None:
+    """One step; ``interrupt(point)`` is called at "backward", "between" and "step" (see the module)."""
     optimizer.zero_grad()
-    model(x).sum().backward()
+    out = x @ model.weight.t()  # model(x), split so that a hook runs between the bias's and the weight's gradient
+    if interrupt is not None:
+        out.register_hook(lambda grad: interrupt("backward"))
+    (out + model.bias).sum().backward()
+    if interrupt is not None:
+        interrupt("between")
     optimizer.step()
 
 
-def reference() -> list:
+def reference(epochs: int = EPOCHS) -> list:
     """The uninterrupted run on one process: every step on the whole global batch."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
-    for epoch in range(EPOCHS):
+    for epoch in range(epochs):
         for batch in range(BATCHES):
             step(model, optimizer, batch_data(epoch, batch))
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
+def interruption(schedule: dict, epoch: int, batch: int):
+    """The ``interrupt(point)`` of batch ``batch`` of ``epoch`` (None when none is scheduled)."""
+    what = schedule.get(str(epoch))
+    if not what or "at" not in what or batch != 1 or hvd.size() != what["size"]:
+        return None
+    victim = hvd.rank() in what["fail"]
+
+    def interrupt(point: str) -> None:
+        if victim and point == ("backward" if what["at"] == "step" else what["at"]):
+            die(what.get("how", "kill"), epoch)
+        if not victim and point == what["at"] != "step":  # a collective the dead ranks never join
+            hvd.allreduce(torch.zeros(1, dtype=torch.float64), name=f"probe.{epoch}")
+            raise AssertionError(f"the probe at {point} did not fail although ranks {what['fail']} died")
+
+    return interrupt
+
+
+def die(how: str, epoch: int) -> None:
+    print(json.dumps({"failing": hvd.rank(), "how": how, "epoch": epoch}), flush=True)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "stop":  # caught by the others' stall timeout; hvpsrun ends it
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if how == "raise":
+        raise RuntimeError(f"rank {hvd.rank()} fails on purpose at epoch {epoch}")
+    os._exit(0 if how == "leave" else 1)
+
+
 def act(schedule: dict, epoch: int, out_dir: str) -> None:
     what = schedule.get(str(epoch))
     marker = os.path.join(out_dir, f"done-{epoch}")
-    if not what or ("round" in what and what["round"] != elastic_session.round):
+    if not what or "at" in what or ("round" in what and what["round"] != elastic_session.round):
         return
     if "round" not in what and os.path.exists(marker):
         return
@@ -81,15 +123,7 @@ def act(schedule: dict, epoch: int, out_dir: str) -> None:
             time.sleep(0.05)
     if hvd.rank() in what.get("fail", []):
         open(marker, "w").close()
-        how = what.get("how", "exit")
-        print(json.dumps({"failing": hvd.rank(), "how": how, "epoch": epoch}), flush=True)
-        if how == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if how == "stop":  # caught by the others' stall timeout; hvpsrun ends it
-            os.kill(os.getpid(), signal.SIGSTOP)
-        if how == "raise":
-            raise RuntimeError(f"rank {hvd.rank()} fails on purpose at epoch {epoch}")
-        os._exit(0 if how == "leave" else 1)
+        die(what.get("how", "exit"), epoch)
 
 
 def main() -> None:
@@ -109,7 +143,7 @@ def main() -> None:
                 act(schedule, state.epoch, out_dir)
             while state.batch < BATCHES:
                 x = batch_data(state.epoch, state.batch)[hvd.rank()::hvd.size()]
-                step(model, optimizer, x)
+                step(model, optimizer, x, interruption(schedule, state.epoch, state.batch))
                 state.batch += 1
                 state.commit()
             print(json.dumps({"epoch": state.epoch, "rank": hvd.rank(), "size": hvd.size(), "start_rank": start_rank,

@@ -300,3 +300,65 @@ def test_sampler_splits_what_is_left_over_the_ranks():
     assert not set(left[rank]) & processed
     state.restore()  # the commit was before the sync: the sync saved the joined view
     assert sampler.processed_indices == processed
+
+
+@pytest.mark.parametrize("options", ["topk", "one_group"])
+@pytest.mark.parametrize("point", ["backward", "between", "synchronized"])
+def test_a_failure_mid_step_leaves_the_optimizer_ready_and_the_error_feedback_at_the_commit(monkeypatch, point,
+                                                                                          options):
+    """A collective fails in the middle of a step (inside backward, after it, or after synchronize()
+    and before step()), with backward_passes_per_step=2 and top-k error feedback, or all gradients in
+    one group (inside backward the group is then half ready): the restore forgets the step (handles,
+    countdowns, the partial group, the synchronized flag) and puts the residuals back to the
+    commit's, so the step run again is bit-exact the uninterrupted run's."""
+    monkeypatch.setenv("HVPS_ELASTIC", "1")
+    def build():
+        extra = {"compression": hvd.Compression.topk(0.5)} if options == "topk" else {"groups": 1}  # fresh memory
+        _seed("midstep", 0)  # the same start on every rank
+        model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                                             named_parameters=model.named_parameters(), backward_passes_per_step=2,
+                                             **extra)
+        return model, optimizer
+
+    def backward(model, key, hook=None):
+        _seed(key, hvps.rank())
+        hidden = model[0](torch.randn(4, 6))
+        if hook is not None:
+            hidden.register_hook(hook)
+        model[1](hidden).pow(2).sum().backward()
+
+    def step(model, optimizer, key):
+        optimizer.zero_grad()
+        backward(model, key + ".0")
+        backward(model, key + ".1")
+        optimizer.step()
+
+    model, optimizer = build()  # the uninterrupted run
+    for key in ("a", "b", "c"):
+        step(model, optimizer, key)
+    expected = _flat(model)
+
+    model, optimizer = build()
+    state = hvd.elastic.TorchState(model, optimizer, done=0)
+    tries = []
+
+    @hvd.elastic.run
+    def train(state):
+        tries.append(state.done)
+        for key in ("a", "b", "c")[state.done:]:
+            if key == "b" and len(tries) == 1:  # interrupted at `point`, once
+                optimizer.zero_grad()
+                backward(model, "b.0")
+                fail = (lambda grad: _fail_collective("elastic.mid_backward")) if point == "backward" else None
+                backward(model, "b.1", hook=fail)  # the second pass: the last layer's exchange starts
+                if point == "synchronized":
+                    optimizer.synchronize()
+                _fail_collective(f"elastic.mid_{point}")
+            step(model, optimizer, key)
+            state.done += 1
+            state.commit()
+        return _flat(model)
+
+    np.testing.assert_array_equal(train(state), expected)
+    assert tries == [0, 1]
