@@ -64,6 +64,8 @@ VARIABLES: dict[str, str] = {
     "HVPS_ELASTIC": "1: an elastic launcher started the job (hvd.elastic.run retries failures in place)",
     "HVPS_ELASTIC_WORKER": "this worker's slot (host:index) in hvpsrun's elastic mode (hvpsrun sets it)",
     "HVPS_ELASTIC_TIMEOUT": "seconds an elastic worker waits for its next membership (hvpsrun's --elastic-timeout)",
+    "HVPS_ELASTIC_RESETS_WITHOUT_COMMIT": "resets in a row without a completed commit after which hvd.elastic.run "
+                                          "gives up (default 8; hvpsrun's --resets-without-commit)",
     "HVPS_DOCTOR": "1: the Slurm GPU recipes run hvps doctor on every rank first",
 }
 

@@ -223,6 +223,11 @@ class ElasticSession:
         if self.store is not None:
             membership.report_failure(self.store, self.secret, self.round, self.worker, reason)
 
+    def give_up(self, reason: str) -> None:
+        """Tell hvpsrun that this worker's elastic loop gave up (the job then fails with ``reason``)."""
+        if self.store is not None:
+            membership.report_gave_up(self.store, self.secret, self.worker, reason)
+
     def pending_notice(self) -> Optional[tuple]:
         """Rank 0's view: ``(timestamp, kind)`` of a host change that a round after this one brings."""
         if self.store is None or self.rank != 0:
@@ -243,7 +248,7 @@ def _elastic_join(store: Any, secret: Optional[bytes], where: str) -> Bootstrap:
     timeout = float(env_text("HVPS_ELASTIC_TIMEOUT", "600") or 600)
     deadline = time.monotonic() + timeout
     while True:
-        number = membership.latest_round(store, secret)
+        number = membership.latest_round(store, secret, elastic_session.round)
         if number > elastic_session.round:
             break
         if time.monotonic() > deadline:
@@ -261,7 +266,7 @@ def _elastic_join(store: Any, secret: Optional[bytes], where: str) -> Bootstrap:
     os.environ.update(slot.environment())  # scripts read Horovod's variables
 
     def abandon() -> None:
-        newer = membership.latest_round(store, secret)
+        newer = membership.latest_round(store, secret, number)
         if newer > number:
             raise membership.MembershipChanged(f"{where}: membership {newer} replaced {number} while joining it")
 
