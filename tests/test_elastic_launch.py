@@ -226,6 +226,7 @@ def test_forged_notices_failure_reports_and_a_replayed_round_change_nothing(tmp_
     job.assert_exact()
     assert job.sizes() == [ranks] + [ranks - 1] * 3, job.output()
     assert {line[4] for lines in job.epochs().values() for line in lines} == {1, 2}, job.output()
+    assert "the job ran 2 membership(s)" in job.stderr, job.output()
     assert "Traceback" not in job.stderr, job.output()
     assert "ignored the value under 'elastic/" in job.stderr, job.output()
     assert job.stderr.count("does not carry the job's authentication") <= 3 * ranks, "rate-limited\n" + job.output()
