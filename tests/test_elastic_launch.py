@@ -356,6 +356,25 @@ def test_discovery_retries_then_fails(tmp_path):
         discovery.find()
 
 
+def test_a_discovery_script_printing_a_huge_line_is_a_clear_error(tmp_path):
+    """Issue 38: a 400 MB line made hvpsrun 4.8 GiB resident and ended in a raw traceback. Its output is now
+    bounded (1 MiB, then the script is ended) and so is a line ('host:slots')."""
+    import time
+
+    flood = tmp_path / "flood.sh"
+    flood.write_text("#!/bin/sh\nhead -c 400000000 /dev/zero | tr '\\0' a\n")
+    flood.chmod(0o755)
+    long_line = tmp_path / "long.sh"
+    long_line.write_text("#!/bin/sh\nprintf 'a%.0s' $(seq 1 5000); echo\n")
+    long_line.chmod(0o755)
+    began = time.monotonic()
+    with pytest.raises(DiscoveryError, match="printed more than 1048576 bytes"):
+        DiscoveryScript(str(flood)).find()
+    with pytest.raises(DiscoveryError, match="line 1 is 5000 characters long"):
+        DiscoveryScript(str(long_line)).find()
+    assert time.monotonic() - began < 10
+
+
 def test_blacklist_cooldown_doubles_up_to_max():
     now = [0.0]
     blacklist = Blacklist((10.0, 35.0), clock=lambda: now[0], rand=lambda: 0.5)  # no jitter at 0.5

@@ -201,7 +201,8 @@ def ssh_command(plan: Plan, host: str) -> list:
         cmd += ["-p", str(plan.ssh_port)]
     if plan.ssh_identity_file:
         cmd += ["-i", plan.ssh_identity_file]
-    return cmd + [host, remote]
+    hostlib.check_name(host, "ssh")
+    return cmd + ["--", host, remote]  # "--": a host name is never read as an option of ssh
 
 
 def ssh_input(env: Mapping[str, str]) -> bytes:
