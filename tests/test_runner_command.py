@@ -326,3 +326,19 @@ def test_ssh_gets_the_host_after_double_dash():
     assert cmd[-3:-1] == ["--", "node2"]
     with pytest.raises(LaunchError, match="starts with '-'"):
         gloo_run.ssh_command(plan, "-oProxyCommand=x")
+
+
+def test_every_hvpsrun_flag_the_docs_mention_is_accepted():
+    """Issue 38: the README told users to run ``hvpsrun --enable-recovery`` (Open MPI's flag), which hvpsrun
+    rejects; restarts are ``--max-restarts N``. Every ``hvpsrun ...`` example's flags must be hvpsrun's."""
+    import re
+    from pathlib import Path
+
+    known = {flag for action in build_parser()._actions for flag in action.option_strings}
+    root = Path(__file__).resolve().parent.parent
+    unknown = set()
+    for doc in ("README.md", "SECURITY.md"):
+        for example in re.findall(r"`hvpsrun ([^`]*)`", (root / doc).read_text()):
+            unknown |= {(doc, flag) for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", example)} - \
+                {(doc, flag) for flag in known}
+    assert not unknown, unknown
