@@ -197,7 +197,8 @@ def test_a_secret_file_that_is_not_a_regular_file_of_this_user_is_refused(tmp_pa
     link.symlink_to(good)
     monkeypatch.delenv("HVPS_SECRET", raising=False)
     began = time.monotonic()
-    for path, needle in ((fifo, "is not a regular file"), (link, "cannot be read"), (tmp_path / "none", "cannot be read")):
+    for path, needle in ((fifo, "is not a regular file"), (link, "cannot be read"),
+                         (tmp_path / "none", "cannot be read")):
         monkeypatch.setenv("HVPS_SECRET_FILE", str(path))
         with pytest.raises(HvpsError, match=needle):
             read_secret()

@@ -349,7 +349,8 @@ def _allreduce_async(values, op, name, prescale_factor, postscale_factor, outs, 
             label = base if len(by_kind) == 1 else f"{base}.{suffix}"
             label = label if len(groups) == 1 else f"{label}.{number}"
             request = Request(label, ALLREDUCE, dtype, tuple(tuple(inputs[i].shape) for i in group), op.value,
-                              prescale=_scale(prescale_factor, "prescale_factor"), postscale=_scale(postscale_factor, "postscale_factor"), device=device,
+                              prescale=_scale(prescale_factor, "prescale_factor"),
+                              postscale=_scale(postscale_factor, "postscale_factor"), device=device,
                               process_set=set_id)
             parts.append((request, [inputs[i] for i in group], [outputs[i] for i in group]))
             plan.append(group)
@@ -557,7 +558,8 @@ def reducescatter_async(array: Any, op: Any = Average, name: Optional[str] = Non
     set_id, _ = resolve(process_set)
     src = _scatter_source(array, op)
     request = Request(_name(REDUCESCATTER, name, set_id), REDUCESCATTER, op=op.value,
-                      prescale=_scale(prescale_factor, "prescale_factor"), postscale=_scale(postscale_factor, "postscale_factor"), **_describe(src, set_id))
+                      prescale=_scale(prescale_factor, "prescale_factor"),
+                      postscale=_scale(postscale_factor, "postscale_factor"), **_describe(src, set_id))
     return _submit_all([(request, [src], [])])[0]
 
 

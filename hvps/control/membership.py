@@ -12,9 +12,10 @@ Every change of membership (a worker failed or left, hosts were added or removed
 
 Workers write two kinds of key: ``elastic/failed/N/<worker id>`` (its reason), when a collective of
 round N failed and the worker waits for the next round; ``elastic/gave_up/<worker id>`` (its reason),
-when its loop reset too often without a completed commit, and the job must fail. When no worker exited, the driver then
-starts the next round itself: with the same members when all of them reported (an error every rank
-saw), else without those that did not (stopped or hung: they are ended).
+when its loop reset too often without a completed commit, and the job must fail. When no worker
+exited after a failure report, the driver then starts the next round itself: with the same members
+when all of them reported (an error every rank saw), else without those that did not (stopped or
+hung: they are ended).
 
 A worker joins the newest round above the one it last joined; its ranks exchange their start-up
 values under the round's own key prefix, so nothing of an earlier round is ever read.

@@ -67,7 +67,8 @@ def seal(secret: Optional[bytes], key: str, obj: Any) -> bytes:
 
 
 def verify(secret: Optional[bytes], key: str, raw: bytes) -> tuple:
-    """``(True, value)`` when ``raw`` is what :func:`seal` wrote under ``key`` with ``secret``, else ``(False, None)``."""
+    """``(True, value)`` when ``raw`` is what :func:`seal` wrote under ``key`` with ``secret``, else
+    ``(False, None)``."""
     raw = bytes(raw)
     tag, data = (raw[:_MAC_BYTES], raw[_MAC_BYTES:]) if secret is not None else (b"", raw)
     if not hmac.compare_digest(tag, mac(secret, key, data)):

@@ -186,8 +186,8 @@ def read_secret() -> Optional[bytes]:
         if not stat.S_ISREG(info.st_mode):
             raise HvpsError(f"HVPS_SECRET_FILE={path!r} is not a regular file; give a file of at least 16 random bytes")
         if info.st_uid != os.getuid():
-            raise HvpsError(f"HVPS_SECRET_FILE={path!r} belongs to user {info.st_uid}, not to this one ({os.getuid()}); "
-                            "use a file of your own, mode 600")
+            raise HvpsError(f"HVPS_SECRET_FILE={path!r} belongs to user {info.st_uid}, not to this one "
+                            f"({os.getuid()}); use a file of your own, mode 600")
         if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise HvpsError(f"HVPS_SECRET_FILE={path!r} may be read or written by others (mode "
                             f"{stat.filemode(info.st_mode)}); chmod 600 {path}")
