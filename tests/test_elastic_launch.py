@@ -222,7 +222,8 @@ def test_forged_notices_failure_reports_and_a_replayed_round_change_nothing(tmp_
     last rank is killed: the survivors go on in membership 2, every step once, and nothing else resets."""
     job = Job(tmp_path, TWO_HOSTS if ranks == 2 else THREE_HOSTS,
               {"1": {"forge": ["notice", "failed", "round"], "fail": [ranks - 1], "how": "kill"}},
-              ["-np", str(ranks), "--min-np", "1"], timeout=120)
+              ["-np", str(ranks), "--min-np", "1"], timeout=240)
+    assert (tmp_path / "out" / "forging").exists(), "the stranger never got to write:\n" + job.output()
     job.assert_exact()
     assert job.sizes() == [ranks] + [ranks - 1] * 3, job.output()
     assert {line[4] for lines in job.epochs().values() for line in lines} == {1, 2}, job.output()

@@ -81,7 +81,7 @@ def forge(what: list) -> None:
     ready = os.path.join(os.environ["OUT_DIR"], "forging")
     subprocess.Popen([sys.executable, __file__, "forge", json.dumps(what), str(elastic_session.round),
                       json.dumps(workers), ready], env=os.environ)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 150
     while not os.path.exists(ready) and time.monotonic() < deadline:  # training goes on once it forges
         time.sleep(0.05)
 
@@ -95,7 +95,7 @@ def forger(what: list, first: int, workers: list, ready: str) -> None:
 
     parent = os.getppid()
     store = dist.TCPStore(os.environ["HVPS_RENDEZVOUS_ADDR"].split(",")[0], int(os.environ["HVPS_RENDEZVOUS_PORT"]),
-                          None, False, datetime.timedelta(seconds=30), wait_for_workers=False)
+                          None, False, datetime.timedelta(seconds=120), wait_for_workers=False)
     replay = store.get(membership.ROUND_KEY)
     while os.getppid() == parent:
         if "notice" in what:
