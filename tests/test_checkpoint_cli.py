@@ -140,3 +140,18 @@ def test_console_script(ckdir):
     res = subprocess.run([exe, "ckpt", "verify", str(ckdir), "--json"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["ok"] is True
+
+
+def test_inspect_of_a_fifo_is_refused_at_once(ckdir, capsys):
+    """Issue 38: ``hvps ckpt inspect`` on a FIFO took 10.8 s, said "corrupt HDF5?" and printed BrokenPipeError
+    tracebacks. It is refused at once, naming what it is."""
+    import os
+    import time
+
+    (ckdir / file_name(2)).unlink()
+    os.mkfifo(ckdir / file_name(2))
+    began = time.monotonic()
+    rc, out, err = run(capsys, "ckpt", "inspect", str(ckdir), "--epoch", "2")
+    assert rc == 1 and "is not a regular file (a FIFO, device or directory?)" in err, err
+    assert "Traceback" not in err and "corrupt HDF5" not in err, err
+    assert time.monotonic() - began < 5

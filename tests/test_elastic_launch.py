@@ -224,6 +224,42 @@ def test_reset_limit(tmp_path, limit, passes):
         assert "more than --reset-limit 1" in job.stderr, job.output()
 
 
+# -- a stranger who reaches the rendezvous store (issue 38) -------------------------------------------------
+
+TWO_HOSTS = "localhost:1\n127.0.0.1:1"
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_forged_notices_failure_reports_and_a_replayed_round_change_nothing(tmp_path, ranks):
+    """A stranger who reaches the rendezvous store writes, every 10 ms from epoch 1 on, garbage under
+    elastic/notice (the job used to reset 365 times in 150 s, training nothing) and under every
+    elastic/failed/N/<worker> key (the driver died with a traceback on the first one), and replays
+    membership 1's authentic elastic/round (rank 0 used to wait forever for the next membership), while the
+    last rank is killed: the survivors go on in membership 2, every step once, and nothing else resets."""
+    job = Job(tmp_path, TWO_HOSTS if ranks == 2 else THREE_HOSTS,
+              {"1": {"forge": ["notice", "failed", "round"], "fail": [ranks - 1], "how": "kill"}},
+              ["-np", str(ranks), "--min-np", "1"], timeout=240)
+    assert (tmp_path / "out" / "forging").exists(), "the stranger never got to write:\n" + job.output()
+    job.assert_exact()
+    assert job.sizes() == [ranks] + [ranks - 1] * 3, job.output()
+    assert {line[4] for lines in job.epochs().values() for line in lines} == {1, 2}, job.output()
+    assert "the job ran 2 membership(s)" in job.stderr, job.output()
+    assert "Traceback" not in job.stderr, job.output()
+    assert "ignored the value under 'elastic/" in job.stderr, job.output()
+    assert job.stderr.count("does not carry the job's authentication") <= 3 * ranks, "rate-limited\n" + job.output()
+
+
+def test_resets_without_a_completed_commit_fail_the_job(tmp_path):
+    """Every rank fails a collective every time it starts epoch 1: after --resets-without-commit 3 the job
+    fails with the loop's one-line reason (the default is 8; there used to be no bound that tripped)."""
+    job = Job(tmp_path, TWO_HOSTS, {"1": {"fail": [0, 1], "how": "hvps_error", "always": True}},
+              ["-np", "2", "--resets-without-commit", "3"], timeout=90)
+    assert job.rc == 1, job.output()
+    last = [line for line in job.stderr.splitlines() if line.startswith("hvpsrun") or "error:" in line][-1]
+    assert "gave up after 4 resets in a row with no completed commit" in last, job.output()
+    assert "fails a collective on purpose at epoch 1" in last, job.output()
+
+
 def test_blacklisted_host_resurrected(tmp_path):
     """With a cool-down the failed host comes back, as the newest host (the highest ranks)."""
     job = Job(tmp_path, "localhost:1\n127.0.0.1:1", {"1": {"fail": [0], "how": "kill"}},
@@ -371,6 +407,25 @@ def test_discovery_retries_then_fails(tmp_path):
         discovery.find()
 
 
+def test_a_discovery_script_printing_a_huge_line_is_a_clear_error(tmp_path):
+    """Issue 38: a 400 MB line made hvpsrun 4.8 GiB resident and ended in a raw traceback. Its output is now
+    bounded (1 MiB, then the script is ended) and so is a line ('host:slots')."""
+    import time
+
+    flood = tmp_path / "flood.sh"
+    flood.write_text("#!/bin/sh\nhead -c 400000000 /dev/zero | tr '\\0' a\n")
+    flood.chmod(0o755)
+    long_line = tmp_path / "long.sh"
+    long_line.write_text("#!/bin/sh\nprintf 'a%.0s' $(seq 1 5000); echo\n")
+    long_line.chmod(0o755)
+    began = time.monotonic()
+    with pytest.raises(DiscoveryError, match="printed more than 1048576 bytes"):
+        DiscoveryScript(str(flood)).find()
+    with pytest.raises(DiscoveryError, match="line 1 is 5000 characters long"):
+        DiscoveryScript(str(long_line)).find()
+    assert time.monotonic() - began < 10
+
+
 def test_blacklist_cooldown_doubles_up_to_max():
     now = [0.0]
     blacklist = Blacklist((10.0, 35.0), clock=lambda: now[0], rand=lambda: 0.5)  # no jitter at 0.5
@@ -402,9 +457,19 @@ def test_a_stranger_cannot_forge_a_membership_or_a_notice():
     membership.publish_round(store, secret, 1, {"localhost:0": slot})
     assert membership.latest_round(store, secret) == 1
     assert membership.round_slots(store, secret, 1) == {"localhost:0": slot}
+    stale = store.get(membership.ROUND_KEY)
     membership.publish_round(store, b"a stranger's guess of the secret", 2, {"localhost:0": slot})
-    with pytest.raises(HvpsError, match="'elastic/round' .* does not carry the job's authentication"):
-        membership.latest_round(store, secret)
+    assert membership.latest_round(store, secret) == 1  # a forged round is no round
+    with pytest.raises(HvpsError, match="'elastic/round/2' .* does not carry the job's authentication"):
+        membership.round_slots(store, secret, 2)
+    membership.publish_round(store, secret, 2, {"localhost:0": slot})
+    store.set(membership.ROUND_KEY, stale)  # an authentic but old value, replayed
+    assert membership.latest_round(store, secret) == 2 and membership.latest_round(store, secret, 1) == 2
     store.set(membership.NOTICE_KEY, b'{"round": 9, "timestamp": 1, "kind": 3}')
-    with pytest.raises(HvpsError, match="'elastic/notice' .* does not carry the job's authentication"):
-        membership.notice(store, secret)
+    assert membership.notice(store, secret) is None
+    membership.publish_notice(store, secret, 3, 5.0, 2)
+    assert membership.notice(store, secret) == {"round": 3, "timestamp": 5.0, "kind": 2}
+    store.set(membership.failed_key(2, "localhost:0"), b"forged")
+    assert membership.failure_reports(store, secret, 2, ["localhost:0"]) == {}
+    membership.report_failure(store, secret, 2, "localhost:0", "allreduce failed")
+    assert membership.failure_reports(store, secret, 2, ["localhost:0"]) == {"localhost:0": "allreduce failed"}

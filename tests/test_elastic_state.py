@@ -189,6 +189,30 @@ def test_a_loop_that_never_commits_gives_up():
     assert len(resets) == MAX_RESETS_WITHOUT_COMMIT
 
 
+def test_a_commit_that_a_notice_interrupts_every_time_is_no_progress(monkeypatch):
+    """commit() saves, then checks for host updates: a notice that arrives before every commit (issue 38:
+    a stranger's write to elastic/notice) used to count each interrupted commit as progress, so the loop
+    reset forever. Now it gives up after HVPS_ELASTIC_RESETS_WITHOUT_COMMIT resets."""
+    monkeypatch.setenv("HVPS_ELASTIC_RESETS_WITHOUT_COMMIT", "3")
+    resets = []
+
+    def reset():
+        resets.append(1)
+        assert len(resets) < 50, "the loop never gives up"
+
+    def train(state):
+        notify_hosts_updated(time.time() + len(resets), HostUpdateResult.added)
+        state.step += 1
+        state.commit()
+
+    with pytest.raises(hvps.HvpsError, match="gave up after 4 resets in a row with no completed commit"):
+        run_fn(train, reset=reset)(_state(step=0))
+    assert len(resets) == 3
+    monkeypatch.setenv("HVPS_ELASTIC_RESETS_WITHOUT_COMMIT", "zero")
+    with pytest.raises(hvps.HvpsError, match="HVPS_ELASTIC_RESETS_WITHOUT_COMMIT='zero'"):
+        run_fn(train, reset=reset)(_state(step=0))
+
+
 def test_elastic_mode_reads_hvps_elastic(monkeypatch):
     assert not elastic_mode()
     monkeypatch.setenv("HVPS_ELASTIC", "1")

@@ -148,6 +148,69 @@ def test_a_rank_started_without_the_setting_fails_init_on_every_rank(tmp_path):
         assert "HVPS_ENCRYPT differs between ranks" in message and "ranks [1] would send in clear" in message, message
 
 
+SECRET_A, SECRET_B = "ab" * 32, "cd" * 32
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_under_mpirun_every_rank_checks_that_all_hold_the_same_secret(tmp_path, np_):
+    """Issue 38: under mpirun HVPS_SECRET was ignored, and ranks with different secrets ran (rc 0), their sealed
+    plane's key exchange unauthenticated. Now the last rank's different secret fails init on every rank."""
+    out = _run(tmp_path, np_, {"MODE": "secret", **{f"SECRET_{r}": SECRET_A for r in range(np_ - 1)},
+                               f"SECRET_{np_ - 1}": SECRET_B})
+    for rank in range(np_):
+        record = tmp_path / f"err.{rank}"
+        assert record.exists(), f"rank {rank} never raised:\n{out}"
+        message = record.read_text()
+        assert "job secret (HVPS_SECRET/HVPS_SECRET_FILE) differs from that of ranks" in message, message
+        assert f"ranks [{np_ - 1}]" in message if rank < np_ - 1 else f"ranks {list(range(np_ - 1))}" in message
+
+
+@pytest.mark.timeout(120)
+def test_under_mpirun_the_same_secret_binds_the_key_exchange_and_an_unsafe_file_is_refused(tmp_path):
+    """The same HVPS_SECRET on every rank: the sealed plane runs with the secret's keys; a secret file that
+    others may read fails init on every rank."""
+    out = _run(tmp_path, 2, {"MODE": "secret", "SECRET_0": SECRET_A, "SECRET_1": SECRET_A})
+    for rank in range(2):
+        assert (tmp_path / f"ok.{rank}").read_text() == "mpi True True", out
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET_A + "\n")
+    secret.chmod(0o644)
+    out = _run(tmp_path, 2, {"MODE": "secret", "HVPS_SECRET_FILE": str(secret)})
+    for rank in range(2):
+        message = (tmp_path / f"err.{rank}").read_text()
+        assert "may be read or written by others (mode -rw-r--r--); chmod 600" in message, out
+
+
+@pytest.mark.unit
+def test_a_secret_file_that_is_not_a_regular_file_of_this_user_is_refused(tmp_path, monkeypatch):
+    import time
+
+    from hvps.runtime.bootstrap import read_secret
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    link = tmp_path / "link"
+    good = tmp_path / "good"
+    good.write_text(SECRET_A + "\n")
+    good.chmod(0o600)
+    link.symlink_to(good)
+    monkeypatch.delenv("HVPS_SECRET", raising=False)
+    began = time.monotonic()
+    for path, needle in ((fifo, "is not a regular file"), (link, "cannot be read"),
+                         (tmp_path / "none", "cannot be read")):
+        monkeypatch.setenv("HVPS_SECRET_FILE", str(path))
+        with pytest.raises(HvpsError, match=needle):
+            read_secret()
+    assert time.monotonic() - began < 5, "a FIFO must not block"
+    monkeypatch.setenv("HVPS_SECRET_FILE", str(good))
+    assert read_secret() == SECRET_A.encode()
+    if os.getuid() == 0:
+        os.chown(good, 65534, -1)
+        with pytest.raises(HvpsError, match="belongs to user 65534"):
+            read_secret()
+
+
 @pytest.mark.parametrize("flag,value", [("--encrypt", "1"), ("--encrypt-all", "all")])
 def test_hvpsrun_flags_set_the_variable(flag, value):
     from hvps.runner.settings import parse_args

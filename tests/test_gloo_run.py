@@ -171,3 +171,48 @@ def test_ssh_never_puts_the_secret_on_a_command_line():
     shell = cmd[-1].replace("cd '/data/my job' && ", "").replace("exec python train.py --lr 0.1", "env")
     got = subprocess.run(["sh", "-c", shell], input=sent, capture_output=True, text=True, env={}).stdout
     assert {"AWS_SECRET_ACCESS_KEY=k e y", "HOROVOD_RANK=0", "HVPS_SECRET=abc123"} <= set(got.splitlines())
+
+
+def _listening_addresses(port: int) -> set:
+    """The IPv4 and IPv6 addresses that listen on TCP ``port`` on this machine (/proc/net/tcp{,6})."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                if len(address) == 8:
+                    found.add(".".join(str(b) for b in reversed(bytes.fromhex(address))))
+                else:
+                    found.add(address)
+    return found
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("hosts, nic, expected", [
+    ((), None, {"127.0.0.1"}),  # -np 2: this machine
+    ((("localhost", 1), ("127.0.0.1", 1)), None, {"127.0.0.1"}),  # two names of this machine
+    ((("localhost", 1), ("node2", 1)), "lo", {"127.0.0.1"}),  # --network-interface lo across hosts
+    ((("localhost", 1), ("node2", 1)), None, {"0.0.0.0"}),  # across hosts, no interface: every one
+])
+def test_the_rendezvous_store_listens_on_loopback_or_the_training_interface(hosts, nic, expected):
+    """Issue 38: torch's TCPStore listened on every interface, in a one-host job and with
+    --network-interface lo alike; strangers on other addresses read the memberships."""
+    import signal
+
+    plan = gloo_run.Plan(("python", "train.py"), hosts, 2, {}, network_interface=nic)
+    job = gloo_run.GlooJob(plan, {})
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        store = job._open_rendezvous(plan.host_list())
+        assert _listening_addresses(job.port) == expected
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        del store
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)

@@ -284,3 +284,61 @@ def test_settings_dataclass_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.num_proc = 3
     assert s.num_proc == 2
+
+
+# -- issue 38: hosts that would be options, and hostfiles that are not files ---------------------------------
+
+@pytest.mark.parametrize("spec, why", [
+    ("-oProxyCommand=touch%20/tmp/x:1", "starts with '-'"),
+    ("a:1,-F/etc/passwd", "starts with '-'"),
+    ("host:99999999999999999999", "more than one host can have"),
+    ("host:70000", "more than one host can have"),
+    ("ho st:1", "is not a host name"),
+])
+def test_hosts_that_are_options_or_absurd_slots_are_refused(spec, why):
+    with pytest.raises(LaunchError, match=why):
+        hostlib.parse_hosts(spec)
+
+
+def test_a_hostfile_that_is_a_fifo_dev_zero_or_huge_is_refused_at_once(tmp_path):
+    import os
+    import time
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    big = tmp_path / "big"
+    big.write_text("node1 slots=1\n" * 100_000)
+    dashed = tmp_path / "dashed"
+    dashed.write_text("-oProxyCommand=x slots=1\n")
+    began = time.monotonic()
+    for path, why in ((fifo, "is not a regular file"), ("/dev/zero", "is not a regular file"),
+                      (big, "more than a hostfile's"), (dashed, "starts with '-'")):
+        with pytest.raises(LaunchError, match=why):
+            hostlib.parse_hostfile(str(path))
+    assert time.monotonic() - began < 5
+
+
+def test_ssh_gets_the_host_after_double_dash():
+    from hvps.runner import gloo_run
+
+    plan = gloo_run.Plan(("python", "train.py"), (("node2", 1),), 1, {})
+    cmd = gloo_run.ssh_command(plan, "node2")
+    assert cmd[-3:-1] == ["--", "node2"]
+    with pytest.raises(LaunchError, match="starts with '-'"):
+        gloo_run.ssh_command(plan, "-oProxyCommand=x")
+
+
+def test_every_hvpsrun_flag_the_docs_mention_is_accepted():
+    """Issue 38: the README told users to run ``hvpsrun --enable-recovery`` (Open MPI's flag), which hvpsrun
+    rejects; restarts are ``--max-restarts N``. Every ``hvpsrun ...`` example's flags must be hvpsrun's."""
+    import re
+    from pathlib import Path
+
+    known = {flag for action in build_parser()._actions for flag in action.option_strings}
+    root = Path(__file__).resolve().parent.parent
+    unknown = set()
+    for doc in ("README.md", "SECURITY.md"):
+        for example in re.findall(r"`hvpsrun ([^`]*)`", (root / doc).read_text()):
+            unknown |= {(doc, flag) for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", example)} - \
+                {(doc, flag) for flag in known}
+    assert not unknown, unknown

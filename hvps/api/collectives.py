@@ -13,6 +13,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import math
 import pickle
 import threading
 from collections import defaultdict
@@ -114,6 +115,18 @@ def check_name(name: Any) -> Optional[str]:
         return name
     raise TypeError(f"a collective's name must be a str (the same on every rank) or None, not "
                     f"{type(name).__name__} {name!r}")
+
+
+def _scale(value: Any, what: str) -> float:
+    """A pre/postscale factor as a float; ValueError, on the caller's rank, when it is not a finite number (a
+    NaN, never equal to itself, was reported as a mismatch between ranks that all gave it: issue 38)."""
+    try:
+        factor = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} must be a number, not {type(value).__name__}") from None
+    if not math.isfinite(factor):
+        raise ValueError(f"{what}={factor!r} is not a finite number; give a finite scale (1.0 for none)")
+    return factor
 
 
 def _name(kind: str, name: Optional[str], set_id: int = GLOBAL_SET) -> str:
@@ -339,7 +352,8 @@ def _allreduce_async(values, op, name, prescale_factor, postscale_factor, outs, 
             label = base if len(by_kind) == 1 else f"{base}.{suffix}"
             label = label if len(groups) == 1 else f"{label}.{number}"
             request = Request(label, ALLREDUCE, dtype, tuple(tuple(inputs[i].shape) for i in group), op.value,
-                              prescale=float(prescale_factor), postscale=float(postscale_factor), device=device,
+                              prescale=_scale(prescale_factor, "prescale_factor"),
+                              postscale=_scale(postscale_factor, "postscale_factor"), device=device,
                               process_set=set_id)
             parts.append((request, [inputs[i] for i in group], [outputs[i] for i in group]))
             plan.append(group)
@@ -372,8 +386,8 @@ def allreduce_gradients_async(buffers: list, dtype: str, name: str, op: ReduceOp
     if device != "cpu":
         devices.check(label, buffers)
     shapes = (tuple(first.shape),) if len(buffers) == 1 else tuple(tuple(b.shape) for b in buffers)
-    request = Request(label, ALLREDUCE, dtype, shapes, op._value_, prescale=float(prescale_factor),
-                      postscale=float(postscale_factor), device=device, process_set=set_id)
+    request = Request(label, ALLREDUCE, dtype, shapes, op._value_, prescale=_scale(prescale_factor, "prescale_factor"),
+                      postscale=_scale(postscale_factor, "postscale_factor"), device=device, process_set=set_id)
     entry = Entry(request, buffers, list(buffers), grouped=len(buffers) > 1,
                   ready_event=None if device == "cpu" else arrays.ready_event(buffers), host_ready=tuple(host_ready))
     return engine.submit_all([entry])[0]
@@ -534,8 +548,8 @@ def grouped_reducescatter_async(values: Sequence[Any], op: Any = Average, name: 
     if not sources:
         raise ValueError("grouped_reducescatter needs at least one array")
     base = _name(REDUCESCATTER, name, set_id)
-    parts = [(Request(f"{base}.{i}", REDUCESCATTER, op=op.value, prescale=float(prescale_factor),
-                      postscale=float(postscale_factor), **_describe(src, set_id)), [src], [])
+    parts = [(Request(f"{base}.{i}", REDUCESCATTER, op=op.value, prescale=_scale(prescale_factor, "prescale_factor"),
+                      postscale=_scale(postscale_factor, "postscale_factor"), **_describe(src, set_id)), [src], [])
              for i, src in enumerate(sources)]
     handles = _submit_all(parts)
     return GroupHandle.of(base, handles)
@@ -551,7 +565,8 @@ def reducescatter_async(array: Any, op: Any = Average, name: Optional[str] = Non
     set_id, _ = resolve(process_set)
     src = _scatter_source(array, op)
     request = Request(_name(REDUCESCATTER, name, set_id), REDUCESCATTER, op=op.value,
-                      prescale=float(prescale_factor), postscale=float(postscale_factor), **_describe(src, set_id))
+                      prescale=_scale(prescale_factor, "prescale_factor"),
+                      postscale=_scale(postscale_factor, "postscale_factor"), **_describe(src, set_id))
     return _submit_all([(request, [src], [])])[0]
 
 
@@ -606,7 +621,7 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = 
     if root_rank not in ranks:
         raise ValueError(f"root_rank {root_rank} is not one of the ranks {list(ranks)} of the process set")
     name = _name("object", name, set_id)
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if runtime.rank() == root_rank else None
+    payload = _pickled(obj, BROADCAST, f"{name}.len", set_id) if runtime.rank() == root_rank else None
     length = broadcast(np.array([0 if payload is None else payload.size], dtype=np.int64), root_rank, f"{name}.len",
                        process_set=process_set)
     data = broadcast(payload if payload is not None else np.empty(int(length[0]), np.uint8), root_rank,
@@ -614,12 +629,29 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = 
     return pickle.loads(data.tobytes()) if runtime.rank() != root_rank else obj
 
 
+def _pickled(obj: Any, kind: str, first: str, set_id: int) -> np.ndarray:
+    """``obj`` pickled, as bytes to send; when it cannot be pickled, the object collective's first step
+    (``first``, of ``kind``) is announced as failed with the reason, so that the other ranks fail at once
+    instead of waiting out the stall time (issue 38), and the error is raised here."""
+    try:
+        return np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    except Exception as error:  # PicklingError, TypeError, AttributeError ("Can't pickle local object")
+        try:
+            engine = runtime.engine()
+            label = _name(kind, first, set_id)
+        except (HvpsError, TypeError, ValueError):
+            raise error from None
+        engine.abandon(Request(label, kind, process_set=set_id,
+                               failure=f"{type(error).__name__}: the object cannot be pickled: {error}"))
+        raise
+
+
 @synchronous
 def allgather_object(obj: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> list:
     """Pickle ``obj`` on every member and return the list of all members' objects, in rank order."""
     set_id, _ = resolve(process_set)
     name = _name("object", name, set_id)
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    payload = _pickled(obj, ALLGATHER, f"{name}.len", set_id)
     lengths = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len", process_set)
     data = allgather(payload, f"{name}.data", process_set).tobytes()
     bounds = np.concatenate(([0], np.cumsum(lengths)))

@@ -35,7 +35,8 @@ from typing import Any, Optional
 
 from ..core.errors import HvpsError
 from ..core.settings import env_number, env_text
-from .format import CheckpointError, DatasetEntry, Header, IncompatibleCheckpointError, Reader, read_header_local
+from .format import (CheckpointError, DatasetEntry, Header, IncompatibleCheckpointError, Reader, open_regular,
+                     read_header_local)
 from .safety import KEY_ENV
 
 TIMEOUT_ENV = "HVPS_CHECKPOINT_INSPECT_TIMEOUT"
@@ -230,6 +231,8 @@ def _ask(path: Path, timeout: float) -> dict:
 
 def inspect_header(path: Path) -> Header:
     """:func:`read_header_local` of ``path`` in the helper, under :func:`deadline_s`."""
+    if os.path.exists(path):  # a FIFO or a device is refused at once, never handed to libhdf5 (issue 38)
+        os.close(open_regular(path))
     timeout = deadline_s(path)
     if timeout == 0:
         return read_header_local(path)

@@ -10,22 +10,41 @@ Every change of membership (a worker failed or left, hosts were added or removed
   that round N will bring, for rank 0 (the only worker notified, as in Horovod): rank 0's next
   ``commit()`` then interrupts every rank at once.
 
-Workers write one kind of key: ``elastic/failed/N/<worker id>`` (its reason), when a collective of
-round N failed and the worker waits for the next round. When no worker exited, the driver then
-starts the next round itself: with the same members when all of them reported (an error every rank
-saw), else without those that did not (stopped or hung: they are ended).
+Workers write two kinds of key: ``elastic/failed/N/<worker id>`` (its reason), when a collective of
+round N failed and the worker waits for the next round; ``elastic/gave_up/<worker id>`` (its reason),
+when its loop reset too often without a completed commit, and the job must fail. When no worker
+exited after a failure report, the driver then starts the next round itself: with the same members
+when all of them reported (an error every rank saw), else without those that did not (stopped or
+hung: they are ended).
 
 A worker joins the newest round above the one it last joined; its ranks exchange their start-up
 values under the round's own key prefix, so nothing of an earlier round is ever read.
+
+Every value carries an HMAC-SHA256 under the job's secret over its key (which holds the round number
+and the worker id) and its bytes; hvpsrun draws a new random secret for every job (and every restart of
+one), so the secret is the job's nonce and a value of another job never verifies. Readers whose value
+can change the job's course check it and treat a value that does not verify as absent, with a warning
+(a stranger who can reach the store must not be able to reset, stop or stall the job):
+
+- ``elastic/notice``: rank 0 acts only on an authentic notice of a round above its own; the driver
+  writes one only for a change of membership, so nothing else ever interrupts training;
+- ``elastic/failed/N/<worker id>``: the driver counts only authentic reports;
+- ``elastic/round`` is only a hint: a reader takes the newest N whose authentic ``elastic/round/N``
+  exists, counting up from the hint and from the last round it knows (rounds only grow), so a replayed
+  old value (authentic, but stale) cannot hold a worker back.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..core.errors import HvpsError
-from .store_comm import seal, unseal
+from .store_comm import seal, unseal, verify
+
+log = logging.getLogger("hvps")
 
 ROUND_KEY = "elastic/round"
 NOTICE_KEY = "elastic/notice"
@@ -74,6 +93,33 @@ def _get(store: Any, secret: Optional[bytes], key: str) -> Any:
     return unseal(secret, key, store.get(key), WHERE, "hvpsrun's elastic driver")
 
 
+#: seconds between two warnings about values that do not verify (a flood of forged writes logs little)
+WARN_INTERVAL = 10.0
+_warned: dict = {"at": None, "dropped": 0}
+
+
+def _warn_forged(key: str) -> None:
+    now = time.monotonic()
+    if _warned["at"] is not None and now - _warned["at"] < WARN_INTERVAL:
+        _warned["dropped"] += 1
+        return
+    more = f" (and {_warned['dropped']} more since the last warning)" if _warned["dropped"] else ""
+    _warned["at"], _warned["dropped"] = now, 0
+    log.warning("hvps: %s: ignored the value under %r%s: it does not carry the job's authentication (someone "
+                "who can reach the rendezvous store wrote it)", WHERE, key, more)
+
+
+def _get_authentic(store: Any, secret: Optional[bytes], key: str) -> Any:
+    """The value under ``key`` when it verifies; None when there is none or it does not (with a warning)."""
+    if not store.check([key]):
+        return None
+    ok, value = verify(secret, key, store.get(key))
+    if not ok:
+        _warn_forged(key)
+        return None
+    return value
+
+
 def failed_key(number: int, worker: str) -> str:
     return f"elastic/failed/{number}/{worker}"
 
@@ -84,12 +130,28 @@ def report_failure(store: Any, secret: Optional[bytes], number: int, worker: str
     store.set(key, seal(secret, key, reason[:2000]))
 
 
+def gave_up_key(worker: str) -> str:
+    return f"elastic/gave_up/{worker}"
+
+
+def report_gave_up(store: Any, secret: Optional[bytes], worker: str, reason: str) -> None:
+    """The worker's side: its elastic loop gave up (too many resets without a commit); the job must end."""
+    key = gave_up_key(worker)
+    store.set(key, seal(secret, key, reason[:2000]))
+
+
+def gave_up(store: Any, secret: Optional[bytes], worker: str) -> Optional[str]:
+    """The driver's side: why ``worker``'s loop gave up, or None (also when the value does not verify)."""
+    reason = _get_authentic(store, secret, gave_up_key(worker))
+    return reason if isinstance(reason, str) else None
+
+
 def failure_reports(store: Any, secret: Optional[bytes], number: int, workers) -> dict:
     """The driver's side: {worker: reason} of the ``workers`` that reported round ``number`` failed."""
     found = {}
     for worker in workers:
-        reason = _get(store, secret, failed_key(number, worker))
-        if reason is not None:
+        reason = _get_authentic(store, secret, failed_key(number, worker))
+        if isinstance(reason, str):
             found[worker] = reason
     return found
 
@@ -106,9 +168,16 @@ def publish_notice(store: Any, secret: Optional[bytes], number: int, timestamp: 
     store.set(NOTICE_KEY, seal(secret, NOTICE_KEY, {"round": number, "timestamp": timestamp, "kind": int(kind)}))
 
 
-def latest_round(store: Any, secret: Optional[bytes]) -> int:
-    """The newest round the driver published (0: none yet)."""
-    return int(_get(store, secret, ROUND_KEY) or 0)
+def latest_round(store: Any, secret: Optional[bytes], known: int = 0) -> int:
+    """The newest round the driver published (0: none yet), at least ``known`` (a round already seen):
+    the newest N whose authentic ``elastic/round/N`` exists, counting up from ``elastic/round`` (a hint)."""
+    hint = _get_authentic(store, secret, ROUND_KEY)
+    number = max(int(known), hint if isinstance(hint, int) and not isinstance(hint, bool) else 0)
+    if number > known and _get_authentic(store, secret, round_key(number)) is None:
+        number = int(known)  # a hint without its round (not authentic, or deleted): count up from what we know
+    while store.check([round_key(number + 1)]) and _get_authentic(store, secret, round_key(number + 1)) is not None:
+        number += 1
+    return number
 
 
 def round_slots(store: Any, secret: Optional[bytes], number: int) -> dict:
@@ -120,5 +189,8 @@ def round_slots(store: Any, secret: Optional[bytes], number: int) -> dict:
 
 
 def notice(store: Any, secret: Optional[bytes]) -> Optional[dict]:
-    """The driver's latest host-change notice, or None."""
-    return _get(store, secret, NOTICE_KEY)
+    """The driver's latest host-change notice, or None (also when it does not verify: a warning)."""
+    found = _get_authentic(store, secret, NOTICE_KEY)
+    if not isinstance(found, dict) or not {"round", "timestamp", "kind"} <= found.keys():
+        return None
+    return found

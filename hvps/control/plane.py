@@ -38,6 +38,42 @@ from .tree import position
 from .wire import MAX_AUTHENTICATED, FrameReader, ProtocolError, Session, encode
 
 log = logging.getLogger("hvps")
+
+
+class _Throttle:
+    """At most ``burst`` warnings about refused and dropped connections per ``interval`` seconds; the rest
+    are counted and summed up in one line (a connection flood once wrote 1,600 lines in 20 s)."""
+
+    def __init__(self, burst: int = 10, interval: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst, self.interval, self.clock = burst, interval, clock
+        self._lock = threading.Lock()
+        self.start, self.count, self.suppressed = clock(), 0, 0
+
+    def warning(self, message: str, *args) -> None:
+        with self._lock:
+            now = self.clock()
+            if now - self.start >= self.interval:
+                self._flush()
+                self.start, self.count = now, 0
+            if self.count < self.burst:
+                self.count += 1
+                log.warning(message, *args)
+            else:
+                self.suppressed += 1
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.suppressed:
+            log.warning("hvps control plane: %d more connections refused or dropped in the last %.0f s (not logged "
+                        "one by one)", self.suppressed, self.clock() - self.start)
+        self.suppressed = 0
+
+
+#: the warnings of every listener in this process (rank 0's, and a relay's in a control-plane tree)
+_dropped = _Throttle()
 _SIOCGIFADDR = 0x8915
 #: each connection must finish its handshake within this many seconds of connecting
 HANDSHAKE_SECONDS = 5.0
@@ -330,6 +366,7 @@ class ControlPlane:
             for sock in list(pending):
                 self._refuse(sock, selector, pending, "still in its handshake when every rank had joined")
             selector.close()
+            _dropped.flush()
 
     def _admit(self, listener: socket.socket, key: bytes, selector, pending: dict) -> None:
         try:
@@ -337,7 +374,7 @@ class ControlPlane:
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
         if len(pending) >= _MAX_PENDING:
-            log.warning("hvps control plane: refused %s: %d handshakes already open", address[0], _MAX_PENDING)
+            _dropped.warning("hvps control plane: refused %s: %d handshakes already open", address[0], _MAX_PENDING)
             sock.close()
             return
         sock.setblocking(False)
@@ -372,7 +409,7 @@ class ControlPlane:
     @staticmethod
     def _refuse(sock: socket.socket, selector, pending: dict, reason: str) -> None:
         _, _, address = pending.pop(sock)
-        log.warning("hvps control plane: dropped a connection from %s: %s", address, reason)
+        _dropped.warning("hvps control plane: dropped a connection from %s: %s", address, reason)
         selector.unregister(sock)
         sock.close()
 

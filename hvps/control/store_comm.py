@@ -66,6 +66,19 @@ def seal(secret: Optional[bytes], key: str, obj: Any) -> bytes:
     return mac(secret, key, data) + data
 
 
+def verify(secret: Optional[bytes], key: str, raw: bytes) -> tuple:
+    """``(True, value)`` when ``raw`` is what :func:`seal` wrote under ``key`` with ``secret``, else
+    ``(False, None)``."""
+    raw = bytes(raw)
+    tag, data = (raw[:_MAC_BYTES], raw[_MAC_BYTES:]) if secret is not None else (b"", raw)
+    if not hmac.compare_digest(tag, mac(secret, key, data)):
+        return False, None
+    try:
+        return True, _decode(json.loads(data))
+    except ValueError:
+        return False, None
+
+
 def unseal(secret: Optional[bytes], key: str, raw: bytes, where: str, origin: str) -> Any:
     """The value :func:`seal` wrote under ``key``; HvpsError naming ``origin`` when it is not authentic."""
     raw = bytes(raw)

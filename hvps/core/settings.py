@@ -60,10 +60,12 @@ VARIABLES: dict[str, str] = {
     # the launcher (hvpsrun sets or reads these)
     "HVPS_MPIRUN": "the mpirun for hvpsrun, the benchmarks and the tests",
     "HVPS_CHECKPOINT_DIR": "checkpoint directory hvpsrun --checkpoint-dir hands to the script",
-    "HVPS_RESTART_COUNT": "which try of an hvpsrun --enable-recovery job this is",
+    "HVPS_RESTART_COUNT": "which try of an hvpsrun --max-restarts job this is",
     "HVPS_ELASTIC": "1: an elastic launcher started the job (hvd.elastic.run retries failures in place)",
     "HVPS_ELASTIC_WORKER": "this worker's slot (host:index) in hvpsrun's elastic mode (hvpsrun sets it)",
     "HVPS_ELASTIC_TIMEOUT": "seconds an elastic worker waits for its next membership (hvpsrun's --elastic-timeout)",
+    "HVPS_ELASTIC_RESETS_WITHOUT_COMMIT": "resets in a row without a completed commit after which hvd.elastic.run "
+                                          "gives up (default 8; hvpsrun's --resets-without-commit)",
     "HVPS_DOCTOR": "1: the Slurm GPU recipes run hvps doctor on every rank first",
 }
 

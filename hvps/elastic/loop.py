@@ -11,9 +11,11 @@ Two things differ from Horovod, both to be safe where it is not:
 - the sync after a reset is skipped only when every rank agrees (one small allreduce in elastic mode):
   Horovod skips it on the survivors of a removal while workers that joined meanwhile sync, and the job
   deadlocks (Horovod issue 3494);
-- a loop that keeps failing without committing in between gives up after
-  :data:`MAX_RESETS_WITHOUT_COMMIT` resets, with the last error (the launcher's ``--reset-limit`` is
-  the real bound on resets).
+- a loop that keeps failing without completing a commit in between gives up after
+  :data:`MAX_RESETS_WITHOUT_COMMIT` resets (``HVPS_ELASTIC_RESETS_WITHOUT_COMMIT``, which
+  ``hvpsrun --resets-without-commit N`` sets), with the last error; under hvpsrun's elastic driver the
+  whole job then fails with that one-line reason. A commit counts once its check for host updates has
+  passed: a commit interrupted every time (a notice that keeps coming) is no progress.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ import numpy as np
 
 from .. import api
 from ..core.errors import DuplicateNameError, HvpsError
+from ..core.settings import env_text
 from .mode import elastic_mode, not_elastic_error, refuse_torchrun_restarts
 from .notification import HostsUpdatedInterrupt, notification_manager
 from ..runtime.bootstrap import elastic_session
 from .state import State
 
-#: resets in a row, with no commit between them, after which the loop gives up
-MAX_RESETS_WITHOUT_COMMIT = 16
+#: resets in a row, with no completed commit between them, after which the loop gives up (the default of
+#: HVPS_ELASTIC_RESETS_WITHOUT_COMMIT)
+MAX_RESETS_WITHOUT_COMMIT = 8
 
 log = logging.getLogger("hvps")
 
@@ -66,6 +70,16 @@ def _rejoin(reset: Callable[[], None], elastic: bool) -> None:
                     f"error: {last}") from last
 
 
+def resets_without_commit() -> int:
+    """The bound on resets in a row without a completed commit (HVPS_ELASTIC_RESETS_WITHOUT_COMMIT)."""
+    text = env_text("HVPS_ELASTIC_RESETS_WITHOUT_COMMIT", "")
+    if not text:
+        return MAX_RESETS_WITHOUT_COMMIT
+    if not text.isdigit() or int(text) < 1:
+        raise HvpsError(f"HVPS_ELASTIC_RESETS_WITHOUT_COMMIT={text!r}: give a whole number of resets, at least 1")
+    return int(text)
+
+
 def _check_state(state: Any) -> None:
     if not isinstance(state, State):
         raise TypeError(f"the first argument of a function wrapped by hvd.elastic.run must be an elastic state "
@@ -88,6 +102,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None] = reset,
         refuse_torchrun_restarts()
         elastic = elastic_mode()
         notification_manager.register_listener(state)
+        limit = resets_without_commit()
         try:
             want_sync, fruitless, commits = True, 0, state._commits
             while True:
@@ -110,9 +125,12 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None] = reset,
                     want_sync, last_error = not interrupt.skip_sync, interrupt
                 fruitless = fruitless + 1 if state._commits == commits else 0
                 commits = state._commits
-                if fruitless > MAX_RESETS_WITHOUT_COMMIT:
-                    raise HvpsError(f"hvd.elastic.run gave up after {fruitless} resets in a row with no commit "
-                                    f"between them; the last error: {last_error}") from last_error
+                if fruitless > limit:
+                    reason = (f"hvd.elastic.run gave up after {fruitless} resets in a row with no completed commit "
+                              f"between them (HVPS_ELASTIC_RESETS_WITHOUT_COMMIT={limit}, hvpsrun "
+                              f"--resets-without-commit); the last error: {last_error}")
+                    elastic_session.give_up(reason)
+                    raise HvpsError(reason) from last_error
                 _rejoin(reset, elastic)
                 state.on_reset()
         finally:

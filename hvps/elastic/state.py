@@ -87,8 +87,8 @@ class State(SavedValue):
         A commit copies the state (from the GPU, for tensors there): commit every few batches, trading
         the lost work after a failure against the copy's cost."""
         self.save()
-        self._commits += 1
         self.check_host_updates()
+        self._commits += 1  # completed: a commit that a host update interrupts is no progress (issue 38)
 
     def check_host_updates(self) -> None:
         """Raise HostsUpdatedInterrupt, on every rank at once, when rank 0 has a host-update notice

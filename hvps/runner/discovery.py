@@ -26,6 +26,10 @@ from .hosts import Host, parse_hosts
 SCRIPT_TIMEOUT = 10.0
 #: runs of the discovery script that may fail in a row before the job fails
 SCRIPT_ATTEMPTS = 3
+#: the most the discovery script may print in one run (a host a line: far more than any cluster needs)
+MAX_OUTPUT_BYTES = 1 << 20
+#: the longest line of its answer ('host:slots')
+MAX_LINE_CHARS = 300
 
 
 class DiscoveryError(Exception):
@@ -36,6 +40,9 @@ def parse_discovery(text: str, slots_per_host: Optional[int] = None) -> list:
     """The hosts a discovery script printed (``host:slots`` or ``host`` per line; ``#`` comments)."""
     hosts: list = []
     for number, raw in enumerate(text.splitlines(), 1):
+        if len(raw) > MAX_LINE_CHARS:
+            raise DiscoveryError(f"line {number} is {len(raw)} characters long; a line is 'host' or 'host:slots' (at "
+                                 f"most {MAX_LINE_CHARS})")
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
@@ -50,6 +57,56 @@ def parse_discovery(text: str, slots_per_host: Optional[int] = None) -> list:
     if len(set(names)) != len(names):
         raise DiscoveryError(f"it lists a host twice ({sorted({n for n in names if names.count(n) > 1})})")
     return hosts
+
+
+def _bounded_run(path: str, timeout: float) -> tuple:
+    """``(status, stdout, stderr)`` of the script, reading at most MAX_OUTPUT_BYTES of each stream (more is a
+    DiscoveryError, and the script is ended), within ``timeout`` seconds."""
+    import os
+    import selectors
+
+    try:
+        proc = subprocess.Popen([path], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+    except OSError as exc:
+        raise DiscoveryError(f"it cannot be run: {exc.strerror} (is it executable, with a #! line?)") from None
+    deadline = time.monotonic() + timeout
+    chunks: dict = {proc.stdout: [], proc.stderr: []}
+    sizes = {proc.stdout: 0, proc.stderr: 0}
+    selector = selectors.DefaultSelector()
+    for stream in chunks:
+        selector.register(stream, selectors.EVENT_READ)
+    try:
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DiscoveryError(f"it did not finish within {timeout:g} s")
+            for key, _ in selector.select(min(left, 0.5)):
+                data = os.read(key.fileobj.fileno(), 65536)
+                if not data:
+                    selector.unregister(key.fileobj)
+                    continue
+                sizes[key.fileobj] += len(data)
+                if sizes[key.fileobj] > MAX_OUTPUT_BYTES:
+                    raise DiscoveryError(f"it printed more than {MAX_OUTPUT_BYTES} bytes; it should print one "
+                                         "'host:slots' line per host")
+                chunks[key.fileobj].append(data)
+        try:
+            status = proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise DiscoveryError(f"it did not finish within {timeout:g} s") from None
+    finally:
+        selector.close()
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, 9)
+            except OSError:
+                pass
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    text = [b"".join(chunks[s]).decode("utf-8", "replace") for s in (proc.stdout, proc.stderr)]
+    return status, text[0], text[1]
 
 
 @dataclass
@@ -72,19 +129,13 @@ class DiscoveryScript:
     path: str
     slots_per_host: Optional[int] = None
     timeout: float = SCRIPT_TIMEOUT
-    run: Callable = subprocess.run
 
     def find(self) -> list:
-        try:
-            done = self.run([self.path], capture_output=True, text=True, timeout=self.timeout)
-        except subprocess.TimeoutExpired:
-            raise DiscoveryError(f"it did not finish within {self.timeout:g} s") from None
-        except OSError as exc:
-            raise DiscoveryError(f"it cannot be run: {exc.strerror} (is it executable, with a #! line?)") from None
-        if done.returncode != 0:
-            last = (done.stderr or "").strip().splitlines()[-1:] or ["(no output on stderr)"]
-            raise DiscoveryError(f"it exited with status {done.returncode}: {last[0]}")
-        return parse_discovery(done.stdout, self.slots_per_host)
+        returncode, out, err = _bounded_run(self.path, self.timeout)
+        if returncode != 0:
+            last = (err or "").strip().splitlines()[-1:] or ["(no output on stderr)"]
+            raise DiscoveryError(f"it exited with status {returncode}: {last[0][:300]}")
+        return parse_discovery(out, self.slots_per_host)
 
     def describe(self) -> str:
         return f"--host-discovery-script {self.path}"

@@ -14,7 +14,9 @@ rendezvous (:mod:`hvps.control.membership`):
   the survivors, whose collectives fail on the closed connections, join the next round;
 - a worker that exits with status 0 has finished: its slot is never refilled. While others still
   train (a worker deleted with status 0, Horovod issue 3852) they go on without it;
-- the job fails, with a one-line reason and a non-zero exit, on ``--reset-limit`` resets, when every
+- the job fails, with a one-line reason and a non-zero exit, when a worker's loop reset
+  ``--resets-without-commit`` times in a row (default 8) without completing a commit, on ``--reset-limit``
+  resets, when every
   host is blacklisted for good, or after ``--elastic-timeout`` seconds below ``--min-np``; it ends
   with status 0 when every worker has finished.
 """
@@ -167,6 +169,9 @@ class ElasticJob(GlooJob):
         if worker not in self.members:
             return  # a worker of a removed slot leaving
         host = self.members[worker].host
+        reason = membership.gave_up(self.store, self.key, worker) if status else None
+        if reason is not None:
+            raise Failed(f"worker {worker} (rank {self.members[worker].rank}): {reason}")
         if status == 0:  # finished; the others normally follow within moments
             self.finished.add(worker)
             self.departed = self.departed or self.clock()
@@ -266,7 +271,8 @@ class ElasticJob(GlooJob):
     def _start_worker(self, worker: str, slot: Slot) -> None:
         env = self._worker_env(slot)
         env.update(HVPS_ELASTIC="1", HVPS_ELASTIC_WORKER=worker,
-                   HVPS_ELASTIC_TIMEOUT=f"{self.settings.elastic_timeout:g}")
+                   HVPS_ELASTIC_TIMEOUT=f"{self.settings.elastic_timeout:g}",
+                   HVPS_ELASTIC_RESETS_WITHOUT_COMMIT=str(self.settings.resets_without_commit))
         proc = self._start(slot, env)
         self.running[worker] = proc
         self.every.append(proc)

@@ -25,6 +25,8 @@ class ElasticSettings:
     reset_limit: Optional[int]
     cooldown: Optional[tuple]
     discovery_interval: float
+    #: resets in a row without a completed commit before a worker's loop, and so the job, gives up
+    resets_without_commit: int = 8
 
 
 def elastic_settings(settings: LaunchSettings, hosts: Sequence[hostlib.Host]) -> ElasticSettings:
@@ -51,4 +53,4 @@ def elastic_settings(settings: LaunchSettings, hosts: Sequence[hostlib.Host]) ->
                               "(chmod +x it; it prints lines 'host:slots')")
     return ElasticSettings(min_np, max_np, settings.host_discovery_script, settings.slots_per_host,
                            settings.elastic_timeout, settings.reset_limit, settings.blacklist_cooldown_range,
-                           settings.discovery_interval)
+                           settings.discovery_interval, settings.resets_without_commit)

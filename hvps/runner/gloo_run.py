@@ -26,6 +26,7 @@ import re
 import secrets
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -164,6 +165,16 @@ def rendezvous_addresses(plan: Plan, local_only: bool) -> list:
     return found or ["127.0.0.1"]
 
 
+def rendezvous_bind_address(plan: Plan, local_only: bool, addresses: list) -> str:
+    """Where the store listens: loopback for a job on this machine alone, the training interface's address
+    with ``--network-interface``, else every interface (a discovery script may name any host later)."""
+    if local_only:
+        return "127.0.0.1"
+    if plan.network_interface:
+        return addresses[0]
+    return "0.0.0.0"
+
+
 #: variables of hvpsrun's environment that describe this host or session, not the job: a remote worker's
 #: login shell sets its own (everything else is forwarded, as horovodrun does)
 _SESSION_ONLY = re.compile(r"(HOSTNAME|HOME|USER|LOGNAME|MAIL|SHELL|PWD|OLDPWD|SHLVL|_|TERM|TERMCAP|COLUMNS|LINES|"
@@ -190,7 +201,8 @@ def ssh_command(plan: Plan, host: str) -> list:
         cmd += ["-p", str(plan.ssh_port)]
     if plan.ssh_identity_file:
         cmd += ["-i", plan.ssh_identity_file]
-    return cmd + [host, remote]
+    hostlib.check_name(host, "ssh")
+    return cmd + ["--", host, remote]  # "--": a host name is never read as an option of ssh
 
 
 def ssh_input(env: Mapping[str, str]) -> bytes:
@@ -282,7 +294,18 @@ class GlooJob:
         discovered = bool(self.plan.elastic and self.plan.elastic.get("discovery_script"))
         local_only = not discovered and hostlib.is_local_only(list(hosts), self.local)
         self.addresses = rendezvous_addresses(self.plan, local_only)
-        store = dist.TCPStore("0.0.0.0", 0, None, True, datetime.timedelta(seconds=300), wait_for_workers=False)
+        self.bound = rendezvous_bind_address(self.plan, local_only, self.addresses)
+        # torch's TCPStore listens on every interface whatever host it is given; a socket of our own, bound
+        # to one address, keeps strangers on other networks out (issue 38)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind((self.bound, 0))
+            listener.listen(128)
+        except OSError as exc:
+            listener.close()
+            raise LaunchError(f"cannot listen for the job's rendezvous on {self.bound}: {exc.strerror}") from None
+        store = dist.TCPStore(self.bound, listener.getsockname()[1], None, True, datetime.timedelta(seconds=300),
+                              wait_for_workers=False, master_listen_fd=listener.detach())
         self.port, self.secret = store.port, secrets.token_hex(32)
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, self._on_signal)

@@ -27,13 +27,36 @@ class Host:
         return f"[{self.name}]:{self.slots}" if self.is_ipv6 else f"{self.name}:{self.slots}"
 
 
+#: the most slots one host may have (a bigger number is a typo, not a machine)
+MAX_SLOTS = 1 << 16
+#: the largest hostfile hvpsrun reads
+MAX_HOSTFILE_BYTES = 1 << 20
+_NAME_CHARS = re.compile(r"^[A-Za-z0-9_.:%\[\]-]+$")
+
+
+def check_name(name: str, where: str) -> str:
+    """``name`` when it can only be a host name: never an option of ssh or mpirun (a leading ``-``), no
+    spaces or control characters, at most 255 characters; LaunchError otherwise."""
+    if name.startswith("-"):
+        raise LaunchError(f"{where}: host name {name[:80]!r} starts with '-' (ssh and mpirun would read it as an "
+                          "option); give the host's name or address")
+    if len(name) > 255 or not _NAME_CHARS.match(name):
+        raise LaunchError(f"{where}: {name[:80]!r} is not a host name (letters, digits, '.', '-', '_', at most 255; "
+                          "an IPv6 address in brackets)")
+    return name
+
+
 def _slots(text: str, where: str) -> int:
-    try:
-        slots = int(text)
-    except ValueError:
-        raise LaunchError(f"{where}: slots {text!r} is not a whole number; write e.g. host1:2") from None
+    if not text.isdigit() or len(text) > 6:
+        try:
+            int(text)
+        except ValueError:
+            raise LaunchError(f"{where}: slots {text!r} is not a whole number; write e.g. host1:2") from None
+    slots = int(text)
     if slots < 1:
         raise LaunchError(f"{where}: slots must be >= 1")
+    if slots > MAX_SLOTS:
+        raise LaunchError(f"{where}: {text[:40]} slots is more than one host can have (at most {MAX_SLOTS})")
     return slots
 
 
@@ -56,7 +79,8 @@ def parse_hosts(spec: str) -> list:
             name, slots = item, "1"
         elif ":" in name and not (name.startswith("[") and name.endswith("]")):
             raise LaunchError(f"-H {item}: write an IPv6 address in brackets, e.g. [{item}]:1 or [::1]:2")
-        hosts.append(Host(name.strip("[]"), _slots(slots, f"-H {item}")))
+        check_name(name, f"-H {item[:80]}")
+        hosts.append(Host(name.strip("[]"), _slots(slots, f"-H {item[:80]}")))
     if not hosts:
         raise LaunchError(f"-H {spec!r} names no host; write e.g. -H host1:2,host2:2")
     return _merge(hosts)
@@ -72,6 +96,7 @@ def parse_hostfile_text(text: str, path: str = "<hostfile>") -> list:
         match = _HOSTFILE_LINE.match(line)
         if not match:
             raise LaunchError(f"{path}:{number}: cannot read {raw.strip()!r}; write lines like 'host1 slots=2'")
+        check_name(match["host"], f"{path}:{number}")
         hosts.append(Host(match["host"].strip("[]"), _slots(match["slots"] or "1", f"{path}:{number}")))
     if not hosts:
         raise LaunchError(f"hostfile {path} lists no host; write lines like 'host1 slots=2'")
@@ -79,11 +104,31 @@ def parse_hostfile_text(text: str, path: str = "<hostfile>") -> list:
 
 
 def parse_hostfile(path: str) -> list:
+    """The hosts of a hostfile: a regular file of at most MAX_HOSTFILE_BYTES (a FIFO would hang the launch,
+    /dev/zero would fill the memory)."""
+    import os
+    import stat
+
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise LaunchError(f"cannot read hostfile {path}: {exc.strerror}; check --hostfile") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise LaunchError(f"--hostfile {path} is not a regular file; give a file of lines 'host slots=N'")
+        if info.st_size > MAX_HOSTFILE_BYTES:
+            raise LaunchError(f"--hostfile {path} holds {info.st_size} bytes, more than a hostfile's "
+                              f"{MAX_HOSTFILE_BYTES}; give a file of lines 'host slots=N'")
+        data = os.read(fd, MAX_HOSTFILE_BYTES + 1)
+    except OSError as exc:
+        raise LaunchError(f"cannot read hostfile {path}: {exc.strerror}; check --hostfile") from None
+    finally:
+        os.close(fd)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise LaunchError(f"--hostfile {path} is not UTF-8 text; give a file of lines 'host slots=N'") from None
     return parse_hostfile_text(text, path)
 
 

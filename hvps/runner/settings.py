@@ -83,6 +83,7 @@ class LaunchSettings:
     slots_per_host: Optional[int] = None
     elastic_timeout: float = 600.0
     reset_limit: Optional[int] = None
+    resets_without_commit: int = 8
     blacklist_cooldown_range: Optional[tuple] = None
     discovery_interval: float = 1.0
     extra_env: dict = field(default_factory=dict)
@@ -238,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "the job fails (default 600)")
     elastic.add_argument("--reset-limit", type=_non_negative(int), metavar="N",
                          help="fail the job after N resets (membership changes after the first); default: no limit")
+    elastic.add_argument("--resets-without-commit", type=_positive, default=8, metavar="N",
+                         help="fail the job when a worker's elastic loop resets N times in a row without completing "
+                              "a commit (default 8)")
     elastic.add_argument("--blacklist-cooldown-range", type=_non_negative(float), nargs=2, metavar=("MIN", "MAX"),
                          help="a host whose worker failed may come back after MIN seconds, doubling with each "
                               "further failure up to MAX (default: blacklisted for good)")
@@ -288,6 +292,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> LaunchSettings:
         slots_per_host=args.slots_per_host,
         elastic_timeout=args.elastic_timeout,
         reset_limit=args.reset_limit,
+        resets_without_commit=args.resets_without_commit,
         blacklist_cooldown_range=_cooldown(args.blacklist_cooldown_range),
         discovery_interval=args.discovery_interval,
     )

@@ -95,18 +95,74 @@ def _fresh_keys(store: Any) -> Any:
 
 
 def start(comm: Any = None) -> Bootstrap:
-    """The bootstrap for this process (collective: every rank of the job calls it)."""
-    kind = "mpi" if comm is not None else launched_by(os.environ)
-    if kind == "mpi" or (kind == "alone" and _mpi4py_installed()):
-        return Bootstrap(_mpi_world(comm), "mpi")
-    secret = read_secret()
-    if kind == "hvpsrun":
-        return _hvpsrun(secret)
-    if kind == "torchrun":
-        return _torchrun(secret)
-    import torch.distributed as dist
+    """The bootstrap for this process (collective: every rank of the job calls it).
 
-    return Bootstrap(StoreComm(dist.HashStore(), 0, 1, secret), "alone", node=socket.gethostname(), secret=secret)
+    One secret rule for every launcher: with ``HVPS_SECRET``/``HVPS_SECRET_FILE`` set, the secret is read
+    (an unsafe file refused), and every rank checks that all of them hold the same one before anything
+    else crosses the wire (:func:`check_same_secret`); the control plane's key and the sealed data plane's
+    key exchange are then bound to it. Without one, rank 0 warns when something is exposed (:func:`warn_exposure`).
+    """
+    kind = "mpi" if comm is not None else launched_by(os.environ)
+    secret = read_secret()
+    if kind == "mpi" or (kind == "alone" and _mpi4py_installed()):
+        boot = Bootstrap(_mpi_world(comm), "mpi", secret=secret)
+    elif kind == "hvpsrun":
+        boot = _hvpsrun(secret)
+    elif kind == "torchrun":
+        boot = _torchrun(secret)
+    else:
+        import torch.distributed as dist
+
+        boot = Bootstrap(StoreComm(dist.HashStore(), 0, 1, secret), "alone", node=socket.gethostname(), secret=secret)
+    check_same_secret(boot.comm, secret)
+    warn_exposure(boot)
+    return boot
+
+
+_SECRET_CHECK = b"hvps: every rank holds the job's secret"
+
+
+def check_same_secret(comm: Any, secret: Optional[bytes]) -> None:
+    """Every rank of ``comm`` learns whether all of them hold ``secret`` (collective; one allgather of a
+    fresh nonce and an HMAC over it and the rank, never the secret); HvpsError on every rank otherwise."""
+    if comm.Get_size() == 1:
+        return
+    rank, nonce = comm.Get_rank(), os.urandom(16)
+    proof = None if secret is None else hmac.new(secret, _SECRET_CHECK + nonce + rank.to_bytes(4, "big"),
+                                                 hashlib.sha256).digest()
+    entries = comm.allgather([nonce, proof])
+    without = [r for r, (_, p) in enumerate(entries) if p is None]
+    if secret is None and len(without) == len(entries):
+        return
+    if without:
+        raise HvpsError(f"ranks {without} have no job secret but the others do (HVPS_SECRET/HVPS_SECRET_FILE): give "
+                        "every rank the same one")
+    other = [r for r, (n, p) in enumerate(entries)
+             if not hmac.compare_digest(bytes(p), hmac.new(secret, _SECRET_CHECK + bytes(n) + r.to_bytes(4, "big"),
+                                                           hashlib.sha256).digest())]
+    if other:
+        raise HvpsError(f"rank {rank}'s job secret (HVPS_SECRET/HVPS_SECRET_FILE) differs from that of ranks {other}: "
+                        "give every rank the same one")
+
+
+def warn_exposure(boot: Bootstrap) -> None:
+    """Rank 0's one warning when the job has no secret and a listener beyond loopback exposes something."""
+    if boot.secret is not None or boot.comm.Get_rank() != 0 or boot.comm.Get_size() == 1:
+        return
+    if boot.kind == "torchrun":
+        what = (f"torchrun's store (MASTER_ADDR={os.environ.get('MASTER_ADDR')}, MASTER_PORT="
+                f"{os.environ.get('MASTER_PORT')}) listens on every interface without authentication, and without a "
+                "job secret hvps sends its control plane's key through it in clear: anyone who reaches the port "
+                "during start-up can read it and pose as a rank")
+    elif boot.kind == "mpi" and env_text("HVPS_ENCRYPT", "0") not in ("0", "off", "false"):
+        what = ("HVPS_ENCRYPT's key exchange is not authenticated without a job secret: an attacker who can rewrite "
+                "MPI's traffic while init runs could put itself in the middle")
+    else:
+        return
+    logging.getLogger("hvps").warning(
+        "hvps: this job has no secret: %s. Give every rank the same HVPS_SECRET_FILE (an owner-only file, e.g. on "
+        "shared storage: python -c 'import secrets; print(secrets.token_hex(32))' > FILE; chmod 600 FILE); see "
+        "SECURITY.md", what)
 
 
 def read_secret() -> Optional[bytes]:
@@ -121,15 +177,23 @@ def read_secret() -> Optional[bytes]:
     path = env_text("HVPS_SECRET_FILE")
     if not path:
         return None
-    try:
-        info = os.stat(path)
-        with open(path, "rb") as f:
-            line = f.readline().strip()
+    try:  # never blocks (a FIFO), never follows a link planted at the name
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise HvpsError(f"HVPS_SECRET_FILE={path!r} cannot be read: {exc.strerror}") from None
-    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise HvpsError(f"HVPS_SECRET_FILE={path!r} may be read by others (mode {stat.filemode(info.st_mode)}); "
-                        f"chmod 600 {path}")
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise HvpsError(f"HVPS_SECRET_FILE={path!r} is not a regular file; give a file of at least 16 random bytes")
+        if info.st_uid != os.getuid():
+            raise HvpsError(f"HVPS_SECRET_FILE={path!r} belongs to user {info.st_uid}, not to this one "
+                            f"({os.getuid()}); use a file of your own, mode 600")
+        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise HvpsError(f"HVPS_SECRET_FILE={path!r} may be read or written by others (mode "
+                            f"{stat.filemode(info.st_mode)}); chmod 600 {path}")
+        line = os.read(fd, 4096).split(b"\n", 1)[0].strip()
+    finally:
+        os.close(fd)
     if len(line) < 16:
         raise HvpsError(f"HVPS_SECRET_FILE={path!r} holds {len(line)} bytes on its first line; give at least 16 "
                         "random bytes, e.g. python -c 'import secrets; print(secrets.token_hex(32))'")
@@ -223,6 +287,11 @@ class ElasticSession:
         if self.store is not None:
             membership.report_failure(self.store, self.secret, self.round, self.worker, reason)
 
+    def give_up(self, reason: str) -> None:
+        """Tell hvpsrun that this worker's elastic loop gave up (the job then fails with ``reason``)."""
+        if self.store is not None:
+            membership.report_gave_up(self.store, self.secret, self.worker, reason)
+
     def pending_notice(self) -> Optional[tuple]:
         """Rank 0's view: ``(timestamp, kind)`` of a host change that a round after this one brings."""
         if self.store is None or self.rank != 0:
@@ -243,7 +312,7 @@ def _elastic_join(store: Any, secret: Optional[bytes], where: str) -> Bootstrap:
     timeout = float(env_text("HVPS_ELASTIC_TIMEOUT", "600") or 600)
     deadline = time.monotonic() + timeout
     while True:
-        number = membership.latest_round(store, secret)
+        number = membership.latest_round(store, secret, elastic_session.round)
         if number > elastic_session.round:
             break
         if time.monotonic() > deadline:
@@ -261,7 +330,7 @@ def _elastic_join(store: Any, secret: Optional[bytes], where: str) -> Bootstrap:
     os.environ.update(slot.environment())  # scripts read Horovod's variables
 
     def abandon() -> None:
-        newer = membership.latest_round(store, secret)
+        newer = membership.latest_round(store, secret, number)
         if newer > number:
             raise membership.MembershipChanged(f"{where}: membership {newer} replaced {number} while joining it")
 

@@ -6,6 +6,9 @@ first on a loaded machine, before the next collective), after writing the time t
 Every other rank catches the HvpsError, writes ``time\\nmessage`` to ``$OUT/err.R``, waits
 (briefly) for the other survivors' files, and exits 3.
 
+``MODE=stopworker``: rank ``VICTIM`` SIGSTOPs itself before an allreduce; every other rank writes what it
+raised to ``$OUT/err.R`` (as ``kill``), then ends the job (issue 38: the stopped rank must be the one named).
+
 ``MODE=stop``: after a barrier, rank 0 SIGSTOPs itself outside any collective (writing the time to
 ``$OUT/stopped``); the others then start an allreduce and let its HvpsError end the script
 uncaught, as a training script would.
@@ -89,3 +92,34 @@ if MODE == "stop":
     time.sleep(0.2)
     hvps.allreduce(small, name="after.stop", op=hvps.Sum)  # raises: rank 0 never answers
     print(f"rank {rank}: NO ERROR", flush=True)
+
+if MODE == "stopworker":
+    victim = int(os.environ["VICTIM"])
+    hvps.allreduce(small, name="warm", op=hvps.Sum)
+    hvps.barrier()
+    inside = os.environ.get("INSIDE") == "1"  # stop once the large allreduce moves data, not before it
+    if rank == victim and not inside:
+        (OUT / "stopped").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(600)
+    try:
+        if inside:
+            handle = hvps.allreduce_async(large, name="large", op=hvps.Sum)
+            if rank == victim:
+                while handle._started is None and not handle.poll():
+                    time.sleep(0.001)
+                time.sleep(0.05)
+                (OUT / "stopped").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+                time.sleep(600)
+            handle.wait()
+        hvps.allreduce(small, name="after.stop", op=hvps.Sum)
+        print(f"rank {rank}: NO ERROR", flush=True)
+    except hvps.HvpsError as exc:
+        (OUT / f"err.{rank}").write_text(f"{time.time()!r}\n{exc}")
+        print(f"rank {rank} raised: {exc}", flush=True)
+    deadline = time.monotonic() + 10
+    survivors = [r for r in range(size) if r != victim]
+    while time.monotonic() < deadline and not all((OUT / f"err.{r}").exists() for r in survivors):
+        time.sleep(0.02)
+    sys.exit(3)

@@ -13,7 +13,13 @@ answer; rank 0 then waits until hvpsrun's notice has arrived, so the change land
 ``{"1": {"fail": [1], "how": "exit"}}`` makes ranks 1 fail: ``exit`` (status 1), ``kill`` (SIGKILL),
 ``raise`` (an exception out of the training function), ``stop`` (SIGSTOP), ``leave`` (status 0, Horovod issue 3852).
 An action happens once per job, or with ``"round": N`` whenever the epoch starts in rendezvous N
-(so that all of several ranks act, not only the first to get there).
+(so that all of several ranks act, not only the first to get there), or with ``"always": true`` every time.
+``"how": "hvps_error"`` raises an HvpsError (a failed collective, as every rank would see it).
+
+``{"1": {"forge": ["notice", "failed", "round"]}}`` makes rank 0 play a stranger who reaches the
+rendezvous store (issue 38): from then on a process of its own, on a connection of its own, keeps writing
+garbage to ``elastic/notice`` and to every ``elastic/failed/N/<worker>`` key of the next rounds, and the
+authentic value ``elastic/round`` held when it started (a replay).
 
 ``"at": "backward" | "between" | "step"`` moves a failure into the step of the epoch's batch 1, with
 gradients in flight, whenever the job has ``"size"`` ranks: ranks ``fail`` die there (``how``) and the
@@ -103,7 +109,50 @@ def die(how: str, epoch: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     if how == "raise":
         raise RuntimeError(f"rank {hvd.rank()} fails on purpose at epoch {epoch}")
+    if how == "hvps_error":
+        raise hvd.HvpsError(f"rank {hvd.rank()} fails a collective on purpose at epoch {epoch}")
     os._exit(0 if how == "leave" else 1)
+
+
+def forge(what: list) -> None:
+    """A stranger's writes to the rendezvous store, every 10 ms from now on (see the module's docstring), from
+    a process of its own that ends with this one."""
+    import subprocess
+
+    from hvps.control import membership
+
+    workers = sorted(membership.round_slots(elastic_session.store, elastic_session.secret, elastic_session.round))
+    ready = os.path.join(os.environ["OUT_DIR"], "forging")
+    subprocess.Popen([sys.executable, __file__, "forge", json.dumps(what), str(elastic_session.round),
+                      json.dumps(workers), ready], env=os.environ)
+    deadline = time.monotonic() + 150
+    while not os.path.exists(ready) and time.monotonic() < deadline:  # training goes on once it forges
+        time.sleep(0.05)
+
+
+def forger(what: list, first: int, workers: list, ready: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from hvps.control import membership
+
+    parent = os.getppid()
+    store = dist.TCPStore(os.environ["HVPS_RENDEZVOUS_ADDR"].split(",")[0], int(os.environ["HVPS_RENDEZVOUS_PORT"]),
+                          None, False, datetime.timedelta(seconds=120), wait_for_workers=False)
+    replay = store.get(membership.ROUND_KEY)
+    while os.getppid() == parent:
+        if "notice" in what:
+            store.set(membership.NOTICE_KEY, json.dumps({"round": 10 ** 6, "timestamp": 1e12, "kind": 3}))
+        if "failed" in what:
+            for number in range(first, first + 4):
+                for worker in workers:
+                    store.set(membership.failed_key(number, worker), "forged")
+        if "round" in what:
+            store.set(membership.ROUND_KEY, replay)
+        if not os.path.exists(ready):
+            open(ready, "w").close()
+        time.sleep(0.01)
 
 
 def act(schedule: dict, epoch: int, out_dir: str) -> None:
@@ -111,8 +160,11 @@ def act(schedule: dict, epoch: int, out_dir: str) -> None:
     marker = os.path.join(out_dir, f"done-{epoch}")
     if not what or "at" in what or ("round" in what and what["round"] != elastic_session.round):
         return
-    if "round" not in what and os.path.exists(marker):
+    if "round" not in what and not what.get("always") and os.path.exists(marker):
         return
+    if "forge" in what and hvd.rank() == 0 and not os.path.exists(marker + "-forge"):
+        open(marker + "-forge", "w").close()
+        forge(what["forge"])
     if "hosts" in what and hvd.rank() == 0:
         with open(os.environ["HOSTS_FILE"] + ".tmp", "w") as f:
             f.write(what["hosts"] + "\n")
@@ -164,5 +216,7 @@ def main() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["reference"]:
         print(json.dumps(reference()))
+    elif sys.argv[1:2] == ["forge"]:
+        forger(json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5])
     else:
         main()

@@ -1,5 +1,7 @@
 """One job of tests/test_encryption.py (MODE): a sealed collective whose chunk is damaged on one rank
-(``flip``, ``replay``, ``long``: HVPS_TEST_TAMPER), or a rank started without HVPS_ENCRYPT (``mismatch``).
+(``flip``, ``replay``, ``long``: HVPS_TEST_TAMPER), or a rank started without HVPS_ENCRYPT (``mismatch``), or
+``secret``: each rank's HVPS_SECRET from SECRET_<rank> (then $OUT/ok.RANK holds the bootstrap's kind and whether
+it carries the secret).
 Each rank writes what it raised to $OUT/err.RANK (seconds since the collective began, then the message)."""
 
 import os
@@ -14,6 +16,14 @@ mode, out = os.environ["MODE"], os.environ["OUT"]
 rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
 if mode == "mismatch" and rank == 1:
     os.environ.pop("HVPS_ENCRYPT", None)
+boots = []
+if mode == "secret":  # this rank's HVPS_SECRET (issue 38), and the bootstrap init builds on
+    from hvps.runtime import bootstrap
+
+    if os.environ.get(f"SECRET_{rank}"):
+        os.environ["HVPS_SECRET"] = os.environ[f"SECRET_{rank}"]
+    _start = bootstrap.start
+    bootstrap.start = lambda comm=None: boots.append(_start(comm)) or boots[-1]
 try:
     hvps.init()
 except hvps.HvpsError as exc:
@@ -22,6 +32,11 @@ except hvps.HvpsError as exc:
     sys.exit(0)
 if mode == "mismatch":
     print("NO ERROR at init", flush=True)
+    sys.exit(0)
+if mode == "secret":
+    assert hvps.allreduce(np.ones(1000), op=hvps.Sum)[0] == hvps.size()  # sealed, keys bound to the secret
+    with open(f"{out}/ok.{rank}", "w") as f:
+        f.write(f"{boots[0].kind} {boots[0].secret == bootstrap.read_secret()} {boots[0].secret is not None}")
     sys.exit(0)
 size = hvps.size()
 assert hvps.allreduce(np.ones(1000), op=hvps.Sum)[0] == size  # sealed and well

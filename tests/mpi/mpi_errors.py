@@ -207,6 +207,45 @@ def test_a_rank_that_refuses_its_arguments_fails_everyone_at_once_and_names_stay
     _healthy(key)
 
 
+def test_a_nan_or_infinite_scale_factor_is_refused_as_not_finite_on_every_rank(request):
+    """Issue 38: a NaN prescale_factor, given alike on every rank, was reported as a mismatch between ranks
+    (NaN is not equal to itself). It is an argument error, at once, on every rank; the job goes on."""
+    start = time.monotonic()
+    for scales in ({"prescale_factor": float("nan")}, {"postscale_factor": float("inf")}):
+        with pytest.raises(ValueError, match="is not a finite number"):
+            hvps.allreduce(np.ones(3, np.float32), op=hvps.Sum, **scales)
+        with pytest.raises(ValueError, match="is not a finite number"):
+            hvps.allreduce(np.ones(3, np.float32), op=hvps.Sum, name="nan.named", **scales)
+    assert time.monotonic() - start < STALL / 2
+    _healthy(request.node.name)
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_an_unpicklable_object_fails_every_rank_at_once_with_the_owners_reason(named, request):
+    """Issue 38: an object that cannot be pickled on broadcast_object's root left the others waiting out the
+    stall time, and the job was then dead. Now every rank fails at once with the root's reason (and likewise
+    for allgather_object on the last rank), and the next object collectives work."""
+    size, rank = hvps.size(), hvps.rank()
+    name = "obj.bad" if named else None
+    for which, owner in (("broadcast", size - 1), ("allgather", size - 1)):
+        start = time.monotonic()
+        obj = (lambda: rank) if rank == owner else {"rank": rank}
+        call = (lambda: hvps.broadcast_object(obj, root_rank=owner, name=name)) if which == "broadcast" else \
+            (lambda: hvps.allgather_object(obj, name=name))
+        if rank == owner:
+            with pytest.raises(Exception, match="pickle"):
+                call()
+        else:
+            with pytest.raises(hvps.HvpsError) as info:
+                call()
+            message = str(info.value)
+            assert f"failed on ranks [{owner}]" in message and "cannot be pickled" in message, message
+        assert time.monotonic() - start < STALL / 2, f"{which}: {time.monotonic() - start:.1f} s"
+    assert hvps.broadcast_object({"from": size - 1}, root_rank=size - 1) == {"from": size - 1}
+    assert hvps.allgather_object(rank) == list(range(size))
+    _healthy(request.node.name)
+
+
 def test_everything_still_works_at_the_end(request):
     size, rank = hvps.size(), hvps.rank()
     for i in range(5):
