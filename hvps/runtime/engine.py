@@ -95,7 +95,7 @@ class Engine:
         self.contexts = {GLOBAL_SET: Context(backend, self.rank, self.size, fusion=FusionBuffer())}
         self.control = ControlPlane(comm, key=control_key, fanout=settings.control_fanout)
         self.coordinator = (
-            Coordinator(self.size, settings.fusion_threshold, settings.stall_check_seconds)
+            Coordinator(self.size, settings.fusion_threshold, settings.stall_fail_seconds, settings.stall_warn_seconds)
             if self.rank == 0
             else None
         )
@@ -155,7 +155,7 @@ class Engine:
         self._stopping = False
         self.timeline = None
         if settings.timeline and settings.timeline != "DYNAMIC":  # DYNAMIC: start_timeline() later
-            self.start_timeline(settings.timeline)
+            self.start_timeline(settings.timeline, settings.timeline_mark_cycles)
         if self.autotuner is not None:
             self._tune(self.autotuner.first())
         # A dead rank fails what is in flight at once, even while this thread is inside a transfer.
@@ -194,7 +194,7 @@ class Engine:
             for entry in entries:
                 # join() waits for ranks still training, for as long as they train: no watchdog.
                 request = entry.request
-                patience = math.inf if request.kind == JOIN else self.settings.stall_check_seconds
+                patience = math.inf if request.kind == JOIN else self.settings.stall_fail_seconds
                 entry.handle = Handle(request.name, (entry.inputs, entry.outputs), patience, expedite=self._expedite)
                 handles.append(entry.handle)
                 self._unclaimed[request.name] = entry.handle
@@ -333,7 +333,7 @@ class Engine:
         if why is None:
             handle = self.submit(Entry(Request("shutdown", SHUTDOWN), []))
             try:
-                handle.wait(timeout=self.settings.stall_check_seconds + 5)
+                handle.wait(timeout=self.settings.stall_fail_seconds + 5)
             except HvpsError as exc:
                 why = f"the ranks did not agree to shut down: {exc}"
         with self._lock:
@@ -374,6 +374,9 @@ class Engine:
     def _cycle(self, timeout: Optional[float]) -> None:
         """One turn: read the control plane, take the queue, negotiate, execute (the cycle lock is held)."""
         messages, closed = self.control.poll(timeout)
+        timeline = self.timeline
+        if timeline is not None and timeline.mark_cycles:
+            timeline.mark("CYCLE_START")
         self._take_queue()
         if self.rank == 0:
             self._coordinate(messages, closed)
@@ -645,9 +648,10 @@ class Engine:
         for entry in entries:
             if entry is not None:
                 name = entry.request.name
-                timeline.span(name, "NEGOTIATE", entry.handle.submitted_at, started)
+                timeline.span(name, f"NEGOTIATE_{response.kind.upper()}", entry.handle.submitted_at, started)
                 timeline.span(name, response.kind.upper(), started, ended,
-                                   {"fused": len(response.names), "dtype": entry.request.dtype})
+                              {"fused": len(response.names), "dtype": entry.request.dtype})
+        timeline.flush()
 
     def _report_error(self, response, entries: list) -> None:
         mine = [e for e in entries if e is not None]

@@ -60,7 +60,7 @@ class TorchDistBackend(Backend):
         self.settings = settings
         self.comm = comm if owned else comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.timeout = datetime.timedelta(seconds=max(1.0, settings.stall_check_seconds))
+        self.timeout = datetime.timedelta(seconds=max(1.0, settings.stall_fail_seconds))
         self._groups: dict = {}
         store = None
         if self.rank == 0:
