@@ -125,6 +125,10 @@ class Engine:
         #: name -> the handle last submitted under it, while the handle lives: its name stays in use until
         #: a wait() takes the result (whether or not the collective has finished)
         self._unclaimed: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        #: the handles of the latest submission, held until the next one: a handle the caller dropped keeps its
+        #: name in use until this rank submits something else, so that submitting one name twice in a row is an
+        #: error whether or not the first has finished meanwhile (Horovod's duplicate-name tests drop the handle)
+        self._latest: list = []
         self._wake_pending = False
         #: until then the engine polls its queue every cycle (submitters need not wake it)
         self._active_until = 0.0
@@ -187,8 +191,8 @@ class Engine:
                 if earlier is not None and not earlier.claimed:
                     raise DuplicateNameError(
                         f"a collective named '{name}' finished on rank {self.rank} but nothing has waited for its "
-                        "result yet (wait() or synchronize() on its handle, or drop the handle); names must be "
-                        "unique among outstanding operations")
+                        "result yet (wait() or synchronize() on its handle, or drop the handle and submit something "
+                        "else first); names must be unique among outstanding operations")
                 seen.add(name)
             handles = []
             for entry in entries:
@@ -200,6 +204,7 @@ class Engine:
                 self._unclaimed[request.name] = entry.handle
                 self._queue.append(entry)
                 self._queued_names.add(request.name)
+            self._latest = handles
             # A wake-up costs the submitting (training) thread a syscall, a context
             # switch and the GIL (~150 us). Backward hooks submit in bursts, so while
             # the engine is active it polls its queue every cycle instead (as
