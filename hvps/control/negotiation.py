@@ -273,7 +273,8 @@ class Coordinator:
                     ready.append(self._stalled(name, pending, present, members))
                     del self._table[name]
                     released.update(pending.ranks())
-                elif self.warn_seconds is not None and not pending.warned and now - pending.first_seen >= self.warn_seconds:
+                elif (self.warn_seconds is not None and not pending.warned
+                      and now - pending.first_seen >= self.warn_seconds):
                     pending.warned = True
                     kind = next(iter(pending.by_rank.values())).kind
                     logging.getLogger("hvps").warning(

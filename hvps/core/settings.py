@@ -25,7 +25,8 @@ VARIABLES: dict[str, str] = {
     "HVPS_SPIN_WAIT_MICROSECONDS": "how long a thread waiting alone on a collective runs the engine itself; 0: never",
     "HVPS_STALL_CHECK_TIME_SECONDS": "a collective missing on some rank fails after this long (only warns when "
                                      "HVPS_STALL_SHUTDOWN_TIME_SECONDS is longer)",
-    "HVPS_STALL_SHUTDOWN_TIME_SECONDS": "s after which a stalled collective fails (Horovod's meaning); 0: at the check time",
+    "HVPS_STALL_SHUTDOWN_TIME_SECONDS": "s after which a stalled collective fails (Horovod's meaning); "
+                                        "0: at the check time",
     "HVPS_ALLREDUCE_ALGORITHM": "ring, mpi or auto",
     "HVPS_RING_CHUNK_BYTES": "message size of the ring algorithm",
     "HVPS_BACKEND": "data plane: mpi, tdist, horovod or auto",
