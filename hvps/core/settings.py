@@ -122,9 +122,10 @@ def _lookup(name: str, env: Optional[Mapping[str, str]] = None) -> tuple:
         return name, value
     if value is None:
         return twin, other
-    if (name, twin) not in _reported and other != value:
+    if (name, twin) not in _reported:  # one line per pair and process: a warning where they disagree
         _reported.add((name, twin))
-        logging.getLogger("hvps").info("hvps: %s=%s and %s=%s are both set; %s wins", name, value, twin, other, name)
+        logging.getLogger("hvps").log(logging.WARNING if other != value else logging.INFO,
+                                      "hvps: %s=%s and %s=%s are both set; %s wins", name, value, twin, other, name)
     return name, value
 
 
