@@ -506,6 +506,7 @@ def test_nvidia_smi_fallback_parses_its_csv_and_topology(tmp_path):
 def test_hvpsrun_doctor_runs_before_the_command(capsys):
     from hvps.runner.launch import main as hvpsrun
 
-    assert hvpsrun(["-np", "2", "--doctor", "--dry-run", "python", "-c", "pass"]) == 0
+    # the running interpreter, not "python": a Debian machine may have only python3 on PATH
+    assert hvpsrun(["-np", "2", "--doctor", "--dry-run", sys.executable, "-c", "pass"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and lines[0].endswith("-m hvps.doctor --all-ranks") and lines[1].endswith("-c pass")

@@ -25,6 +25,19 @@ def test_waits_for_every_rank_then_answers_in_submission_order():
     assert not c.busy
 
 
+def test_horovod_stall_times_warn_at_the_check_time_and_fail_at_the_shutdown_time(caplog):
+    c = Coordinator(size=2, fusion_threshold=0, stall_seconds=5, warn_seconds=2)
+    c.submit(0, [allreduce("late")], now=100)
+    assert c.next_deadline() == 102
+    with caplog.at_level("WARNING", logger="hvps"):
+        assert c.poll(now=102) == [] and c.poll(now=103) == []
+    warned = [r.getMessage() for r in caplog.records if "stall warning" in r.getMessage()]
+    assert len(warned) == 1 and "'late'" in warned[0] and "ranks [1]" in warned[0]
+    assert c.next_deadline() == 105
+    (response,) = c.poll(now=105)
+    assert "within 5 s (HVPS_STALL_SHUTDOWN_TIME_SECONDS)" in response.error
+
+
 def test_mismatched_shapes_name_the_tensor_and_ranks():
     c = Coordinator(size=3, fusion_threshold=0, stall_seconds=10)
     c.submit(0, [allreduce("w", (4, 3))], 0)

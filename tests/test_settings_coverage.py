@@ -2,12 +2,15 @@
 README's settings table, and only ``hvps.core.settings`` reads one from ``os.environ``."""
 
 import ast
+import logging
 import re
 from pathlib import Path
 
 import pytest
 
-from hvps.core.settings import VARIABLES, env_text
+from hvps.core.errors import HvpsError
+from hvps.core.settings import (ALIASES, LAUNCHER_VARIABLES, VARIABLES, Settings, env_text,
+                                unhonoured_horovod_variables, warn_unhonoured_horovod_variables)
 
 pytestmark = pytest.mark.unit
 
@@ -99,3 +102,61 @@ def test_unlisted_names_are_refused(monkeypatch):
     assert env_text("HVPS_FUSION_THRESHOLD", "7") == "7"
     with pytest.raises(KeyError, match="not an hvps setting"):
         env_text("HVPS_NO_SUCH_SETTING")
+
+
+def test_every_horovod_alias_names_a_listed_setting_and_is_in_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("### Horovod's variables", 1)[1].split("\n## ", 1)[0]
+    assert all(twin in VARIABLES for twin in ALIASES.values())
+    assert not [name for name, twin in ALIASES.items() if f"| `{name}` | `{twin}` |" not in table]
+    assert not set(ALIASES) & LAUNCHER_VARIABLES
+
+
+def test_a_horovod_alias_is_read_when_its_twin_is_unset_and_loses_when_both_are(monkeypatch, caplog):
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "3.5")
+    monkeypatch.setenv("HOROVOD_TIMELINE", "/tmp/t.json")
+    monkeypatch.setenv("HOROVOD_TIMELINE_MARK_CYCLES", "1")
+    monkeypatch.setenv("HOROVOD_STALL_CHECK_TIME_SECONDS", "2")
+    monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "5")
+    monkeypatch.delenv("HVPS_CYCLE_TIME", raising=False)
+    monkeypatch.delenv("HVPS_STALL_CHECK_TIME_SECONDS", raising=False)
+    monkeypatch.delenv("HVPS_STALL_SHUTDOWN_TIME_SECONDS", raising=False)
+    monkeypatch.delenv("HVPS_TIMELINE", raising=False)
+    monkeypatch.delenv("HVPS_TIMELINE_MARK_CYCLES", raising=False)
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1024")
+    monkeypatch.setenv("HVPS_FUSION_THRESHOLD", "2048")
+    with caplog.at_level(logging.INFO, logger="hvps"):
+        settings = Settings.from_env()
+        Settings.from_env()
+    assert settings.cycle_time_ms == 3.5 and settings.timeline == "/tmp/t.json" and settings.timeline_mark_cycles
+    assert (settings.stall_warn_seconds, settings.stall_fail_seconds) == (2.0, 5.0)
+    assert settings.fusion_threshold == 2048
+    both = [r for r in caplog.records if "both set" in r.getMessage()]
+    assert len(both) == 1 and "HVPS_FUSION_THRESHOLD wins" in both[0].getMessage()
+
+
+def test_a_bad_horovod_value_is_named_as_written(monkeypatch):
+    monkeypatch.delenv("HVPS_CYCLE_TIME", raising=False)
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "fast")
+    with pytest.raises(HvpsError, match=r"^HOROVOD_CYCLE_TIME='fast' is not a number"):
+        Settings.from_env()
+    monkeypatch.setenv("HVPS_CYCLE_TIME", "fast")
+    with pytest.raises(HvpsError, match=r"^HVPS_CYCLE_TIME='fast' is not a number"):
+        Settings.from_env()
+    monkeypatch.delenv("HVPS_HIERARCHICAL_ALLREDUCE", raising=False)
+    monkeypatch.setenv("HVPS_CYCLE_TIME", "1")
+    monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLREDUCE", "yes")
+    with pytest.raises(HvpsError, match=r"^HOROVOD_HIERARCHICAL_ALLREDUCE='yes' is unknown"):
+        Settings.from_env()
+
+
+def test_unhonoured_horovod_variables_are_warned_once_and_launchers_are_not(caplog):
+    env = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0", "HOROVOD_CYCLE_TIME": "2",
+           "HOROVOD_GLOO_TIMEOUT_SECONDS": "30", "HOROVOD_AUTOTUNE_LOG": "/tmp/at.csv"}
+    assert unhonoured_horovod_variables(env) == ["HOROVOD_AUTOTUNE_LOG", "HOROVOD_GLOO_TIMEOUT_SECONDS"]
+    with caplog.at_level(logging.WARNING, logger="hvps"):
+        first = warn_unhonoured_horovod_variables(env)
+        again = warn_unhonoured_horovod_variables(env)
+    assert first == ["HOROVOD_AUTOTUNE_LOG", "HOROVOD_GLOO_TIMEOUT_SECONDS"] and again == []
+    warned = [r.getMessage() for r in caplog.records if "does not honour" in r.getMessage()]
+    assert len(warned) == 1 and "HOROVOD_GLOO_TIMEOUT_SECONDS" in warned[0] and "HOROVOD_RANK" not in warned[0]

@@ -28,7 +28,9 @@ def test_step_gap_benchmark_tiny_end_to_end(tmp_path):
         assert len(result["per_round_s"][impl]) == 1 and result["per_round_s"][impl][0] > 0
         assert all(t > 0 for t in result["jobs"][impl][0]["times_s"])
     for key in ("gap_ratio", "hvps_vs_ddp", "hvps_vs_nocomm"):
-        assert math.isfinite(result[key]) and result[key] > 0, (key, result[key])
+        # finite only: the sign and size of a speed ratio are for benchmarks/RESULTS.md, not pass/fail
+        # (gap_ratio, a difference of step times, is negative whenever hvps's round happens to beat no-comm's)
+        assert math.isfinite(result[key]), (key, result[key])
         assert len(result["per_round"][key]) == 1
     assert result["host"]["nproc"] >= 1 and result["command"][1].endswith("step_gap.py")
     assert "gap_ratio" in proc.stdout and "hvps_vs_ddp" in proc.stdout

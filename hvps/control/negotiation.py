@@ -8,6 +8,7 @@ ranks, so every rank executes the same collectives in the same order.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -126,6 +127,8 @@ class _Pending:
     count: int = 0
     #: whether ``by_rank`` holds ranges
     grouped: bool = False
+    #: whether the stall warning (Horovod's check time, before the shutdown time) was given
+    warned: bool = False
 
     def add(self, who, request: Request) -> None:
         """Record ``request`` from ``who``: a rank, or a ``range`` of ranks."""
@@ -150,10 +153,15 @@ class _Pending:
 class Coordinator:
     """Matches submissions across ``size`` ranks, detects mismatches and stalls, plans fusion."""
 
-    def __init__(self, size: int, fusion_threshold: int, stall_seconds: float) -> None:
+    def __init__(self, size: int, fusion_threshold: int, stall_seconds: float,
+                 warn_seconds: Optional[float] = None) -> None:
         self.size = size
         self.fusion_threshold = fusion_threshold
+        #: a collective short of submissions fails after this long
         self.stall_seconds = stall_seconds
+        #: ... and is warned about (once) after this long, when it is shorter (Horovod's check and shutdown times)
+        self.warn_seconds = warn_seconds if warn_seconds is not None and warn_seconds < stall_seconds else None
+        self._first_look = self.stall_seconds if self.warn_seconds is None else self.warn_seconds
         self._table: dict[str, _Pending] = {}
         self._joined: list[int] = []
         self._shutdown: set[int] = set()
@@ -174,7 +182,7 @@ class Coordinator:
         """When the oldest pending collective stalls, or None."""
         if not self._table:
             return None
-        return min(p.first_seen for p in self._table.values()) + self.stall_seconds
+        return min(p.first_seen + (self.stall_seconds if p.warned else self._first_look) for p in self._table.values())
 
     def submit(self, rank, requests: list, now: float) -> None:
         """Record requests that ``rank`` (a rank, or a ``range`` of ranks that all announced the same,
@@ -236,7 +244,7 @@ class Coordinator:
         for name in list(self._table):
             pending = self._table[name]
             if (settled and not released and not pending.failed and pending.count < pending.needed
-                    and now - pending.first_seen < self.stall_seconds):
+                    and now - pending.first_seen < (self.stall_seconds if pending.warned else self._first_look)):
                 continue
             set_id = next(iter(pending.by_rank.values())).process_set
             members = self.sets.get(set_id)
@@ -265,6 +273,14 @@ class Coordinator:
                     ready.append(self._stalled(name, pending, present, members))
                     del self._table[name]
                     released.update(pending.ranks())
+                elif (self.warn_seconds is not None and not pending.warned
+                      and now - pending.first_seen >= self.warn_seconds):
+                    pending.warned = True
+                    kind = next(iter(pending.by_rank.values())).kind
+                    logging.getLogger("hvps").warning(
+                        "hvps stall warning: %s '%s' was submitted by ranks %s but ranks %s have not submitted it for "
+                        "%g s; it fails after %g s (HVPS_STALL_SHUTDOWN_TIME_SECONDS)", kind, name,
+                        sorted(pending.ranks()), sorted(set(members) - present), self.warn_seconds, self.stall_seconds)
                 continue
             del self._table[name]
             response = self._check(name, pending, joined if set_id == GLOBAL_SET else set(), members)
@@ -330,6 +346,10 @@ class Coordinator:
             self._failed[name] = (error, waiting)
         return Response(kind, [name], error=error)
 
+    @property
+    def _stall_variable(self) -> str:
+        return "HVPS_STALL_CHECK_TIME_SECONDS" if self.warn_seconds is None else "HVPS_STALL_SHUTDOWN_TIME_SECONDS"
+
     def _stalled(self, name: str, pending: _Pending, present: set, members: tuple) -> Response:
         missing = sorted(set(members) - present)
         submitted = sorted(pending.ranks())
@@ -339,7 +359,7 @@ class Coordinator:
             [name],
             error=(
                 f"hvps stall: {kind} '{name}' was submitted by ranks {submitted} but ranks {missing} "
-                f"did not submit it within {self.stall_seconds:g} s (HVPS_STALL_CHECK_TIME_SECONDS). "
+                f"did not submit it within {self.stall_seconds:g} s ({self._stall_variable}). "
                 "Every rank must submit the same collectives; check for rank-dependent control flow "
                 "or a rank that died or stopped early."
             ),

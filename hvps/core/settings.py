@@ -10,6 +10,7 @@ engine's at ``init``; the others are read where they are used, through :func:`en
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -22,7 +23,10 @@ VARIABLES: dict[str, str] = {
     "HVPS_FUSION_THRESHOLD": "bytes per fusion buffer; 0 turns fusion off",
     "HVPS_CYCLE_TIME": "ms between negotiation cycles",
     "HVPS_SPIN_WAIT_MICROSECONDS": "how long a thread waiting alone on a collective runs the engine itself; 0: never",
-    "HVPS_STALL_CHECK_TIME_SECONDS": "a collective missing on some rank fails after this long",
+    "HVPS_STALL_CHECK_TIME_SECONDS": "a collective missing on some rank fails after this long (only warns when "
+                                     "HVPS_STALL_SHUTDOWN_TIME_SECONDS is longer)",
+    "HVPS_STALL_SHUTDOWN_TIME_SECONDS": "s after which a stalled collective fails (Horovod's meaning); "
+                                        "0: at the check time",
     "HVPS_ALLREDUCE_ALGORITHM": "ring, mpi or auto",
     "HVPS_RING_CHUNK_BYTES": "message size of the ring algorithm",
     "HVPS_BACKEND": "data plane: mpi, tdist, horovod or auto",
@@ -35,6 +39,8 @@ VARIABLES: dict[str, str] = {
     "HVPS_AUTOTUNE_WARMUP_STEPS": "steps each autotune candidate runs before it is measured",
     "HVPS_AUTOTUNE_STEPS_PER_SAMPLE": "steps each autotune candidate is measured over",
     "HVPS_TIMELINE": "file rank 0 writes a Chrome-trace timeline to from init on",
+    "HVPS_TIMELINE_MARK_CYCLES": "1: the timeline marks the start of each engine cycle (CYCLE_START)",
+    "HVPS_LOG_LEVEL": "level of the 'hvps' logger from init on: trace, debug, info, warning, error or fatal",
     # topology and the control plane
     "HVPS_LOCAL_SIZE": "ranks per node, overriding discovery",
     "HVPS_NETWORK_INTERFACE": "interface whose address the control plane (and gloo) offers",
@@ -70,41 +76,126 @@ VARIABLES: dict[str, str] = {
 }
 
 
+#: Horovod's variable -> its hvps twin. The twin is read first; the Horovod name only when the twin is unset.
+ALIASES: dict[str, str] = {
+    "HOROVOD_FUSION_THRESHOLD": "HVPS_FUSION_THRESHOLD",
+    "HOROVOD_CYCLE_TIME": "HVPS_CYCLE_TIME",
+    "HOROVOD_CACHE_CAPACITY": "HVPS_CACHE_CAPACITY",
+    "HOROVOD_HIERARCHICAL_ALLREDUCE": "HVPS_HIERARCHICAL_ALLREDUCE",
+    "HOROVOD_TIMELINE": "HVPS_TIMELINE",
+    "HOROVOD_TIMELINE_MARK_CYCLES": "HVPS_TIMELINE_MARK_CYCLES",
+    "HOROVOD_STALL_CHECK_TIME_SECONDS": "HVPS_STALL_CHECK_TIME_SECONDS",
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "HVPS_STALL_SHUTDOWN_TIME_SECONDS",
+    "HOROVOD_AUTOTUNE": "HVPS_AUTOTUNE",
+    "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "HVPS_AUTOTUNE_STEPS_PER_SAMPLE",
+    "HOROVOD_LOG_LEVEL": "HVPS_LOG_LEVEL",
+    "HOROVOD_GLOO_IFACE": "HVPS_NETWORK_INTERFACE",
+    "HOROVOD_DYNAMIC_PROCESS_SETS": "HVPS_DYNAMIC_PROCESS_SETS",
+}
+_TWINS = {hvps: horovod for horovod, hvps in ALIASES.items()}
+
+#: HOROVOD_* variables that launchers set for their workers (horovodrun, hvpsrun --gloo, Horovod's Gloo and
+#: elastic drivers, Spark and Ray runners): facts about the job, not settings, so never warned about
+LAUNCHER_VARIABLES = frozenset({
+    "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
+    "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT",
+    "HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS", "HOROVOD_ELASTIC", "HOROVOD_SECRET_KEY",
+    "HOROVOD_GLOO_GLOBAL_PREFIX", "HOROVOD_GLOO_LOCAL_PREFIX", "HOROVOD_GLOO_CROSS_PREFIX",
+})
+
+#: (hvps name, Horovod name) pairs already reported as both set; names already warned as unhonoured
+_reported: set = set()
+
+
 def _known(name: str) -> str:
     if name not in VARIABLES:
         raise KeyError(f"{name} is not an hvps setting; add it to hvps.core.settings.VARIABLES and the README")
     return name
 
 
+def _lookup(name: str, env: Optional[Mapping[str, str]] = None) -> tuple:
+    """``(the variable as the user wrote it, its value or None)`` for setting ``name``: ``$name``, else its
+    Horovod twin (:data:`ALIASES`). When both are set, ``$name`` wins, and one log line says so."""
+    env = os.environ if env is None else env
+    value = env.get(_known(name)) or None
+    twin = _TWINS.get(name)
+    other = env.get(twin) or None if twin else None
+    if other is None:
+        return name, value
+    if value is None:
+        return twin, other
+    if (name, twin) not in _reported:  # one line per pair and process: a warning where they disagree
+        _reported.add((name, twin))
+        logging.getLogger("hvps").log(logging.WARNING if other != value else logging.INFO,
+                                      "hvps: %s=%s and %s=%s are both set; %s wins", name, value, twin, other, name)
+    return name, value
+
+
 def env_text(name: str, default: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """``$name`` (``default`` when unset or empty)."""
-    value = (os.environ if env is None else env).get(_known(name))
-    return default if value in (None, "") else value
+    """``$name``, else its Horovod twin's value (``default`` when both are unset or empty).
+
+    Args:
+        name: an ``HVPS_*`` name listed in :data:`VARIABLES`.
+        default: what an unset variable reads as.
+        env: the environment to read (``os.environ`` when None).
+
+    Returns:
+        The value, or ``default``.
+
+    Raises:
+        KeyError: ``name`` is not listed in :data:`VARIABLES`.
+    """
+    value = _lookup(name, env)[1]
+    return default if value is None else value
+
+
+def unhonoured_horovod_variables(env: Optional[Mapping[str, str]] = None) -> list:
+    """The ``HOROVOD_*`` variables set in ``env`` (default ``os.environ``) that hvps does not read: neither an
+    alias of an hvps setting (:data:`ALIASES`) nor a launcher's (:data:`LAUNCHER_VARIABLES`); sorted."""
+    env = os.environ if env is None else env
+    return sorted(k for k in env if k.startswith("HOROVOD_") and k not in ALIASES and k not in LAUNCHER_VARIABLES)
+
+
+def warn_unhonoured_horovod_variables(env: Optional[Mapping[str, str]] = None) -> list:
+    """Name, in one warning, the ``HOROVOD_*`` variables hvps does not honour and has not named before in this
+    process (``init`` calls it). Returns the names it warned about."""
+    new = [k for k in unhonoured_horovod_variables(env) if k not in _reported]
+    if new:
+        _reported.update(new)
+        logging.getLogger("hvps").warning(
+            "hvps does not honour %s (set, but ignored); see the README's table of Horovod variables for the ones "
+            "it reads", ", ".join(new))
+    return new
 
 ALGORITHMS = ("auto", "mpi", "ring")
 BACKENDS = ("auto", "mpi", "tdist", "horovod")
+#: HVPS_LOG_LEVEL's (and Horovod's) names -> logging's levels
+LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
+LOGGING_LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+                  "error": logging.ERROR, "fatal": logging.CRITICAL}
 
 
 def env_number(name: str, default: float, kind=float) -> float:
     """``$name`` as ``kind`` (``default`` when unset or empty); a clear HvpsError when it is not a
     number or is negative."""
-    raw = env_text(name)
+    written, raw = _lookup(name)
     if raw is None:
         return default
     try:
         value = kind(raw)
     except ValueError:
-        raise HvpsError(f"{name}={raw!r} is not a number; unset it or give e.g. {name}={default}") from None
+        raise HvpsError(f"{written}={raw!r} is not a number; unset it or give e.g. {written}={default}") from None
     if value < 0:
-        raise HvpsError(f"{name}={raw!r} must be >= 0")
+        raise HvpsError(f"{written}={raw!r} must be >= 0")
     return value
 
 
 def env_choice(name: str, default: str, choices: tuple) -> str:
     """``$name`` lower-cased, one of ``choices`` (``default`` when unset); HvpsError otherwise."""
-    value = env_text(name, default).lower()
+    written, raw = _lookup(name)
+    value = default.lower() if raw is None else raw.lower()
     if value not in choices:
-        raise HvpsError(f"{name}={value!r} is unknown; choose one of {', '.join(choices)}")
+        raise HvpsError(f"{written}={value!r} is unknown; choose one of {', '.join(choices)}")
     return value
 
 
@@ -118,9 +209,16 @@ class Settings:
     #: this long before it sleeps (the fast path of synchronous calls; see engine.py)
     spin_wait_us: float = 2000.0
     stall_check_seconds: float = 60.0
+    #: Horovod's stall shutdown time: when longer than stall_check_seconds, a stall only warns at the check time
+    #: and fails at this one (0: it fails at the check time, hvps's default)
+    stall_shutdown_seconds: float = 0.0
     algorithm: str = "auto"
     ring_chunk_bytes: int = 4 * 1024 * 1024
     timeline: str = ""
+    #: the timeline marks each engine cycle (Horovod's HOROVOD_TIMELINE_MARK_CYCLES)
+    timeline_mark_cycles: bool = False
+    #: the 'hvps' logger's level from init on ("" leaves it alone)
+    log_level: str = ""
     #: data plane: mpi, tdist (torch.distributed: gloo on CPU, NCCL on CUDA), horovod, or
     #: auto (NCCL for CUDA tensors when available, MPI for everything else)
     backend: str = "auto"
@@ -140,6 +238,16 @@ class Settings:
     autotune_steps_per_sample: int = 5
     #: seal the data plane: "0" off, "1" between hosts, "all" between every pair of ranks (encrypted.py)
     encrypt: str = "0"
+
+    @property
+    def stall_fail_seconds(self) -> float:
+        """How long a collective missing on some rank waits before it fails."""
+        return max(self.stall_check_seconds, self.stall_shutdown_seconds)
+
+    @property
+    def stall_warn_seconds(self) -> Optional[float]:
+        """When a stalled collective is first warned about, if before it fails (else None)."""
+        return self.stall_check_seconds if self.stall_shutdown_seconds > self.stall_check_seconds else None
 
     def resolved(self, single_host: bool, mpi: bool = True) -> "Settings":
         """``auto`` made concrete. The algorithm: hvps's ring within one host (shared memory), MPI's
@@ -181,5 +289,8 @@ class Settings:
             stall_check_seconds=env_number("HVPS_STALL_CHECK_TIME_SECONDS", cls.stall_check_seconds),
             algorithm=algorithm,
             ring_chunk_bytes=int(env_number("HVPS_RING_CHUNK_BYTES", cls.ring_chunk_bytes, int)) or cls.ring_chunk_bytes,
+            stall_shutdown_seconds=env_number("HVPS_STALL_SHUTDOWN_TIME_SECONDS", cls.stall_shutdown_seconds),
             timeline=env_text("HVPS_TIMELINE", ""),
+            timeline_mark_cycles=env_choice("HVPS_TIMELINE_MARK_CYCLES", "0", ("0", "1")) == "1",
+            log_level=env_choice("HVPS_LOG_LEVEL", "", LOG_LEVELS + ("",)),
         )

@@ -95,7 +95,7 @@ class Engine:
         self.contexts = {GLOBAL_SET: Context(backend, self.rank, self.size, fusion=FusionBuffer())}
         self.control = ControlPlane(comm, key=control_key, fanout=settings.control_fanout)
         self.coordinator = (
-            Coordinator(self.size, settings.fusion_threshold, settings.stall_check_seconds)
+            Coordinator(self.size, settings.fusion_threshold, settings.stall_fail_seconds, settings.stall_warn_seconds)
             if self.rank == 0
             else None
         )
@@ -125,6 +125,10 @@ class Engine:
         #: name -> the handle last submitted under it, while the handle lives: its name stays in use until
         #: a wait() takes the result (whether or not the collective has finished)
         self._unclaimed: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        #: the handles of the latest submission, held until the next one: a handle the caller dropped keeps its
+        #: name in use until this rank submits something else, so that submitting one name twice in a row is an
+        #: error whether or not the first has finished meanwhile (Horovod's duplicate-name tests drop the handle)
+        self._latest: list = []
         self._wake_pending = False
         #: until then the engine polls its queue every cycle (submitters need not wake it)
         self._active_until = 0.0
@@ -156,7 +160,7 @@ class Engine:
         self._stopping = False
         self.timeline = None
         if settings.timeline and settings.timeline != "DYNAMIC":  # DYNAMIC: start_timeline() later
-            self.start_timeline(settings.timeline)
+            self.start_timeline(settings.timeline, settings.timeline_mark_cycles)
         if self.autotuner is not None:
             self._tune(self.autotuner.first())
         # A dead rank fails what is in flight at once, even while this thread is inside a transfer.
@@ -188,19 +192,20 @@ class Engine:
                 if earlier is not None and not earlier.claimed:
                     raise DuplicateNameError(
                         f"a collective named '{name}' finished on rank {self.rank} but nothing has waited for its "
-                        "result yet (wait() or synchronize() on its handle, or drop the handle); names must be "
-                        "unique among outstanding operations")
+                        "result yet (wait() or synchronize() on its handle, or drop the handle and submit something "
+                        "else first); names must be unique among outstanding operations")
                 seen.add(name)
             handles = []
             for entry in entries:
                 # join() waits for ranks still training, for as long as they train: no watchdog.
                 request = entry.request
-                patience = math.inf if request.kind == JOIN else self.settings.stall_check_seconds
+                patience = math.inf if request.kind == JOIN else self.settings.stall_fail_seconds
                 entry.handle = Handle(request.name, (entry.inputs, entry.outputs), patience, expedite=self._expedite)
                 handles.append(entry.handle)
                 self._unclaimed[request.name] = entry.handle
                 self._queue.append(entry)
                 self._queued_names.add(request.name)
+            self._latest = handles
             # A wake-up costs the submitting (training) thread a syscall, a context
             # switch and the GIL (~150 us). Backward hooks submit in bursts, so while
             # the engine is active it polls its queue every cycle instead (as
@@ -334,7 +339,7 @@ class Engine:
         if why is None:
             handle = self.submit(Entry(Request("shutdown", SHUTDOWN), []))
             try:
-                handle.wait(timeout=self.settings.stall_check_seconds + 5)
+                handle.wait(timeout=self.settings.stall_fail_seconds + 5)
             except HvpsError as exc:
                 why = f"the ranks did not agree to shut down: {exc}"
         with self._lock:
@@ -375,6 +380,9 @@ class Engine:
     def _cycle(self, timeout: Optional[float]) -> None:
         """One turn: read the control plane, take the queue, negotiate, execute (the cycle lock is held)."""
         messages, closed = self.control.poll(timeout)
+        timeline = self.timeline
+        if timeline is not None and timeline.mark_cycles:
+            timeline.mark("CYCLE_START")
         self._take_queue()
         if self.rank == 0:
             self._coordinate(messages, closed)
@@ -646,9 +654,10 @@ class Engine:
         for entry in entries:
             if entry is not None:
                 name = entry.request.name
-                timeline.span(name, "NEGOTIATE", entry.handle.submitted_at, started)
+                timeline.span(name, f"NEGOTIATE_{response.kind.upper()}", entry.handle.submitted_at, started)
                 timeline.span(name, response.kind.upper(), started, ended,
-                                   {"fused": len(response.names), "dtype": entry.request.dtype})
+                              {"fused": len(response.names), "dtype": entry.request.dtype})
+        timeline.flush()
 
     def _report_error(self, response, entries: list) -> None:
         mine = [e for e in entries if e is not None]

@@ -16,7 +16,7 @@ from typing import Optional
 from .. import metrics
 from ..core import devices
 from ..core.errors import HvpsError
-from ..core.settings import Settings, env_text
+from ..core.settings import LOGGING_LEVELS, Settings, env_text, warn_unhonoured_horovod_variables
 from ..dataplane import backends
 from ..control.membership import MembershipChanged
 from . import bootstrap, state
@@ -83,12 +83,15 @@ def _start(comm) -> None:
     comm = boot.comm
     local, cross = _node_comms(comm, boot.node)
     topology = _topology(comm, local, cross)
+    warn_unhonoured_horovod_variables()  # a migrated job's HOROVOD_* settings that hvps would ignore: said once
     settings = Settings.from_env().resolved(single_host=topology.local_size == topology.size, mpi=boot.has_mpi)
     try:
         backend = backends.build(settings, comm, local, cross, secret=boot.secret)
     finally:
         local.Free()
         cross.Free()
+    if settings.log_level:
+        logging.getLogger("hvps").setLevel(LOGGING_LEVELS[settings.log_level])
     state._state.topology = topology
     state._state.settings = settings
     state._state.engine = Engine(comm, backend, settings, control_key=boot.control_key())

@@ -167,3 +167,17 @@ def test_more_names_than_the_response_cache_holds(request):
         hs = [hvps.allreduce_async(x[rank].copy(), op=hvps.Sum, name=n) for n, x in zip(names, ins)]
         for n, h, x in zip(names, hs, ins):
             check_allreduce_result(np.asarray(h.wait()), x, "Sum", size, what=f"iteration {it} {n}")
+
+
+def test_a_name_submitted_twice_in_a_row_is_refused_even_when_the_first_finished():
+    """Horovod's duplicate-name tests drop the first handle: whether or not its collective has finished by the
+    second submission, the second is refused (the name is free again once something else was submitted)."""
+    first = hvps.allreduce_async(np.ones(3), op=hvps.Sum, name="twice.in.a.row")
+    while not first.poll():  # let it finish: the case that used to slip through
+        time.sleep(0.001)
+    del first  # dropped, as the tests do
+    with pytest.raises(ValueError, match="'allreduce.twice.in.a.row' finished on rank"):
+        hvps.allreduce_async(np.ones(3), op=hvps.Sum, name="twice.in.a.row")
+    hvps.barrier()
+    again = hvps.allreduce_async(np.ones(3), op=hvps.Sum, name="twice.in.a.row")
+    np.testing.assert_array_equal(np.asarray(again.wait()), np.full(3, float(hvps.size())))

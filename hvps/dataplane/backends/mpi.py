@@ -114,7 +114,7 @@ class MPIBackend(Backend):
         self.comm = comm if owned else comm.Dup()
         self.algorithm = settings.algorithm
         self.ring_chunk_bytes = settings.ring_chunk_bytes
-        self.timeout = settings.stall_check_seconds
+        self.timeout = settings.stall_fail_seconds
         self.workspace = FusionBuffer()
         self.cuda_aware = cuda_aware()
         self.abort = None

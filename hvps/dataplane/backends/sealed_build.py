@@ -53,6 +53,6 @@ def plan(settings, comm, local, secret: Optional[bytes]) -> Optional[Callable]:
             return backend
         return encrypted.EncryptedBackend(backend, members, keyring, [hosts[m] for m in members],
                                           settings.encrypt == "all", settings.ring_chunk_bytes,
-                                          settings.stall_check_seconds)
+                                          settings.stall_fail_seconds)
 
     return wrap

@@ -239,7 +239,7 @@ def node_backend(settings, comm, local, cross, flat: Backend, create) -> Optiona
             log.warning("HVPS_SHM=1 ignored: %s", why)
         return None
     buffer_bytes = max(4096, settings.ring_chunk_bytes // 64 * 64)
-    segment, reason = open_segment(local, buffer_bytes, settings.stall_check_seconds)
+    segment, reason = open_segment(local, buffer_bytes, settings.stall_fail_seconds)
     failed = comm.allreduce(0 if segment is not None else 1)
     if failed:
         if segment is not None:

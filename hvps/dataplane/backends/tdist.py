@@ -182,7 +182,7 @@ class TorchDistBackend(Backend):
         self.settings = settings
         self.comm = comm if owned else comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.timeout = datetime.timedelta(seconds=max(1.0, settings.stall_check_seconds))
+        self.timeout = datetime.timedelta(seconds=max(1.0, settings.stall_fail_seconds))
         self._groups: dict = {}
         #: hvps's limit for a collective the GPU reached; torch's own, counted from enqueue, lies well past it
         self.nccl_timeout = datetime.timedelta(seconds=max(TORCH_NCCL_TIMEOUT_MIN_SECONDS,
