@@ -40,6 +40,7 @@ from hvps.runtime.state import is_homogeneous
 from . import elastic
 from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .mpi_ops import _basics  # noqa: F401 - horovod.torch.mpi_ops._basics
 from .mpi_ops import (
     Adasum,
     Average,
