@@ -137,8 +137,10 @@ class _Registry:
         self.next_id = 1
         #: ids of removed sets, reused oldest first (Horovod's ProcessSetTable)
         self.free_ids: deque = deque()
-        #: changes negotiated so far (they name the negotiations: the same on every rank)
-        self.changes = 0
+        #: process set id -> the engine's id for it, never reused (so that nothing the engine keeps per
+        #: set, such as cached responses or the names of unnamed collectives, outlives the set)
+        self.engine_ids: dict = {GLOBAL_SET: GLOBAL_SET}
+        self.next_engine_id = 1
 
     def reset(self) -> None:
         for process_set in self.sets.values():
@@ -170,7 +172,8 @@ def _dynamic_allowed() -> bool:
 
 
 def resolve(process_set: Optional[ProcessSet]) -> tuple:
-    """``(set id, its ranks)`` for a collective on ``process_set`` (None: global), checked on this rank.
+    """``(the engine's id for the set, its ranks)`` for a collective on ``process_set`` (None: global),
+    checked on this rank.
 
     Raises:
         TypeError: ``process_set`` is not a ProcessSet.
@@ -188,17 +191,16 @@ def resolve(process_set: Optional[ProcessSet]) -> tuple:
     if runtime.rank() not in ranks:
         raise ValueError(f"rank {runtime.rank()} is not a member of {registered!r}; only its members may call "
                          "collectives on it")
-    return process_set.process_set_id, ranks
+    return _registry.engine_ids[process_set.process_set_id], ranks
 
 
-def _negotiate(kind: str, set_id: int, ranks: Sequence[int]) -> None:
+def _negotiate(kind: str, engine_id: int, ranks: Sequence[int]) -> None:
     """Agree on a set's change with every rank (a collective on the global set) and apply it.
 
     Raises:
         ValueError: the ranks asked for different changes (the negotiation names them).
     """
-    _registry.changes += 1
-    request = Request(f"{kind}.{set_id}.{_registry.changes}", kind, root=set_id, splits=tuple(ranks))
+    request = Request(f"{kind}.{engine_id}", kind, root=engine_id, splits=tuple(ranks))
     try:
         runtime.engine().submit(Entry(request, [])).wait()
     except HvpsError as err:
@@ -215,10 +217,16 @@ def _register(ranks: Sequence[int], process_set: Optional[ProcessSet] = None) ->
                                   "use HVPS_BACKEND=mpi or tdist")
     if process_set is None:
         process_set = ProcessSet(ranks)
-    set_id = _registry.take_id()  # taken on every rank alike, even if the negotiation below fails
-    _negotiate(ADD_SET, set_id, ranks)
+    set_id, engine_id = _registry.take_id(), _registry.next_engine_id  # taken on every rank alike
+    _registry.next_engine_id += 1
+    try:
+        _negotiate(ADD_SET, engine_id, ranks)
+    except ValueError:  # refused on every rank alike (the ranks disagree): the id is free again
+        _registry.free_ids.appendleft(set_id)
+        raise
     process_set.process_set_id = set_id
     _registry.sets[set_id] = process_set
+    _registry.engine_ids[set_id] = engine_id
     return process_set
 
 
@@ -283,8 +291,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if set_id is None or set_id == GLOBAL_SET or set_id not in _registry.sets:
         return False
     registered = _registry.sets[set_id]
-    _negotiate(REMOVE_SET, set_id, registered.ranks)
+    _negotiate(REMOVE_SET, _registry.engine_ids[set_id], registered.ranks)
     del _registry.sets[set_id]
+    del _registry.engine_ids[set_id]
     _registry.free_ids.append(set_id)
     registered.process_set_id = None
     process_set.process_set_id = None
