@@ -440,11 +440,19 @@ def attach(process_sets: Optional[Sequence[Any]], world: Any = None) -> None:
     for number, process_set in enumerate(process_sets):
         if not isinstance(process_set, ProcessSet):
             continue  # a plain list of ranks: registered, but there is no object to give its id to
-        ranks = process_set._ranks if process_set._ranks is not None else _group_ranks(process_set.mpi_comm, world)
+        if process_set is global_process_set or (process_set._ranks is None and process_set.mpi_comm is None):
+            ranks = list(range(runtime.size()))
+        elif process_set._ranks is not None:
+            ranks = process_set._ranks
+        else:
+            ranks = _group_ranks(process_set.mpi_comm, world)
         set_id = _registry.find(ranks)
         if set_id is None:
             raise ValueError(f"init(process_sets=...) entry {number}, ranks {ranks}, is not registered: hvps was "
                              "already running, and only a job's first init registers sets; use add_process_set()")
+        if process_set is global_process_set:
+            duplicates.append(f"entry {number} is the global process set, which every job has")
+            continue
         process_set._ranks = list(ranks)
         if set_id in seen:
             process_set.process_set_id = None
