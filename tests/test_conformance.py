@@ -226,7 +226,9 @@ def test_horovod_test_file(spec):
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     # ranks build TensorFlow graphs at different speeds on a loaded machine: the run script's 15 s stall check
     # would report that skew as a stall (as tests/test_tensorflow_adapter.py's JOB_ENV says)
-    env.update(PY=sys.executable, NP=str(spec.np), LAUNCH=spec.launch, LIMIT=str(HANG_LIMIT),
+    # TEST_TIMEOUT: pytest-timeout's limit per test (the script's default, 120 s, is tight for a TensorFlow test
+    # building graphs for 30 dtypes and shapes at 3 ranks on 2 loaded cores); a hang guard, not a speed claim
+    env.update(PY=sys.executable, NP=str(spec.np), LAUNCH=spec.launch, LIMIT=str(HANG_LIMIT), TEST_TIMEOUT="600",
                HVPS_STALL_CHECK_TIME_SECONDS="60")
     run = subprocess.run([str(FILE_SCRIPT), spec.file], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                          timeout=HANG_LIMIT + 60)
