@@ -186,30 +186,37 @@ FAILED_LINE = re.compile(r"(?:SUB)?FAILED(?:\[\w+\])? (\S+?)\.py::\w+::(\w+)")
 
 def check_corpus_run(spec: CorpusRun, returncode: int, stdout: str) -> None:
     """Raise AssertionError unless the run's output (the run script's: FAILED lines, then each rank's pytest
-    summary) shows what ``spec`` expects on every rank."""
+    summary) shows what ``spec`` expects on every rank: at least ``passed`` passed, exactly ``len(fails)`` failed,
+    and every test the output names as failed in ``fails`` (the script names failed tests, not failed subtests:
+    a test failing in a subtest is counted, not named)."""
     report = f"{spec.id}: exit status {returncode}\n{stdout[-6000:]}"
     summaries = [m.group("counts") for m in SUMMARY.finditer(stdout)]
     assert summaries, f"no pytest summary line\n{report}"
     for counts in summaries:
         found = {word: int(n) for n, word in re.findall(r"(\d+) ((?:subtests )?\w+)", counts)}
         assert found.get("passed", 0) >= spec.passed, f"fewer than {spec.passed} passed on a rank\n{report}"
+        assert found.get("failed", 0) == len(spec.fails), (
+            f"{found.get('failed', 0)} failed on a rank, expected {len(spec.fails)} ({sorted(spec.fails)}; a new "
+            f"failure, or a listed one that now passes: update docs/horovod-conformance.md)\n{report}")
         assert not found.get("error") and not found.get("errors"), report
-    failed = {test for _, test in FAILED_LINE.findall(stdout)}
-    assert failed == set(spec.fails), (f"failed {sorted(failed)}, expected {sorted(spec.fails)} (a new failure, "
-                                       f"or a listed one that now passes: update docs/horovod-conformance.md)\n{report}")
+    unexpected = {test for _, test in FAILED_LINE.findall(stdout)} - spec.fails
+    assert not unexpected, f"failed {sorted(unexpected)}, not in docs/horovod-conformance.md\n{report}"
     assert spec.fails or returncode == 0, report
 
 
 @pytest.mark.unit
 def test_check_corpus_run():
     spec = CorpusRun("test_x.py", 2, "mpirun", passed=2, fails=frozenset({"test_b"}))
-    out = ("SUBFAILED[eager_mode] test_x.py::T::test_b - AssertionError: no\n"
+    out = ("FAILED test_x.py::T::test_b - AssertionError: no\n"
            "      1 [0]<stdout>:1 failed, 2 passed, 1 skipped in 3.0s\n      1 [1]<stdout>:1 failed, 2 passed in 3.1s\n")
     check_corpus_run(spec, 1, out)
-    with pytest.raises(AssertionError, match="expected"):
+    check_corpus_run(spec, 1, out.split("\n", 1)[1])  # a failed subtest: counted, not named
+    with pytest.raises(AssertionError, match="not in docs"):
         check_corpus_run(spec, 1, out.replace("test_b", "test_c"))
     with pytest.raises(AssertionError, match="fewer than 2"):
         check_corpus_run(spec, 1, out.replace("2 passed in 3.1s", "1 passed in 3.1s"))
+    with pytest.raises(AssertionError, match="2 failed on a rank, expected 1"):
+        check_corpus_run(spec, 1, out.replace("1 failed, 2 passed in", "2 failed, 2 passed in"))
     with pytest.raises(AssertionError, match="exit status 1"):
         check_corpus_run(CorpusRun("test_x.py", 2, "mpirun", passed=1), 1, "      2 1 passed in 1.0s\n")
 
