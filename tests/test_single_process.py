@@ -30,7 +30,20 @@ def test_single_process(case_name, inner_results):
     inner_results[case_name].assert_all_passed()
 
 
-@pytest.mark.inner_cases(cases=lambda np_: [(np_, case("lifecycle", "mpi_lifecycle.py", timeout=150))])
+def _lifecycle_cases(np_):
+    # mpi-init first: it needs a process in which MPI is not initialised yet
+    return [(np_, case("mpi-init", "mpi_init_by_hvps.py", timeout=120)),
+            (np_, case("lifecycle", "mpi_lifecycle.py", timeout=150))]
+
+
+@pytest.mark.inner_cases(cases=_lifecycle_cases)
 @pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
 def test_lifecycle_multirank(np_, inner_results):
     inner_results["lifecycle"].assert_all_passed()
+
+
+@pytest.mark.inner_cases(cases=_lifecycle_cases)
+@pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
+def test_mpi_initialised_by_hvps(np_, inner_results):
+    """mpi4py.rc.initialize = False: hvps.init() initialises MPI (threads) and finalizes it at exit."""
+    inner_results["mpi-init"].assert_all_passed()

@@ -22,6 +22,7 @@ from hvps import (
     global_process_set,
     gloo_built,
     gloo_enabled,
+    gpu_available,
     init,
     is_initialized,
     local_rank,
@@ -72,7 +73,7 @@ ensure_inter_op_threads()
 
 __all__ = [
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
-    "cuda_built", "rocm_built", "ddl_built", "ccl_built", "is_homogeneous",
+    "cuda_built", "rocm_built", "ddl_built", "ccl_built", "gpu_available", "is_homogeneous",
     "HvpsError", "HorovodInternalError", "DuplicateNameError", "ReduceOp",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",

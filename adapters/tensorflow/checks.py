@@ -17,13 +17,27 @@ import hvps
 from hvps import ReduceOp
 from hvps.api.collectives import _check_adasum
 from hvps.core import dtypes
-from hvps.runtime.process_sets import resolve
+from hvps.runtime import process_sets
 
-from .tensors import check_dtype
+from .tensors import ArgumentError, check_dtype
+
+
+def resolve(process_set: Any) -> tuple:
+    """``hvps.runtime.process_sets.resolve``, whose ValueError (a set that is not registered, or that this
+    rank is not a member of) is raised as Horovod's TensorFlow ops raise it: ``tf.errors.InvalidArgumentError``,
+    still a ValueError (:class:`~hvps.adapters.tensorflow.tensors.ArgumentError`)."""
+    try:
+        return process_sets.resolve(process_set)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
 
 
 def members(process_set: Any) -> tuple:
-    """``(set size, this rank's index in the set)``; raises if the set is unknown or excludes this rank."""
+    """``(set size, this rank's index in the set)``.
+
+    Raises:
+        ArgumentError: the set is unknown or excludes this rank (a ValueError and an InvalidArgumentError).
+    """
     _, ranks = resolve(process_set)
     return len(ranks), ranks.index(hvps.rank())
 

@@ -133,6 +133,33 @@ class DistributedOptimizer(CompressionControls, keras.optimizers.Optimizer):
         return reduce_shared_gradients(grads, variables, self._local_vars, reduce, self.scale_local_gradients,
                                        self.process_set)
 
+    def _compute_gradients(self, loss: Any, var_list: Any, grad_loss: Any = None, tape: Any = None) -> list:
+        """Horovod's (Keras 2's) hook: ``(gradient, variable)`` pairs of ``loss`` (a tensor recorded on
+        ``tape``, or a callable run under a new tape), averaged over the set's ranks. With
+        ``backward_passes_per_step > 1`` they stay local: ``apply_gradients`` accumulates and reduces them."""
+        var_list = list(var_list)
+        if tape is None:
+            tape = tf.GradientTape()
+        if callable(loss):
+            with tape:
+                loss = loss()
+        grads = list(tape.gradient(loss, var_list, grad_loss))
+        if self.backward_passes_per_step == 1:
+            grads = self._reduce(grads, var_list)
+        return list(zip(grads, var_list))
+
+    def compute_gradients(self, loss: Any, var_list: Any, tape: Any = None) -> list:
+        """:meth:`_compute_gradients` without ``grad_loss`` (Horovod's public name)."""
+        return self._compute_gradients(loss, var_list, None, tape)
+
+    def get_gradients(self, loss: Any, params: Any) -> list:
+        """The wrapped optimizer's ``get_gradients(loss, params)`` (Keras 2's; else ``tf.gradients``, in a graph),
+        averaged over the set's ranks."""
+        params = list(params)
+        inner = getattr(self.inner_optimizer, "get_gradients", None)
+        grads = list(inner(loss, params) if inner is not None else tf.gradients(loss, params))
+        return self._reduce(grads, params)
+
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
         if not grads:

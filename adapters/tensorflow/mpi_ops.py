@@ -28,6 +28,7 @@ from hvps.adapters.common.ops import resolve_op
 from hvps.api.collectives import check_name
 from hvps.control.negotiation import ALLGATHER, ALLREDUCE, BROADCAST
 from hvps.core import scaling
+from hvps.runtime import basics as _basics  # noqa: F401 - Horovod's hvd.mpi_ops._basics
 
 from .checks import check_reduce, check_rows, members
 from .compression import OPS, Compression, compress_for_sum, decompress_sum
@@ -279,5 +280,10 @@ def join() -> int:
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Return once every member of the set has called barrier()."""
+    """Return once every member of the set has called barrier().
+
+    Raises:
+        ArgumentError: the set is not registered, or this rank is not a member.
+    """
+    members(process_set)
     hvps.barrier(process_set)

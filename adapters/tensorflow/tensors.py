@@ -74,11 +74,18 @@ class CollectiveError(HvpsError, tf.errors.FailedPreconditionError):
 
 
 class ArgumentError(ValueError, tf.errors.InvalidArgumentError):
-    """An argument the collective found wrong when it ran (alltoall's dim 0 and splits): a ValueError,
-    and the ``tf.errors.InvalidArgumentError`` that TensorFlow raises for it in a graph."""
+    """An argument the collective refused (alltoall's dim 0 and splits when it ran; a process set this rank
+    is not a member of, or that is not registered, when the op is built): a ValueError, and the
+    ``tf.errors.InvalidArgumentError`` that TensorFlow (and Horovod's ops) raise for it.
 
-    def __init__(self, message: str) -> None:
-        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
+    Built as ``ArgumentError(message)``, or with an OpError's arguments ``(node_def, op, message, ...)``, as
+    AutoGraph rebuilds an OpError raised while it traces a tf.function (it then stays this class).
+    """
+
+    def __init__(self, node_def: Any, op: Any = None, message: Optional[str] = None, *payloads: Any) -> None:
+        if op is None and message is None:  # ArgumentError(message)
+            node_def, message = None, node_def
+        tf.errors.InvalidArgumentError.__init__(self, node_def, op, message)
         self.args = (message,)
 
 

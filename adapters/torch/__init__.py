@@ -19,6 +19,7 @@ from hvps import (
     global_process_set,
     gloo_built,
     gloo_enabled,
+    gpu_available,
     init,
     is_initialized,
     local_rank,
@@ -40,6 +41,7 @@ from hvps.runtime.state import is_homogeneous
 from . import elastic
 from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .mpi_ops import _basics  # noqa: F401 - horovod.torch.mpi_ops._basics
 from .mpi_ops import (
     Adasum,
     Average,
@@ -80,7 +82,7 @@ from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
-    "cuda_built", "rocm_built", "ddl_built", "ccl_built", "is_homogeneous",
+    "cuda_built", "rocm_built", "ddl_built", "ccl_built", "gpu_available", "is_homogeneous",
     "HvpsError", "HorovodInternalError", "DuplicateNameError", "ReduceOp",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",

@@ -17,6 +17,7 @@ from hvps.adapters.common.ops import resolve_op
 from hvps.api.collectives import check_name, fails_everywhere, synchronous
 from hvps.control.negotiation import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
 from hvps.core import scaling
+from hvps.runtime import basics as _basics  # noqa: F401 - Horovod's hvd.mpi_ops._basics
 
 from .compression import OPS, Compression, compress_for_sum, decompress_sum
 from .tensors import core_buffer, core_input, from_core

@@ -12,6 +12,7 @@ from ..runtime.build_info import (
     ddl_built,
     gloo_built,
     gloo_enabled,
+    gpu_available,
     mpi_built,
     mpi_enabled,
     mpi_threads_supported,
@@ -121,4 +122,5 @@ __all__ = [
     "rocm_built",
     "ddl_built",
     "ccl_built",
+    "gpu_available",
 ]

@@ -18,6 +18,7 @@ ranks but gives no way to find them is an error, never a job of independent sing
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import hmac
@@ -25,6 +26,7 @@ import logging
 import os
 import socket
 import stat
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -206,16 +208,42 @@ def _mpi4py_installed() -> bool:
     return importlib.util.find_spec("mpi4py") is not None
 
 
+#: whether hvps initialised MPI itself (the script set ``mpi4py.rc.initialize = False``): then hvps finalizes it
+_mpi_initialized_here = False
+
+
 def _mpi_world(comm: Any = None) -> Any:
-    """``comm`` (default: MPI.COMM_WORLD), once MPI is known to support hvps's engine thread."""
+    """``comm`` (default: MPI.COMM_WORLD), once MPI is known to support hvps's engine thread.
+
+    A script that set ``mpi4py.rc.initialize = False`` leaves MPI to hvps, as it would to Horovod: hvps
+    then initialises it with MPI_THREAD_MULTIPLE (what mpi4py asks for by default), and finalizes it
+    when the process exits, after hvps's own shutdown.
+    """
+    global _mpi_initialized_here
     mpi_defaults(os.environ)  # before MPI initialises: HOME for Open MPI 5, no spinning waits
     from mpi4py import MPI
 
+    if MPI.Is_finalized():
+        raise HvpsError("MPI was finalized before hvps.init(); call hvps.init() before MPI.Finalize()")
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        _mpi_initialized_here = True
     if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
         raise HvpsError(
             "MPI was initialized without thread support; hvps needs MPI_THREAD_SERIALIZED or better "
             "(do not set mpi4py.rc.thread_level below 'serialized')")
     return MPI.COMM_WORLD if comm is None else comm
+
+
+def _finalize_mpi() -> None:
+    """At exit: finalize MPI if hvps initialised it. Registered when this module is imported, before
+    ``lifecycle`` registers ``shutdown``, so that it runs after it (atexit runs handlers last in, first out)."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if _mpi_initialized_here and MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+
+
+atexit.register(_finalize_mpi)
 
 
 def _int_variable(name: str, launcher: str) -> int:

@@ -66,6 +66,22 @@ def cuda_built() -> bool:
     return bool(torch is not None and torch.cuda.is_available())
 
 
+def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
+    """Horovod's ``gpu_available('tensorflow' | 'torch' | 'mxnet')``: whether that framework, already
+    imported by this process, sees a GPU (hvps has no compiled extensions to ask; a framework that is
+    not imported is never imported here, and answers False).
+
+    Args:
+        ext_base_name: the framework, as Horovod names its extension.
+        verbose: ignored (Horovod prints why an extension is missing).
+    """
+    if ext_base_name == "tensorflow" and "tensorflow" in sys.modules:
+        return bool(sys.modules["tensorflow"].config.list_physical_devices("GPU"))
+    if ext_base_name == "torch":
+        return cuda_built()
+    return False
+
+
 def rocm_built() -> bool:
     return False
 
@@ -79,4 +95,4 @@ def ccl_built() -> bool:
 
 
 __all__ = ["mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
-           "cuda_built", "rocm_built", "ddl_built", "ccl_built"]
+           "cuda_built", "rocm_built", "ddl_built", "ccl_built", "gpu_available"]

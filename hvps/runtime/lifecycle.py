@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from .. import metrics
 from ..core import devices
@@ -21,8 +21,7 @@ from ..dataplane import backends
 from ..control.membership import MembershipChanged
 from . import bootstrap, state
 from .engine import Engine
-from .process_sets import reset as reset_process_sets
-from .process_sets import setup as setup_process_sets
+from . import process_sets as _sets
 from .state import Topology
 
 
@@ -54,33 +53,54 @@ def _topology(comm, local, cross) -> Topology:
                     cross.Get_rank(), cross.Get_size())
 
 
-def init(comm=None, process_sets=None) -> None:
+def init(comm: Any = None, process_sets: Any = None) -> None:
     """Start hvps on ``comm`` (default: the job's, see :mod:`hvps.runtime.bootstrap`: MPI.COMM_WORLD
-    under an MPI launcher, else hvpsrun's or torchrun's store). Calling it again is a no-op.
+    under an MPI launcher, else hvpsrun's or torchrun's store). Reads ``HVPS_*`` settings from the
+    environment and starts the engine thread. Calling it again only gives ``process_sets`` their ids.
 
-    Reads ``HVPS_*`` settings from the environment and starts the engine thread.
-    ``process_sets`` (ProcessSets or lists of ranks) are registered on every rank, in order.
+    Args:
+        comm: an mpi4py communicator to run on (it becomes ``global_process_set.mpi_comm``), or None.
+        process_sets: ProcessSets (of ranks, or of mpi4py communicators) or lists of ranks, registered on
+            every rank by the first ``init`` (see :mod:`hvps.runtime.process_sets`); or ``"dynamic"``,
+            which allows ``add_process_set`` (``HOROVOD_DYNAMIC_PROCESS_SETS=1``).
+
+    Raises:
+        ValueError: on every rank, before anything is registered: a process set that is empty, has a
+            rank outside the job, or differs across ranks; after the others are registered (hvps then
+            runs): a duplicate set.
+        HvpsError: the job could not be started.
     """
+    if isinstance(process_sets, str):
+        if process_sets.lower() != "dynamic":
+            raise ValueError(f"process_sets={process_sets!r}: pass a list of ProcessSets, or 'dynamic'")
+        os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+        process_sets = None
     with state._state.lock:
-        if state._state.engine is not None:
-            return
-        while True:
+        first = state._state.engine is None
+        while first:
             try:
-                _start(comm)
+                to_register = _start(comm, process_sets)
                 break
             except MembershipChanged as changed:  # an elastic job changed while this worker joined it
                 logging.getLogger("hvps").info("hvps: %s; joining the new one", changed)
-    topology = state.topology()
-    devices.reset(topology.local_rank)
-    metrics.set_job_identity((topology.rank, topology.local_rank))
-    setup_process_sets(process_sets)
-    metrics.start_from_env()  # HVPS_METRICS_PORT: serve this rank's metrics on port + local rank
+    if first:
+        topology = state.topology()
+        devices.reset(topology.local_rank)
+        metrics.set_job_identity((topology.rank, topology.local_rank))
+        _sets.setup(to_register)
+        if comm is not None:
+            _sets.global_process_set.mpi_comm = comm
+        metrics.start_from_env()  # HVPS_METRICS_PORT: serve this rank's metrics on port + local rank
+    _sets.attach(process_sets, comm)
 
 
-def _start(comm) -> None:
-    """Build the topology, settings, backend and engine (under the state lock)."""
+def _start(comm, process_sets) -> list:
+    """Build the topology, settings, backend and engine (under the state lock); return the process sets
+    to register, agreed by every rank (:func:`hvps.runtime.process_sets.plan`) before anything starts."""
     boot = bootstrap.start(comm)
     comm = boot.comm
+    request = _sets.request_of(process_sets, comm if boot.has_mpi else None)
+    to_register = _sets.plan(comm.allgather(request), comm.Get_size())
     local, cross = _node_comms(comm, boot.node)
     topology = _topology(comm, local, cross)
     warn_unhonoured_horovod_variables()  # a migrated job's HOROVOD_* settings that hvps would ignore: said once
@@ -95,13 +115,14 @@ def _start(comm) -> None:
     state._state.topology = topology
     state._state.settings = settings
     state._state.engine = Engine(comm, backend, settings, control_key=boot.control_key())
+    return to_register
 
 
 def shutdown() -> None:
     """Stop the engine on every rank (collective). Safe to call when not initialized."""
     if state.forked():  # the engine is the parent's: leave it (and the job) alone
         return
-    reset_process_sets()
+    _sets.reset()
     devices.reset()
     metrics.set_job_identity(None)
     with state._state.lock:

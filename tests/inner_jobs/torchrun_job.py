@@ -12,8 +12,9 @@ import hvps.adapters.torch as hvd
 import os
 
 size = int(os.environ["WORLD_SIZE"])
-pair = hvd.ProcessSet([0, size - 1])
-hvd.init(process_sets=[pair])
+# ranks 0 and size-1; at 2 ranks that is every rank, the global set (init refuses a duplicate of it, as Horovod's)
+pair = hvd.ProcessSet([0, size - 1]) if size > 2 else hvd.global_process_set
+hvd.init(process_sets=[pair] if size > 2 else None)
 rank = hvd.rank()
 assert hvd.size() == size
 rng = np.random.default_rng(1234)

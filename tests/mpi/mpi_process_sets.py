@@ -2,6 +2,7 @@
 
 import copy
 import os
+import re
 
 import numpy as np
 import pytest
@@ -121,11 +122,56 @@ def test_objects_on_set(halves):
 
 
 def test_removed_set_is_refused():
-    ps = hvps.add_process_set(list(range(hvps.size())))
+    ps = hvps.add_process_set([hvps.size() - 1])
     assert hvps.remove_process_set(ps)
     assert not hvps.remove_process_set(ps)
     with pytest.raises(ValueError):
         hvps.allreduce(np.ones(2), process_set=ps)
+
+
+def test_dynamic_sets_as_horovod_numbers_them():
+    """Duplicates (of the global set, of a registered set, in any order) are ValueErrors; removed ids are
+    reused oldest first; the table is what Horovod's ``_get_process_set_ids_and_ranks`` reports."""
+    from hvps.runtime.basics import _get_process_set_ids_and_ranks as table
+
+    size = hvps.size()
+    everyone = list(range(size))
+    assert table() == {0: everyone}
+    first, rest = hvps.add_process_set([0]), hvps.add_process_set(range(size - 1, 0, -1))
+    assert rest.ranks == everyone[1:]
+    assert table() == {0: everyone, first.process_set_id: [0], rest.process_set_id: everyone[1:]}
+    assert str(first) == f"ProcessSet(process_set_id={first.process_set_id}, ranks=[0], mpi_comm=None)"
+    assert str(hvps.global_process_set) == f"ProcessSet(process_set_id=0, ranks={everyone}, mpi_comm=None)"
+    for duplicate in (everyone, list(reversed(everyone[1:]))):
+        with pytest.raises(ValueError, match="duplicates"):
+            hvps.add_process_set(duplicate)
+    freed = first.process_set_id
+    assert hvps.remove_process_set(first) and first.process_set_id is None
+    again = hvps.add_process_set([0, size - 1] if size > 2 else [0])
+    assert again.process_set_id == freed
+    assert not hvps.remove_process_set(hvps.global_process_set)
+    assert hvps.remove_process_set(again) and hvps.remove_process_set(rest)
+    assert table() == {0: everyone}
+
+
+@pytest.mark.parametrize("ranks", [[], [0, 99], [-1]], ids=["empty", "past-the-end", "negative"])
+def test_dynamic_set_with_ranks_outside_the_job_is_refused_everywhere(ranks, request):
+    with pytest.raises(ValueError, match="outside the job|at least one rank"):
+        hvps.add_process_set(ranks)
+    xs = all_inputs(np.float32, (2,), request.node.name, hvps.size())  # nothing was submitted
+    check_allreduce_result(hvps.allreduce(xs[hvps.rank()], op=hvps.Sum), xs, "Sum", hvps.size())
+
+
+def test_dynamic_set_that_differs_across_ranks_is_a_value_error_on_every_rank(request):
+    size, me = hvps.size(), hvps.rank()
+    with pytest.raises(ValueError, match=r"ranks \[0\]: add_process_set"):
+        hvps.add_process_set([0] if me == 0 else [size - 1])
+    # the ranks stay in step: the next set gets the same id everywhere, and works
+    ps = hvps.add_process_set([size - 1])
+    assert hvps.allgather_object(ps.process_set_id) == [ps.process_set_id] * size
+    assert hvps.remove_process_set(ps)
+    xs = all_inputs(np.float32, (2,), request.node.name, size)
+    check_allreduce_result(hvps.allreduce(xs[me], op=hvps.Sum), xs, "Sum", size)
 
 
 def test_argument_errors_leave_every_rank_in_step(request):
@@ -164,18 +210,78 @@ def test_duplicate_name_is_a_value_error_and_submits_nothing():
     assert_exact(hvps.grouped_allgather([np.ones(1), np.zeros(1)], name="grp")[1], np.zeros(size))
 
 
+def _mpi_launched() -> bool:
+    """Whether this job runs on MPI (mpirun) rather than hvpsrun --gloo's rendezvous."""
+    return not os.environ.get("HVPS_RENDEZVOUS_ADDR")
+
+
+def _first_init_refuses(process_sets, match):
+    """A job's first init with ``process_sets`` raises ValueError matching ``match``, and leaves hvps down."""
+    with pytest.raises(ValueError, match=match):
+        hvps.init(process_sets=process_sets)
+    assert not hvps.is_initialized()
+
+
 def test_static_sets_given_to_init(request):
-    """Last in this module: re-initialises hvps with sets registered at init."""
+    """Last in this module: re-initialises hvps with sets registered at init (and refused ones)."""
+    from hvps.runtime.basics import _get_process_set_ids_and_ranks as table
+
     size, me = hvps.size(), hvps.rank()
+    everyone = list(range(size))
     hvps.shutdown()
-    first = hvps.ProcessSet([0])
-    hvps.init(process_sets=[first, list(range(size))])
     try:
-        assert first.process_set_id is not None and first.included() == (me == 0)
+        # bad input: the same ValueError on every rank, naming the ranks, before anything starts
+        _first_init_refuses([hvps.ProcessSet([0, size])], re.escape(f"(given by ranks {everyone}; ranks [{size}] "
+                                                                    "are outside the job)"))
+        _first_init_refuses([hvps.ProcessSet([])], re.escape(f"an empty set (given by ranks {everyone})"))
+        _first_init_refuses([hvps.ProcessSet([0] if me == 0 else [size - 1])],
+                            re.escape(f"differs across ranks: ranks [0] passed [[0]]; ranks {everyone[1:]} passed "
+                                      f"[[{size - 1}]]"))
+        _first_init_refuses([[0]] if me == 0 else [["zero"]], r"rank [1-9]\d*: process set ranks must be integers")
+        # duplicates: registered once, then a ValueError; hvps runs with the other sets
+        first, dup_all, dup_first = hvps.ProcessSet([0]), hvps.ProcessSet(reversed(everyone)), hvps.ProcessSet([0])
+        with pytest.raises(ValueError, match="entry 1 .* duplicates the global process set; entry 2 .* duplicates "
+                                             "entry 0"):
+            hvps.init(process_sets=[first, dup_all, dup_first])
+        assert hvps.is_initialized()
+        assert first.process_set_id == 1 and dup_all.process_set_id is None and dup_first.process_set_id is None
+        assert table() == {0: everyone, 1: [0]}
+        # a later init registers nothing: it gives the sets it is passed their ids
+        again = hvps.ProcessSet([0])
+        hvps.init(process_sets=[again])
+        assert again.process_set_id == 1 and again.included() == (me == 0)
+        with pytest.raises(ValueError, match="not registered"):
+            hvps.init(process_sets=[hvps.ProcessSet([size - 1])])
         xs = all_inputs(np.float64, (3,), request.node.name, size)
         if me == 0:
-            assert_exact(hvps.allreduce(xs[0], op=hvps.Sum, process_set=first), xs[0])
+            assert_exact(hvps.allreduce(xs[0], op=hvps.Sum, process_set=again), xs[0])
         check_allreduce_result(hvps.allreduce(xs[me], op=hvps.Sum), xs, "Sum", size)
+        hvps.shutdown()
+        if _mpi_launched():
+            _sets_from_communicators(size, me, everyone)
     finally:
         hvps.shutdown()
         hvps.init()
+
+
+def _sets_from_communicators(size, me, everyone):
+    """Sets built from mpi4py communicators stand for every group they have on the ranks (Horovod's order:
+    the communicators' groups first, sorted, then the lists of ranks)."""
+    from hvps.runtime.basics import _get_process_set_ids_and_ranks as table
+    from mpi4py import MPI
+
+    halves = MPI.COMM_WORLD.Split(color=me % 2, key=me)
+    try:
+        mine = hvps.ProcessSet(halves)
+        assert mine.ranks is None and mine.included() is None  # known once registered
+        extra = [hvps.ProcessSet([0])] if size > 2 else []  # at 2 ranks, [0] is the even half
+        hvps.init(comm=MPI.COMM_WORLD, process_sets=[*extra, mine])
+        evens, odds = everyone[0::2], everyone[1::2]
+        assert table() == {0: everyone, 1: evens, 2: odds, **({3: [0]} if extra else {})}
+        assert mine.process_set_id == (1 if me % 2 == 0 else 2) and mine.ranks == (evens if me % 2 == 0 else odds)
+        assert hvps.global_process_set.mpi_comm is MPI.COMM_WORLD
+        assert hvps.allgather_object(me, process_set=mine) == mine.ranks
+        hvps.shutdown()
+        assert hvps.global_process_set.mpi_comm is None
+    finally:
+        halves.Free()

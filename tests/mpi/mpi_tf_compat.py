@@ -37,7 +37,7 @@ process_set_included_op mpi_threads_supported mpi_enabled mpi_built gloo_enabled
 ccl_built cuda_built rocm_built ProcessSet global_process_set add_process_set remove_process_set Average Sum Adasum
 Min Max Product join SyncBatchNormalization allreduce reducescatter grouped_allreduce grouped_reducescatter
 broadcast_global_variables DistributedOptimizer DistributedGradientTape PartialDistributedGradientTape
-HorovodInternalError""".split()
+HorovodInternalError gpu_available""".split()
 HOROVOD_KERAS = """init shutdown is_initialized start_timeline stop_timeline size local_size cross_size rank local_rank
 cross_rank mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built nccl_built ddl_built ccl_built
 cuda_built rocm_built ProcessSet global_process_set add_process_set remove_process_set Average Sum Adasum Min Max
@@ -137,8 +137,16 @@ def test_process_sets_members_and_outsiders(mode):
     assert hvd.size_op(mine.process_set_id).numpy() == mine.size()
     if other.size():
         assert hvd.process_set_included_op(other.process_set_id).numpy() == 0
-        with pytest.raises(ValueError, match="not a member"):  # at trace time inside a tf.function
+        # at trace time inside a tf.function; as Horovod's ops: InvalidArgumentError (a ValueError too)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="not a member") as refused:
             call(mode, lambda x: hvd.allreduce(x, process_set=other), tf.ones(2))
+        assert isinstance(refused.value, ValueError)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="not a member"):
+            hvd.barrier(process_set=other)
+    unknown = hvd.ProcessSet([0])
+    unknown.process_set_id = 10  # not registered: a ValueError (Horovod's test_horovod_allreduce_process_set_id_error)
+    with pytest.raises(ValueError, match="not registered"):
+        call(mode, lambda x: hvd.allreduce(x, process_set=unknown), tf.ones(2))
     # the ranks stay in step: a global collective right after
     assert hvd.allreduce(tf.ones(2), op=hvd.Sum).numpy().tolist() == [hvd.size()] * 2
 
@@ -285,6 +293,8 @@ def test_names_basics_and_elastic():
     assert [int(t.numpy()) for t in ops] == [hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()]
     assert ops[0].dtype == tf.int32
     assert hvd.process_set_included_op(99).numpy() == -3
+    assert hvd.gpu_available("tensorflow") == bool(tf.config.list_physical_devices("GPU"))
+    assert hvd.mpi_ops._basics._get_process_set_ids_and_ranks()[0] == list(range(hvd.size()))
     assert isinstance(hvd.is_homogeneous(), bool)
     assert hvd.broadcast_object_fn(root_rank=0)({"r": hvd.rank()}) == {"r": 0}
     assert callable(hvd.elastic.run(lambda state: None))  # the retry loop's wrapper (tests/mpi/mpi_elastic_state.py)
@@ -362,3 +372,54 @@ def test_load_model_wraps_the_optimizer(tmp_path):
     assert loaded.optimizer.compression.name == "fp16"
     x = rng_for("load_model", hvd.rank()).standard_normal((8, 4)).astype("float32")
     loaded.train_on_batch(x, np.zeros((8, 2), "float32"))  # one step through the wrapped optimizer
+
+
+# ------------------------------------------------------------------------- Horovod's optimizer entry points
+def test_tf1_optimizer_on_a_process_set():
+    """``DistributedOptimizer`` wraps a TF1 ``tf.compat.v1.train.Optimizer`` (graph mode, a session):
+    members apply the set's average, the others their own gradient (Horovod's
+    test_legacy_DistributedOptimizer_process_sets)."""
+    mine = SETS["even"] if hvd.rank() % 2 == 0 else SETS["odd"]
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        variable = tf.compat.v1.Variable([0.0], use_resource=True)
+
+        class Constant(tf.compat.v1.train.GradientDescentOptimizer):
+            def compute_gradients(self, *args, **kwargs):
+                return [(tf.constant([float(hvd.rank() + 1)]), variable)]
+
+        opt = hvd.DistributedOptimizer(Constant(-1.0), process_set=mine)
+        assert isinstance(opt, tf.compat.v1.train.Optimizer)
+        update = opt.apply_gradients(opt.compute_gradients())
+        session.run(tf.compat.v1.global_variables_initializer())
+        session.run(update)
+        got = session.run(variable)[0]
+    assert got == pytest.approx(np.mean([r + 1 for r in mine.ranks]))
+    with pytest.raises(NotImplementedError, match="backward_passes_per_step"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0), backward_passes_per_step=2)
+    with pytest.raises(TypeError, match="wraps a keras.optimizers.Optimizer or a tf.compat.v1.train.Optimizer"):
+        hvd.DistributedOptimizer(object())
+
+
+@pytest.mark.parametrize("mode", ["callable", "tape"])
+def test_keras_optimizer_compute_gradients(mode):
+    """Horovod's (Keras 2's) ``_compute_gradients(loss, var_list, grad_loss, tape)`` and ``get_gradients``:
+    the gradients averaged over the ranks."""
+    x = tf.Variable([1.0, 2.0])
+    factor = float(hvd.rank() + 1)
+    opt = hk.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    if mode == "callable":
+        pairs = opt._compute_gradients(lambda: tf.reduce_sum(x * factor), [x])
+    else:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(x * factor)
+        pairs = opt.compute_gradients(loss, [x], tape=tape)
+    mean = np.mean([r + 1.0 for r in range(hvd.size())])
+    assert pairs[0][1] is x
+    np.testing.assert_allclose(pairs[0][0].numpy(), [mean, mean])
+
+    class WithGetGradients(keras.optimizers.SGD):
+        def get_gradients(self, loss, params):
+            return [tf.constant([factor, factor])]
+
+    got = hk.DistributedOptimizer(WithGetGradients(0.1)).get_gradients(None, [x])
+    np.testing.assert_allclose(got[0].numpy(), [mean, mean])
