@@ -202,7 +202,7 @@ class RecordingComm:
 def test_cuda_aware_mpi_waits_for_the_queued_copy_before_mpi_reads_the_buffer(cuda):
     from hvps.dataplane.backends.mpi import MPIBackend
 
-    settings = types.SimpleNamespace(algorithm="native", ring_chunk_bytes=1 << 20, stall_check_seconds=60.0)
+    settings = types.SimpleNamespace(algorithm="native", ring_chunk_bytes=1 << 20, stall_fail_seconds=60.0)
     backend = MPIBackend(RecordingComm(cuda.log), settings, owned=True)
     backend.cuda_aware = True  # as MPIX_Query_cuda_support answers on a CUDA-aware Open MPI
     src, out = cuda.tensor(1, "src"), cuda.tensor(1, "out")
