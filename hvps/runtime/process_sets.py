@@ -26,7 +26,6 @@ torch.distributed), so collectives of disjoint sets run side by side.
 from __future__ import annotations
 
 import numbers
-import os
 from collections import deque
 from typing import Any, Optional, Sequence
 
@@ -166,8 +165,7 @@ _registry = _Registry()
 
 
 def _dynamic_allowed() -> bool:
-    return (os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0") not in ("", "0")
-            or env_text("HVPS_DYNAMIC_PROCESS_SETS", "0") != "0")
+    return env_text("HVPS_DYNAMIC_PROCESS_SETS", "0") not in ("", "0")  # HOROVOD_* through the alias table
 
 
 def resolve(process_set: Optional[ProcessSet]) -> tuple:
