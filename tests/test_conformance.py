@@ -13,8 +13,10 @@ generous enough for a loaded machine; how long the suites take is measured, not 
 import os
 import re
 import subprocess
+import shutil
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
@@ -40,11 +42,12 @@ set -o pipefail
 SUMMARY = re.compile(r"(?P<counts>(?:\d+ (?:subtests )?\w+(?:, )?)+) in (?P<seconds>[0-9.]+)s")
 
 
-def parse_summary(text: str) -> tuple:
-    """``({"passed": n, "failed": m, ...}, seconds)`` from the last pytest summary line in ``text``."""
+def parse_summary(text: str, context: str = "") -> tuple:
+    """``({"passed": n, "failed": m, ...}, seconds)`` from the last pytest summary line in ``text``; ``context``
+    (the run's log) goes into the error when there is none."""
     matches = [m for m in SUMMARY.finditer(text) if "passed" in m.group("counts") or "failed" in m.group("counts")]
     if not matches:
-        raise AssertionError(f"no pytest summary line in the output:\n{text[-3000:]}")
+        raise AssertionError(f"no pytest summary line in the output:\n{text[-3000:]}\n{context}")
     last = matches[-1]
     counts = {word: int(number) for number, word in re.findall(r"(\d+) ((?:subtests )?\w+)", last.group("counts"))}
     return counts, float(last.group("seconds"))
@@ -65,14 +68,29 @@ def test_parse_summary():
 HANG_LIMIT = 900
 
 
+def run_script(args: list, env: dict) -> subprocess.CompletedProcess:
+    """Run one of the conformance run scripts with ``KEEP=1``: the result's stdout is the script's (FAILED
+    lines, pytest's summary), and its stderr ends with the tail of the whole log, so that a run that ends before
+    pytest's summary (a rank that fails to start) shows why. The kept log is removed."""
+    run = subprocess.run(args, cwd=REPO_ROOT, env=dict(env, KEEP="1"), capture_output=True, text=True,
+                         timeout=HANG_LIMIT + 60)
+    kept = re.search(r"^log: (.+)$", run.stdout, re.M)
+    if kept:
+        log = Path(kept.group(1))
+        tail = log.read_text(errors="replace")[-6000:] if log.exists() else "(the log is gone)"
+        shutil.rmtree(log.parent, ignore_errors=True)
+        run.stdout = run.stdout[:kept.start()]
+        run.stderr += f"\n--- the run's log (tail)\n{tail}"
+    return run
+
+
 @pytest.mark.timeout(HANG_LIMIT + 120)
 def test_horovod_torch_suite_at_two_ranks():
     if not SCRIPT.exists():
         pytest.skip(f"{SCRIPT.parent} is absent (Horovod's test suite is kept beside the checkout, not in it)")
     env = dict(os.environ, PY=sys.executable, NP="2", LIMIT=str(HANG_LIMIT))
-    run = subprocess.run([str(SCRIPT)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                         timeout=HANG_LIMIT + 60)
-    counts, seconds = parse_summary(run.stdout)
+    run = run_script([str(SCRIPT)], env)
+    counts, seconds = parse_summary(run.stdout, run.stderr)
     report = f"{counts} in {seconds:g} s\n{run.stdout[-4000:]}"
     assert counts.get("passed", 0) >= 100, report
 
@@ -101,9 +119,8 @@ def test_horovod_tensorflow_suite_at_two_ranks():
         pytest.skip(f"{TF_SCRIPT.parent} is absent (Horovod's test suite is kept beside the checkout, not in it)")
     pytest.importorskip("tensorflow", reason="the TensorFlow extra is not installed (TEST_EXTRAS)")
     env = dict(os.environ, PY=sys.executable, NP="2", LIMIT=str(HANG_LIMIT))
-    run = subprocess.run([str(TF_SCRIPT)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                         timeout=HANG_LIMIT + 60)
-    counts, seconds = parse_summary(run.stdout)
+    run = run_script([str(TF_SCRIPT)], env)
+    counts, seconds = parse_summary(run.stdout, run.stderr)
     report = f"{counts} in {seconds:g} s\n{run.stdout[-6000:]}"
     failed = set(re.findall(r"FAILED(?:\[(\w+)\])? test_tensorflow\.py::TensorFlowTests::(\w+)", run.stdout))
     unexpected = {(mode, test) for mode, test in failed
@@ -120,9 +137,8 @@ def test_horovod_torch_elastic_suite_at_two_ranks():
     if not SCRIPT.exists():
         pytest.skip(f"{SCRIPT.parent} is absent (Horovod's test suite is kept beside the checkout, not in it)")
     env = dict(os.environ, PY=sys.executable, NP="2", LIMIT=str(HANG_LIMIT), TEST="test_torch_elastic.py")
-    run = subprocess.run([str(SCRIPT)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                         timeout=HANG_LIMIT + 60)
-    counts, seconds = parse_summary(run.stdout)
+    run = run_script([str(SCRIPT)], env)
+    counts, seconds = parse_summary(run.stdout, run.stderr)
     report = f"{counts} in {seconds:g} s\n{run.stdout[-4000:]}"
     assert counts.get("passed", 0) == 2 and not counts.get("failed"), report
 
@@ -138,9 +154,8 @@ def test_horovod_torch_suite_under_hvpsrun_gloo(tmp_path):
     mpirun.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "HVPS_"))}
     env.update(PY=sys.executable, NP="2", LIMIT=str(HANG_LIMIT), MPIRUN=str(mpirun))
-    run = subprocess.run([str(SCRIPT)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                         timeout=HANG_LIMIT + 60)
-    counts, seconds = parse_summary(run.stdout)
+    run = run_script([str(SCRIPT)], env)
+    counts, seconds = parse_summary(run.stdout, run.stderr)
     report = f"{counts} in {seconds:g} s\n{run.stdout[-4000:]}"
     assert counts.get("passed", 0) >= 100, report
 
@@ -184,12 +199,12 @@ CORPUS = [
 FAILED_LINE = re.compile(r"(?:SUB)?FAILED(?:\[\w+\])? (\S+?)\.py::\w+::(\w+)")
 
 
-def check_corpus_run(spec: CorpusRun, returncode: int, stdout: str) -> None:
+def check_corpus_run(spec: CorpusRun, returncode: int, stdout: str, log: str = "") -> None:
     """Raise AssertionError unless the run's output (the run script's: FAILED lines, then each rank's pytest
     summary) shows what ``spec`` expects on every rank: at least ``passed`` passed, exactly ``len(fails)`` failed,
     and every test the output names as failed in ``fails`` (the script names failed tests, not failed subtests:
     a test failing in a subtest is counted, not named)."""
-    report = f"{spec.id}: exit status {returncode}\n{stdout[-6000:]}"
+    report = f"{spec.id}: exit status {returncode}\n{stdout[-6000:]}\n{log}"
     summaries = [m.group("counts") for m in SUMMARY.finditer(stdout)]
     assert summaries, f"no pytest summary line\n{report}"
     for counts in summaries:
@@ -240,6 +255,5 @@ def test_horovod_test_file(spec):
     # building graphs for 30 dtypes and shapes at 3 ranks on 2 loaded cores); a hang guard, not a speed claim
     env.update(PY=sys.executable, NP=str(spec.np), LAUNCH=spec.launch, LIMIT=str(HANG_LIMIT), TEST_TIMEOUT="600",
                HVPS_STALL_CHECK_TIME_SECONDS="60")
-    run = subprocess.run([str(FILE_SCRIPT), spec.file], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                         timeout=HANG_LIMIT + 60)
-    check_corpus_run(spec, run.returncode, run.stdout)
+    run = run_script([str(FILE_SCRIPT), spec.file], env)
+    check_corpus_run(spec, run.returncode, run.stdout, run.stderr)

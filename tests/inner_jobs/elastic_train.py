@@ -160,11 +160,13 @@ def act(schedule: dict, epoch: int, out_dir: str) -> None:
     marker = os.path.join(out_dir, f"done-{epoch}")
     if not what or "at" in what or ("round" in what and what["round"] != elastic_session.round):
         return
-    if "round" not in what and not what.get("always") and os.path.exists(marker):
-        return
+    # the stranger first, under a marker of its own: a failing rank may reach this epoch (and write its marker)
+    # before rank 0, which sleeps at the end of every epoch
     if "forge" in what and hvd.rank() == 0 and not os.path.exists(marker + "-forge"):
         open(marker + "-forge", "w").close()
         forge(what["forge"])
+    if "round" not in what and not what.get("always") and os.path.exists(marker):
+        return
     if "hosts" in what and hvd.rank() == 0:
         with open(os.environ["HOSTS_FILE"] + ".tmp", "w") as f:
             f.write(what["hosts"] + "\n")
