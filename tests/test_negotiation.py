@@ -132,6 +132,29 @@ def test_shutdown_needs_every_rank():
     assert [r.kind for r in c.poll(0)] == [SHUTDOWN]
 
 
+def test_a_rank_late_to_shut_down_is_ended_after_the_stall_time_not_failed(caplog):
+    """Horovod's test_stall.py at 3 ranks: ranks 0 and 1 shut down, rank 2 is still busy (asleep, evaluating,
+    saving) past the stall time. Every rank's hvps ends then, the response naming who asked (rank 2's
+    engine fails its collectives from then on, saying so); nobody waits for rank 2 forever, and the job is
+    not aborted for it: each rank finalizes normally."""
+    c = Coordinator(size=3, fusion_threshold=0, stall_seconds=5, warn_seconds=2)
+    c.submit(0, [Request("shutdown", SHUTDOWN)], now=100)
+    c.submit(1, [Request("shutdown", SHUTDOWN)], now=103)
+    assert c.next_deadline() == 105  # from the first rank that asked, not the last
+    assert c.poll(now=104.9) == []
+    with caplog.at_level("WARNING", logger="hvps"):
+        (response,) = c.poll(now=105)
+    assert response.kind == SHUTDOWN and response.asked == [0, 1] and not response.error
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "ranks [0, 1] shut hvps down 5 s ago and ranks [2] have not (HVPS_STALL_SHUTDOWN_TIME_SECONDS)" in line
+    assert not c.busy and c.next_deadline() is None
+    # a shutdown every rank asked for names them all
+    for rank in range(3):
+        c.submit(rank, [Request("shutdown", SHUTDOWN)], now=200)
+    (response,) = c.poll(now=200)
+    assert response.asked == [0, 1, 2]
+
+
 def test_a_collective_missing_a_rank_that_shut_down_fails_at_once():
     # rank 1 ended its script (atexit shuts hvps down) while ranks 0 and 2 wait in 'never'
     c = Coordinator(size=3, fusion_threshold=0, stall_seconds=60)

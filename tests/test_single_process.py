@@ -33,7 +33,8 @@ def test_single_process(case_name, inner_results):
 def _lifecycle_cases(np_):
     # mpi-init first: it needs a process in which MPI is not initialised yet
     return [(np_, case("mpi-init", "mpi_init_by_hvps.py", timeout=120)),
-            (np_, case("lifecycle", "mpi_lifecycle.py", timeout=150))]
+            (np_, case("lifecycle", "mpi_lifecycle.py", timeout=150)),
+            (np_, case("late-shutdown", "mpi_late_shutdown.py", timeout=150))]
 
 
 @pytest.mark.inner_cases(cases=_lifecycle_cases)
@@ -47,3 +48,11 @@ def test_lifecycle_multirank(np_, inner_results):
 def test_mpi_initialised_by_hvps(np_, inner_results):
     """mpi4py.rc.initialize = False: hvps.init() initialises MPI (threads) and finalizes it at exit."""
     inner_results["mpi-init"].assert_all_passed()
+
+
+@pytest.mark.inner_cases(cases=_lifecycle_cases)
+@pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
+def test_a_rank_late_to_shut_down(np_, inner_results):
+    """Horovod's test_stall.py at 3 ranks: the others shut down, the last rank is busy past the stall time; hvps
+    ends on every rank, the late rank's next collective says why, and nobody aborts the job."""
+    inner_results["late-shutdown"].assert_all_passed()

@@ -96,6 +96,8 @@ class Response:
     per_rank: list = field(default_factory=list)
     #: join: the rank that joined last
     last_joined: int = -1
+    #: shutdown: the ranks that asked to shut down (fewer than all: the others waited past the stall time)
+    asked: list = field(default_factory=list)
 
     @classmethod
     def from_wire(cls, data: dict) -> "Response":
@@ -165,6 +167,8 @@ class Coordinator:
         self._table: dict[str, _Pending] = {}
         self._joined: list[int] = []
         self._shutdown: set[int] = set()
+        #: when the first rank asked to shut down (the others have the stall time to follow)
+        self._shutdown_since = 0.0
         #: names that failed on some rank before being submitted (a ``failure`` request): the error,
         #: and the members that have not submitted them yet (each gets the error when it does)
         self._failed: dict[str, tuple] = {}
@@ -179,10 +183,11 @@ class Coordinator:
         return bool(self._table or self._joined or self._shutdown or self._late)
 
     def next_deadline(self) -> Optional[float]:
-        """When the oldest pending collective stalls, or None."""
-        if not self._table:
-            return None
-        return min(p.first_seen + (self.stall_seconds if p.warned else self._first_look) for p in self._table.values())
+        """When the oldest pending collective, or the shutdown some ranks asked for, stalls; or None."""
+        deadlines = [p.first_seen + (self.stall_seconds if p.warned else self._first_look) for p in self._table.values()]
+        if self._shutdown:
+            deadlines.append(self._shutdown_since + self.stall_seconds)
+        return min(deadlines, default=None)
 
     def submit(self, rank, requests: list, now: float) -> None:
         """Record requests that ``rank`` (a rank, or a ``range`` of ranks that all announced the same,
@@ -213,6 +218,8 @@ class Coordinator:
                 self._joined.append(rank)
             return
         if req.kind == SHUTDOWN:
+            if not self._shutdown:
+                self._shutdown_since = now
             self._shutdown.add(rank)
             return
         failed = self._failed.get(req.name)
@@ -291,9 +298,8 @@ class Coordinator:
         if len(self._joined) == self.size and not self._table:
             ready.append(Response(JOIN, ["join"], last_joined=self._joined[-1]))
             self._joined.clear()
-        if len(self._shutdown) == self.size:
-            ready.append(Response(SHUTDOWN, ["shutdown"]))
-            self._shutdown.clear()
+        if self._shutdown and (len(self._shutdown) == self.size or now - self._shutdown_since >= self.stall_seconds):
+            ready.append(self._shut_down(now))
         return self._fuse(ready)
 
     def _restart_clocks(self, released: set, joined: set, now: float) -> None:
@@ -325,6 +331,20 @@ class Coordinator:
         return Response(kind, [name], error=(
             f"hvps: {kind} '{name}' names process set {set_id}, which is not registered (removed, or never added "
             "on every rank)"))
+
+    def _shut_down(self, now: float) -> Response:
+        """Every rank's engine stops: all asked to, or the first asked ``stall_seconds`` ago. Then, as in
+        Horovod (one rank's shutdown ends the job's collectives), the others stop too, each collective they
+        submit from then on failing at once, and every rank finalizes normally: a rank that is late to shut
+        down (still evaluating, saving, or sleeping) is no failure, so the job is not aborted for it."""
+        asked, self._shutdown = sorted(self._shutdown), set()
+        if len(asked) < self.size:
+            late = sorted(set(range(self.size)) - set(asked))
+            logging.getLogger("hvps").warning(
+                "hvps: ranks %s shut hvps down %.0f s ago and ranks %s have not (%s): ending hvps on every rank "
+                "now, as Horovod does; their next collective fails, and each rank's exit waits for the others in "
+                "MPI_Finalize", asked, now - self._shutdown_since, late, self._stall_variable)
+        return Response(SHUTDOWN, ["shutdown"], asked=asked)
 
     def _left(self, name: str, pending: _Pending, left: set) -> Response:
         kind = next(iter(pending.by_rank.values())).kind

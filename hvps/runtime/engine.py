@@ -145,6 +145,8 @@ class Engine:
         self._failure: Optional[BaseException] = None
         #: set once ranks were found dead (_peers_lost); a collective in flight then gives up
         self._lost = threading.Event()
+        #: set when other ranks' shutdown ended this engine (_ended_by_others): what its collectives raise
+        self._ended: Optional[HvpsError] = None
         backend.interrupt_on(self._lost)
         backend.report_failures_to(self._failed)  # NCCL's asynchronous errors and timeouts (tdist.NcclWatch)
         #: held by whichever thread runs a cycle: the engine thread, or a waiter that drives it (_drive)
@@ -179,7 +181,7 @@ class Engine:
             if self._failure is not None:
                 raise HvpsError(f"the hvps engine stopped: {self._failure}") from self._failure
             if self._stopping:
-                raise HvpsError("hvps is shutting down: call hvps.init() again")
+                raise self._ended or HvpsError("hvps is shutting down: call hvps.init() again")
             seen: set = set()
             for entry in entries:
                 name = entry.request.name
@@ -336,7 +338,7 @@ class Engine:
         unanswered = sorted(entry.request.name for entry in list(self._pending.values()) if entry.handle.finished)
         if why is None and unanswered:  # failed by a waiter's watchdog: rank 0 never answered them
             why = f"rank 0 (the coordinator) never answered {unanswered[:3]}"
-        if why is None:
+        if why is None and self._ended is None:  # (other ranks' shutdown ended this engine: nothing to agree)
             handle = self.submit(Entry(Request("shutdown", SHUTDOWN), []))
             try:
                 handle.wait(timeout=self.settings.stall_fail_seconds + 5)
@@ -558,6 +560,8 @@ class Engine:
                 self._change_sets(response, entries)
             elif response.kind in (JOIN, SHUTDOWN):
                 self._stopping = self._stopping or response.kind == SHUTDOWN
+                if response.kind == SHUTDOWN and self.rank not in response.asked:
+                    self._ended_by_others(response.asked)
                 for entry in entries:
                     if entry is not None:
                         entry.handle.set_result(response.last_joined if response.kind == JOIN else None)
@@ -565,6 +569,17 @@ class Engine:
                 self.driven_collectives += self._on_waiter
                 self._run_collective(response, entries)
         self._running = []
+
+    def _ended_by_others(self, asked: list) -> None:
+        """Ranks ``asked`` shut hvps down and this rank did not follow within the stall time: hvps ends here
+        too (Horovod's rule), and every collective of this rank, in flight or to come, fails saying so."""
+        self._ended = HvpsError(
+            f"hvps was shut down: ranks {asked} called hvps.shutdown() (or their scripts ended) and rank "
+            f"{self.rank} did not follow within the stall time, so hvps ended on every rank; every rank must "
+            "submit the same collectives and shut down at the same point (check for rank-dependent control "
+            "flow), or call hvps.init() again")
+        log.error("hvps rank %d: %s", self.rank, self._ended)
+        self._fail_all(self._ended)
 
     def _waiter_may_run(self, response) -> bool:
         """Whether a waiting user thread may execute ``response``: negotiation-only kinds, and collectives
