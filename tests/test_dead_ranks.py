@@ -171,3 +171,23 @@ def test_a_worker_stopped_inside_a_collective_is_named_by_every_survivor(tmp_pat
         assert float(raised) - stopped < 3 * stall, message
         named = {int(r) for r in re.findall(r"\branks? \[?(\d+(?:, \d+)*)\]?", message) for r in r.split(", ")}
         assert named == {1}, f"rank {rank} named ranks {sorted(named)}, not [1]: {message}"
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_stopped_inside_a_process_set_collective_is_named_through_an_idle_coordinator(tmp_path):
+    """Issue 38, rank 0 outside the collective: rank 2 of the set {1, 2} stops inside a large allreduce; rank 1's
+    stall reaches rank 0 as a report, rank 0 calls the roll, and rank 1, then rank 0 (whose next collective
+    fails), name rank 2 alone (the ring's own error names the set's ranks, not the job's)."""
+    stall = 3
+    env = {"MODE": "stopworker", "INSIDE": "1", "SET": "1", "VICTIM": "2", "HVPS_STALL_CHECK_TIME_SECONDS": str(stall),
+           "HVPS_DYNAMIC_PROCESS_SETS": "1"}
+    rc, out, _ = run_job(tmp_path, 3, env, timeout=90)
+    assert rc is not None, "the job hung:\n" + out
+    stopped = float((tmp_path / "stopped").read_text())
+    for rank in (0, 1):
+        record = tmp_path / f"err.{rank}"
+        assert record.exists(), f"rank {rank} never raised:\n{out}"
+        raised, message = record.read_text().split("\n", 1)
+        assert float(raised) - stopped < 3 * stall, message
+        named = {int(r) for r in re.findall(r"\branks? \[?(\d+(?:, \d+)*)\]?", message) for r in r.split(", ")}
+        assert named == {2}, f"rank {rank} named ranks {sorted(named)}, not [2]: {message}"
