@@ -7,6 +7,8 @@
   mpirun ends the job at once.
 - SIGSTOP of rank 0 outside a collective: the workers' collective fails after the watchdog's time,
   and then the job ends (abort) instead of waiting in MPI_Finalize for rank 0 forever.
+- SIGSTOP of a worker inside a large allreduce (issue 38), on the MPI ring and on gloo: once the data plane
+  times out, every survivor names the stopped rank alone (rank 0's roll call).
 
 Stall times are short (HVPS_STALL_CHECK_TIME_SECONDS=2 or 20) so that each job takes seconds.
 """
@@ -151,17 +153,11 @@ def test_workers_end_the_job_when_a_stopped_coordinator_never_answers(tmp_path, 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend", [
-    pytest.param("mpi", marks=pytest.mark.xfail(strict=False, reason=(
-        "issue 38, open: the ring's own data-plane timeout (now HVPS_STALL_CHECK_TIME_SECONDS, as the "
-        "coordinator's) can fire first and names both ring neighbours [1, 2]; seen after merging issue 37's "
-        "stall times"))),
-    pytest.param("tdist", marks=pytest.mark.xfail(strict=True, reason="issue 38: gloo's timeout names no rank")),
-])
+@pytest.mark.parametrize("backend", ["mpi", "tdist"])
 def test_a_worker_stopped_inside_a_collective_is_named_by_every_survivor(tmp_path, backend):
     """Issue 38: rank 1 of 3 SIGSTOPped while a large allreduce moves data: every survivor's error, within the
-    stall time, names rank 1 and no other (the audit saw rank 0 blamed under mpirun; gloo's timeout names no
-    rank, still open: strict xfail)."""
+    stall time, names rank 1 and no other. The data plane alone cannot tell (the ring names both neighbours of
+    rank 0, gloo's timeout names none): rank 0's roll call on the control plane does (control/liveness.py)."""
     stall = 3
     env = {"MODE": "stopworker", "INSIDE": "1", "VICTIM": "1", "HVPS_STALL_CHECK_TIME_SECONDS": str(stall),
            "HVPS_BACKEND": backend}
@@ -175,3 +171,23 @@ def test_a_worker_stopped_inside_a_collective_is_named_by_every_survivor(tmp_pat
         assert float(raised) - stopped < 3 * stall, message
         named = {int(r) for r in re.findall(r"\branks? \[?(\d+(?:, \d+)*)\]?", message) for r in r.split(", ")}
         assert named == {1}, f"rank {rank} named ranks {sorted(named)}, not [1]: {message}"
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_stopped_inside_a_process_set_collective_is_named_through_an_idle_coordinator(tmp_path):
+    """Issue 38, rank 0 outside the collective: rank 2 of the set {1, 2} stops inside a large allreduce; rank 1's
+    stall reaches rank 0 as a report, rank 0 calls the roll, and rank 1, then rank 0 (whose next collective
+    fails), name rank 2 alone (the ring's own error names the set's ranks, not the job's)."""
+    stall = 3
+    env = {"MODE": "stopworker", "INSIDE": "1", "SET": "1", "VICTIM": "2", "HVPS_STALL_CHECK_TIME_SECONDS": str(stall),
+           "HVPS_DYNAMIC_PROCESS_SETS": "1"}
+    rc, out, _ = run_job(tmp_path, 3, env, timeout=90)
+    assert rc is not None, "the job hung:\n" + out
+    stopped = float((tmp_path / "stopped").read_text())
+    for rank in (0, 1):
+        record = tmp_path / f"err.{rank}"
+        assert record.exists(), f"rank {rank} never raised:\n{out}"
+        raised, message = record.read_text().split("\n", 1)
+        assert float(raised) - stopped < 3 * stall, message
+        named = {int(r) for r in re.findall(r"\branks? \[?(\d+(?:, \d+)*)\]?", message) for r in r.split(", ")}
+        assert named == {2}, f"rank {rank} named ranks {sorted(named)}, not [2]: {message}"

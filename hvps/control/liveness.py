@@ -5,8 +5,8 @@ other end of each of its control connections sees the connection close within mi
 while every rank's engine thread is blocked inside a data-plane transfer with it. :class:`PeerWatch`
 is the thread that notices: it waits in ``poll`` for the peers' *hangups* only (``POLLRDHUP``; it
 never reads, so it costs nothing while data flows and never wakes for it) and hands each closed
-connection to its owner once. A stopped process (SIGSTOP) keeps its connections open; the stall
-timeout catches those.
+connection to its owner once. A stopped process (SIGSTOP) keeps its connections open: the data plane's
+stall timeout (HVPS_STALL_CHECK_TIME_SECONDS) catches those, and then a roll call names them (below).
 
 Which ranks died, and what every rank then sees:
 
@@ -17,6 +17,19 @@ Which ranks died, and what every rank then sees:
   learns of it as fast as one that is idle, and names the dead rank, not the messenger; in a
   control-plane tree (``tree.py``) the word floods from the dead rank's neighbours to every rank;
 - a rank whose connection to a peer ends without such a notice has lost that peer.
+
+Which ranks stopped (issue 38): when a transfer stalls (``DataPlaneStall``: nothing moved for the stall time),
+a rank knows only that its neighbours stopped sending, and a neighbour may itself be waiting for the rank that
+stopped. So every worker whose transfer failed reports it to rank 0 (``{"failed": what, "stall": bool}``), and
+after a stall (its own or a reported one) rank 0 calls the roll (``ControlPlane.roll_call``): it probes its
+children (``{"probe": n}``), which answer from whichever thread next reads their control plane
+(``{"alive": n}``); a report counts as an answer. The live ranks stuck in the same transfer stalled at about the
+same time, so each leaves it within a grace of the first and reports; a stopped or hung process answers
+nothing. The children that neither answered nor reported within the grace are lost (``SILENT``), and rank 0's
+notice names them to everyone, as it names dead ranks. A failure that is not a stall (an error of one rank's
+own) calls no roll: the ranks waiting for that rank have not stalled yet. In a control-plane tree
+(``tree.py``) only rank 0's children are called; a stopped rank below a relay is then not named, and the data
+plane's own error stands.
 
 :class:`PeerLost` is the error each outstanding collective then fails with; the engine stops, as a
 fixed-size job cannot go on without a rank (hvpsrun ``--max-restarts`` relaunches it; elastic mode
@@ -37,6 +50,9 @@ from ..core.settings import env_choice
 _HANGUP = getattr(select, "POLLRDHUP", 0x2000)
 #: why a rank is lost when its connection closed without a goodbye
 CLOSED = "its control connection closed: the process exited or was killed"
+#: why a rank is lost when it answered rank 0's roll call neither way after a collective failed in the data plane
+SILENT = ("it answered no liveness probe after a collective stalled in the data plane: the process is stopped "
+          "(SIGSTOP, a debugger) or hung")
 
 
 class PeerLost(HvpsError):
@@ -44,7 +60,14 @@ class PeerLost(HvpsError):
 
     def __init__(self, lost: dict) -> None:
         self.lost = {int(rank): str(why) for rank, why in sorted(lost.items())}
-        super().__init__(f"hvps: {self.who()} exited ({self.why()}); {self.what_next()}")
+        super().__init__(f"hvps: {self.who()} {self.what_happened()} ({self.why()}); {self.what_next()}")
+
+    def what_happened(self) -> str:
+        """``exited``, or ``stopped answering`` for ranks lost to a roll call (``SILENT``), or both."""
+        silent = sum(why == SILENT for why in self.lost.values())
+        if not silent:
+            return "exited"
+        return "stopped answering" if silent == len(self.lost) else "exited or stopped answering"
 
     def what_next(self) -> str:
         if env_choice("HVPS_ELASTIC", "0", ("0", "1")) == "1":  # hvd.elastic.run recovers in place
@@ -66,8 +89,8 @@ class PeerLost(HvpsError):
 
     def for_collective(self, kind: str, name: str) -> HvpsError:
         """The error of one collective, naming it and the dead ranks."""
-        error = HvpsError(f"hvps: {kind} '{name}' cannot complete: {self.who()} exited before submitting or "
-                          f"finishing it ({self.why()}); {self.what_next()}")
+        error = HvpsError(f"hvps: {kind} '{name}' cannot complete: {self.who()} {self.what_happened()} before "
+                          f"submitting or finishing it ({self.why()}); {self.what_next()}")
         error.__cause__ = self
         return error
 

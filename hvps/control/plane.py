@@ -82,9 +82,10 @@ _MAX_PENDING = 64
 #: bytes per recv: below malloc's mmap threshold (a 1 MiB buffer cost 16 us per message in mmap/munmap)
 _RECV_BYTES = 1 << 16
 #: what children send their parent, and a parent its children; "bye" ends a connection on purpose (close()),
-#: "lost" is a rank's last word when ranks died (see liveness.py)
-_REQUESTS = frozenset({"requests", "whole", "batch", "epoch", "bye", "lost"})
-_RESPONSES = frozenset({"responses", "tuning", "bye", "lost"})
+#: "lost" is a rank's last word when ranks died; "failed" (with "stall"), "probe" and "alive" make the roll call
+#: that names stopped ranks (see liveness.py), and never reach the engine
+_REQUESTS = frozenset({"requests", "whole", "batch", "epoch", "bye", "lost", "failed", "stall", "alive"})
+_RESPONSES = frozenset({"responses", "tuning", "bye", "lost", "probe"})
 
 
 def interface_address(name: str) -> Optional[str]:
@@ -335,6 +336,12 @@ class ControlPlane:
         self._on_lost: Optional[Callable[[dict], None]] = None
         #: peers whose stream the watch found ended: the next poll drops them
         self._ended: list = []
+        #: children that reported a collective failed in their data plane (rank -> what failed); those whose
+        #: transfer stalled; the roll call's round and who answered its probe (rank -> round): see ``roll_call``
+        self.failed: dict[int, str] = {}
+        self.stalled: set[int] = set()
+        self._round = 0
+        self._answered: dict[int, int] = {}
 
     def _accept(self, listener: socket.socket, key: bytes, timeout: float) -> None:
         """Run handshakes side by side until every other rank has proved itself."""
@@ -539,12 +546,63 @@ class ControlPlane:
                 continue
             if self.peers.get(peer.rank) is not peer:
                 continue  # dropped already
-            messages.extend((peer.rank, m) for m in peer.read())
+            messages.extend((peer.rank, m) for m in peer.read() if not self._roll(peer.rank, m))
             if peer.ended:
                 self._judge(peer)
                 closed.append(peer.rank)
                 self._drop(peer)
         return messages, closed
+
+    # -- the roll call that names stopped ranks (liveness.py) ------------------------------
+    def report_failure(self, what: str, stall: bool) -> None:
+        """Tell the parent that ``what`` (a collective and its error) failed in this rank's data plane, by a
+        ``stall`` (nothing moved for the stall time) or not: this rank is out of it and alive, and counts as
+        having answered rank 0's roll call; a stall makes rank 0 call one."""
+        if self.parent is not None:
+            self.send(self.parent, {"failed": what, "stall": stall})
+
+    def _roll(self, rank: int, message: dict) -> bool:
+        """Handle ``message`` from ``rank`` if it belongs to a roll call (answer a probe, note an answer or a
+        report); whether it did."""
+        if "probe" in message and rank == self.parent:
+            self.send(rank, {"alive": message["probe"]})
+        elif "alive" in message:
+            round_ = message["alive"]
+            if isinstance(round_, int) and not isinstance(round_, bool):
+                self._answered[rank] = round_
+        elif "failed" in message:
+            self.failed[rank] = str(message["failed"])[:500]
+            if message.get("stall") is True:
+                self.stalled.add(rank)
+            log.warning("hvps rank %d: rank %d reports that its data plane failed: %s", self.rank, rank,
+                        self.failed[rank])
+        else:
+            return False
+        return True
+
+    def roll_call(self, seconds: float, stop: threading.Event) -> tuple:
+        """Probe every child and wait up to ``seconds`` for each to answer or to report a failed transfer
+        (``report_failure``); stop early when ``stop`` is set (ranks were found dead meanwhile). Only the thread
+        that polls may call it.
+
+        Returns ``(silent, messages, closed)``: the children still connected that did neither, and what
+        ``poll`` returned meanwhile (for the engine's next cycle).
+        """
+        self._round += 1
+        for rank in self.children:
+            self.send(rank, {"probe": self._round})
+        deadline = time.monotonic() + seconds
+        messages: list = []
+        closed: list = []
+        while True:
+            silent = [rank for rank in self.children if rank in self.peers and rank not in self.failed
+                      and self._answered.get(rank) != self._round]
+            now = time.monotonic()
+            if not silent or now >= deadline or stop.is_set():
+                return silent, messages, closed
+            got, gone = self.poll(min(0.05, deadline - now))  # any message wakes it; 50 ms: to look at ``stop``
+            messages += got
+            closed += gone
 
     def _drop(self, peer: _Peer) -> None:
         self._selector.unregister(peer.sock)

@@ -5,6 +5,12 @@ class HvpsError(RuntimeError):
     """A collective failed: not initialized, mismatched submissions, a stalled rank."""
 
 
+class DataPlaneStall(HvpsError):
+    """A transfer moved no data for the stall time (HVPS_STALL_CHECK_TIME_SECONDS): a peer died, stopped or is
+    unreachable, or waits for one that did. The live ranks stuck in the same transfer stall at about the same
+    time, so the engine then asks the control plane which ranks stopped (a roll call, ``control/liveness.py``)."""
+
+
 #: Horovod's name for a failed collective (what elastic training catches); the same class here.
 HorovodInternalError = HvpsError
 

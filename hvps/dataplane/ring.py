@@ -59,7 +59,7 @@ def wait_all(requests: list, peers: list, timeout: float, abort=None, what: str 
     """
     from mpi4py import MPI
 
-    from ..core.errors import HvpsError
+    from ..core.errors import DataPlaneStall, HvpsError
 
     deadline = time.monotonic() + timeout
     remaining = len(requests)
@@ -82,7 +82,7 @@ def wait_all(requests: list, peers: list, timeout: float, abort=None, what: str 
                     request.Cancel()
             if lost:
                 raise HvpsError(f"{what} abandoned: ranks of the job were lost while it waited for ranks {silent}")
-            raise HvpsError(
+            raise DataPlaneStall(
                 f"{what} failed: no data moved to or from ranks {silent} for {timeout:g} s "
                 "(HVPS_STALL_CHECK_TIME_SECONDS); a rank died or a link between ranks is down"
             )

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from ..core.errors import HvpsError
+from ..core.errors import DataPlaneStall, HvpsError
 
 SHM_DIR = "/dev/shm"
 #: header fields (int64 each) of a rank's line
@@ -143,8 +143,8 @@ class Segment:
                             "for them on the node's segment")
         if stalled:
             self.abort()
-            raise HvpsError(f"shared-memory collective failed: local ranks {behind} moved no data for "
-                            f"{self.timeout:g} s (HVPS_STALL_CHECK_TIME_SECONDS); a rank hangs or was stopped")
+            raise DataPlaneStall(f"shared-memory collective failed: local ranks {behind} moved no data for "
+                                 f"{self.timeout:g} s (HVPS_STALL_CHECK_TIME_SECONDS); a rank hangs or was stopped")
 
     def close(self) -> None:
         """Drop the mapping (views into it must be gone)."""

@@ -47,7 +47,7 @@ def error_kind(message: str) -> Optional[str]:
         return "stall"
     if message.startswith("hvps mismatch:"):
         return "mismatch"
-    if " exited before submitting " in message:
+    if " exited before submitting " in message or " stopped answering before submitting " in message:  # PeerLost
         return "rank_lost"
     return "other"
 

@@ -29,13 +29,13 @@ from collections import deque
 from typing import Iterator, Optional
 
 from .. import metrics as _metrics
-from ..control.liveness import PeerLost
+from ..control.liveness import SILENT, PeerLost
 from ..control.negotiation import ALLGATHER, ADD_SET, GLOBAL_SET, JOIN, REMOVE_SET, SHUTDOWN, Coordinator, Request
 from ..control.plane import ControlPlane
 from ..control.relay import RelayBuffer
 from ..control.response_cache import ResponseCache
 from ..core import arrays
-from ..core.errors import DuplicateNameError, HvpsError
+from ..core.errors import DataPlaneStall, DuplicateNameError, HvpsError
 from ..core.handle import Handle
 from ..core.timeline import Timeline
 from ..dataplane.buffers import FusionBuffer
@@ -54,7 +54,9 @@ _IDLE_READ_SECONDS = 0.05
 #: this many cycles, so that the whole block's announcements go up together (control/relay.py)
 _RELAY_HOLD_CYCLES = 10
 #: after a collective failed in the data plane, how long the engine waits for the control plane to
-#: tell which rank died (it knows within milliseconds of the kernel closing the dead rank's sockets)
+#: tell which rank died (it knows within milliseconds of the kernel closing the dead rank's sockets), and
+#: how long rank 0's roll call waits for the ranks' answers (a stopped rank keeps its sockets open; the live
+#: ranks stuck in the same transfer leave it at about the same time, each after its own stall timeout)
 _LOSS_GRACE_SECONDS = 1.0
 
 
@@ -147,6 +149,8 @@ class Engine:
         self._lost = threading.Event()
         #: set when other ranks' shutdown ended this engine (_ended_by_others): what its collectives raise
         self._ended: Optional[HvpsError] = None
+        #: whether rank 0 has called the roll after a collective failed in a data plane (once: _roll_call)
+        self._roll_called = False
         backend.interrupt_on(self._lost)
         backend.report_failures_to(self._failed)  # NCCL's asynchronous errors and timeouts (tdist.NcclWatch)
         #: held by whichever thread runs a cycle: the engine thread, or a waiter that drives it (_drive)
@@ -479,6 +483,11 @@ class Engine:
 
     def _coordinate(self, messages: list, closed: list) -> None:
         started, cpu = time.perf_counter(), time.thread_time() if self.count_cpu else None
+        if self.control.stalled and not self._roll_called:  # a worker's transfer stalled: did a rank stop?
+            more, gone = self._roll_call()
+            messages, closed = messages + more, closed + gone
+            if self._failure is not None:
+                return
         now = time.monotonic()
         self.coordinator.submit(0, self.cache.canonical(self._due_announcements()), now)
         for source, message in messages:
@@ -643,12 +652,12 @@ class Engine:
         except Exception as exc:
             # Ranks may now disagree on which messages are in flight: nothing after
             # this can be trusted, so the engine stops (see _run) and says why. A failed transfer
-            # is most often a dead peer, which the data plane may notice first without naming it:
-            # the control plane's word on which rank died (_peers_lost) is the error to give.
-            self._lost.wait(_LOSS_GRACE_SECONDS)
+            # is most often a dead or stopped peer, which the data plane notices without naming it:
+            # the control plane's word on which rank died or stopped (_peers_lost) is the error to give.
+            names = ", ".join(sorted({e.request.name for e in entries if e is not None})) or response.kind
+            self._find_the_lost(f"{response.kind} {names!r}: {exc}", isinstance(exc, DataPlaneStall))
             error = exc
             if not isinstance(exc, HvpsError):  # Horovod's HorovodInternalError: what hvd.elastic.run retries
-                names = ", ".join(sorted({e.request.name for e in entries if e is not None})) or response.kind
                 error = HvpsError(f"hvps: {response.kind} {names!r} failed in the data plane: {exc}")
                 error.__cause__ = exc
             for entry in entries:
@@ -662,6 +671,42 @@ class Engine:
             if entry is not None:
                 entry.handle.set_result(result)
         _metrics.on_collective(response, entries, started, self.fusion_threshold)
+
+    def _find_the_lost(self, what: str, stall: bool) -> None:
+        """``what`` (a collective and its error) failed in this rank's data plane, by a ``stall`` or not: let the
+        control plane name the ranks that died or stopped (``_peers_lost``, which fails every handle with their
+        names), for up to about ``_LOSS_GRACE_SECONDS``. A dead rank's connections close, and the watch tells at
+        once. A stopped one's stay open, and a stalled data plane can only name the neighbours that stopped
+        sending, which may be waiting for it themselves: so a worker reports its failure to rank 0, and after a
+        stall (its own, or one reported) rank 0 calls the roll (``_roll_call``); its notice reaches the
+        workers through their watch, as a dead rank's does. Without a word, the data plane's error stands."""
+        if self.rank != 0:
+            self.control.report_failure(what, stall)
+            # rank 0 stalls at about the same time as this rank (or it is idle and reads the report at once);
+            # then its roll call takes up to a grace
+            self._lost.wait(2 * _LOSS_GRACE_SECONDS if stall else _LOSS_GRACE_SECONDS)
+            return
+        # An error of rank 0's own calls no roll: the ranks waiting for it have not stalled yet. Unless a worker
+        # reports a stall meanwhile (on shared memory, the rank that stalls ends the others' wait with an error).
+        deadline = time.monotonic() + _LOSS_GRACE_SECONDS
+        while not stall and not self._lost.is_set() and time.monotonic() < deadline:
+            self.control.poll(min(0.05, deadline - time.monotonic()))  # the engine stops: what else it reads can go
+            stall = bool(self.control.stalled)
+        if stall and not self._lost.is_set():
+            self._roll_call()
+
+    def _roll_call(self) -> tuple:
+        """Rank 0, once, after a transfer stalled: probe the other ranks (``ControlPlane.roll_call``); those that
+        neither answer nor report a failed transfer within ``_LOSS_GRACE_SECONDS`` are lost (``SILENT``): the live
+        ranks stuck in the same transfer stalled at about the same time and report it. Returns what the control
+        plane said meanwhile, ``(messages, closed)``, for the cycle to handle."""
+        if self._roll_called:
+            return [], []
+        self._roll_called = True
+        silent, messages, closed = self.control.roll_call(_LOSS_GRACE_SECONDS, self._lost)
+        if silent and not self._lost.is_set():
+            self._peers_lost({rank: SILENT for rank in silent})
+        return messages, closed
 
     @staticmethod
     def _trace(timeline, response, entries: list, started: float) -> None:

@@ -8,6 +8,9 @@ Every other rank catches the HvpsError, writes ``time\\nmessage`` to ``$OUT/err.
 
 ``MODE=stopworker``: rank ``VICTIM`` SIGSTOPs itself before an allreduce; every other rank writes what it
 raised to ``$OUT/err.R`` (as ``kill``), then ends the job (issue 38: the stopped rank must be the one named).
+With ``SET=1`` (and ``INSIDE=1``) the large allreduce runs on a process set of every rank but rank 0, which
+stays out of it (idle: it hears of the stall only from a worker's report) until rank 1 has raised, and then
+submits an allreduce.
 
 ``MODE=stop``: after a barrier, rank 0 SIGSTOPs itself outside any collective (writing the time to
 ``$OUT/stopped``); the others then start an allreduce and let its HvpsError end the script
@@ -102,9 +105,14 @@ if MODE == "stopworker":
         (OUT / "stopped").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(600)
+    workers = hvps.add_process_set(list(range(1, size))) if os.environ.get("SET") == "1" else None
     try:
-        if inside:
-            handle = hvps.allreduce_async(large, name="large", op=hvps.Sum)
+        if workers is not None and rank == 0:  # idle until rank 1 raised, then a collective of its own
+            deadline = time.monotonic() + 30
+            while not (OUT / "err.1").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        elif inside:
+            handle = hvps.allreduce_async(large, name="large", op=hvps.Sum, process_set=workers)
             if rank == victim:
                 while handle._started is None and not handle.poll():
                     time.sleep(0.001)

@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 
 from ...core import dtypes
-from ...core.errors import HvpsError
+from ...core.errors import DataPlaneStall, HvpsError
 from ...core.settings import env_text
 from .. import sealing
 from ..buffers import FusionBuffer
@@ -220,9 +220,9 @@ class EncryptedBackend(Backend):
             if time.monotonic() > deadline:
                 silent = sorted({self.members[dest] for _ in sends[:1]} | {self.members[source] for _ in recvs[:1]})
                 self._drain(sends, recvs, opening, cancel=True)
-                raise HvpsError(f"hvps: {state['what']} (sealed data plane) failed: no data moved to or from ranks "
-                                f"{silent} for {self.timeout:g} s (HVPS_STALL_CHECK_TIME_SECONDS); a rank died or a "
-                                "link between ranks is down")
+                raise DataPlaneStall(f"hvps: {state['what']} (sealed data plane) failed: no data moved to or from "
+                                     f"ranks {silent} for {self.timeout:g} s (HVPS_STALL_CHECK_TIME_SECONDS); a rank "
+                                     "died or a link between ranks is down")
 
     @staticmethod
     def _drain(sends: list, recvs: list, opening: list, cancel: bool = False) -> None:

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 
 from ...control.plane import candidate_addresses, listen_address, reachable
 from ...core.dtypes import ReduceOp
-from ...core.errors import HvpsError
+from ...core.errors import DataPlaneStall, HvpsError
 from ...core.views import as_tensor
 from .base import Backend, sub_communicator
 from .device import cuda_order
@@ -67,6 +67,9 @@ TORCH_NCCL_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
 #: torch's NCCL timeout: this multiple of hvps's stall time, at least 10 minutes. torch counts from enqueue,
 #: so a deep GPU queue could trip a short one on a healthy job; hvps's own limit counts from the GPU's turn
 TORCH_NCCL_TIMEOUT_FACTOR, TORCH_NCCL_TIMEOUT_MIN_SECONDS = 10.0, 600.0
+#: how gloo words its timeout (``Timed out waiting 3000ms for recv operation to complete``): torch raises it as a
+#: plain RuntimeError (DistBackendError), as it does a closed connection
+GLOO_TIMEOUT = "Timed out waiting"
 
 
 class _TorchNcclSettings:
@@ -261,7 +264,8 @@ class TorchDistBackend(Backend):
             if tensor.device.type == "cuda":
                 self.watch.track(what, self._names or what, work)
         except RuntimeError as exc:
-            raise HvpsError(
+            error = DataPlaneStall if GLOO_TIMEOUT in str(exc) else HvpsError
+            raise error(
                 f"torch.distributed {what} failed on rank {self.rank} (a rank died, a link is down, or nothing "
                 f"moved for HVPS_STALL_CHECK_TIME_SECONDS={self.timeout.total_seconds():g} s): {exc}"
             ) from exc
