@@ -21,7 +21,7 @@ read and hash threads (measured: np2 0.9-1.2 s instead of 0.40 s, single 0.38 s)
 
 Inspect (``--mode inspect``): the same load in one process with the file's metadata
 inspected in-process, by the warm helper process and by a freshly started one
-(hvps/checkpoint_inspect.py), back to back in every round.
+(hvps/checkpoint/inspect.py), back to back in every round.
 
   python benchmarks/checkpoint_io.py --runs 5 --json out/checkpoint_io.json
 """

@@ -35,13 +35,13 @@ def seal_rates(chunk: int = 4 * MiB, seconds: float = 1.0) -> dict:
     """Bytes/s one core seals and opens with ``cryptography``'s AES-256-GCM, as the data plane does."""
     import numpy as np
 
-    from hvps.dataplane import sealing
+    from hvps.dataplane import sealed_crypto
 
-    direction = sealing.Direction(os.urandom(32), 0, 1)
+    direction = sealed_crypto.Direction(os.urandom(32), 0, 1)
     plain = np.frombuffer(os.urandom(chunk), np.uint8)
-    sealed = np.empty(chunk + sealing.TAG, np.uint8)
+    sealed = np.empty(chunk + sealed_crypto.TAG, np.uint8)
     out = np.empty(chunk, np.uint8)
-    aad = sealing.aad(1, 1, 1, 0, chunk)
+    aad = sealed_crypto.aad(1, 1, 1, 0, chunk)
     rates = {}
     for what in ("seal", "open"):
         n, start = 0, time.perf_counter()

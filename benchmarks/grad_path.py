@@ -74,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ----------------------------------------------------------------------------- worker
 class _AdaptersFrom(importlib.abc.MetaPathFinder):
-    """Finds ``hvps.adapters`` in ``root``/adapters (the editable install maps it to this checkout)."""
+    """Finds ``hvps.adapters`` in ``root``/adapters: a tree from before the adapters moved into hvps/adapters/
+    (setup.cfg's ``package_dir`` mapped them)."""
 
     def __init__(self, root: str) -> None:
         self.path = os.path.join(root, "adapters")
@@ -90,7 +91,8 @@ def _import_tree(tree: str):
     root = os.path.realpath(tree or str(REPO_ROOT))
     if tree:
         sys.path.insert(0, root)
-        sys.meta_path.insert(0, _AdaptersFrom(root))
+        if os.path.isdir(os.path.join(root, "adapters")):
+            sys.meta_path.insert(0, _AdaptersFrom(root))
     import hvps
     import hvps.adapters.torch as hvd
 

@@ -11,7 +11,7 @@ The distributed step is the user's loop: one ``tf.function`` with forward, loss,
 step (also the plain loop of ``--compare-plain``) is the same function with a plain
 ``tf.GradientTape``. The tape reduces the gradients in ~25 MiB buckets
 (``HVPS_TF_BUCKET_BYTES``), each started while the backward pass is still running
-(``adapters/tensorflow/overlap.py``). The communication wait is the time the step
+(``hvps/adapters/tensorflow/overlap.py``). The communication wait is the time the step
 spends inside the hvps ops: the starts (submission only) and the finishes, which
 block until their bucket is reduced (the exposed wait). ``--compression
 none|fp16|bf16|int8|topk|dgc`` and ``--density`` pick the tape's gradient

@@ -1,5 +1,5 @@
 """A checkpoint whose corrupt HDF5 global heap makes libhdf5 loop forever in C: the
-helper process of hvps/checkpoint_inspect.py turns it into a CheckpointError."""
+helper process of hvps/checkpoint/inspect.py turns it into a CheckpointError."""
 
 import subprocess
 import sys

@@ -1,6 +1,6 @@
 """hvps doctor: every check's verdicts from fake /proc and /sys trees (--root), the report, --apply and
---revert on a fake tree, the refusal of the seed's unsafe advice, and real runs on this machine
-under 1, 2 and 3 ranks."""
+--revert on a fake tree, the refusal of unsafe tunings (real-time priority, a 99 ns scheduler slice), and real
+runs on this machine under 1, 2 and 3 ranks."""
 from __future__ import annotations
 
 import copy

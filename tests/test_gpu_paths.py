@@ -215,18 +215,6 @@ def test_cuda_aware_mpi_waits_for_the_queued_copy_before_mpi_reads_the_buffer(cu
     assert steps == [("copy", "out"), ("stream.synchronize", "consumer"), ("MPI.Bcast", "out")], cuda.log
 
 
-# -- finding 11: the horovod backend orders CUDA tensors after their producers, on their device ---------
-def test_horovod_backend_orders_cuda_tensors_on_the_engine_stream(cuda):
-    from hvps.dataplane.backends.horovod import HorovodBackend
-
-    x, ready = cuda.tensor(3, "x"), cuda.event()
-    entry = _entry("h", [x], [x], ready)
-    with HorovodBackend.ordered(object.__new__(HorovodBackend), [entry]):
-        pass
-    assert ("wait_event", "engine", "cuda:3", ready.label) in cuda.log
-    assert entry.handle.event is not None and str(entry.handle.event.device) == "cuda:3"
-
-
 # -- finding 2: a joined rank's zeros lie on its own GPU, and join(device) is honoured -----------------------
 def test_joined_rank_makes_zeros_on_its_gpu_not_on_cuda0(cuda, monkeypatch):
     made = []

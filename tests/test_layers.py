@@ -2,6 +2,7 @@
 module importing from a layer above its own, and a top level of hvps/ that holds only the facade
 and the rooms."""
 
+import importlib.machinery
 import importlib.util
 import sys
 from pathlib import Path
@@ -31,11 +32,24 @@ def test_top_level_holds_the_facade_and_rooms():
     assert modules == ["__init__.py", "version.py"], modules
 
 
+def test_adapters_live_inside_the_package():
+    """``hvps.adapters.torch`` is found by the plain path search from the checkout's root, as with
+    ``PYTHONPATH=.`` in a bare checkout (no ``package_dir`` mapping), and the imported package agrees."""
+    expected = ROOT / "hvps" / "adapters" / "torch" / "__init__.py"
+    path = [str(ROOT)]
+    for name in ("hvps", "hvps.adapters", "hvps.adapters.torch"):
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        assert spec is not None, name
+        path = spec.submodule_search_locations
+    assert Path(spec.origin) == expected
+    assert Path(importlib.util.find_spec("hvps.adapters.torch").origin).resolve() == expected.resolve()
+    assert not (ROOT / "adapters").exists()
+
+
 def test_checker_sees_cycles_and_upward_imports(tmp_path):
     """The checker itself: a planted cycle (one import inside a function) and an upward import."""
     core = tmp_path / "hvps" / "core"
     core.mkdir(parents=True)
-    (tmp_path / "adapters").mkdir()
     (tmp_path / "hvps" / "__init__.py").write_text("")
     (core / "__init__.py").write_text("")
     (core / "a.py").write_text("from . import b\n")

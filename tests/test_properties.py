@@ -3,10 +3,12 @@ control plane's parser and handshake, the checkpoint manifest schema, and the
 negotiation coordinator's agreement."""
 
 import json
+import math
+import re
 import secrets
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hvps.checkpoint.safety import Defect, check_manifest
@@ -109,28 +111,111 @@ def test_valid_manifests_pass(ds, epoch, world):
     check_manifest(_manifest(ds, epoch, world), 1)
 
 
+def _is_int(value) -> bool:
+    return type(value) is int  # bool is not an integer in a manifest
+
+
+def _valid_top_level(field, value) -> bool:
+    """Whether ``value`` is a valid ``field`` of a manifest, by the schema hvps writes, for the values
+    drawn here: ``json_values``' dicts have at most 4 keys, so a drawn list never holds a dataset
+    (6 keys) and the only valid ``datasets`` drawn is ``[]``."""
+    if field == "format_version":
+        return _is_int(value) and value == 1
+    if field == "root":
+        return (isinstance(value, dict) and _is_int(value.get("epoch")) and value["epoch"] >= 0
+                and _is_int(value.get("world_size")) and value["world_size"] >= 1
+                and _is_int(value.get("step", -1)) and value.get("step", -1) >= -1)
+    if field == "datasets":
+        return value == []
+    return isinstance(value, dict) and all(k.startswith("/") and isinstance(v, dict) for k, v in value.items())
+
+
+def _logical_names(storage: str) -> set:
+    """The dtype names a tensor stored as ``storage`` may declare: the storage's own, and, for integer
+    storage, ml_dtypes' types of the same width (bfloat16 is stored as int16)."""
+    import ml_dtypes
+    import numpy as np
+
+    stored = np.dtype(storage)
+    names = {stored.name}
+    if stored.kind == "i":
+        for name in dir(ml_dtypes):
+            if name.startswith("_") or not isinstance(getattr(ml_dtypes, name), type):
+                continue
+            try:
+                dtype = np.dtype(getattr(ml_dtypes, name))
+            except (TypeError, ValueError):
+                continue
+            if dtype.kind == "V" and dtype.itemsize == stored.itemsize:
+                names.add(name)
+    return names
+
+
+def _valid_dataset_edit(original: dict, others: list, field, value) -> bool:
+    """Whether ``original`` (a valid dataset entry) with ``field`` set to ``value`` is still valid beside
+    ``others``: a path in a known section and listed once, a dtype the storage may carry, the same
+    storage code under any byte-order mark, a shape and nbytes that agree, a digest of 64 hex digits."""
+    import numpy as np
+
+    itemsize = np.dtype(original["storage"]).itemsize
+    if field == "path":
+        return (isinstance(value, str) and len(value) < 4096 and value not in {d["path"] for d in others}
+                and re.fullmatch(r"/(model|optimizer|compression|rng|extra)(/[^/]+)+", value) is not None)
+    if field == "dtype":
+        return isinstance(value, str) and value in _logical_names(original["storage"])
+    if field == "storage":
+        return isinstance(value, str) and value[:1] in ("<", ">", "|") and value[1:] == original["storage"][1:]
+    if field == "shape":
+        return (isinstance(value, list) and len(value) <= 32 and all(_is_int(n) and n >= 0 for n in value)
+                and math.prod(value) * itemsize == original["nbytes"])
+    if field == "nbytes":
+        return _is_int(value) and value == original["nbytes"]
+    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
+
+
+#: besides any JSON value, values that are valid in some field, so that both outcomes are drawn
+TOP_LEVEL_VALUES = json_values | st.sampled_from([1, [], {}, {"/a": {}}, {"epoch": 0, "world_size": 3, "step": -1}])
+DATASET_VALUES = json_values | st.sampled_from([">f4", "|b1", "<i2", ">i8", "/model/x", "/optimizer/a/b", "bfloat16",
+                                                "int16", "float32", "bool", "0" * 64, "A" * 64, 0, 4, 8, [], [1],
+                                                [2, 2]])
+
+
 @SETTINGS
 @given(st.lists(datasets, min_size=1, max_size=3), st.sampled_from(["format_version", "root", "datasets", "groups"]),
-       json_values)
-def test_any_structural_edit_is_a_defect_or_valid(ds, field, value):
+       TOP_LEVEL_VALUES)
+def test_a_structural_edit_is_a_defect_exactly_when_invalid(ds, field, value):
+    """Replacing a top-level field with any JSON value: ``check_manifest`` accepts the manifest when the
+    new value is one hvps could have written there and raises Defect otherwise (never another
+    exception). It must be both: a checker that raised on every edit would refuse good files after a
+    harmless rewrite (``datasets: []``, ``groups: {}``), one that raised on none would let a stranger's
+    file reach h5py; ``check_manifest``'s own contract is "raise Defect unless the manifest has the
+    structure, types and ranges hvps writes", which is this oracle."""
     manifest = _manifest(ds, 1, 2)
     manifest[field] = value
-    try:
+    if _valid_top_level(field, value):
         check_manifest(manifest, 1)
-    except Defect:
-        return
+    else:
+        with pytest.raises(Defect):
+            check_manifest(manifest, 1)
 
 
 @SETTINGS
 @given(st.lists(datasets, min_size=1, max_size=3), st.sampled_from(["path", "dtype", "storage", "shape", "nbytes",
-                                                                   "sha256"]), json_values)
-def test_any_dataset_edit_is_a_defect_or_valid(ds, field, value):
+                                                                   "sha256"]), DATASET_VALUES)
+@example([{"path": "/model/w", "dtype": "float32", "storage": "<f4", "shape": [1], "nbytes": 4, "sha256": "0" * 64}],
+         "dtype", "__dict__")  # once a bare ValueError from np.dtype(ml_dtypes.__dict__), not a Defect
+def test_a_dataset_edit_is_a_defect_exactly_when_invalid(ds, field, value):
+    """Replacing one field of a dataset entry with any JSON value: accepted when the entry still
+    describes a tensor hvps could have written (see ``_valid_dataset_edit``), Defect otherwise, for
+    the same reason as the structural edits: the checker's contract is exact, so the test is too."""
     manifest = _manifest(ds, 1, 2)
+    original, others = dict(manifest["datasets"][0]), manifest["datasets"][1:]
     manifest["datasets"][0][field] = value
-    try:
+    if _valid_dataset_edit(original, others, field, value):
         check_manifest(manifest, 1)
-    except Defect:
-        return
+    else:
+        with pytest.raises(Defect):
+            check_manifest(manifest, 1)
 
 
 # ----------------------------------------------------------------------------- coordinator

@@ -10,7 +10,7 @@ from hvps.adapters.common import options
 from hvps.adapters.common.controls import CompressionControls
 from hvps.adapters.common.ops import resolve_op
 from hvps.compression import Compression, GradientCompression
-from hvps.compression.horovod import as_gradient_compression
+from hvps.compression.framework_compressors import as_gradient_compression
 from hvps.compression.summable import summable_plan
 from hvps.core import dtypes, scaling
 from hvps.core.views import as_tensor

@@ -20,9 +20,8 @@ NAME = re.compile(r"HVPS_[A-Z0-9]+(?:_[A-Z0-9]+)*(?![A-Z0-9_])")  # a trailing "
 
 
 def _sources():
-    for base in ("hvps", "adapters"):
-        for path in sorted((ROOT / base).rglob("*.py")):
-            yield path, ast.parse(path.read_text(), str(path))
+    for path in sorted((ROOT / "hvps").rglob("*.py")):
+        yield path, ast.parse(path.read_text(), str(path))
 
 
 def _strings(tree):

@@ -43,14 +43,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
-    """Dotted name -> file, for hvps/ and adapters/ (installed as hvps.adapters)."""
+    """Dotted name -> file, for every module under hvps/ (hvps/adapters/ included)."""
     found = {}
-    for base, prefix in ((root / "hvps", ("hvps",)), (root / "adapters", ("hvps", "adapters"))):
-        for path in sorted(base.rglob("*.py")):
-            parts = prefix + path.relative_to(base).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            found[".".join(parts)] = path
+    for path in sorted((root / "hvps").rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
     return found
 
 

@@ -261,10 +261,10 @@ def stop_helper() -> None:
 def read_header(path: os.PathLike) -> Header:
     """Open ``path``, check format name and version, read the manifest, check it against
     ``manifest_sha256`` (and its signature when HVPS_CHECKPOINT_KEY is set) and its schema,
-    and compare it with the file's structure and storage (checkpoint_safety.py).  Reads no
+    and compare it with the file's structure and storage (checkpoint/safety.py).  Reads no
     tensor data.  Raises CheckpointError naming the file for any defect.
 
-    All of this runs in a helper process under a deadline (checkpoint_inspect.py), so that
+    All of this runs in this module's helper process under a deadline, so that
     a file that makes libhdf5 hang or crash ends in a CheckpointError too."""
     return inspect_header(Path(path))
 

@@ -32,7 +32,7 @@ removed by the next save.
 
 **Verification**: every dataset's SHA-256 is in a manifest whose own SHA-256 is a root
 attribute: a checksum against damage, and with ``HVPS_CHECKPOINT_KEY`` an HMAC signature
-against tampering (``checkpoint_safety.py``, which also refuses storage, dtypes and manifests
+against tampering (``checkpoint/safety.py``, which also refuses storage, dtypes and manifests
 that are unsafe to read); :meth:`CheckpointManager.latest` and ``load("latest")`` skip (with
 a warning on every rank) versions that fail and fall back to the newest good one.
 

@@ -75,12 +75,15 @@ def logical_allowed(name: str, storage: str) -> bool:
         import ml_dtypes
     except ImportError:
         return False
-    found = getattr(ml_dtypes, name, None)
-    try:
-        dtype = np.dtype(found) if found is not None else None
-    except TypeError:
+    # only ml_dtypes' public types: a name from the file such as "__dict__" must not reach np.dtype
+    found = None if name.startswith("_") else getattr(ml_dtypes, name, None)
+    if not isinstance(found, type):
         return False
-    return dtype is not None and dtype.kind == "V" and stored.kind == "i" and dtype.itemsize == stored.itemsize
+    try:
+        dtype = np.dtype(found)
+    except (TypeError, ValueError):
+        return False
+    return dtype.kind == "V" and stored.kind == "i" and dtype.itemsize == stored.itemsize
 
 
 # ----------------------------------------------------------------------------- manifest schema

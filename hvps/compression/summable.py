@@ -18,7 +18,7 @@ from ..core.dtypes import ReduceOp
 from ..core.scaling import SumPlan
 from .base import Compressor
 from .compressors import CastCompressor, NoneCompressor
-from .horovod import TensorCompressor
+from .framework_compressors import TensorCompressor
 from .pipeline import GradientCompression
 
 

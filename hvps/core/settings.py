@@ -29,7 +29,7 @@ VARIABLES: dict[str, str] = {
                                         "0: at the check time",
     "HVPS_ALLREDUCE_ALGORITHM": "ring, mpi or auto",
     "HVPS_RING_CHUNK_BYTES": "message size of the ring algorithm",
-    "HVPS_BACKEND": "data plane: mpi, tdist, horovod or auto",
+    "HVPS_BACKEND": "data plane: mpi, tdist or auto",
     "HVPS_HIERARCHICAL_ALLREDUCE": "1: reduce within nodes, across nodes, within nodes again",
     "HVPS_ENCRYPT": "1: seal (AES-256-GCM) every data-plane byte between hosts; all: between every pair of ranks",
     "HVPS_TEST_TAMPER": "test-only fault hook of HVPS_ENCRYPT: damage a sealed chunk (flip|replay:RANK[:N])",
@@ -168,7 +168,7 @@ def warn_unhonoured_horovod_variables(env: Optional[Mapping[str, str]] = None) -
     return new
 
 ALGORITHMS = ("auto", "mpi", "ring")
-BACKENDS = ("auto", "mpi", "tdist", "horovod")
+BACKENDS = ("auto", "mpi", "tdist")
 #: HVPS_LOG_LEVEL's (and Horovod's) names -> logging's levels
 LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
 LOGGING_LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
@@ -219,7 +219,7 @@ class Settings:
     timeline_mark_cycles: bool = False
     #: the 'hvps' logger's level from init on ("" leaves it alone)
     log_level: str = ""
-    #: data plane: mpi, tdist (torch.distributed: gloo on CPU, NCCL on CUDA), horovod, or
+    #: data plane: mpi, tdist (torch.distributed: gloo on CPU, NCCL on CUDA), or
     #: auto (NCCL for CUDA tensors when available, MPI for everything else)
     backend: str = "auto"
     #: allreduce within each node, then across nodes, then within the node again
@@ -236,7 +236,7 @@ class Settings:
     autotune: bool = False
     autotune_warmup_steps: int = 2
     autotune_steps_per_sample: int = 5
-    #: seal the data plane: "0" off, "1" between hosts, "all" between every pair of ranks (encrypted.py)
+    #: seal the data plane: "0" off, "1" between hosts, "all" between every pair of ranks (backends/sealed.py)
     encrypt: str = "0"
 
     @property
@@ -260,7 +260,7 @@ class Settings:
         """
         resolved = self
         if not mpi:
-            if self.backend in ("mpi", "horovod"):
+            if self.backend == "mpi":
                 raise HvpsError(f"HVPS_BACKEND={self.backend} needs a job started by an MPI launcher (mpirun, srun, "
                                 "hvpsrun without --gloo); this one was started without MPI, where the data plane is "
                                 "torch.distributed: unset HVPS_BACKEND or set it to tdist")

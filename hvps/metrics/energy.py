@@ -1,8 +1,8 @@
 """Energy of a measured phase: joules, average watts and joules per image.
 
-Energy-aware training (the seed's outlook) starts with knowing what a step costs. Counters,
-not power samples, give it exactly: on a GPU, NVML's energy counter (millijoules since the
-driver loaded); on a CPU, Intel/AMD RAPL through Linux's powercap
+Energy-aware training (choosing batch sizes, clocks or placement by what they cost in energy) starts
+with knowing what a step costs. Counters, not power samples, give it exactly: on a GPU, NVML's energy
+counter (millijoules since the driver loaded); on a CPU, Intel/AMD RAPL through Linux's powercap
 (``/sys/class/powercap/intel-rapl:N/energy_uj``, one counter per package, wrapping at
 ``max_energy_range_uj``). Where neither is readable (no GPU, a VM without RAPL, or
 ``energy_uj`` readable by root only as since Linux 5.10), the result is ``None`` with the

@@ -5,7 +5,7 @@ Every partition is a bijection between ``[0, num_rows)`` and pairs ``(owner, slo
 and re-sharding on load only needs :meth:`Partition.global_ids` (no lookup tables, so the
 memory per rank stays at table / ranks).
 
-``hash`` (the default, the seed's ``hash(key) % shards``) spreads neighbouring ids, which
+``hash`` (the default: a row's owner is ``hash(id) % owners``) spreads neighbouring ids, which
 are often the hot ones, over all owners: ids are first permuted by multiplicative hashing
 ``(a * id) mod num_rows`` with ``a`` coprime to ``num_rows`` (a bijection), then dealt
 round-robin.  ``range`` gives each owner one contiguous block, as TorchRec's row-wise

@@ -1,4 +1,5 @@
-"""Bounded staleness (seed §1.2, Persia's hybrid mode in miniature): reuse rows up to k steps old.
+"""Bounded staleness (Persia's hybrid mode in miniature: rows read stale, gradients applied exactly): reuse rows
+up to k steps old.
 
 A member remembers the rows it pulled; for ``k`` steps after a pull it serves those ids from
 its copy instead of asking their owners again, so a step pulls only ids it has not seen

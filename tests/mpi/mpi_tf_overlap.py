@@ -1,4 +1,4 @@
-"""Inner multi-rank tests of the TensorFlow gradient overlap (adapters/tensorflow/overlap.py).
+"""Inner multi-rank tests of the TensorFlow gradient overlap (hvps/adapters/tensorflow/overlap.py).
 
 Gradients averaged by DistributedGradientTape (eagerly and inside tf.function) and by the Keras
 DistributedOptimizer (model.fit) against numpy references built from every rank's local

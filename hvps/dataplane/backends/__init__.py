@@ -2,12 +2,11 @@
 
 - ``mpi``: mpi4py (MPI's collectives, or hvps's ring for allreduce);
 - ``tdist``: torch.distributed process groups, gloo on CPU and NCCL on CUDA;
-- ``horovod``: delegate to an installed Horovod;
 - ``auto``: MPI, plus NCCL for CUDA tensors when torch is loaded and a GPU with NCCL is present.
 
 ``HVPS_SHM`` puts a node's ranks on one shared-memory segment (``shm.py``);
 ``HVPS_HIERARCHICAL_ALLREDUCE=1`` wraps the chosen one in ``HierarchicalBackend``; ``HVPS_ENCRYPT``
-wraps the MPI data plane in ``EncryptedBackend`` (``sealed_build.py``; it takes precedence over ``HVPS_SHM``).
+wraps the MPI data plane in ``SealedBackend`` (``sealed_setup.py``; it takes precedence over ``HVPS_SHM``).
 """
 
 from __future__ import annotations
@@ -31,12 +30,6 @@ def _tdist(comm, settings):
     return TorchDistBackend(comm, settings)
 
 
-def _horovod(comm, settings):
-    from .horovod import HorovodBackend
-
-    return HorovodBackend(comm, settings)
-
-
 def _gpu_ready() -> bool:
     torch = sys.modules.get("torch")  # never import torch for numpy or TensorFlow users
     if torch is None or not torch.cuda.is_available():
@@ -56,7 +49,7 @@ def _auto(comm, settings):
 
 
 #: name -> constructor on one communicator
-REGISTRY = {"mpi": _mpi, "tdist": _tdist, "horovod": _horovod, "auto": _auto}
+REGISTRY = {"mpi": _mpi, "tdist": _tdist, "auto": _auto}
 
 
 def create(name: str, comm, settings) -> Backend:
@@ -75,10 +68,10 @@ def build(settings, comm, local, cross, secret=None) -> Backend:
     ``local`` spans this node's ranks, ``cross`` the ranks with this local rank
     on every node (both collective to build, as every backend here is).
     """
-    from .sealed_build import plan
+    from .sealed_setup import plan
 
     seal = plan(settings, comm, local, secret)
-    if seal is not None:  # CUDA tensors are staged through host memory (EncryptedBackend takes none)
+    if seal is not None:  # CUDA tensors are staged through host memory (SealedBackend takes none)
         name = "mpi" if settings.backend == "auto" else settings.backend
         backend = seal(create(name, comm, settings), comm)
         if not settings.hierarchical:
@@ -92,7 +85,7 @@ def build(settings, comm, local, cross, secret=None) -> Backend:
     node = node_backend(settings, comm, local, cross, backend, create)
     if node is not None:
         return node
-    if not settings.hierarchical or settings.backend == "horovod":
+    if not settings.hierarchical:
         return backend
     return _hierarchical(settings, comm, local, backend, lambda: create(settings.backend, local, settings),
                          lambda: create(settings.backend, cross, settings))

@@ -24,8 +24,8 @@ import tensorflow as tf
 
 from hvps.compression import CastCompressor, GradientCompression, summable
 from hvps.compression import NoneCompressor as _CoreNone
-from hvps.compression.horovod import TensorCompressor
-from hvps.compression.horovod import as_gradient_compression as _as_gradient_compression
+from hvps.compression.framework_compressors import TensorCompressor
+from hvps.compression.framework_compressors import as_gradient_compression as _as_gradient_compression
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "as_gradient_compression",
            "compress_tensor", "decompress_tensor", "compress_for_sum", "decompress_sum"]

@@ -1,4 +1,5 @@
-"""What every framework adapter needs around ``GradientCompression``, in one place.
+"""Framework compressors (Horovod's interface, on a framework's tensors) in the core pipeline, and what
+every framework adapter needs around ``GradientCompression``:
 
 - ``TensorCompressor`` runs a Horovod-style compressor (an object or class with
   ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx)`` on the

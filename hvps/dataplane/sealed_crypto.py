@@ -1,7 +1,7 @@
 """Keys, nonces and AES-256-GCM for the sealed data plane (``HVPS_ENCRYPT``).
 
 Why its own module: the cryptography is small and must be easy to review apart from the
-collectives that move the bytes (``backends/encrypted.py``).
+collectives that move the bytes (``backends/sealed.py``).
 
 - **Keys.** At ``init`` every rank draws an X25519 key pair and the ranks exchange the public
   halves over the bootstrap communicator; each pair of ranks then shares a secret that never

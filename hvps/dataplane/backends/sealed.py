@@ -8,7 +8,7 @@ store's exchanges, ``broadcast_object``, checkpoint loading: all are collectives
 - reducescatter and alltoallv: pairwise exchange; allgatherv: a ring; broadcast: the ring
   allgather of the root's block alone.
 
-Messages to peers on another host are sealed (``sealing.py``); same-host peers travel in clear
+Messages to peers on another host are sealed (``sealed_crypto.py``); same-host peers travel in clear
 unless ``HVPS_ENCRYPT=all``. Each message is cut into chunks, and a worker thread seals chunk
 k+1 and opens chunk k-1 while chunk k is on the wire (OpenSSL releases the GIL).
 
@@ -30,7 +30,7 @@ import numpy as np
 from ...core import dtypes
 from ...core.errors import DataPlaneStall, HvpsError
 from ...core.settings import env_text
-from .. import sealing
+from .. import sealed_crypto
 from ..buffers import FusionBuffer
 from ..ring import segments
 from .base import Backend
@@ -83,16 +83,16 @@ class _Tamper:
             self.last = sealed.copy() if self.seen < self.spec[2] else None
 
 
-class EncryptedBackend(Backend):
+class SealedBackend(Backend):
     """Collectives over sealed messages on ``inner``'s communicator (an MPI backend's)."""
 
     interruptible_bytes = 0
 
-    def __init__(self, inner: Backend, members: list, keyring: sealing.Keyring, hosts: list, seal_all: bool,
+    def __init__(self, inner: Backend, members: list, keyring: sealed_crypto.Keyring, hosts: list, seal_all: bool,
                  chunk_bytes: int, timeout: float) -> None:
         """``members``: the global rank of each rank of ``inner``; ``hosts``: the host of each member."""
         self.inner, self.comm = inner, inner.comm
-        self.name = f"encrypted-{inner.name}"
+        self.name = f"sealed-{inner.name}"
         self.members, self.keyring, self.hosts, self.seal_all = list(members), keyring, list(hosts), seal_all
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.chunk = max(1024, chunk_bytes)
@@ -109,8 +109,8 @@ class EncryptedBackend(Backend):
         self.send_dir, self.recv_dir = {}, {}
         for peer, other in enumerate(self.members):
             if peer != self.rank and self.sealed(peer):
-                self.send_dir[peer] = sealing.Direction(keyring.key(me, other, context), me, other)
-                self.recv_dir[peer] = sealing.Direction(keyring.key(other, me, context), other, me)
+                self.send_dir[peer] = sealed_crypto.Direction(keyring.key(me, other, context), me, other)
+                self.recv_dir[peer] = sealed_crypto.Direction(keyring.key(other, me, context), other, me)
         self._scratch = [np.empty(0, np.uint8)] * (2 * WINDOW)  # send slots, then receive slots
 
     @property
@@ -128,7 +128,7 @@ class EncryptedBackend(Backend):
 
     def _slot(self, index: int, nbytes: int) -> np.ndarray:
         if self._scratch[index].size < nbytes:
-            self._scratch[index] = np.empty(max(nbytes, self.chunk + sealing.TAG), np.uint8)
+            self._scratch[index] = np.empty(max(nbytes, self.chunk + sealed_crypto.TAG), np.uint8)
         return self._scratch[index][:nbytes]
 
     def _transfer(self, send: Optional[np.ndarray], dest: int, recv: Optional[np.ndarray], source: int,
@@ -150,16 +150,17 @@ class EncryptedBackend(Backend):
 
         def seal(k):
             data = plain(send, k)
-            out = self._slot(k % WINDOW, data.size + sealing.TAG)
-            self.send_dir[dest].seal_into(nonces_s[k], data, out, sealing.aad(kind, seq, step, k, data.size))
+            out = self._slot(k % WINDOW, data.size + sealed_crypto.TAG)
+            self.send_dir[dest].seal_into(nonces_s[k], data, out, sealed_crypto.aad(kind, seq, step, k, data.size))
             return out
 
         def open_(k, box):
             data = plain(recv, k)
             self.tamper.on_receive(box)
             try:
-                self.recv_dir[source].open_into(nonces_r[k], box, data, sealing.aad(kind, seq, step, k, data.size))
-            except sealing.invalid_tag():
+                aad = sealed_crypto.aad(kind, seq, step, k, data.size)
+                self.recv_dir[source].open_into(nonces_r[k], box, data, aad)
+            except sealed_crypto.invalid_tag():
                 state.setdefault("failure", f"a chunk from rank {self.members[source]} failed authentication on rank "
                                             f"{self.members[self.rank]} in {state['what']}")
 
@@ -180,7 +181,7 @@ class EncryptedBackend(Backend):
                 posted_s += 1
                 moved = True
             while posted_r < nr and posted_r - opened < WINDOW:
-                box = self._slot(WINDOW + posted_r % WINDOW, plain(recv, posted_r).size + sealing.TAG) \
+                box = self._slot(WINDOW + posted_r % WINDOW, plain(recv, posted_r).size + sealed_crypto.TAG) \
                     if seal_recv else plain(recv, posted_r)
                 recvs.append((posted_r, self.comm.Irecv(box, source, _TAG), box))
                 posted_r += 1
@@ -345,7 +346,7 @@ class EncryptedBackend(Backend):
     def subset(self, ranks):
         members = [self.members[r] for r in ranks]
         inner = self.inner.subset(ranks)
-        subset = EncryptedBackend(inner, members, self.keyring, [self.hosts[r] for r in ranks], self.seal_all,
+        subset = SealedBackend(inner, members, self.keyring, [self.hosts[r] for r in ranks], self.seal_all,
                                   self.chunk, self.timeout)
         subset.interrupt_on(self.abort)
         return subset
@@ -358,7 +359,7 @@ class EncryptedBackend(Backend):
 _uses: dict = {}
 
 
-def keyring_uses(keyring: sealing.Keyring, members: list) -> int:
+def keyring_uses(keyring: sealed_crypto.Keyring, members: list) -> int:
     """How many communicators over exactly ``members`` this rank has sealed before (the same on every
     member: process sets are made by their members, in the same order on each), so no two share keys."""
     key = (id(keyring), tuple(members))

@@ -1,5 +1,5 @@
 """``HVPS_ENCRYPT`` at ``init``: check that every rank agrees, refuse what cannot be sealed, exchange keys,
-and wrap the MPI data plane in ``EncryptedBackend`` (``backends.build`` calls :func:`plan`)."""
+and wrap the MPI data plane in ``SealedBackend`` (``backends.build`` calls :func:`plan`)."""
 
 from __future__ import annotations
 
@@ -31,12 +31,11 @@ def plan(settings, comm, local, secret: Optional[bytes]) -> Optional[Callable]:
         return None
     if settings.backend not in ("mpi", "auto"):
         raise HvpsError(f"HVPS_ENCRYPT cannot seal HVPS_BACKEND={settings.backend}: "
-                        + ("Horovod's data plane (MPI, Gloo, NCCL) sends in clear" if settings.backend == "horovod"
-                           else "torch.distributed's gloo and NCCL send in clear")
-                        + "; start the job with an MPI launcher (mpirun, srun, hvpsrun without --gloo) and "
-                          "HVPS_BACKEND=mpi or auto (CUDA tensors are then staged through host memory)")
-    from . import encrypted
-    from .. import sealing
+                        "torch.distributed's gloo and NCCL send in clear; start the job with an MPI launcher "
+                        "(mpirun, srun, hvpsrun without --gloo) and HVPS_BACKEND=mpi or auto (CUDA tensors are then "
+                        "staged through host memory)")
+    from . import sealed
+    from .. import sealed_crypto
 
     me = comm.Get_rank()
     node = local.bcast(me, root=0)  # a node is named by its first rank
@@ -45,13 +44,13 @@ def plan(settings, comm, local, secret: Optional[bytes]) -> Optional[Callable]:
         if me == 0:
             log.info("HVPS_ENCRYPT=1: every rank is on one host, nothing to seal (HVPS_ENCRYPT=all seals it anyway)")
         return None
-    keyring = sealing.agree(comm, secret)
+    keyring = sealed_crypto.agree(comm, secret)
 
     def wrap(backend, sub_comm):
         members = sub_comm.allgather(me)
         if len(members) == 1:
             return backend
-        return encrypted.EncryptedBackend(backend, members, keyring, [hosts[m] for m in members],
+        return sealed.SealedBackend(backend, members, keyring, [hosts[m] for m in members],
                                           settings.encrypt == "all", settings.ring_chunk_bytes,
                                           settings.stall_fail_seconds)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hvps.compression import GradientCompression, horovod, summable
+from hvps.compression import GradientCompression, framework_compressors, summable
 from hvps.core.views import as_tensor
 
 from .tensors import to_numpy
@@ -23,7 +23,7 @@ __all__ = ["Compression", "as_gradient_compression", "compress_tensor", "decompr
 
 def as_gradient_compression(compression: Any) -> GradientCompression:
     """The core pipeline for ``compression`` (a GradientCompression, None, or a Horovod-style compressor)."""
-    return horovod.as_gradient_compression(compression, as_tensor, lambda t: to_numpy(t.contiguous()))
+    return framework_compressors.as_gradient_compression(compression, as_tensor, lambda t: to_numpy(t.contiguous()))
 
 
 class _TorchOps:

@@ -29,7 +29,7 @@ import tensorflow as tf
 import hvps
 from hvps import global_process_set
 from hvps.adapters.common.controls import CompressionControls
-from hvps.compression.horovod import from_name
+from hvps.compression.framework_compressors import from_name
 
 from . import overlap
 from .compression import is_fusable
