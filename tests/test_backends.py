@@ -93,3 +93,28 @@ hvd.shutdown()
     assert proc.returncode == 0, proc.stderr
     # CPU torch here: gloo is there and in use; no NCCL, no CUDA
     assert proc.stdout.split() == ["True", "False", "True", "True", "True", "False", "False"]
+
+
+def test_tdist_store_owns_its_listening_socket():
+    """torch's TCPStore takes over the listening socket hvps hands it (``master_listen_fd``: libuv closes it
+    when the store ends). hvps used to keep a Python socket on the same descriptor and close it again when
+    the backend was freed: the store lost its listener while it still ran, and the descriptor number, reused
+    by the next socket, was closed or polled twice; under ``hvpsrun --gloo`` that aborted a rank (SIGABRT in
+    libuv's epoll) at a later ``hvps.init()``. Here the store outlives the backend, as it may: a client must
+    still reach it."""
+    code = """
+import datetime, gc, hvps, torch.distributed as dist
+hvps.init()
+backend = hvps.runtime.state.engine().backend
+store = backend.store
+del backend
+hvps.shutdown()
+gc.collect()
+client = dist.TCPStore("127.0.0.1", store.port, 1, False, datetime.timedelta(seconds=10), wait_for_workers=False)
+client.set("k", "v")
+assert store.get("k") == b"v"
+print("ok")
+"""
+    proc = _run(code, HVPS_BACKEND="tdist")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"

@@ -196,11 +196,17 @@ class TorchDistBackend(Backend):
         store = None
         if self.rank == 0:
             # Bound to HVPS_NETWORK_INTERFACE when set; torch's store has no authentication (SECURITY.md).
-            self._listener = socket.create_server((listen_address(), 0), backlog=max(self.size, 128))
+            listener = socket.create_server((listen_address(), 0), backlog=max(self.size, 128))
             # the master's own client connects where the listener is bound ("0.0.0.0": anywhere local)
-            host, port = self._listener.getsockname()[:2]
-            store = dist.TCPStore(host, port, self.size, True, self.timeout, wait_for_workers=False,
-                                  master_listen_fd=self._listener.fileno())
+            host, port = listener.getsockname()[:2]
+            # the store takes the socket over (libuv closes it when the store ends): detach, never close it twice
+            fd = listener.detach()
+            try:
+                store = dist.TCPStore(host, port, self.size, True, self.timeout, wait_for_workers=False,
+                                      master_listen_fd=fd)
+            except BaseException:
+                os.close(fd)
+                raise
             offer = (candidate_addresses(), store.port)
         else:
             offer = None
