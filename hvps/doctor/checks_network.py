@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..core.launchers import MPI_LAUNCH_VARIABLES
 from ..runner.mpi_transport import mca_value, tcp_btl_on
 from .base import Check, Context, check
 from .host import Host
@@ -105,8 +106,8 @@ def ifname(host: Host, ctx: Context) -> Check:
     return Check("net.ifname", "ok", value, why)
 
 
-#: what marks a process started by an MPI launcher (Open MPI, PMIx)
-MPI_JOB_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+#: what marks a process started by an MPI launcher (the table's rank variables, and PMIx's)
+MPI_JOB_ENV = MPI_LAUNCH_VARIABLES
 
 
 def open_mpi_param(host: Host, name: str) -> Optional[str]:

@@ -1,0 +1,166 @@
+"""What hvps knows about each launcher, in one table: the MPI implementations.
+
+**MPI implementations.** :class:`MpiImpl` is the table: one member per implementation, each a
+frozen :class:`MpiSpec` that says how ``mpirun --version`` (and ``MPI_Get_library_version``) names
+it and its version, the rank variables its launcher sets, and the flags of its command line.
+Everything else reads the table: :mod:`hvps.runner.mpi_discovery` (which mpirun, what it is),
+:mod:`hvps.runner.mpi_command` (the command line), :mod:`hvps.runtime.bootstrap` (was this
+process started by MPI), the doctor (which MPI a rank loads) and the metrics (which rank am I).
+A new implementation is one new member here (and its unit tests); nothing else changes.
+Horovod keeps the same knowledge in ``horovod/runner/mpi_run.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import Mapping, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class RankVariables:
+    """The variables one launcher sets for each process it starts ("" when it sets none)."""
+
+    launcher: str
+    rank: str
+    size: str = ""
+    local_rank: str = ""
+    local_size: str = ""
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return tuple(n for n in (self.rank, self.size, self.local_rank, self.local_size) if n)
+
+
+@dataclass(frozen=True)
+class MpiSpec:
+    """One MPI implementation: how to recognise it, how to start it, what its ranks see.
+
+    Command-line fields hold the implementation's own spelling; an empty one means it has no such
+    flag (hvpsrun then does without). They are read by :func:`hvps.runner.mpi_command.build_mpirun_command`.
+    """
+
+    #: as hvps names it in messages ("Open MPI 5.0.11")
+    name: str
+    #: substrings of ``mpirun --version`` or ``MPI_Get_library_version`` output that only this MPI prints
+    markers: Tuple[str, ...] = ()
+    #: regular expressions whose first group is the dotted version, tried in order
+    version_patterns: Tuple[str, ...] = ()
+    #: the variables its launcher sets in every rank
+    ranks: Optional[RankVariables] = None
+    #: the launcher hvpsrun starts, looked for beside the ``mpirun`` found ("mpirun": that one)
+    executable: str = "mpirun"
+    #: the number of processes
+    np_flag: str = "-np"
+    #: prefix every output line with its rank
+    label_output: Tuple[str, ...] = ()
+    #: no core binding and slot-wise mapping (the engine thread needs cores beside training)
+    no_binding: Tuple[str, ...] = ()
+    #: given when hvpsrun runs as root (Open MPI refuses root without it)
+    run_as_root: Tuple[str, ...] = ()
+    #: given when a one-host job has more ranks than cores
+    oversubscribe: Tuple[str, ...] = ()
+    #: hosts with their slots, ``FLAG a:2,b:1``
+    hosts_flag: str = ""
+    #: hosts without slots and one slot count for all, ``HOSTS a,b PPN 2`` (used when hosts_flag is "")
+    hostnames_flag: str = ""
+    ppn_flag: str = ""
+    #: a hostfile (how hvpsrun passes IPv6 literals, from ipv6_since on)
+    hostfile_flag: str = ""
+    #: the first version whose launcher takes IPv6 host literals (in a hostfile); None: no version does
+    ipv6_since: Optional[Tuple[int, ...]] = None
+    #: forward variables by name: one ``FLAG NAME`` per variable (env_each), or one comma list (env_list)
+    env_each: str = ""
+    env_list: str = ""
+    #: the interface the launcher's own connections use (the first --network-interface)
+    iface_flag: str = ""
+    #: Open MPI's MCA transport choice: the TCP BTL off on one host, bound to --network-interface across hosts
+    #: (:func:`hvps.runner.mpi_transport.open_mpi_transport_args`)
+    mca_transport: bool = False
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def known(self) -> bool:
+        """Whether this is an implementation hvpsrun can launch (not UNKNOWN or MISSING)."""
+        return bool(self.markers)
+
+
+_DOTTED = r"(\d+(?:\.\d+)*)"
+
+#: MPICH's Hydra sets these
+HYDRA_RANKS = RankVariables("Hydra", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+
+
+class MpiImpl(enum.Enum):
+    """The table of MPI implementations, most specific first (its order is the order they are recognised in)."""
+
+    OPEN_MPI = MpiSpec(
+        name="Open MPI",
+        markers=("Open MPI", "OpenRTE"),
+        version_patterns=(r"\(Open MPI\)\s+" + _DOTTED, r"Open MPI v?" + _DOTTED),
+        ranks=RankVariables("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                            "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        # 4.1 and 5.x both take the double-dash forms; 5.x's prterun rejects '-bind-to'
+        no_binding=("--bind-to", "none", "--map-by", "slot"),
+        label_output=("--tag-output",),
+        run_as_root=("--allow-run-as-root",),
+        oversubscribe=("--oversubscribe",),
+        hosts_flag="-H",
+        hostfile_flag="--hostfile",
+        ipv6_since=(5,),
+        env_each="-x",
+        mca_transport=True,
+    )
+    MPICH = MpiSpec(
+        name="MPICH",
+        markers=("HYDRA", "MPICH"),
+        version_patterns=(r"Version:\s+" + _DOTTED,),
+        ranks=HYDRA_RANKS,
+        label_output=("-l",),
+        no_binding=("-bind-to", "none", "-map-by", "slot"),
+        hosts_flag="-hosts",
+        env_list="-genvlist",
+        iface_flag="-iface",
+    )
+    UNKNOWN = MpiSpec(name="unknown")
+    MISSING = MpiSpec(name="missing")
+
+    @property
+    def spec(self) -> MpiSpec:
+        return self.value
+
+    @property
+    def label(self) -> str:
+        return self.value.name
+
+
+#: variables an MPI launcher sets in its ranks (PMIx: Open MPI 5's and srun --mpi=pmix's)
+MPI_LAUNCH_VARIABLES: Tuple[str, ...] = tuple(dict.fromkeys(
+    [name for impl in MpiImpl if impl.spec.ranks for name in impl.spec.ranks.names] + ["PMIX_RANK"]))
+
+
+def version_text(version: tuple) -> str:
+    """``(5, 0, 11)`` as ``5.0.11``; "version unknown" for ()."""
+    return ".".join(map(str, version)) or "version unknown"
+
+
+def classify_mpi_version(output: str) -> MpiImpl:
+    """The implementation that printed this ``mpirun --version`` (or library version) text."""
+    for impl in MpiImpl:
+        if any(marker in output for marker in impl.spec.markers):
+            return impl
+    return MpiImpl.UNKNOWN
+
+
+def parse_mpi_version(output: str) -> Tuple[MpiImpl, tuple]:
+    """``(implementation, (major, minor, ...))`` from ``mpirun --version`` or ``MPI_Get_library_version``
+    text; the version is () when none is found."""
+    impl = classify_mpi_version(output)
+    for pattern in impl.spec.version_patterns:
+        match = re.search(pattern, output)
+        if match:
+            return impl, tuple(int(part) for part in match.group(1).split("."))
+    return impl, ()
