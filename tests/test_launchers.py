@@ -19,10 +19,13 @@ pytestmark = pytest.mark.unit
     # mpirun --version
     ("mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/", MpiImpl.OPEN_MPI, (4, 1, 4)),
     ("HYDRA build details:\n    Version:                                 4.1.2\n", MpiImpl.MPICH, (4, 1, 2)),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10 Build 20230619 (id: c2e19c2f3e)\nCopyright 2003-2023, "
+     "Intel Corporation.", MpiImpl.INTEL_MPI, (2021, 10)),
     # MPI_Get_library_version (what the doctor reads under --all-ranks)
     ("Open MPI v5.0.11, package: Open MPI root@host Distribution, ident: 5.0.11, repo rev: v5.0.11",
      MpiImpl.OPEN_MPI, (5, 0, 11)),
     ("MPICH Version:      4.2.0\nMPICH Release date: Fri Feb  9 12:29:21 CST 2024", MpiImpl.MPICH, (4, 2, 0)),
+    ("Intel(R) MPI Library 2021.10 for Linux* OS\n", MpiImpl.INTEL_MPI, (2021, 10)),
     ("MVAPICH-ish 9", MpiImpl.UNKNOWN, ()),
 ])
 def test_one_parser_for_both_texts(text, impl, version):
@@ -32,6 +35,7 @@ def test_one_parser_for_both_texts(text, impl, version):
 @pytest.mark.parametrize("text,shown", [
     ("Open MPI v5.0.11, package: Open MPI root@host Distribution, ident: 5.0.11", "Open MPI 5.0.11"),
     ("MPICH Version:      4.2.0\nMPICH Release date: Fri Feb  9", "MPICH 4.2.0"),
+    ("Intel(R) MPI Library 2021.10 for Linux* OS\n\x00", "Intel MPI 2021.10"),
     ("Some Vendor MPI 3.1\nsecond line", "Some Vendor MPI 3.1"),
 ])
 def test_doctor_names_the_loaded_library_by_the_table(monkeypatch, text, shown):

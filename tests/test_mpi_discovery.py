@@ -62,10 +62,30 @@ def test_probe_reads_implementation_and_version(places):
     assert probe("/no/such/mpirun") == (MpiImpl.MISSING, ())
 
 
+INTEL_SAYS = "Intel(R) MPI Library for Linux* OS, Version 2021.10 Build 20230619 (id: c2e19c2f3e)"
+
+
+@pytest.mark.unit
+def test_intel_mpi_starts_its_hydra_beside_mpirun(tmp_path):
+    """Intel MPI's table entry names mpiexec.hydra: found beside the mpirun that was probed, else mpirun itself."""
+    def run(argv, **_kw):  # what the executable at argv[0] prints for --version
+        return subprocess.CompletedProcess(argv, 0, open(argv[0]).read().split("'")[1])
+
+    mpirun = _exe(tmp_path / "intel", says=INTEL_SAYS)
+    found = find_mpirun(mpirun, {"PATH": ""}, str(tmp_path / "python"), run)
+    assert (found.impl, found.version, found.path) == (MpiImpl.INTEL_MPI, (2021, 10), mpirun)
+    hydra = _exe(tmp_path / "intel", "mpiexec.hydra", says=INTEL_SAYS)
+    found = find_mpirun(mpirun, {"PATH": ""}, str(tmp_path / "python"), run)
+    assert (found.impl, found.path, found.source) == (MpiImpl.INTEL_MPI, hydra, "--mpirun")
+    assert found.describe().startswith(f"Intel MPI 2021.10 ({hydra}")
+    # Open MPI's entry starts mpirun itself, whatever lies beside it
+    assert find_mpirun(_exe(tmp_path / "intel", "mpirun"), {"PATH": ""}, str(tmp_path / "python"), run).path == mpirun
+
+
 def test_real_mpirun_of_this_suite():
     """The mpirun the suite launches with is found by the same rule and is one hvpsrun knows."""
     found = find_mpirun(mpirun_path())
-    assert found.impl in (MpiImpl.OPEN_MPI, MpiImpl.MPICH), found
+    assert found.impl in (MpiImpl.OPEN_MPI, MpiImpl.MPICH, MpiImpl.INTEL_MPI), found
     assert found.version and found.version[0] >= 3, found
     env = {k: v for k, v in os.environ.items() if k != "HOME"}  # Open MPI 5 fails without HOME unless given one
     assert probe(found.path, env=env)[0] is found.impl

@@ -90,7 +90,7 @@ class MpiSpec:
 
 _DOTTED = r"(\d+(?:\.\d+)*)"
 
-#: MPICH's Hydra sets these
+#: MPICH's Hydra and Intel MPI's (built on it) set the same variables
 HYDRA_RANKS = RankVariables("Hydra", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
 
 
@@ -113,6 +113,19 @@ class MpiImpl(enum.Enum):
         ipv6_since=(5,),
         env_each="-x",
         mca_transport=True,
+    )
+    INTEL_MPI = MpiSpec(  # before MPICH: its launcher is MPICH's Hydra too
+        name="Intel MPI",
+        markers=("Intel(R) MPI",),
+        version_patterns=(r"Version\s+" + _DOTTED, r"Intel\(R\) MPI Library\s+" + _DOTTED),
+        ranks=HYDRA_RANKS,
+        executable="mpiexec.hydra",  # what its mpirun script runs
+        np_flag="-n",
+        label_output=("-l",),
+        hostnames_flag="-hosts",  # -hosts a,b -ppn 2: no per-host slots (pinning: I_MPI_PIN)
+        ppn_flag="-ppn",
+        env_list="-genvlist",  # names only; its -genv NAME VALUE would put values on the command line
+        iface_flag="-iface",
     )
     MPICH = MpiSpec(
         name="MPICH",
