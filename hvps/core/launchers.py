@@ -1,4 +1,4 @@
-"""What hvps knows about each launcher, in one table: the MPI implementations.
+"""What hvps knows about each launcher, in one table: the MPI implementations and the others.
 
 **MPI implementations.** :class:`MpiImpl` is the table: one member per implementation, each a
 frozen :class:`MpiSpec` that says how ``mpirun --version`` (and ``MPI_Get_library_version``) names
@@ -8,11 +8,19 @@ Everything else reads the table: :mod:`hvps.runner.mpi_discovery` (which mpirun,
 process started by MPI), the doctor (which MPI a rank loads) and the metrics (which rank am I).
 A new implementation is one new member here (and its unit tests); nothing else changes.
 Horovod keeps the same knowledge in ``horovod/runner/mpi_run.py``.
+
+**Rank variables.** :func:`launcher_rank` reads rank, size, local rank and local size from the
+environment a launcher gave this process, before ``hvps.init()`` (benchmarks, test helpers,
+metric labels). The launchers are tried in :data:`RANK_VARIABLES`' order and one launcher gives
+all four numbers: MPI launchers first (a job started by mpirun inside a Slurm batch step
+inherits the step's ``SLURM_PROCID=0``), then hvpsrun --gloo's Horovod variables, torchrun's,
+Slurm's srun, and last PMIx's ``PMIX_RANK``, which names no size.
 """
 
 from __future__ import annotations
 
 import enum
+import os
 import re
 from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple
@@ -177,3 +185,61 @@ def parse_mpi_version(output: str) -> Tuple[MpiImpl, tuple]:
         if match:
             return impl, tuple(int(part) for part in match.group(1).split("."))
     return impl, ()
+
+
+# ----------------------------------------------------------------------------- rank variables
+
+#: every launcher's variables, in the order they are believed (see the module's docstring)
+RANK_VARIABLES: Tuple[RankVariables, ...] = tuple(dict.fromkeys(
+    [impl.spec.ranks for impl in MpiImpl if impl.spec.ranks] + [
+        RankVariables("Horovod", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+        RankVariables("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+        RankVariables("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+        RankVariables("PMIx", "PMIX_RANK"),
+    ]))
+
+
+@dataclass(frozen=True)
+class LauncherRank:
+    """Where this process stands in its job, as its launcher said (None: that launcher does not say)."""
+
+    launcher: str
+    rank: int
+    size: Optional[int] = None
+    local_rank: Optional[int] = None
+    local_size: Optional[int] = None
+
+
+def _number(env: Mapping[str, str], name: str) -> Optional[int]:
+    value = env.get(name, "").strip() if name else ""
+    return int(value) if value.isdigit() else None
+
+
+def launcher_rank(env: Optional[Mapping[str, str]] = None) -> Optional[LauncherRank]:
+    """Rank, size, local rank and local size from the first launcher in :data:`RANK_VARIABLES` whose
+    rank variable is set here; None when no launcher started this process."""
+    env = os.environ if env is None else env
+    for names in RANK_VARIABLES:
+        rank = _number(env, names.rank)
+        if rank is not None:
+            return LauncherRank(names.launcher, rank, _number(env, names.size), _number(env, names.local_rank),
+                                _number(env, names.local_size))
+    return None
+
+
+def env_rank(env: Optional[Mapping[str, str]] = None) -> int:
+    """This process's rank as its launcher said; 0 when none did."""
+    found = launcher_rank(env)
+    return found.rank if found else 0
+
+
+def env_size(env: Optional[Mapping[str, str]] = None) -> int:
+    """The job's size as the launcher said; 1 when none did (or it names no size)."""
+    found = launcher_rank(env)
+    return found.size if found and found.size else 1
+
+
+def env_local_rank(env: Optional[Mapping[str, str]] = None) -> int:
+    """This process's rank on its host as the launcher said; 0 when none did."""
+    found = launcher_rank(env)
+    return found.local_rank if found and found.local_rank is not None else 0
