@@ -36,7 +36,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 endif
 
-.PHONY: setup bench test clean
+.PHONY: setup bench test lint clean
 
 comma := ,
 # bench needs torch (and TensorFlow for FRAMEWORK=tensorflow); test needs its extras.
@@ -58,6 +58,9 @@ bench: $(STAMP)-bench-$(FRAMEWORK)  ## ResNet-50 synthetic benchmark on $(NP) CP
 
 test: $(STAMP)-test-$(TEST_EXTRAS)  ## the test suite (PYTEST_ARGS narrows it), multi-rank tests under mpirun
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)-test-$(TEST_EXTRAS)  ## ruff check with pyproject.toml's rules (ruff comes with the dev extra)
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf .venv .venv-mpich $(RESULTS) build *.egg-info

@@ -243,7 +243,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.mode == "load-worker":
         res = load_worker(args)
-        if int(os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == 0:
+        from hvps.core.launchers import env_rank
+
+        if env_rank() == 0:
             write_json(args.json, res)
         return 0
     import json

@@ -93,14 +93,6 @@ def write_json(path: str | os.PathLike | None, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False, default=float) + "\n")
 
 
-def env_rank() -> int:
-    """This process's rank as told by the launcher (0 when not launched by MPI)."""
-    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "HVPS_RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
-
-
 def log0(rank: int, *args: Any) -> None:
     """Print (flushed) from rank 0 only."""
     if rank == 0:

@@ -102,7 +102,7 @@ def census(args) -> int:
         env = dict(os.environ, HVPS_BACKEND=backend, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         proc = subprocess.run([sys.executable, __file__, "census-one", "--compression", compression], env=env,
                               capture_output=True, text=True, timeout=args.timeout)
-        line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
+        line = next((out for out in reversed(proc.stdout.splitlines()) if out.startswith("{")), None)
         row = {"label": label, "exit_status": proc.returncode}
         if line:
             row.update(json.loads(line))

@@ -35,7 +35,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-from benchmarks.common import DEFAULT_MPIRUN_ARGS, MPIRUN_HELP, dispatch, median, run_mpi_worker, write_json
+from benchmarks.common import DEFAULT_MPIRUN_ARGS, MPIRUN_HELP, dispatch, median, run_mpi_worker, write_json  # noqa: E402
 
 METRICS = ("hook_us", "hook_wall_us", "submit_wall_us", "finish_us")
 

@@ -43,7 +43,7 @@ def assert_state_dicts_bit_equal(a, b):
     for k in a:
         x, y = a[k], b[k]
         assert x.dtype == y.dtype and x.shape == y.shape, k
-        assert torch.equal(x.view(-1).view(torch.uint8) if x.dtype.is_floating_point else x, 
+        assert torch.equal(x.view(-1).view(torch.uint8) if x.dtype.is_floating_point else x,
                            y.view(-1).view(torch.uint8) if y.dtype.is_floating_point else y), k
 
 

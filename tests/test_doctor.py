@@ -205,6 +205,8 @@ CASES = [
     ("net.interface", "fail", {}, {"env": {"HVPS_NETWORK_INTERFACE": "ib0"}}, {}),
     ("net.interface", "fail", {"sys/class/net/eth0/operstate": "down"}, {}, {}),
     ("net.interface", "fail", {}, {"addresses": {}}, {}),
+    ("net.interface", "warn", {}, {"env": {"HVPS_CONTROL_ADDR": "192.0.2.7"}}, {}),  # no interface here holds it
+    ("net.interface", "fail", {}, {"env": {"HVPS_CONTROL_ADDR": "127.0.0.1"}}, {"multi_host": True}),
     ("net.mpi_tcp", "ok", {}, {}, {}),
     ("net.mpi_tcp", "ok", {}, {"env": {"OMPI_MCA_btl": "self,sm"}}, {"world_size": 2}),
     ("net.mpi_tcp", "warn", {}, {"env": {"OMPI_COMM_WORLD_SIZE": "2"}}, {}),

@@ -14,10 +14,10 @@ from hvps.runner.errors import LaunchError
 from hvps.runner.mpi_discovery import MpiImpl, find_mpirun, locate_mpirun, probe
 
 
-def _exe(directory, name="mpirun"):
+def _exe(directory, name="mpirun", says="mpirun (Open MPI) 5.0.11"):
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / name
-    path.write_text("#!/bin/sh\necho 'mpirun (Open MPI) 5.0.11'\n")
+    path.write_text(f"#!/bin/sh\necho '{says}'\n")
     path.chmod(0o755)
     return str(path)
 
@@ -60,6 +60,26 @@ def test_nothing_found_says_what_to_install(tmp_path):
 def test_probe_reads_implementation_and_version(places):
     assert probe(places["path"]) == (MpiImpl.OPEN_MPI, (5, 0, 11))
     assert probe("/no/such/mpirun") == (MpiImpl.MISSING, ())
+
+
+INTEL_SAYS = "Intel(R) MPI Library for Linux* OS, Version 2021.10 Build 20230619 (id: c2e19c2f3e)"
+
+
+@pytest.mark.unit
+def test_intel_mpi_starts_its_hydra_beside_mpirun(tmp_path):
+    """Intel MPI's table entry names mpiexec.hydra: found beside the mpirun that was probed, else mpirun itself."""
+    def run(argv, **_kw):  # what the executable at argv[0] prints for --version
+        return subprocess.CompletedProcess(argv, 0, open(argv[0]).read().split("'")[1])
+
+    mpirun = _exe(tmp_path / "intel", says=INTEL_SAYS)
+    found = find_mpirun(mpirun, {"PATH": ""}, str(tmp_path / "python"), run)
+    assert (found.impl, found.version, found.path) == (MpiImpl.INTEL_MPI, (2021, 10), mpirun)
+    hydra = _exe(tmp_path / "intel", "mpiexec.hydra", says=INTEL_SAYS)
+    found = find_mpirun(mpirun, {"PATH": ""}, str(tmp_path / "python"), run)
+    assert (found.impl, found.path, found.source) == (MpiImpl.INTEL_MPI, hydra, "--mpirun")
+    assert found.describe().startswith(f"Intel MPI 2021.10 ({hydra}")
+    # Open MPI's entry starts mpirun itself, whatever lies beside it
+    assert find_mpirun(_exe(tmp_path / "intel", "mpirun"), {"PATH": ""}, str(tmp_path / "python"), run).path == mpirun
 
 
 def test_real_mpirun_of_this_suite():

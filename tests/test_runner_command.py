@@ -15,7 +15,8 @@ from hvps.runner.mpi_command import (
     launch_environment,
     split_mpi_args,
 )
-from hvps.runner.mpi_discovery import MpiImpl, MpiLauncher, classify_mpi_version, parse_mpi_version
+from hvps.core.launchers import MpiImpl, classify_mpi_version, parse_mpi_version
+from hvps.runner.mpi_discovery import MpiLauncher
 from hvps.runner.settings import LaunchSettings, build_parser, parse_args
 from hvps.runner.slurm_command import build_srun_command, in_slurm_allocation, srun_environment
 
@@ -223,10 +224,36 @@ def test_mpich_and_intel_flags():
     i = cmd.index("-bind-to")  # Hydra's single-dash forms
     assert cmd[i:i + 4] == ["-bind-to", "none", "-map-by", "slot"]
     assert pairs(cmd, "-genvlist") == ["NCCL_DEBUG,OMP_NUM_THREADS"]
-    cmd = build(["-np", "4", "-H", "a:2,b:2", "python", "train.py"], impl=MpiImpl.INTEL_MPI)
-    assert pairs(cmd, "-hosts") == ["a,b"] and pairs(cmd, "-ppn") == ["2"] and "-bind-to" not in cmd
-    with pytest.raises(LaunchError, match="same slots"):
+
+
+def test_intel_mpi_flags():
+    """Intel MPI's mpiexec.hydra: -n, -hosts names -ppn slots, -genvlist, -l, -iface; no Open MPI flags, even as root."""
+    cmd = build(["-np", "4", "-H", "a:2,b:2", "--network-interface", "ib0", "python", "train.py"],
+                {"NCCL_DEBUG": "INFO", "HOME": "/root"}, impl=MpiImpl.INTEL_MPI, version=(2021, 10), euid=0,
+                cpu_count=1)
+    assert cmd[:3] == ["mpirun", "-n", "4"] and "-np" not in cmd
+    assert pairs(cmd, "-hosts") == ["a,b"] and pairs(cmd, "-ppn") == ["2"] and "-l" in cmd
+    assert pairs(cmd, "-iface") == ["ib0"]
+    assert pairs(cmd, "-genvlist") == ["FI_SOCKETS_IFACE,FI_TCP_IFACE,HVPS_NETWORK_INTERFACE,NCCL_DEBUG,"
+                                       "NCCL_SOCKET_IFNAME,OMP_NUM_THREADS"]
+    for flag in ("-bind-to", "--bind-to", "-x", "--allow-run-as-root", "--oversubscribe", "--mca", "-genv"):
+        assert flag not in cmd, flag
+    assert cmd[-2:] == ["python", "train.py"]
+    local = build(["-np", "2", "python", "train.py"], impl=MpiImpl.INTEL_MPI)
+    assert "-hosts" not in local and "-iface" not in local and local[:3] == ["mpirun", "-n", "2"]
+    with pytest.raises(LaunchError, match="Intel MPI needs the same slots"):
         build(["-np", "3", "-H", "a:2,b:1", "python", "train.py"], impl=MpiImpl.INTEL_MPI)
+    with pytest.raises(LaunchError, match="Intel MPI takes no IPv6"):
+        build(["-np", "2", "-H", "[fd00::1]:2", "python", "train.py"], impl=MpiImpl.INTEL_MPI)
+
+
+def test_intel_mpi_is_one_table_entry():
+    """The command builder reads the table: an entry's fields are the flags it gets."""
+    spec = MpiImpl.INTEL_MPI.spec
+    assert (spec.executable, spec.np_flag, spec.env_list, spec.ppn_flag) == ("mpiexec.hydra", "-n", "-genvlist", "-ppn")
+    assert (spec.ranks.rank, spec.ranks.size, spec.ranks.local_rank, spec.ranks.local_size) == (
+        "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+    assert [impl for impl in MpiImpl if impl.spec.known] == [MpiImpl.OPEN_MPI, MpiImpl.INTEL_MPI, MpiImpl.MPICH]
 
 
 def test_cores_per_rank():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..core.launchers import MPI_LAUNCH_VARIABLES
+from ..core.settings import env_text
 from ..runner.mpi_transport import mca_value, tcp_btl_on
 from .base import Check, Context, check
 from .host import Host
@@ -12,17 +14,25 @@ SPEED_WARN_MBPS = 10_000
 
 
 def control_interface(host: Host) -> tuple:
-    """``(name, address, how)``: the interface hvps's control plane will use, by the rule of
-    :func:`hvps.control.candidate_addresses` (HVPS_NETWORK_INTERFACE, else the lowest
-    non-loopback address, loopback last)."""
+    """``(name, address, how)``: the interface hvps's control plane will use, as the control plane itself
+    chooses it (:func:`hvps.control.plane.candidate_addresses`, through :meth:`Host.control_addresses`):
+    HVPS_CONTROL_ADDR, else HVPS_NETWORK_INTERFACE's address, else the lowest non-loopback address,
+    loopback last. ``name`` is None when no interface here holds the address."""
     addrs = host.interface_addresses()
-    wanted = host.env.get("HVPS_NETWORK_INTERFACE")
-    if wanted:
-        return wanted, addrs.get(wanted), "HVPS_NETWORK_INTERFACE"
-    if not addrs:
+    control = host.control_addresses()
+    explicit = env_text("HVPS_CONTROL_ADDR", env=host.env)
+    wanted = env_text("HVPS_NETWORK_INTERFACE", env=host.env)
+    if "error" in control:
+        return wanted, None, "HVPS_NETWORK_INTERFACE"
+    chosen = (control.get("addresses") or [None])[0]
+    if chosen is None:
         return None, None, "no interface has an IPv4 address"
-    name = min(addrs, key=lambda n: (addrs[n].startswith("127."), addrs[n]))
-    return name, addrs[name], "first non-loopback address (control plane's rule)"
+    name = next((n for n in sorted(addrs) if addrs[n] == chosen), None)
+    if explicit:
+        return name, chosen, "HVPS_CONTROL_ADDR"
+    if wanted:
+        return wanted, chosen, "HVPS_NETWORK_INTERFACE"
+    return name, chosen, "first non-loopback address (control plane's rule)"
 
 
 def nccl_matches(spec: str, name: str) -> bool:
@@ -40,6 +50,11 @@ def interface(host: Host, ctx: Context) -> Check:
     why = ("the control plane and MPI's TCP transport run over this interface; a 1 GbE link moves a 100 MB "
            "gradient set in about a second, and a wrong MTU between hosts drops large packets")
     name, addr, how = control_interface(host)
+    if name is None and addr is not None:  # HVPS_CONTROL_ADDR names an address no interface here holds
+        return Check("net.interface", "warn", f"{addr} ({how}): no interface of this host holds it", why + "; "
+                     "the other ranks connect to it, so it must lead here (a NAT or a name that resolves here)",
+                     "unset HVPS_CONTROL_ADDR, or set it to this host's address on the training network",
+                     {"name": None, "address": addr})
     if name is None:
         return Check("net.interface", "fail", how, why, "bring up a network interface with an IPv4 address")
     if addr is None:
@@ -105,8 +120,8 @@ def ifname(host: Host, ctx: Context) -> Check:
     return Check("net.ifname", "ok", value, why)
 
 
-#: what marks a process started by an MPI launcher (Open MPI, PMIx)
-MPI_JOB_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+#: what marks a process started by an MPI launcher (the table's rank variables, and PMIx's)
+MPI_JOB_ENV = MPI_LAUNCH_VARIABLES
 
 
 def open_mpi_param(host: Host, name: str) -> Optional[str]:

@@ -5,6 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..core.numbers import positive
+
 DESCRIPTION = """\
 Check this node for distributed training: CPU governor, SMT, NUMA binding, transparent huge
 pages, swappiness, memlock/nofile limits, /dev/shm, cgroup CPU and memory limits, real-time
@@ -71,16 +73,6 @@ def run(args: argparse.Namespace) -> int:
     return report["exit_status"]
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
-
-
 def register(sub) -> None:
     from .apply import ACTIONS, REFUSED
 
@@ -96,7 +88,7 @@ def register(sub) -> None:
                    "hvpsrun/mpirun); rank 0 prints one table with per-rank values: differing versions (hvps, "
                    "torch, TF, MPI, NCCL, GPU driver) fail, differing node settings (governor, SMT, THP, "
                    "scheduler granularity) warn")
-    p.add_argument("--ranks-per-node", type=_positive, metavar="N", help="ranks that will share this node "
+    p.add_argument("--ranks-per-node", type=positive, metavar="N", help="ranks that will share this node "
                    "(sizes the shm, cgroup and SMT checks); default: counted under --all-ranks, else 1")
     p.add_argument("--root", default="/", metavar="DIR", help="read /proc, /sys, /etc and /dev/shm from a "
                    "prepared tree instead of this machine; non-file facts (ulimits, shm size, scheduling, env, "

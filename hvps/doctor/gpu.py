@@ -49,32 +49,25 @@ def nccl_version() -> Optional[str]:
     return ".".join(map(str, v))
 
 
-def _call(func: Any, *args: Any) -> Any:
-    try:
-        return func(*args)
-    except Exception:
-        return None
-
-
 def _nvml_device(p: Any, i: int) -> tuple:
     h = p.nvmlDeviceGetHandleByIndex(i)
-    ecc = _call(p.nvmlDeviceGetEccMode, h)
-    remap = _call(p.nvmlDeviceGetRemappedRows, h)
-    reasons = _call(getattr(p, "nvmlDeviceGetCurrentClocksEventReasons", None)
+    ecc = nvml.maybe(p.nvmlDeviceGetEccMode, h)
+    remap = nvml.maybe(p.nvmlDeviceGetRemappedRows, h)
+    reasons = nvml.maybe(getattr(p, "nvmlDeviceGetCurrentClocksEventReasons", None)
                     or getattr(p, "nvmlDeviceGetCurrentClocksThrottleReasons", None), h) or 0
-    retired = _call(p.nvmlDeviceGetRetiredPagesPendingStatus, h)
-    limit, default = _call(p.nvmlDeviceGetPowerManagementLimit, h), \
-        _call(p.nvmlDeviceGetPowerManagementDefaultLimit, h)
-    pci = _call(p.nvmlDeviceGetPciInfo, h)
+    retired = nvml.maybe(p.nvmlDeviceGetRetiredPagesPendingStatus, h)
+    limit, default = nvml.maybe(p.nvmlDeviceGetPowerManagementLimit, h), \
+        nvml.maybe(p.nvmlDeviceGetPowerManagementDefaultLimit, h)
+    pci = nvml.maybe(p.nvmlDeviceGetPciInfo, h)
     return h, {
         "index": i, "name": nvml.text(p.nvmlDeviceGetName(h)),
-        "persistence": _call(p.nvmlDeviceGetPersistenceMode, h) == 1,
-        "compute_mode": COMPUTE_MODES.get(_call(p.nvmlDeviceGetComputeMode, h), "unknown"),
+        "persistence": nvml.maybe(p.nvmlDeviceGetPersistenceMode, h) == 1,
+        "compute_mode": COMPUTE_MODES.get(nvml.maybe(p.nvmlDeviceGetComputeMode, h), "unknown"),
         "ecc": None if ecc is None else bool(ecc[0]),
         "retired_pending": None if retired is None else bool(retired),
         "remap_pending": None if remap is None else bool(remap[2]),
-        "sm_clock": _call(p.nvmlDeviceGetClockInfo, h, p.NVML_CLOCK_SM),
-        "sm_clock_max": _call(p.nvmlDeviceGetMaxClockInfo, h, p.NVML_CLOCK_SM),
+        "sm_clock": nvml.maybe(p.nvmlDeviceGetClockInfo, h, p.NVML_CLOCK_SM),
+        "sm_clock_max": nvml.maybe(p.nvmlDeviceGetMaxClockInfo, h, p.NVML_CLOCK_SM),
         "power_limit_w": None if limit is None else limit / 1000,
         "power_default_w": None if default is None else default / 1000,
         "throttle": [n for bit, n in BAD_THROTTLE.items() if reasons & bit],
@@ -86,12 +79,12 @@ def _nvml_link(p: Any, a: tuple, b: tuple) -> str:
     (ha, _), (hb, db) = a, b
     links = 0
     for link in range(getattr(p, "NVML_NVLINK_MAX_LINKS", 18)):
-        if _call(p.nvmlDeviceGetNvLinkState, ha, link) == 1:
-            remote = _call(p.nvmlDeviceGetNvLinkRemotePciInfo, ha, link)
+        if nvml.maybe(p.nvmlDeviceGetNvLinkState, ha, link) == 1:
+            remote = nvml.maybe(p.nvmlDeviceGetNvLinkRemotePciInfo, ha, link)
             links += remote is not None and nvml.text(remote.busId) == db["bus_id"]
     if links:
         return f"NV{links}"
-    return TOPO_LEVELS.get(_call(p.nvmlDeviceGetTopologyCommonAncestor, ha, hb), "unknown")
+    return TOPO_LEVELS.get(nvml.maybe(p.nvmlDeviceGetTopologyCommonAncestor, ha, hb), "unknown")
 
 
 def _from_nvml(p: Any) -> dict:

@@ -26,6 +26,23 @@ FACTS_FILE = "hvps-doctor-facts.json"
 _CHOICE = re.compile(r"\[([^\]]+)\]")
 
 
+def replay_control_rule(env: Mapping[str, str], addresses: Mapping[str, str]) -> dict:
+    """:meth:`Host.control_addresses` for a recorded node: the control plane's rule on its environment and
+    interface addresses (HVPS_CONTROL_ADDR wins; HVPS_NETWORK_INTERFACE's address; else every address,
+    loopback last)."""
+    from ..core.settings import env_text
+
+    explicit = env_text("HVPS_CONTROL_ADDR", env=env)
+    wanted = env_text("HVPS_NETWORK_INTERFACE", env=env)
+    if explicit:
+        return {"addresses": [explicit], "listen": explicit if wanted else ""}
+    if wanted:
+        if not addresses.get(wanted):
+            return {"error": f"HVPS_NETWORK_INTERFACE={wanted!r} has no IPv4 address"}
+        return {"addresses": [addresses[wanted]], "listen": addresses[wanted]}
+    return {"addresses": sorted(set(addresses.values()), key=lambda a: (a.startswith("127."), a)), "listen": ""}
+
+
 class Host:
     """Reads files below ``root`` and non-file facts (real, or from ``FACTS_FILE`` under a root)."""
 
@@ -159,6 +176,23 @@ class Host:
             found = {name: interface_address(name) for _, name in socket.if_nameindex()}
             return {k: v for k, v in found.items() if v}
         return self.fact("addresses", probe) or {}
+
+    def control_addresses(self) -> dict:
+        """The control plane's own answer: ``{"addresses": [...], "listen": addr or ""}`` from
+        :func:`hvps.control.plane.candidate_addresses` and :func:`~hvps.control.plane.listen_address`
+        (``{"error": message}`` when they refuse). Under a root: the facts file's ``control``, else the same
+        rule replayed on the tree's ``env`` and ``addresses`` (a test checks that the replay agrees)."""
+        def probe():
+            from ..control.plane import candidate_addresses, listen_address
+            from ..core.errors import HvpsError
+
+            try:
+                return {"addresses": candidate_addresses(), "listen": listen_address()}
+            except HvpsError as exc:
+                return {"error": str(exc)}
+        if not self.real and "control" not in self._facts:
+            return replay_control_rule(self.env, self.interface_addresses())
+        return self.fact("control", probe) or {"addresses": [], "listen": ""}
 
     def software(self) -> dict:
         return self.fact("software", probe_software) or {}

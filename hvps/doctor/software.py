@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import platform
-import re
 import sys
 from importlib import metadata
 from typing import Optional
 
+from ..core.launchers import parse_mpi_version, version_text
 from ..runner.mpi_discovery import find_mpirun
 from ..version import __version__
 
@@ -30,13 +30,13 @@ def mpi_library() -> Optional[str]:
     mpirun hvpsrun would use (``mpirun --version``); importing mpi4py.MPI here would start MPI."""
     if "mpi4py.MPI" in sys.modules:
         text = sys.modules["mpi4py.MPI"].Get_library_version().strip(" \n\x00")
-        m = re.match(r"(Open MPI|MPICH|Intel\(R\) MPI Library)\D*?([0-9][0-9.]*)", text)
-        if m:
-            return f"{'Intel MPI' if m.group(1).startswith('Intel') else m.group(1)} {m.group(2).rstrip('.')}"
+        impl, version = parse_mpi_version(text)
+        if impl.spec.known:
+            return f"{impl.label} {version_text(version)}"
         return text.splitlines()[0][:60] if text else None
     try:
         found = find_mpirun(None)
-        return f"{found.impl.value} {found.version_text}"
+        return f"{found.impl.label} {found.version_text}"
     except Exception:
         return None
 

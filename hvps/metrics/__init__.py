@@ -29,13 +29,13 @@ import errno
 import functools
 import ipaddress
 import logging
-import os
 import socket
 import threading
 import time
 from typing import Any, Callable, Optional, Tuple
 
 from ..core.errors import HvpsError
+from ..core.launchers import env_local_rank, env_rank
 from ..core.settings import env_text
 
 log = logging.getLogger("hvps")
@@ -82,12 +82,7 @@ def _identity() -> Tuple[int, int]:
     """(rank, local rank): hvps's topology once initialised, else what the launcher exported."""
     if _job_identity is not None:
         return _job_identity
-
-    def first(*names: str) -> int:
-        return next((int(os.environ[n]) for n in names if os.environ.get(n, "").isdigit()), 0)
-
-    return (first("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"),
-            first("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"))
+    return env_rank(), env_local_rank()
 
 
 def _is_loopback(addr: str) -> bool:

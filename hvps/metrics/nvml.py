@@ -66,8 +66,12 @@ def device_handle(pynvml: Any, cuda_index: int) -> Any:
     return pynvml.nvmlDeviceGetHandleByUUID(entry)
 
 
-def _maybe(func: Any, *args: Any) -> Any:
-    """``func(*args)``, or None when this GPU or driver does not support the query."""
+def maybe(func: Any, *args: Any) -> Any:
+    """``func(*args)``, or None when this GPU or driver does not support the query (NVML raises
+    NVMLError_NotSupported and kin; a pynvml without the function passes None). The one "call or None"
+    of the exporter's readings and ``hvps doctor``'s GPU facts."""
+    if func is None:
+        return None
     try:
         return func(*args)
     except Exception:
@@ -77,11 +81,11 @@ def _maybe(func: Any, *args: Any) -> Any:
 def read_device(pynvml: Any, handle: Any) -> dict:
     """One reading of a GPU: utilisation %, memory used/total MiB, temperature C, power W and
     the energy counter in joules since the driver loaded (None where unsupported)."""
-    util = _maybe(pynvml.nvmlDeviceGetUtilizationRates, handle)
-    mem = _maybe(pynvml.nvmlDeviceGetMemoryInfo, handle)
-    power_mw = _maybe(pynvml.nvmlDeviceGetPowerUsage, handle)
-    energy_mj = _maybe(pynvml.nvmlDeviceGetTotalEnergyConsumption, handle)
-    temp = _maybe(pynvml.nvmlDeviceGetTemperature, handle, getattr(pynvml, "NVML_TEMPERATURE_GPU", 0))
+    util = maybe(pynvml.nvmlDeviceGetUtilizationRates, handle)
+    mem = maybe(pynvml.nvmlDeviceGetMemoryInfo, handle)
+    power_mw = maybe(pynvml.nvmlDeviceGetPowerUsage, handle)
+    energy_mj = maybe(pynvml.nvmlDeviceGetTotalEnergyConsumption, handle)
+    temp = maybe(pynvml.nvmlDeviceGetTemperature, handle, getattr(pynvml, "NVML_TEMPERATURE_GPU", 0))
     return {"utilization_pct": None if util is None else float(util.gpu),
             "memory_used_mib": None if mem is None else mem.used / MiB,
             "memory_total_mib": None if mem is None else mem.total / MiB,

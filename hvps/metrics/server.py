@@ -37,7 +37,7 @@ import ssl
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Optional, Tuple
 from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client.exposition import make_wsgi_app

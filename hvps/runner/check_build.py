@@ -8,7 +8,7 @@ import shutil
 from typing import Callable, Optional
 
 from .errors import LaunchError
-from .mpi_discovery import MpiImpl, find_mpirun
+from .mpi_discovery import find_mpirun
 
 
 def _version(distributions: tuple) -> Optional[str]:
@@ -71,7 +71,7 @@ def _mpirun(mpirun: Optional[str], find: Callable) -> Optional[str]:
         found = find(mpirun)
     except LaunchError:
         return None
-    if found.impl in (MpiImpl.MISSING, MpiImpl.UNKNOWN):
+    if not found.impl.spec.known:
         return None
     return found.describe()
 

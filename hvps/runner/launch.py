@@ -18,7 +18,7 @@ from . import hosts as hostlib
 from .check_build import check_build
 from .errors import LaunchError
 from .mpi_command import build_mpirun_command, default_num_proc, launch_environment, split_mpi_args
-from .mpi_discovery import MpiImpl, check_mpi4py, find_mpirun
+from .mpi_discovery import check_mpi4py, find_mpirun
 from .mpi_transport import exposure_warning, single_node_allocation
 from .settings import LaunchSettings, parse_args
 from .slurm_command import (
@@ -137,12 +137,12 @@ def prepare(settings: LaunchSettings, env: Mapping[str, str], cpu_count: Optiona
         settings = dataclasses.replace(settings, num_proc=settings.num_proc or allocation_num_proc(env))
     num_proc = default_num_proc(settings, hosts)
     temp_files = []
-    if mpi.impl is MpiImpl.OPEN_MPI and any(h.is_ipv6 for h in hosts):
+    if mpi.impl.spec.hostfile_flag and any(h.is_ipv6 for h in hosts):  # IPv6 literals travel in a hostfile
         temp_files.append(_ipv6_hostfile(hosts))
     cmd = build_mpirun_command(settings, env, mpi=mpi, hosts=hosts, cpu_count=cpu_count, in_allocation=in_allocation,
                                hostfile=temp_files[0] if temp_files else None)
     one_host = single_node_allocation(env) if in_allocation else hostlib.is_local_only(hosts)
-    warning = mpi.impl is MpiImpl.OPEN_MPI and exposure_warning(one_host, settings.network_interfaces,
+    warning = mpi.impl.spec.mca_transport and exposure_warning(one_host, settings.network_interfaces,
                                                                 split_mpi_args(settings.mpi_args), env)
     if warning:
         print(f"hvpsrun: warning: {warning}", file=sys.stderr, flush=True)

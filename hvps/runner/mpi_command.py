@@ -1,18 +1,18 @@
 """The mpirun command line, as a pure function of the settings and the environment.
 
-Per MPI implementation (detected from ``mpirun --version``, as horovodrun does):
+What differs between MPI implementations (detected from ``mpirun --version``, as horovodrun does)
+is data in their table, :class:`hvps.core.launchers.MpiImpl`; this module only assembles it:
 
-* Open MPI 4.1 and 5.x: ``--bind-to none --map-by slot``, ``-H host:slots`` (a
-  hostfile for IPv6 literals, which only 5.x can address), ``-x VAR`` forwards the environment,
-  ``--tag-output``; ``--allow-run-as-root`` for root and ``--oversubscribe`` when a
-  localhost-only run has more ranks than cores. 5.x's prterun rejects the single-dash
-  ``-bind-to`` that 4.1 also took, so only the double-dash forms are used. On one host the
-  TCP BTL is off (shared memory and self only); across hosts it is bound to
-  ``--network-interface`` (:mod:`hvps.runner.mpi_transport`).
-* MPICH (Hydra): ``-bind-to none -map-by slot``, ``-hosts host:slots``,
-  ``-genvlist``, ``-l`` to label output. ``-iface`` covers Hydra's own connections; the ch4:ofi
-  netmod's listener follows ``FI_TCP_IFACE``/``FI_SOCKETS_IFACE``, set from ``--network-interface``.
-* Intel MPI (Hydra): ``-hosts host1,host2 -ppn N`` (equal slots per host), ``-genvlist``.
+* the launcher, ``-np N`` (its spelling), output labelled by rank (``--tag-output``/``-l``) and no core
+  binding (``--bind-to none --map-by slot``; Hydra's single-dash forms);
+* Open MPI: ``--allow-run-as-root`` for root and ``--oversubscribe`` when a localhost-only run has more
+  ranks than cores;
+* hosts with their slots (``-H``/``-hosts host:slots``), or names and one ``-ppn`` where the
+  implementation takes no slots; IPv6 literals only through a hostfile (Open MPI 5);
+* the environment forwarded by name: ``-x VAR`` each, or one ``-genvlist`` list;
+* where the ranks listen: Open MPI's TCP BTL off on one host and bound to ``--network-interface``
+  across hosts (:mod:`hvps.runner.mpi_transport`); Hydra's ``-iface`` for its own connections, while the
+  ch4:ofi netmod's listener follows ``FI_TCP_IFACE``/``FI_SOCKETS_IFACE``, set from ``--network-interface``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Mapping, Optional
 from ..core.mpi_env import mpi_defaults
 from . import hosts as hostlib
 from .errors import LaunchError
-from .mpi_discovery import MpiImpl, MpiLauncher
+from ..core.launchers import MpiImpl, MpiSpec
+from .mpi_discovery import MpiLauncher
 from .mpi_transport import open_mpi_transport_args, single_node_allocation
 from .settings import LaunchSettings
 
@@ -37,9 +38,6 @@ FORWARD_NAMES = ("OMP_NUM_THREADS", "PATH", "PYTHONPATH", "PYTHONUNBUFFERED", "P
                  "LD_LIBRARY_PATH", "VIRTUAL_ENV")
 #: libfabric's interface choice for its tcp and sockets providers (one interface each)
 LIBFABRIC_IFACE = ("FI_TCP_IFACE", "FI_SOCKETS_IFACE")
-#: Open MPI 4.1 and 5.0 (prterun) both take the double-dash forms; 5.0 rejects '-bind-to'.
-OPEN_MPI_NO_BINDING = ["--bind-to", "none", "--map-by", "slot"]
-HYDRA_NO_BINDING = ["-bind-to", "none", "-map-by", "slot"]
 
 
 def is_forwarded(name: str) -> bool:
@@ -97,9 +95,43 @@ def _check_launcher(mpi: MpiLauncher) -> None:
     if mpi.impl is MpiImpl.MISSING:
         raise LaunchError(f"{mpi.path} --version failed: that mpirun cannot run here; check its installation, "
                           "or name another with --mpirun PATH")
-    if mpi.impl is MpiImpl.UNKNOWN:
-        raise LaunchError(f"'{mpi.path} --version' names no MPI hvpsrun knows (Open MPI, MPICH, Intel MPI); "
+    if not mpi.impl.spec.known:
+        known = ", ".join(impl.label for impl in MpiImpl if impl.spec.known)
+        raise LaunchError(f"'{mpi.path} --version' names no MPI hvpsrun knows ({known}); "
                           "run mpirun yourself, or use --launcher srun inside Slurm")
+
+
+def _hosts_args(spec: MpiSpec, mpi: MpiLauncher, hosts: list, hostfile: Optional[str]) -> list:
+    """How ``hosts`` (or the hostfile written for them) reach this implementation's launcher."""
+    ipv6 = any(h.is_ipv6 for h in hosts)
+    if ipv6 and (spec.ipv6_since is None or mpi.version[:len(spec.ipv6_since)] < spec.ipv6_since):
+        if spec.ipv6_since is None:
+            raise LaunchError(f"{spec.name} takes no IPv6 literals in its host list; name the hosts "
+                              "(add them to /etc/hosts) instead")
+        raise LaunchError(f"{spec.name} {mpi.version_text} cannot address hosts by IPv6 address (its runtime takes "
+                          f"only host names); name them in /etc/hosts or DNS, or use {spec.name} "
+                          f"{'.'.join(map(str, spec.ipv6_since))}")
+    if hostfile and spec.hostfile_flag:
+        return [spec.hostfile_flag, hostfile]
+    if not hosts:
+        return []
+    if ipv6:
+        raise LaunchError(f"{spec.name}'s {spec.hosts_flag} cannot carry IPv6 addresses; hvpsrun passes them in a "
+                          "hostfile")
+    if spec.hosts_flag:
+        return [spec.hosts_flag, hostlib.hosts_arg(hosts)]
+    slots = {h.slots for h in hosts}
+    if len(slots) != 1:
+        raise LaunchError(f"{spec.name} needs the same slots on every host with -H; give a machinefile "
+                          "through --mpi-args='-machinefile FILE' instead")
+    return [spec.hostnames_flag, ",".join(h.name for h in hosts), spec.ppn_flag, str(slots.pop())]
+
+
+def _forward_args(spec: MpiSpec, names: list) -> list:
+    """Variables forwarded to the ranks by name, never with their values on the command line."""
+    if spec.env_each:
+        return [arg for name in names for arg in (spec.env_each, name)]
+    return [spec.env_list, ",".join(names)] if names else []
 
 
 def build_mpirun_command(settings: LaunchSettings, env: Mapping[str, str], *,
@@ -133,45 +165,19 @@ def build_mpirun_command(settings: LaunchSettings, env: Mapping[str, str], *,
     own = rank_environment(settings, env, num_proc, hosts, cpu_count)
     forwarded = sorted(set(own) | {k for k in env if is_forwarded(k)})
     mpi_args = split_mpi_args(settings.mpi_args)
-    nics = ",".join(settings.network_interfaces)
 
-    cmd = [mpi.path, "-np", str(num_proc)]
-    if mpi.impl is MpiImpl.OPEN_MPI:
-        if euid == 0:
-            cmd.append("--allow-run-as-root")
-        if local_only and not in_allocation and num_proc > cpu_count:
-            cmd.append("--oversubscribe")
-        cmd.append("--tag-output")
-        if any(h.is_ipv6 for h in hosts) and mpi.version[:1] < (5,):
-            raise LaunchError(f"Open MPI {mpi.version_text} cannot address hosts by IPv6 address (its runtime takes "
-                              "only host names); name them in /etc/hosts or DNS, or use Open MPI 5")
-        if hostfile:
-            cmd += ["--hostfile", hostfile]
-        elif hosts:
-            if any(h.is_ipv6 for h in hosts):
-                raise LaunchError("Open MPI's -H cannot carry IPv6 addresses; hvpsrun passes them in a hostfile")
-            cmd += ["-H", hostlib.hosts_arg(hosts)]
-        cmd += OPEN_MPI_NO_BINDING
+    spec = mpi.impl.spec
+    cmd = [mpi.path, spec.np_flag, str(num_proc)]
+    if euid == 0:
+        cmd += spec.run_as_root
+    if local_only and not in_allocation and num_proc > cpu_count:
+        cmd += spec.oversubscribe
+    cmd += spec.label_output
+    cmd += _hosts_args(spec, mpi, hosts, hostfile)
+    cmd += spec.no_binding
+    if spec.mca_transport:
         cmd += open_mpi_transport_args(mpi.version, one_host, settings.network_interfaces, mpi_args, env)
-        for key in forwarded:
-            cmd += ["-x", key]
-    else:
-        cmd.append("-l")
-        if hosts and any(h.is_ipv6 for h in hosts):
-            raise LaunchError(f"{mpi.impl.value} takes no IPv6 literals in -hosts; name the hosts "
-                              "(add them to /etc/hosts) instead")
-        if hosts and mpi.impl is MpiImpl.MPICH:
-            cmd += ["-hosts", hostlib.hosts_arg(hosts)]
-        elif hosts:
-            slots = {h.slots for h in hosts}
-            if len(slots) != 1:
-                raise LaunchError("Intel MPI needs the same slots on every host with -H; give a machinefile "
-                                  "through --mpi-args='-machinefile FILE' instead")
-            cmd += ["-hosts", ",".join(h.name for h in hosts), "-ppn", str(slots.pop())]
-        if mpi.impl is MpiImpl.MPICH:
-            cmd += HYDRA_NO_BINDING
-        if nics:
-            cmd += ["-iface", settings.network_interfaces[0]]
-        if forwarded:
-            cmd += ["-genvlist", ",".join(forwarded)]
+    if settings.network_interfaces and spec.iface_flag:
+        cmd += [spec.iface_flag, settings.network_interfaces[0]]
+    cmd += _forward_args(spec, forwarded)
     return cmd + mpi_args + list(settings.command)

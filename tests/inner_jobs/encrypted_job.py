@@ -11,9 +11,10 @@ import time
 import numpy as np
 
 import hvps
+from hvps.core.launchers import env_rank
 
 mode, out = os.environ["MODE"], os.environ["OUT"]
-rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+rank = env_rank()
 if mode == "mismatch" and rank == 1:
     os.environ.pop("HVPS_ENCRYPT", None)
 boots = []

@@ -15,13 +15,6 @@ from pathlib import Path
 import pytest
 
 
-def _env_rank():
-    for key in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "HOROVOD_RANK"):
-        if key in os.environ:
-            return int(os.environ[key])
-    return 0
-
-
 _counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0,
            "xfailed": 0, "xpassed": 0}
 _passed_ids = []
@@ -63,7 +56,9 @@ def _write_report(exitstatus):
     out_dir = os.environ.get("HVPS_TEST_REPORT_DIR")
     if not out_dir:
         return
-    rank = _env_rank()
+    from hvps.core.launchers import env_rank  # lazily, as hvps itself below
+
+    rank = env_rank()
     data = {"rank": rank, "exitstatus": int(exitstatus), "counts": _counts,
             "passed_ids": _passed_ids, "failures": _failures}
     path = Path(out_dir) / f"rank{rank}.json"

@@ -283,7 +283,7 @@ def test_reducescatter_bool_average_raises():
 # ---------------------------------------------------------------- barrier
 
 def test_barrier_blocks_until_all_arrive():
-    size, rank = hvps.size(), hvps.rank()
+    rank = hvps.rank()
     hvps.barrier()
     t0 = time.monotonic()
     if rank == 0:

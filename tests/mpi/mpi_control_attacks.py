@@ -20,14 +20,13 @@ from hvps_testutil import world_size_env
 
 import hvps
 from hvps.control.plane import HANDSHAKE_SECONDS
+from hvps.core.launchers import env_rank
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _rank():
-    import os
-
-    return int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+    return env_rank()
 
 
 def _arm_rank0(monkeypatch, state):

@@ -160,7 +160,7 @@ def test_missing_many_ranks_stall_async(shared_dir):
 
 def test_missing_rank_other_collective(shared_dir):
     """Stall detection is not allreduce specific."""
-    size, rank = hvps.size(), hvps.rank()
+    rank = hvps.rank()
     missing = 0
     hvps.barrier()
     if rank != missing:
@@ -246,7 +246,6 @@ def test_an_unpicklable_object_fails_every_rank_at_once_with_the_owners_reason(n
 
 
 def test_everything_still_works_at_the_end(request):
-    size, rank = hvps.size(), hvps.rank()
     for i in range(5):
         _healthy(f"{request.node.name}/{i}")
     hvps.barrier()

@@ -4,7 +4,6 @@ credentials included, so ``hvps.init`` raises an HvpsError on rank 1 naming the 
 line); the other ranks serve on their own ports as usual.
 """
 
-import os
 import socket
 
 import pytest

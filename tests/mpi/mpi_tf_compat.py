@@ -21,6 +21,7 @@ from hvps_testutil import rng_for, rows_split  # noqa: E402
 import hvps  # noqa: E402
 import hvps.adapters.tensorflow as hvd  # noqa: E402
 import hvps.adapters.tensorflow.keras as hk  # noqa: E402
+from hvps.core.launchers import env_size  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,7 +49,7 @@ broadcast_global_variables allreduce allgather broadcast reducescatter""".split(
 @pytest.fixture(scope="module", autouse=True)
 def _init():
     hvd.set_threads(1)
-    size = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
+    size = env_size()
     SETS["even"] = hvd.ProcessSet([r for r in range(size) if r % 2 == 0])
     SETS["odd"] = hvd.ProcessSet([r for r in range(size) if r % 2 == 1])
     hvd.init(process_sets=[SETS["even"], SETS["odd"]])

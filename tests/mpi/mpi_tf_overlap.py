@@ -25,13 +25,14 @@ from hvps_testutil import random_array  # noqa: E402
 import hvps.adapters.tensorflow as hvd  # noqa: E402
 import hvps.adapters.tensorflow.keras as hk  # noqa: E402
 from hvps.adapters.tensorflow import overlap  # noqa: E402
+from hvps.core.launchers import env_size  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
 MODES = ["eager", "function"]
 #: odd sizes: at 64-byte buckets, 3 buckets (float16, float32), the first variables in the last
 SHAPES = [(3, 7), (7,), (7, 5), (5,), (5, 1), (1,), (33,)]
-_SIZE = int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("HOROVOD_SIZE") or 1)
+_SIZE = env_size()
 #: ranks 0 and 1: a set of their own at 3 ranks; at 2 they are every rank, the global set (a set of the same
 #: ranks as it is a duplicate, which init refuses, as Horovod's does)
 PAIR = hvd.ProcessSet([0, 1]) if _SIZE > 2 else hvd.global_process_set

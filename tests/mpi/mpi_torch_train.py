@@ -118,7 +118,6 @@ def test_skip_synchronize_and_adam():
 
 
 def test_zero_grad_with_pending_handles_raises():
-    size, rank = hvd.size(), hvd.rank()
     model = _mlp(3)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
