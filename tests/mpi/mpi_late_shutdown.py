@@ -5,7 +5,6 @@ every rank (Horovod's rule): the late rank's next collective fails at once, nami
 its own shutdown is clean (no abort: the job's exit code stays the script's), and hvps starts again after it.
 """
 
-import os
 import time
 
 import numpy as np
