@@ -99,7 +99,7 @@ def _refuse_mpi_flags(settings: LaunchSettings) -> None:
                         (settings.launcher == "srun", "--launcher srun")):
         if given:
             raise LaunchError(f"{flag} is for an MPI launch, and --gloo starts no MPI: drop {flag}, or drop --gloo")
-    if settings.backend in ("mpi", "horovod"):
+    if settings.backend == "mpi":
         raise LaunchError(f"--backend {settings.backend} needs MPI, and --gloo starts none: its data plane is "
                           "torch.distributed (--backend tdist or auto)")
 
