@@ -84,15 +84,25 @@ def run_script(args: list, env: dict) -> subprocess.CompletedProcess:
     return run
 
 
+#: Horovod's test_global_barrier_op asserts wall-clock time (a rank that did not sleep measures >= 5 s in a barrier
+#: rank 0 enters 5 s late, from a start each rank takes after the previous allreduce returned): on a loaded machine
+#: the non-sleeping rank's clock starts late and it measures 4.9x s (2 of 8 runs beside two busy loops). Timing
+#: is no pass/fail here; the barrier's order is held by tests/mpi/mpi_collectives.py without a clock.
+TORCH_SUITE_ARGS = "-q --deselect test_torch.py::TorchTests::test_global_barrier_op"
+#: the suite's tests that pass here (Horovod 0.28.1 itself passes 100 of the 103 CPU tests, and so does hvps), less
+#: the one deselected above
+TORCH_SUITE_PASSES = 99
+
+
 @pytest.mark.timeout(HANG_LIMIT + 120)
 def test_horovod_torch_suite_at_two_ranks():
     if not SCRIPT.exists():
         pytest.skip(f"{SCRIPT.parent} is absent (Horovod's test suite is kept beside the checkout, not in it)")
-    env = dict(os.environ, PY=sys.executable, NP="2", LIMIT=str(HANG_LIMIT))
+    env = dict(os.environ, PY=sys.executable, NP="2", LIMIT=str(HANG_LIMIT), PYTEST_ARGS=TORCH_SUITE_ARGS)
     run = run_script([str(SCRIPT)], env)
     counts, seconds = parse_summary(run.stdout, run.stderr)
     report = f"{counts} in {seconds:g} s\n{run.stdout[-4000:]}"
-    assert counts.get("passed", 0) >= 100, report
+    assert counts.get("passed", 0) >= TORCH_SUITE_PASSES, report
 
 
 TF_SCRIPT = SCRIPT.with_name("run-horovod-tensorflow.sh")
@@ -145,19 +155,19 @@ def test_horovod_torch_elastic_suite_at_two_ranks():
 
 @pytest.mark.timeout(HANG_LIMIT + 120)
 def test_horovod_torch_suite_under_hvpsrun_gloo(tmp_path):
-    """The same test file, unchanged, started by ``hvpsrun --gloo -np 2``: at least 100 tests pass (the 3 that
-    fail on Horovod's optimizer list under mpirun fail here too), without MPI."""
+    """The same test file, unchanged, started by ``hvpsrun --gloo -np 2``: the same tests pass (the 3 that fail on
+    Horovod's optimizer list under mpirun fail here too), without MPI."""
     if not SCRIPT.exists():
         pytest.skip(f"{SCRIPT.parent} is absent (Horovod's test suite is kept beside the checkout, not in it)")
     mpirun = tmp_path / "mpirun"
     mpirun.write_text(GLOO_MPIRUN)
     mpirun.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "HVPS_"))}
-    env.update(PY=sys.executable, NP="2", LIMIT=str(HANG_LIMIT), MPIRUN=str(mpirun))
+    env.update(PY=sys.executable, NP="2", LIMIT=str(HANG_LIMIT), MPIRUN=str(mpirun), PYTEST_ARGS=TORCH_SUITE_ARGS)
     run = run_script([str(SCRIPT)], env)
     counts, seconds = parse_summary(run.stdout, run.stderr)
     report = f"{counts} in {seconds:g} s\n{run.stdout[-4000:]}"
-    assert counts.get("passed", 0) >= 100, report
+    assert counts.get("passed", 0) >= TORCH_SUITE_PASSES, report
 
 
 # ------------------------------------------------------------------------------------------ the other files

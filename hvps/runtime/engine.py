@@ -496,6 +496,8 @@ class Engine:
         if self._failure is not None:
             return
         responses = self.coordinator.poll(time.monotonic())
+        if not self._late_ranks_answer(responses):
+            return
         if responses and self.size > 1:  # alone, rank 0 has no one to tell (nor a cache to keep)
             wire = {"responses": self.cache.encode_responses(responses)}
             if self._tuning is not None:
@@ -504,6 +506,25 @@ class Engine:
             self.control.send_down(wire)
         self._negotiated(started, cpu)
         self._execute(responses)
+
+    def _late_ranks_answer(self, responses: list) -> bool:
+        """Whether the ranks that did not ask for a shutdown among ``responses`` (the coordinator ends hvps
+        everywhere once the first rank asked a stall time ago) are alive: rank 0 calls the roll first. A late rank
+        busy in its own code answers, and the shutdown goes on (its collectives then fail, saying why). One that
+        is stopped or hung answers nothing: it is lost (``SILENT``), this engine fails, and the job is aborted
+        rather than left waiting for it in MPI_Finalize for ever. Always true when no shutdown is early."""
+        early = next((r for r in responses if r.kind == SHUTDOWN and len(r.asked) < self.size), None)
+        if early is None:
+            return True
+        late = set(range(self.size)) - set(early.asked)
+        silent, messages, closed = self.control.roll_call(_LOSS_GRACE_SECONDS, self._lost)
+        for source, message in messages:  # what else arrived meanwhile: the next poll's
+            self.coordinator.submit_pairs(self.cache.resolve(source, message), time.monotonic())
+        self._left_alone(closed)
+        lost = {rank: SILENT for rank in silent if rank in late}
+        if lost and self._failure is None:
+            self._peers_lost(lost)
+        return self._failure is None
 
     def _work(self, messages: list, closed: list) -> None:
         started, cpu = time.perf_counter(), time.thread_time() if self.count_cpu else None

@@ -116,7 +116,7 @@ if MODE == "stopworker":
             if rank == victim:
                 while handle._started is None and not handle.poll():
                     time.sleep(0.001)
-                time.sleep(0.05)
+                time.sleep(float(os.environ.get("STOP_AFTER", "0.05")))  # seconds into the transfer
                 (OUT / "stopped").write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP)
                 time.sleep(600)

@@ -1,6 +1,9 @@
 """Inner multi-rank tests: topology queries, allgather, broadcast, alltoall,
 reducescatter, barrier, object collectives, dtype errors (numpy core API)."""
 
+import os
+import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -283,17 +286,19 @@ def test_reducescatter_bool_average_raises():
 # ---------------------------------------------------------------- barrier
 
 def test_barrier_blocks_until_all_arrive():
+    """No rank leaves a barrier before the last one entered it: rank 0, late, leaves a mark just before it enters,
+    and every other rank finds the mark once it is out (an order, not a time: the ranks share this host)."""
     rank = hvps.rank()
-    hvps.barrier()
-    t0 = time.monotonic()
+    mark = os.path.join(hvps.broadcast_object(tempfile.mkdtemp() if rank == 0 else None, root_rank=0), "entered")
     if rank == 0:
-        time.sleep(1.0)
+        time.sleep(0.2)
+        open(mark, "w").close()
     hvps.barrier()
-    elapsed = time.monotonic() - t0
-    if rank != 0:
-        assert elapsed >= 0.7, f"barrier returned after {elapsed:.3f}s while rank 0 slept 1s"
+    assert os.path.exists(mark), f"rank {rank} left the barrier before rank 0 entered it"
     for _ in range(5):
         hvps.barrier()
+    if rank == 0:
+        shutil.rmtree(os.path.dirname(mark))
 
 
 # ---------------------------------------------------------------- objects
