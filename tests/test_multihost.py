@@ -222,9 +222,12 @@ def test_link_cut_during_transfer_fails_every_survivor(cluster, tmp_path):
 
 
 SNIFFER = """
-import socket, sys, os
+import socket, struct, sys, os
 pattern, stop = sys.argv[1].encode(), sys.argv[2]
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
+# a receive buffer far larger than the job's traffic (root: SO_RCVBUFFORCE, 33): a sniffer that a loaded machine
+# schedules late must not lose frames (under load the default buffer dropped half the job's bytes)
+s.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_RCVBUFFORCE", 33), 256 << 20)
 s.bind(("eth0", 0))
 s.settimeout(0.2)
 hits = frames = nbytes = 0
@@ -237,7 +240,9 @@ while not os.path.exists(stop):
     frames += 1
     nbytes += len(frame)
     hits += frame.count(pattern)
-print(f"CAPTURE {frames} {nbytes} {hits}", flush=True)
+# the kernel's count of frames this socket dropped (SOL_PACKET 263, PACKET_STATISTICS 6: tp_packets, tp_drops)
+drops = struct.unpack("II", s.getsockopt(263, 6, 8))[1]
+print(f"CAPTURE {frames} {nbytes} {hits} {drops}", flush=True)
 """
 
 
@@ -264,8 +269,9 @@ def test_sealed_data_plane_sends_no_plaintext_between_hosts(cluster, tmp_path, e
         out, _ = sniffer.communicate(timeout=30)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("SEALED-DONE") == 2, proc.stdout
-    frames, nbytes, hits = (int(x) for x in out.split("CAPTURE ", 1)[1].split())
-    print(f"encrypt={encrypt}: {frames} frames, {nbytes} bytes captured, pattern seen {hits} times")
+    frames, nbytes, hits, drops = (int(x) for x in out.split("CAPTURE ", 1)[1].split())
+    print(f"encrypt={encrypt}: {frames} frames, {nbytes} bytes captured, pattern seen {hits} times, {drops} dropped")
+    assert drops == 0, f"the capture dropped {drops} frames: it cannot vouch for what crossed the link"
     assert nbytes > 2 << 20, f"the capture saw only {nbytes} bytes: it missed the job's traffic"
     if encrypt:
         assert hits == 0, f"the pattern crossed the link in clear {hits} times under --encrypt"
