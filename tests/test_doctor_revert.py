@@ -190,7 +190,7 @@ def test_a_record_of_another_user_or_writable_by_others_is_refused(tmp_path, att
     os.chown(planted, attacker.pw_uid, attacker.pw_gid)
     out = Out()
     assert revert(Host(str(root)), planted, out=out) == 2
-    assert f"owned by uid {attacker.pw_uid}" in out.text and snapshot(root) == before
+    assert f"belongs to user {attacker.pw_uid}" in out.text and snapshot(root) == before
     os.chown(planted, 0, 0)
     for mode in (0o664, 0o646, 0o666):
         os.chmod(planted, mode)

@@ -15,14 +15,15 @@ random name (``O_EXCL``, mode 0600), then renamed over the old one.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
-import stat
 import tempfile
 from pathlib import Path
 from typing import Optional
 
+from ..core.files import RefusedFile, open_untrusted
 from .checks_cpu import THP
 
 VERSION = 1
@@ -98,25 +99,11 @@ def _open_own_file(path: Path) -> int:
     """An fd of ``path`` read-only, not following a symlink, when it is a regular file of this user
     that group and others cannot write; RecordError otherwise."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if isinstance(exc, FileNotFoundError):
-            raise
-        raise RecordError(f"cannot open {path} ({exc.strerror}; a symlink is refused)") from None
-    st = os.fstat(fd)
-    problem = None
-    if not stat.S_ISREG(st.st_mode):
-        problem = "is not a regular file"
-    elif st.st_uid != os.geteuid():
-        problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
-    elif st.st_mode & 0o022:
-        problem = f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
-    elif st.st_size > MAX_BYTES:
-        problem = f"is {st.st_size} bytes, more than a record holds"
-    if problem:
-        os.close(fd)
-        raise RecordError(f"{path} {problem}; refusing to act on it")
-    return fd
+        return open_untrusted(path, follow_links=False, own=True, forbidden_mode=0o022, max_bytes=MAX_BYTES)
+    except RefusedFile as exc:
+        if exc.missing:
+            raise FileNotFoundError(errno.ENOENT, exc.reason, str(path)) from None
+        raise RecordError(f"{path} {exc.reason}; refusing to act on it") from None
 
 
 def load(path: Path) -> list:

@@ -106,25 +106,16 @@ def parse_hostfile_text(text: str, path: str = "<hostfile>") -> list:
 def parse_hostfile(path: str) -> list:
     """The hosts of a hostfile: a regular file of at most MAX_HOSTFILE_BYTES (a FIFO would hang the launch,
     /dev/zero would fill the memory)."""
-    import os
-    import stat
+    from hvps.core.files import RefusedFile, read_untrusted
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise LaunchError(f"cannot read hostfile {path}: {exc.strerror}; check --hostfile") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise LaunchError(f"--hostfile {path} is not a regular file; give a file of lines 'host slots=N'")
-        if info.st_size > MAX_HOSTFILE_BYTES:
-            raise LaunchError(f"--hostfile {path} holds {info.st_size} bytes, more than a hostfile's "
-                              f"{MAX_HOSTFILE_BYTES}; give a file of lines 'host slots=N'")
-        data = os.read(fd, MAX_HOSTFILE_BYTES + 1)
-    except OSError as exc:
-        raise LaunchError(f"cannot read hostfile {path}: {exc.strerror}; check --hostfile") from None
-    finally:
-        os.close(fd)
+        data = read_untrusted(path, MAX_HOSTFILE_BYTES + 1)
+    except RefusedFile as exc:
+        what = "give a file of lines 'host slots=N'" if not exc.missing else "check --hostfile"
+        raise LaunchError(f"--hostfile {path} {exc.reason}; {what}") from None
+    if len(data) > MAX_HOSTFILE_BYTES:
+        raise LaunchError(f"--hostfile {path} holds more than a hostfile's {MAX_HOSTFILE_BYTES} bytes; give a file "
+                          "of lines 'host slots=N'")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

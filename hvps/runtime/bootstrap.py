@@ -35,6 +35,7 @@ from ..control import membership
 from ..control.plane import reachable
 from ..control.store_comm import StoreComm
 from ..core.errors import HvpsError
+from ..core.files import RefusedFile, read_untrusted
 from ..core.launchers import MPI_LAUNCH_VARIABLES
 from ..core.mpi_env import mpi_defaults
 from ..core.settings import env_text
@@ -179,22 +180,14 @@ def read_secret() -> Optional[bytes]:
     if not path:
         return None
     try:  # never blocks (a FIFO), never follows a link planted at the name
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise HvpsError(f"HVPS_SECRET_FILE={path!r} cannot be read: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise HvpsError(f"HVPS_SECRET_FILE={path!r} is not a regular file; give a file of at least 16 random bytes")
-        if info.st_uid != os.getuid():
-            raise HvpsError(f"HVPS_SECRET_FILE={path!r} belongs to user {info.st_uid}, not to this one "
-                            f"({os.getuid()}); use a file of your own, mode 600")
-        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise HvpsError(f"HVPS_SECRET_FILE={path!r} may be read or written by others (mode "
-                            f"{stat.filemode(info.st_mode)}); chmod 600 {path}")
-        line = os.read(fd, 4096).split(b"\n", 1)[0].strip()
-    finally:
-        os.close(fd)
+        first = read_untrusted(path, 4096, follow_links=False, own=True, forbidden_mode=stat.S_IRWXG | stat.S_IRWXO)
+    except RefusedFile as exc:
+        if exc.missing or exc.reason.startswith("cannot"):
+            raise HvpsError(f"HVPS_SECRET_FILE={path!r} cannot be read: {exc.reason}") from None
+        fix = (f"chmod 600 {path}" if "by others" in exc.reason else "use a file of your own, mode 600"
+               if "user" in exc.reason else "give a file of at least 16 random bytes")
+        raise HvpsError(f"HVPS_SECRET_FILE={path!r} {exc.reason}; {fix}") from None
+    line = first.split(b"\n", 1)[0].strip()
     if len(line) < 16:
         raise HvpsError(f"HVPS_SECRET_FILE={path!r} holds {len(line)} bytes on its first line; give at least 16 "
                         "random bytes, e.g. python -c 'import secrets; print(secrets.token_hex(32))'")
