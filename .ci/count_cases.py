@@ -20,6 +20,16 @@ def count(path: str) -> tuple:
     return (sum(int(s.get("tests", 0)) for s in suites), sum(int(s.get("skipped", 0)) for s in suites))
 
 
+def seconds_by_file(path: str, most: int = 12) -> list:
+    """The ``most`` test files that took longest in a JUnit report, as ``(seconds, file)``, slowest first
+    (setup and teardown included: pytest's JUnit times do), so each CI log says where a phase's time went."""
+    totals: dict = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        module = case.get("classname", "?").split("::")[0]
+        totals[module] = totals.get(module, 0.0) + float(case.get("time", 0) or 0)
+    return sorted(((t, m) for m, t in totals.items()), reverse=True)[:most]
+
+
 def main(argv: list) -> int:
     if len(argv) != 3 or not argv[1].isdigit():
         print(__doc__.splitlines()[0], file=sys.stderr)
@@ -31,6 +41,7 @@ def main(argv: list) -> int:
         print(f"=== {phase}: no JUnit report at {path} ({exc}); cannot tell how many cases ran", file=sys.stderr)
         return 1
     print(f"=== {phase}: {cases} cases ({cases - skipped} ran, {skipped} skipped); its floor is {floor}")
+    print("    slowest files: " + ", ".join(f"{module} {t:.0f}s" for t, module in seconds_by_file(path)))
     if cases < floor:
         print(f"=== {phase}: FAILED: {cases} cases, fewer than the {floor} this phase must run: a case was renamed "
               "or removed out of the phase's -k selection; fix the selection in .ci/run, or lower the phase's "
