@@ -106,7 +106,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="hvps-engine", daemon=True)
         self._thread.start()
 
-    def _negotiation(self, settings):
+    def _negotiation(self, settings) -> "RankZeroCoordinator | WorkerNegotiation":
         """This rank's side of the negotiation: rank 0's coordination, or a worker's (a relay's) announcing."""
         def announcements() -> list:
             return self.queue.due_announcements(self.cycle_s)
