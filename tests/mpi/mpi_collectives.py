@@ -398,7 +398,7 @@ def test_unsupported_dtypes_raise_type_error(np_dtype):
 
 
 def test_synchronous_calls_take_the_fast_path_and_large_ones_the_engine_thread(request):
-    """A synchronous collective alone in flight is negotiated and run by its caller (engine.py's fast
+    """A synchronous collective alone in flight is negotiated and run by its caller (submission.py's fast
     path); one above the backend's interruptible size (every one, on data planes without a fast path)
     is handed to the engine thread. Both correct, on every collective, with fresh data."""
     from hvps.dataplane.backends.mpi import NONBLOCKING_BYTES

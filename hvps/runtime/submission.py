@@ -1,0 +1,311 @@
+"""The engine's submission side: the queue of collectives user threads submit (``SubmissionQueue``) and the
+waiter fast path (``FastPath``).
+
+The fast path: a thread that waits for a collective while nothing else is in flight runs the engine's cycles
+itself, polling the control plane instead of sleeping, for up to ``HVPS_SPIN_WAIT_MICROSECONDS``
+(``FastPath.drive``). A synchronous small collective then costs no hand-over between threads and no wake-up of
+a sleeping thread on any rank: it is negotiated and executed by the callers. The negotiation is the same code,
+so the mismatch and stall checks hold. Only collectives the backend can abandon at once when a rank dies
+(``Backend.interruptible_bytes``) run on the caller; a larger one is left to the engine thread (the executor's
+backlog, ``execution.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Callable, ContextManager, Iterator, Optional, Protocol
+
+from ..control.negotiation import JOIN, Request
+from ..core.errors import DuplicateNameError, HvpsError
+from ..core.handle import Handle
+from ..dataplane.executors import Entry
+from .engine_status import EngineStatus
+
+#: after local work arrives, the engine polls its queue for this many cycles before it
+#: goes back to sleeping until woken
+ACTIVE_CYCLES = 20
+
+#: ``waits_at_once`` marks this thread's submissions inside a synchronous call
+_synchronous = threading.local()
+
+
+@contextlib.contextmanager
+def waits_at_once() -> Iterator[None]:
+    """Collectives submitted inside are waited for at once by this thread (a synchronous call): the
+    submission does not wake the engine thread, since the wait runs the collective itself or wakes
+    it then (``Handle.wait``). Whoever leaves it by an exception must ``wake_if_queued``."""
+    outer = getattr(_synchronous, "on", False)
+    _synchronous.on = True
+    try:
+        yield
+    finally:
+        _synchronous.on = outer
+
+
+class SubmissionQueue:
+    """Collectives submitted on this rank: queued, then pending (taken by a cycle, not yet executed), and the
+    requests not yet announced; it decides when a submitter wakes the engine thread."""
+
+    def __init__(self, rank: int, status: EngineStatus, stall_seconds: float, wake: Callable[[], None],
+                 expedite: Optional[Callable[[Handle], None]] = None) -> None:
+        """``wake`` wakes the engine thread; ``expedite`` is what a handle's first blocking wait calls
+        (``FastPath.expedite``); ``stall_seconds`` is a waiter's patience (its handle's watchdog)."""
+        self.rank = rank
+        self._status = status
+        self._lock = status.lock
+        self._stall_seconds = stall_seconds
+        self._wake = wake
+        self._expedite = expedite
+        self._queue: deque = deque()
+        self._queued_names: set = set()
+        #: name -> entry, taken from the queue by a cycle and not yet executed
+        self._pending: dict[str, Entry] = {}
+        #: name -> the handle last submitted under it, while the handle lives: its name stays in use until
+        #: a wait() takes the result (whether or not the collective has finished)
+        self._unclaimed: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        #: the handles of the latest submission, held until the next one: a handle the caller dropped keeps its
+        #: name in use until this rank submits something else, so that submitting one name twice in a row is an
+        #: error whether or not the first has finished meanwhile (Horovod's duplicate-name tests drop the handle)
+        self._latest: list = []
+        self._wake_pending = False
+        #: until then the engine polls its queue every cycle (submitters need not wake it)
+        self.active_until = 0.0
+        #: set (under the lock) when the engine may block longer than a cycle: then submitters wake it
+        self.sleeping = False
+        self._unannounced: list = []
+        self._last_announce = 0.0
+        #: failure requests (``abandon``) not yet announced, and the names they failed under
+        self._abandoned: list = []
+        self._abandoned_names: set = set()
+
+    # -- called from user threads -------------------------------------------------
+    def submit_all(self, entries: list) -> list:
+        """Queue every entry, or none of them (a name in flight raises first); returns their handles."""
+        with self._lock:
+            status = self._status
+            if status.failure is not None:
+                raise HvpsError(f"the hvps engine stopped: {status.failure}") from status.failure
+            if status.stopping:
+                raise status.ended or HvpsError("hvps is shutting down: call hvps.init() again")
+            seen: set = set()
+            for entry in entries:
+                name = entry.request.name
+                if name in self._pending or name in self._queued_names or name in seen:
+                    raise DuplicateNameError(
+                        f"a collective named '{name}' is already in flight on rank {self.rank}; "
+                        "names must be unique among outstanding operations"
+                    )
+                earlier = self._unclaimed.get(name)
+                if earlier is not None and not earlier.claimed:
+                    raise DuplicateNameError(
+                        f"a collective named '{name}' finished on rank {self.rank} but nothing has waited for its "
+                        "result yet (wait() or synchronize() on its handle, or drop the handle and submit something "
+                        "else first); names must be unique among outstanding operations")
+                seen.add(name)
+            handles = []
+            for entry in entries:
+                # join() waits for ranks still training, for as long as they train: no watchdog.
+                request = entry.request
+                patience = math.inf if request.kind == JOIN else self._stall_seconds
+                entry.handle = Handle(request.name, (entry.inputs, entry.outputs), patience, expedite=self._expedite)
+                handles.append(entry.handle)
+                self._unclaimed[request.name] = entry.handle
+                self._queue.append(entry)
+                self._queued_names.add(request.name)
+            self._latest = handles
+            # A wake-up costs the submitting (training) thread a syscall, a context
+            # switch and the GIL (~150 us). Backward hooks submit in bursts, so while
+            # the engine is active it polls its queue every cycle instead (as
+            # Horovod's cycle does); after a quiet spell a collective wakes it at once.
+            wake = self.claim_wake(self.sleeping and not getattr(_synchronous, "on", False))
+        if wake:
+            self._wake()
+        return handles
+
+    def wake_if_queued(self) -> None:
+        """Wake the engine thread if collectives wait in the queue (and no wake-up is on its way)."""
+        with self._lock:
+            wake = self.claim_wake(bool(self._queue))
+        if wake:
+            self._wake()
+
+    def abandon(self, request: Request) -> None:
+        """Announce ``request`` as one this rank could not submit (its ``failure`` says why)."""
+        with self._lock:
+            if not self._status.running:
+                return
+            self._abandoned.append(request)
+            wake = self.claim_wake(True)
+        if wake:
+            self._wake()
+
+    def claim_wake(self, wanted: bool) -> bool:
+        """Whether the caller should wake the engine (it holds the lock): once until it runs."""
+        wake = wanted and not self._wake_pending
+        self._wake_pending = self._wake_pending or wake
+        return wake
+
+    # -- called by whichever thread runs a cycle ------------------------------------------
+    def take(self, cycle_s: float, on_waiter: bool) -> None:
+        """Move the queue to the pending collectives and their requests to the unannounced ones; unless a
+        waiter runs the cycle (``on_waiter``), poll the queue every ``cycle_s`` for a while (more is likely
+        to follow, a backward pass)."""
+        with self._lock:
+            self._wake_pending = self.sleeping = False
+            new = list(self._queue)
+            self._queue.clear()
+            self._queued_names.clear()
+            for entry in new:  # under the lock: a name is always either queued or pending
+                self._pending[entry.request.name] = entry
+            abandoned, self._abandoned = self._abandoned, []
+            if new and not on_waiter:
+                self.active_until = time.monotonic() + ACTIVE_CYCLES * cycle_s
+        self._unannounced.extend(e.request for e in new)
+        self._unannounced.extend(abandoned)
+        self._abandoned_names.update(r.name for r in abandoned)
+
+    def due_announcements(self, cycle_s: float) -> list:
+        """Local requests to announce now.
+
+        At once when nothing else is awaiting an answer (lowest latency);
+        otherwise at most once per ``cycle_s``, so that a burst of tensors fuses.
+        """
+        now = time.monotonic()
+        if not self._unannounced:
+            return []
+        in_flight = len(self._pending) > len(self._unannounced)
+        if in_flight and now < self._last_announce + cycle_s:
+            return []
+        due, self._unannounced = self._unannounced, []
+        self._last_announce = now
+        return due
+
+    def deadlines(self, now: float, cycle_s: float) -> list:
+        """When the engine must look at the queue again: a cycle from ``now`` while active, and when the
+        unannounced requests are due."""
+        deadlines = []
+        if now < self.active_until:
+            deadlines.append(now + cycle_s)
+        if self._unannounced:
+            deadlines.append(self._last_announce + cycle_s)
+        return deadlines
+
+    def has_queued(self) -> bool:
+        """Whether collectives wait in the queue (the lock is held)."""
+        return bool(self._queue)
+
+    def has_work(self) -> bool:
+        """Whether anything submitted is queued, pending or unannounced (the lock is held)."""
+        return bool(self._queue or self._pending or self._abandoned or self._unannounced)
+
+    def alone(self, handle: Handle) -> bool:
+        """Whether ``handle``'s collective is the only one submitted and nothing else is to be announced."""
+        with self._lock:
+            return (len(self._queue) + len(self._pending) == 1 and not self._abandoned
+                    and (handle.name in self._pending or handle.name in self._queued_names)
+                    and self._status.running)
+
+    def pending_entry(self, name: str) -> Optional[Entry]:
+        """The pending entry named ``name``, or None (joined: this rank submitted nothing)."""
+        return self._pending.get(name)
+
+    def take_pending(self, names: list) -> list:
+        """The pending entries named ``names``, taken out (None for a name not pending here)."""
+        return [self._pending.pop(name, None) for name in names]
+
+    def forget_abandoned(self, names: list) -> bool:
+        """Whether this rank abandoned any of ``names`` (``abandon``); they are forgotten."""
+        abandoned = any(name in self._abandoned_names for name in names)
+        self._abandoned_names.difference_update(names)
+        return abandoned
+
+    def unanswered(self) -> list:
+        """Names of pending collectives whose handles finished all the same (a waiter's watchdog), sorted."""
+        return sorted(entry.request.name for entry in list(self._pending.values()) if entry.handle.finished)
+
+    def drain(self) -> list:
+        """Every queued and pending entry, taken out (to fail them)."""
+        with self._lock:
+            entries = list(self._pending.values()) + list(self._queue)
+            self._pending.clear()
+            self._queue.clear()
+            self._queued_names.clear()
+        return entries
+
+
+class WaiterRuns(Protocol):
+    """What the fast path needs of the executor: its backlog, and where to say a waiter runs the cycle."""
+
+    backlog: deque
+    on_waiter: bool
+
+
+class FastPath:
+    """Lets a thread about to block on the only collective in flight run the engine's cycles itself."""
+
+    def __init__(self, queue: SubmissionQueue, status: EngineStatus, executor: WaiterRuns,
+                 cycle_lock: threading.Lock, cycle: Callable[[], None], guard: Callable[[], ContextManager],
+                 outstanding: Callable[[], bool], wake: Callable[[], None], spin_seconds: float) -> None:
+        """``cycle`` runs one engine cycle (under ``cycle_lock``, which the engine thread holds for each of its
+        own), inside ``guard()`` (which turns an exception into the engine's failure); ``outstanding`` (called
+        with the status lock held) says whether the engine thread has something to do or watch, and ``wake``
+        wakes it."""
+        self._queue = queue
+        self._status = status
+        self._executor = executor
+        self._cycle_lock = cycle_lock
+        self._cycle = cycle
+        self._guard = guard
+        self._outstanding = outstanding
+        self._wake = wake
+        #: how long a waiter drives the engine before it blocks (seconds; 0: never)
+        self.spin_seconds = spin_seconds
+
+    def expedite(self, handle: Handle) -> None:
+        """A thread is about to block on ``handle``: when nothing else is in flight, run the engine's
+        cycles here until it is done (``drive``); otherwise, if it still sits in the queue, wake the
+        engine now instead of letting it wait for the next cycle.  The wake-up's cost falls on a
+        thread that would only wait anyway, and a synchronous call saves up to a cycle per rank."""
+        if not self.drive(handle):
+            self._queue.wake_if_queued()
+
+    def alone(self, handle: Handle) -> bool:
+        """Whether ``handle``'s collective is the only one in flight on this rank."""
+        return not self._executor.backlog and self._queue.alone(handle)
+
+    def drive(self, handle: Handle) -> bool:
+        """Run cycles on this (waiting) thread until ``handle`` is done, a response too large for it
+        comes, or ``spin_seconds`` pass; False if it may not (the engine thread stays in a cycle longer, or
+        other collectives are in flight: they keep the engine thread's pace and fusion)."""
+        # The engine thread holds the lock for a cycle at a time (microseconds, unless it is inside a
+        # large transfer): waiting for it beats handing over, which wakes a thread on every rank.
+        if self.spin_seconds <= 0 or not self.alone(handle) or not self._cycle_lock.acquire(timeout=self.spin_seconds):
+            return False
+        if not self.alone(handle):  # checked again: the engine thread may have taken more meanwhile
+            self._cycle_lock.release()
+            return False
+        executor, status = self._executor, self._status
+        try:
+            executor.on_waiter = True
+            until = time.monotonic() + self.spin_seconds
+            with self._guard():
+                while not handle.finished and not executor.backlog and status.running:
+                    self._cycle()
+                    if time.monotonic() > until:
+                        break
+                    os.sched_yield()  # a peer rank or our own engine may be waiting for this core
+            return True
+        finally:
+            executor.on_waiter = False
+            with status.lock:  # the engine thread may sleep for good: from now on submitters wake it
+                self._queue.sleeping = True
+                wake = self._queue.claim_wake(self._outstanding())
+            self._cycle_lock.release()
+            if wake:
+                self._wake()
