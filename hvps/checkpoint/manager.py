@@ -57,6 +57,7 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 
 from .. import api
+from ..core.atomic_files import atomic_publish, remove_temporaries
 from .. import metrics as _metrics
 from .format import (
     CheckpointError,
@@ -68,7 +69,6 @@ from .format import (
     build_trees,
     chunk_bounds,
     flatten_tree,
-    fsync_path,
     is_per_rank_compression,
     padded,
     place_in_buffer,
@@ -76,9 +76,9 @@ from .format import (
     write_file,
 )
 from .inspect import prestart, read_header
-from .versions import CheckpointVersions, Version, file_name
+from .versions import FILE_RE, CheckpointVersions, Version, file_name
 
-TMP_RE = re.compile(r"^\.(ckpt-epoch-\d{6,}\.h5\.tmp-|trash-ckpt-epoch-\d{6,}\.h5-)")
+TRASH_RE = re.compile(r"^\.trash-ckpt-epoch-\d{6,}\.h5-")  # versions retention dropped, not yet unlinked
 PER_RANK = ("compression", "rng")  # sections saved once per rank
 
 
@@ -285,23 +285,10 @@ class CheckpointManager:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temporaries()
         final = self.directory / file_name(epoch)
-        tmp = self.directory / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         sections = {"model": model, "optimizer": optimizer, "extra": extra, **per_rank}
         attrs = root_attributes(epoch, step, world_size, self.framework, self.framework_version())
-        try:
+        with atomic_publish(final, fsync=self.fsync) as tmp:
             write_file(tmp, sections, attrs, compress=self.compress, fsync=self.fsync)
-            # The file is durable; the rename, made durable by the directory fsync below,
-            # publishes it (no fsync of the directory is needed before: the temporary
-            # name never has to survive a crash).
-            os.replace(tmp, final)
-            if self.fsync:
-                fsync_path(self.directory, directory=True)
-        except BaseException:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
-            raise
         self._apply_retention()
         return final
 
@@ -314,8 +301,9 @@ class CheckpointManager:
     def _remove_stale_temporaries(self) -> None:
         """Temporary and trash files of writers that died (one job owns a directory)."""
         self.wait_for_retention()
+        remove_temporaries(self.directory, publishes=FILE_RE.match)
         for p in self.directory.iterdir():
-            if TMP_RE.match(p.name):
+            if TRASH_RE.match(p.name):
                 try:
                     p.unlink()
                 except OSError:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from .format import CheckpointError, Header, fsync_path
+from ..core.atomic_files import fsync_path
+from .format import CheckpointError, Header
 from .inspect import verify_file
 
 FILE_RE = re.compile(r"^ckpt-epoch-(\d{6,})\.h5$")
