@@ -77,6 +77,7 @@ from .mpi_ops import (
     sparse_allreduce_async,
     synchronize,
 )
+from .adasum_optimizer import DistributedAdasumOptimizer  # noqa: F401  (registers the Adasum kind)
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
