@@ -12,6 +12,7 @@ import pytest
 
 from hvps import cli
 from hvps.checkpoint.manager import CheckpointManager, file_name
+from hvps.checkpoint.versions import CheckpointVersions
 
 
 @pytest.fixture
@@ -155,3 +156,19 @@ def test_inspect_of_a_fifo_is_refused_at_once(ckdir, capsys):
     assert rc == 1 and "is not a regular file (a FIFO, device or directory?)" in err, err
     assert "Traceback" not in err and "corrupt HDF5" not in err, err
     assert time.monotonic() - began < 5
+
+
+def test_versions_alone_list_and_roll_back_what_the_manager_saved(tmp_path):
+    """CheckpointVersions, the one-process half the CLI uses, on its own: the manager's methods of
+    the same names are its delegations."""
+    mgr = CheckpointManager(tmp_path, keep_last=10)
+    for epoch in range(3):
+        mgr.save(epoch, model={"w": np.full(4, epoch, np.float32)})
+    versions = CheckpointVersions(tmp_path)
+    assert [v.epoch for v in versions.list()] == [v.epoch for v in mgr.list()] == [0, 1, 2]
+    assert versions.latest().epoch == 2 and versions.verify(1).epoch == 1
+    moved = versions.rollback(0)
+    assert [p.name for p in moved] == [file_name(1), file_name(2)] and mgr.rollbacks() == versions.rollbacks()
+    assert [v.epoch for v in mgr.list()] == [0]
+    assert [p.name for p in mgr.undo_rollback()] == [file_name(1), file_name(2)]
+    assert [v.epoch for v in versions.list()] == [0, 1, 2]

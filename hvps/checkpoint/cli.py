@@ -34,9 +34,10 @@ def _emit(args, obj, text_lines: list) -> None:
 def _ckpt_list(args) -> int:
     from .format import CheckpointError
     from .inspect import verify_file
-    from .manager import CheckpointManager, header_of
+    from .manager import header_of
+    from .versions import CheckpointVersions
 
-    mgr = CheckpointManager(args.dir)
+    mgr = CheckpointVersions(args.dir)
     rows = []
     for v in mgr.list():
         row = {"epoch": v.epoch, "path": str(v.path), "bytes": v.size}
@@ -76,9 +77,10 @@ def _pick(args, mgr):
 
 def _ckpt_inspect(args) -> int:
     from .format import CheckpointError
-    from .manager import CheckpointManager, header_of
+    from .manager import header_of
+    from .versions import CheckpointVersions
 
-    mgr = CheckpointManager(args.dir)
+    mgr = CheckpointVersions(args.dir)
     try:
         h = header_of(_pick(args, mgr))
     except CheckpointError as exc:
@@ -115,9 +117,9 @@ def _fail(args, exc) -> int:
 def _ckpt_verify(args) -> int:
     from .format import CheckpointError
     from .inspect import verify_file
-    from .manager import CheckpointManager
+    from .versions import CheckpointVersions
 
-    mgr = CheckpointManager(args.dir)
+    mgr = CheckpointVersions(args.dir)
     paths = [mgr.path_of(args.epoch)] if args.epoch is not None else [v.path for v in mgr.list()]
     results = []
     for p in paths:
@@ -139,9 +141,9 @@ def _ckpt_verify(args) -> int:
 
 def _ckpt_rollback(args) -> int:
     from .format import CheckpointError
-    from .manager import CheckpointManager
+    from .versions import CheckpointVersions
 
-    mgr = CheckpointManager(args.dir)
+    mgr = CheckpointVersions(args.dir)
     if (args.epoch is None) == (not args.undo):
         print("hvps ckpt rollback: give either --to EPOCH or --undo (not both)", file=sys.stderr)
         return 2

@@ -483,14 +483,6 @@ def _pwrite_all(fd: int, arr: np.ndarray, offset: int) -> None:
         done += n
 
 
-def fsync_path(path: os.PathLike, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ----------------------------------------------------------------------------- reading
 def _root_value(v: Any) -> Any:
     if isinstance(v, bytes):

@@ -37,7 +37,9 @@ that are unsafe to read); :meth:`CheckpointManager.latest` and ``load("latest")`
 a warning on every rank) versions that fail and fall back to the newest good one.
 
 ``list``, ``latest``, ``verify``, ``rollback`` and ``undo_rollback`` are local file
-operations: call them on one process (the ``hvps ckpt`` command line uses them).
+operations of :class:`~hvps.checkpoint.versions.CheckpointVersions` (the ``hvps ckpt``
+command line uses it); the manager's methods of those names delegate to it: call them on
+one process.
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ import os
 import re
 import secrets
 import threading
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,7 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 
 from .. import api
+from ..core.atomic_files import atomic_publish, remove_temporaries
 from .. import metrics as _metrics
 from .format import (
     CheckpointError,
@@ -67,39 +69,21 @@ from .format import (
     build_trees,
     chunk_bounds,
     flatten_tree,
-    fsync_path,
     is_per_rank_compression,
     padded,
     place_in_buffer,
     root_attributes,
     write_file,
 )
-from .inspect import prestart, read_header, verify_file
+from .inspect import prestart, read_header
+from .versions import FILE_RE, CheckpointVersions, Version, file_name
 
-FILE_RE = re.compile(r"^ckpt-epoch-(\d{6,})\.h5$")
-TMP_RE = re.compile(r"^\.(ckpt-epoch-\d{6,}\.h5\.tmp-|trash-ckpt-epoch-\d{6,}\.h5-)")
-ATTIC = "attic"
+TRASH_RE = re.compile(r"^\.trash-ckpt-epoch-\d{6,}\.h5-")  # versions retention dropped, not yet unlinked
 PER_RANK = ("compression", "rng")  # sections saved once per rank
-
-
-def file_name(epoch: int) -> str:
-    return f"ckpt-epoch-{int(epoch):06d}.h5"
 
 
 def _rank_key(rank: int) -> str:
     return f"rank_{rank:05d}"
-
-
-@dataclass(frozen=True)
-class Version:
-    """One checkpoint file in the directory (not yet verified)."""
-
-    epoch: int
-    path: Path
-
-    @property
-    def size(self) -> int:
-        return self.path.stat().st_size
 
 
 @dataclass
@@ -301,23 +285,10 @@ class CheckpointManager:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temporaries()
         final = self.directory / file_name(epoch)
-        tmp = self.directory / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         sections = {"model": model, "optimizer": optimizer, "extra": extra, **per_rank}
         attrs = root_attributes(epoch, step, world_size, self.framework, self.framework_version())
-        try:
+        with atomic_publish(final, fsync=self.fsync) as tmp:
             write_file(tmp, sections, attrs, compress=self.compress, fsync=self.fsync)
-            # The file is durable; the rename, made durable by the directory fsync below,
-            # publishes it (no fsync of the directory is needed before: the temporary
-            # name never has to survive a crash).
-            os.replace(tmp, final)
-            if self.fsync:
-                fsync_path(self.directory, directory=True)
-        except BaseException:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
-            raise
         self._apply_retention()
         return final
 
@@ -330,8 +301,9 @@ class CheckpointManager:
     def _remove_stale_temporaries(self) -> None:
         """Temporary and trash files of writers that died (one job owns a directory)."""
         self.wait_for_retention()
+        remove_temporaries(self.directory, publishes=FILE_RE.match)
         for p in self.directory.iterdir():
-            if TMP_RE.match(p.name):
+            if TRASH_RE.match(p.name):
                 try:
                     p.unlink()
                 except OSError:
@@ -365,37 +337,27 @@ class CheckpointManager:
             self._deleter = threading.Thread(target=_unlink_all, args=(trash,), name="hvps-ckpt-retention")
             self._deleter.start()
 
-    # ------------------------------------------------------------------ listing and verification
+    # ------------------------------------------------------------------ versions (one process)
+    @property
+    def versions(self) -> CheckpointVersions:
+        """The local version operations on this manager's directory (call them on one process)."""
+        return CheckpointVersions(self.directory, fsync=self.fsync)
+
     def list(self) -> list:
-        """Every version in the directory (not the attic), oldest first; nothing is verified."""
-        if not self.directory.is_dir():
-            return []
-        out = []
-        for p in self.directory.iterdir():
-            m = FILE_RE.match(p.name)
-            if m and p.is_file():
-                out.append(Version(int(m.group(1)), p))
-        return sorted(out, key=lambda v: v.epoch)
+        """Every version in the directory, oldest first (:meth:`CheckpointVersions.list`)."""
+        return self.versions.list()
 
     def path_of(self, version: Union[str, int, os.PathLike]) -> Path:
-        if isinstance(version, (str, os.PathLike)) and not str(version).isdigit():
-            return Path(version)
-        return self.directory / file_name(int(version))
+        """The path of a version (:meth:`CheckpointVersions.path_of`)."""
+        return self.versions.path_of(version)
 
     def verify(self, version: Union[int, str, os.PathLike]) -> Header:
-        """Fully verify one version (epoch number or path): structure and every checksum.
-        Returns its header; raises CheckpointError naming the file."""
-        return verify_file(self.path_of(version))
+        """Fully verify one version (:meth:`CheckpointVersions.verify`)."""
+        return self.versions.verify(version)
 
     def latest(self) -> Optional[Version]:
-        """The newest version that verifies completely; broken ones are skipped with a warning."""
-        for v in reversed(self.list()):
-            try:
-                verify_file(v.path)
-                return v
-            except CheckpointError as exc:
-                warnings.warn(f"skipping checkpoint: {exc}", RuntimeWarning, stacklevel=2)
-        return None
+        """The newest version that verifies (:meth:`CheckpointVersions.latest`)."""
+        return self.versions.latest(stacklevel=3)
 
     # ------------------------------------------------------------------ loading
     @_metrics.timed_checkpoint("load")
@@ -554,76 +516,23 @@ class CheckpointManager:
         self.loaded = self.read(version, drop_compression_state=drop_compression_state)
         return 0 if self.loaded is None else self.loaded.next_epoch
 
-    # ------------------------------------------------------------------ rollback
+    # ------------------------------------------------------------------ rollback (one process)
     @property
     def attic(self) -> Path:
-        return self.directory / ATTIC
+        """The attic folder (:attr:`CheckpointVersions.attic`)."""
+        return self.versions.attic
 
     def rollback(self, epoch: int) -> list:
-        """Make ``epoch`` the newest version: newer versions move into
-        ``attic/rollback-<time>-to-epoch-NNNNNN/`` (nothing is deleted).  ``epoch`` must
-        exist and verify.  Returns the moved paths (their new locations)."""
-        target = self.directory / file_name(epoch)
-        if not target.exists():
-            raise CheckpointError(f"cannot roll back: there is no version for epoch {epoch}", target)
-        verify_file(target)
-        newer = [v for v in self.list() if v.epoch > int(epoch)]
-        if not newer:
-            return []
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{secrets.token_hex(2)}"
-        batch = self.attic / f"rollback-{stamp}-to-epoch-{int(epoch):06d}"
-        batch.mkdir(parents=True)
-        moved = []
-        for v in newer:
-            dst = batch / v.path.name
-            os.replace(v.path, dst)
-            moved.append(dst)
-        if self.fsync:
-            fsync_path(batch, directory=True)
-            fsync_path(self.directory, directory=True)
-        return moved
+        """Make ``epoch`` the newest version (:meth:`CheckpointVersions.rollback`)."""
+        return self.versions.rollback(epoch)
 
     def rollbacks(self) -> list:
-        """The attic's rollback batches, oldest first."""
-        if not self.attic.is_dir():
-            return []
-        return sorted((p for p in self.attic.iterdir() if p.is_dir() and p.name.startswith("rollback-")),
-                      key=lambda p: p.name)
+        """The attic's rollback batches, oldest first (:meth:`CheckpointVersions.rollbacks`)."""
+        return self.versions.rollbacks()
 
     def undo_rollback(self, force: bool = False) -> list:
-        """Move the versions of the most recent rollback back from the attic.
-
-        If the directory meanwhile got versions with the same epochs (training went on
-        after the rollback), CheckpointError lists them, unless ``force``: then those
-        newer files are themselves moved to the attic first (nothing is deleted)."""
-        batches = self.rollbacks()
-        if not batches:
-            raise CheckpointError("nothing to undo: the attic holds no rollback", self.attic)
-        batch = batches[-1]
-        files = sorted(p for p in batch.iterdir() if FILE_RE.match(p.name))
-        conflicts = [self.directory / p.name for p in files if (self.directory / p.name).exists()]
-        if conflicts and not force:
-            raise CheckpointError("cannot undo the rollback: these versions were written since "
-                                  "(pass force=True / --force to move them to the attic first)",
-                                  batch, [str(c) for c in conflicts])
-        if conflicts:
-            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{secrets.token_hex(2)}"
-            aside = self.attic / f"displaced-{stamp}"
-            aside.mkdir(parents=True)
-            for c in conflicts:
-                os.replace(c, aside / c.name)
-        restored = []
-        for p in files:
-            dst = self.directory / p.name
-            os.replace(p, dst)
-            restored.append(dst)
-        try:
-            batch.rmdir()
-        except OSError:
-            pass
-        if self.fsync:
-            fsync_path(self.directory, directory=True)
-        return restored
+        """Restore the most recent rollback (:meth:`CheckpointVersions.undo_rollback`)."""
+        return self.versions.undo_rollback(force=force)
 
 
 def _unlink_all(paths: list) -> None:

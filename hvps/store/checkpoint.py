@@ -37,7 +37,6 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import shutil
 import stat
 import warnings
@@ -50,8 +49,8 @@ import numpy as np
 import torch
 
 from hvps import api
-from hvps.checkpoint.format import (CheckpointError, from_json, fsync_path, open_regular, pread_all, root_attributes,
-                                    write_file)
+from hvps.core.atomic_files import atomic_publish, remove_temporaries
+from hvps.checkpoint.format import CheckpointError, from_json, open_regular, pread_all, root_attributes, write_file
 from hvps.checkpoint.inspect import inspect_header, prestart
 from hvps.checkpoint.safety import MAX_MANIFEST_BYTES, SHA256_HEX, is_int, need
 
@@ -67,7 +66,6 @@ FRAMEWORK = "hvps.store"  # the shards' root attribute "framework"
 CHUNK_BYTES = 16 << 20  # rows read (and hashed) at a time while loading
 MAX_MEMBERS = 1 << 20
 FOLDER_RE = re.compile(r"^store-epoch-(\d{6,})$")
-TMP_RE = re.compile(r"^\..+\.tmp-\d+-[0-9a-f]{8}$")  # what _atomic_write leaves when its writer dies
 _IDS, _RECORDS = "/model/ids", "/model/records"
 _BAD_NAME = re.compile(r"[/\x00-\x1f\x7f]")
 
@@ -86,19 +84,6 @@ def _safe_name(name: Any) -> bool:
             and not name.startswith("."))
 
 
-def _atomic_write(path: Path, write, fsync: bool = True) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        write(tmp)
-        if fsync:
-            fsync_path(tmp)
-        os.replace(tmp, path)
-        if fsync:
-            fsync_path(path.parent, directory=True)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 # ----------------------------------------------------------------------------- saving
 def write_shard(path: Path, table: ShardedTable, epoch: int, fsync: bool = True) -> dict:
     """Write ``table``'s shard to ``path`` (atomically); its entry for the store manifest."""
@@ -111,10 +96,9 @@ def write_shard(path: Path, table: ShardedTable, epoch: int, fsync: bool = True)
                 "optimizer": table.optimizer.state_dict(),
                 "extra": {"table": table.name, "member": table.member, "members": members}}
     attrs = root_attributes(epoch, None, members, FRAMEWORK, torch.__version__)
-    digest = []
-    _atomic_write(path, lambda tmp: digest.append(write_file(tmp, sections, attrs, fsync=fsync).manifest_sha256),
-                  fsync)
-    return {"file": path.name, "member": table.member, "rows": rows, "sha256": digest[0]}
+    with atomic_publish(path, fsync=fsync) as tmp:
+        digest = write_file(tmp, sections, attrs, fsync=fsync).manifest_sha256
+    return {"file": path.name, "member": table.member, "rows": rows, "sha256": digest}
 
 
 def _modules(stores: Any) -> list:
@@ -147,7 +131,8 @@ def save_stores(manager: Any, epoch: int, stores: Any, extra: Optional[Mapping] 
         mine[m.name] = dict(entry, table=m.table.describe(), members=parts)
     text = manifest_text(epoch, api.allgather_object(mine, name=f"store.ckpt.save.{epoch}"))
     if api.rank() == 0:
-        _atomic_write(folder / MANIFEST, lambda tmp: tmp.write_text(text), fsync)
+        with atomic_publish(folder / MANIFEST, fsync=fsync) as tmp:
+            tmp.write_text(text)
     api.barrier()
     extra = dict(extra or {}, **{EXTRA_KEY: hashlib.sha256(text.encode()).hexdigest()})
     result = manager.save(epoch, extra=extra, **dense)
@@ -182,12 +167,7 @@ def _tidy(manager: Any, epoch: int) -> None:
         if int(match.group(1)) not in kept:
             shutil.rmtree(path, ignore_errors=True)
             continue
-        for p in path.iterdir():
-            if TMP_RE.match(p.name):
-                try:
-                    p.unlink()
-                except OSError:
-                    pass
+        remove_temporaries(path)
 
 
 # ----------------------------------------------------------------------------- reading

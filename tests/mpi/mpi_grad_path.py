@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hvps.adapters.torch as hvd
-from hvps.adapters.torch import optimizer as optimizer_module
+from hvps.adapters.torch import optimizer_base as optimizer_base_module
 from hvps.adapters.torch import tensors as tensors_module
 from hvps.core import handle as handle_module
 from hvps.runtime import state as runtime
@@ -128,13 +128,13 @@ class _Trace:
             return dtype_name(tensor)
 
         monkeypatch.setattr(tensors_module, "dtype_name", counted_dtype_name)
-        resolve = optimizer_module.as_gradient_compression
+        resolve = optimizer_base_module.as_gradient_compression
 
         def counted_resolve(compression):
             trace.lookups += 1
             return resolve(compression)
 
-        monkeypatch.setattr(optimizer_module, "as_gradient_compression", counted_resolve)
+        monkeypatch.setattr(optimizer_base_module, "as_gradient_compression", counted_resolve)
 
 
 @pytest.mark.parametrize("compression", ["none", "fp16", "bf16"])

@@ -7,39 +7,8 @@ adapter never do). Collectives take and return ``tf.Tensor`` and work eagerly an
 ``tf.function``; Keras 3 users ``import hvps.adapters.tensorflow.keras as hvd``.
 """
 
-from hvps import (
-    DuplicateNameError,
-    HorovodInternalError,
-    HvpsError,
-    ProcessSet,
-    ReduceOp,
-    add_process_set,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    gpu_available,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    remove_process_set,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
-from hvps.runtime.state import is_homogeneous
+from hvps.adapters.common.core_names import *  # noqa: F403  (Horovod's basics, listed once for every adapter)
+from hvps.adapters.common.core_names import CORE_NAMES as _CORE_NAMES
 
 from . import elastic, util
 from .basics import local_rank_op, local_size_op, process_set_included_op, rank_op, size_op
@@ -72,18 +41,11 @@ from .util import _executing_eagerly  # noqa: F401 - scripts (and Horovod's test
 ensure_inter_op_threads()
 
 __all__ = [
-    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
-    "cuda_built", "rocm_built", "ddl_built", "ccl_built", "gpu_available", "is_homogeneous",
-    "HvpsError", "HorovodInternalError", "DuplicateNameError", "ReduceOp",
-    "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
-    "rank_op", "size_op", "local_rank_op", "local_size_op", "process_set_included_op",
-    "start_timeline", "stop_timeline",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",
-    "reducescatter", "grouped_reducescatter", "join", "barrier",
+    *_CORE_NAMES,
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression", "rank_op", "size_op", "local_rank_op",
+    "local_size_op", "process_set_included_op", "allreduce", "grouped_allreduce", "allgather", "grouped_allgather",
+    "broadcast", "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier",
     "broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
-    "allgather_object", "allreduce_gradients",
-    "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer", "SyncBatchNormalization",
-    "elastic", "set_threads", "util",
+    "allgather_object", "allreduce_gradients", "DistributedGradientTape", "PartialDistributedGradientTape",
+    "DistributedOptimizer", "SyncBatchNormalization", "elastic", "set_threads", "util",
 ]

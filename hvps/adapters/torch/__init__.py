@@ -4,39 +4,8 @@ Exports every name ``horovod.torch`` does (``elastic``: Horovod's elastic states
 the README's "Elastic training"), plus hvps's HDF5 checkpoints.
 """
 
-from hvps import (
-    DuplicateNameError,
-    HorovodInternalError,
-    HvpsError,
-    ProcessSet,
-    ReduceOp,
-    add_process_set,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    gpu_available,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    remove_process_set,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
-from hvps.runtime.state import is_homogeneous
+from hvps.adapters.common.core_names import *  # noqa: F403  (Horovod's basics, listed once for every adapter)
+from hvps.adapters.common.core_names import CORE_NAMES as _CORE_NAMES
 
 from . import elastic
 from .compression import Compression
@@ -77,28 +46,20 @@ from .mpi_ops import (
     sparse_allreduce_async,
     synchronize,
 )
+from . import adasum_optimizer  # noqa: F401  (registers the Adasum kind of DistributedOptimizer)
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
-    "cuda_built", "rocm_built", "ddl_built", "ccl_built", "gpu_available", "is_homogeneous",
-    "HvpsError", "HorovodInternalError", "DuplicateNameError", "ReduceOp",
-    "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression",
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
-    "start_timeline", "stop_timeline",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-    "sparse_allreduce_async",
-    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
-    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
-    "grouped_reducescatter", "grouped_reducescatter_async",
-    "synchronize", "poll", "join", "barrier",
-    "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
-    "DistributedOptimizer", "SyncBatchNorm", "elastic",
-    "CheckpointManager", "CheckpointError",
+    *_CORE_NAMES,
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression", "allreduce", "allreduce_",
+    "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "sparse_allreduce_async", "allgather", "allgather_async", "grouped_allgather",
+    "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
+    "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "synchronize", "poll", "join", "barrier", "broadcast_parameters",
+    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "DistributedOptimizer", "SyncBatchNorm",
+    "elastic", "CheckpointManager", "CheckpointError",
 ]
 
 from .checkpoint import CheckpointError, CheckpointManager  # noqa: E402  (HDF5 checkpoints)

@@ -1,4 +1,5 @@
-"""``DistributedOptimizer``: averages gradients over ranks while backward still runs.
+"""The gradient allreduce kind of ``DistributedOptimizer`` (op Average or Sum): averages gradients
+over ranks while backward still runs.
 
 A hook on every parameter fires once its gradient has been accumulated and
 starts an asynchronous allreduce, so communication overlaps the rest of the
@@ -8,149 +9,62 @@ wrapped optimizer.
 A dense gradient's path from its hook to ``Engine.submit_all`` is four Python
 frames (the hook, ``_start``, ``allreduce_gradients_async``, ``submit_all``), with
 one dtype check, one handle and one finisher (:class:`_Install`); the compression
-and its scaling plan are resolved once, in ``__init__``.
+and its scaling plan are resolved once, in ``__init__``.  The public class, the factory
+and what this kind shares with the Adasum kind are in :mod:`.optimizer_base`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 
 import hvps
-from hvps import HvpsError, ProcessSet, global_process_set
+from hvps import HvpsError
 from hvps import metrics as _metrics
-from hvps.adapters.common.controls import CompressionControls
-from hvps.adapters.common.options import gradient_options
 from hvps.api.collectives import allreduce_gradients_async
 from hvps.compression import summable
 from hvps.core.views import as_tensor
 
-from .compression import OPS, as_gradient_compression
-from .mpi_ops import Adasum, Average, Sum, grouped_allreduce_async_, sparse_allreduce_handle
+from .compression import OPS
+from .mpi_ops import Average, Sum, grouped_allreduce_async_, sparse_allreduce_handle
+from .optimizer_base import DistributedOptimizer, _group_params
 from .tensors import core_view, host_buffer, to_numpy
 
 
-class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
-    """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+class GradientAllreduceOptimizer(DistributedOptimizer, reduces=(Average, Sum)):
+    """The ``DistributedOptimizer`` for Average and Sum: each gradient's allreduce starts from a hook
+    as soon as backward has accumulated it; ``step()`` waits for them, installs the averages and
+    steps the wrapped optimizer (see :class:`DistributedOptimizer` for the arguments)."""
 
-    The result is an instance of ``type(optimizer)`` too (a subclass made for it, named like
-    it), as Horovod's is. It shares ``param_groups`` and ``state`` with the wrapped optimizer,
-    so LR schedulers and checkpoints see one optimizer, and ``state_dict()`` is the wrapped
-    optimizer's own.
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Check the arguments (:class:`DistributedOptimizer`), plan the reduction and hook every
+        parameter that takes part.
 
-    With ``process_set``, gradients are averaged over that set's ranks; on ranks outside it
-    the optimizer steps on local gradients. With ``op=Adasum`` (Horovod's delta optimizer),
-    each rank steps locally and the parameter updates are combined by Adasum.
-
-    ``gradient_predivide_factor`` f scales gradients by 1/f before the sum and by f/size after
-    (Horovod's overflow guard for fp16 sums). With int8, top-k or DGC compression the values
-    travel compressed and are averaged after decompression, so f would cancel out and is not applied.
-    """
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "DistributedOptimizer":
-        if cls is not DistributedOptimizer:  # already the subclass (copies, pickles)
-            return super().__new__(cls)
-        optimizer = args[0] if args else kwargs.get("optimizer")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
-        return super().__new__(_wrapper_class(type(optimizer)))
-
-    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
-                 compression: Any = None, backward_passes_per_step: int = 1, op=Average,
-                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-                 sparse_as_dense: bool = False, process_set: ProcessSet = global_process_set) -> None:
-        if num_groups and groups is None:  # Horovod's deprecated spelling of groups=<int>
-            groups = num_groups
-        # Adasum reduces parameter updates, uncompressed: any compression is accepted with it
-        op, self.compression, prescale, postscale = gradient_options(
-            op, gradient_predivide_factor, compression, as_gradient_compression,
-            backward_passes_per_step=backward_passes_per_step, ops=(Average, Sum, Adasum),
-            compressed_ops=(Average, Sum, Adasum))
-        hvps.size()  # raises HvpsError before init
-        torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
-        self._inner = optimizer
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
-        self.process_set = process_set
-        if process_set is not global_process_set and not self.compression.summable:
-            raise ValueError(f"process sets need a summable compression (none, fp16, bf16), not {self.compression!r}")
-        if groups is not None and not self.compression.summable:
-            raise ValueError(f"groups needs a summable compression (none, fp16, bf16), not {self.compression!r}")
-        self._op = op
+        Args:
+            args: as :class:`DistributedOptimizer`.
+            kwargs: as :class:`DistributedOptimizer`.
+        """
+        super().__init__(*args, **kwargs)
         #: summable compressions: the scaling around the fused allreduce (the predivide factor's
         #: prescale and postscale, the casts' overflow guard), planned once
-        self._plan = summable.summable_plan(self.compression.compressor, op, process_set.size, prescale, postscale)
+        self._plan = summable.summable_plan(self.compression.compressor, self._op, self.process_set.size,
+                                            self._prescale, self._postscale)
         self._summable = self.compression.summable
-        self._sparse_as_dense = sparse_as_dense
         #: parameters whose sparse gradient travels dense this step (made sparse again once reduced)
         self._densified: set = set()
-        self.backward_passes_per_step = backward_passes_per_step
-        #: parameter -> its name (Horovod's attribute name)
-        self._parameter_names = self._name_parameters(named_parameters)
-        self.compression.prepare({f"grad.{n}": tuple(p.shape) for p, n in self._parameter_names.items()})
-        self._groups = self._group_map(groups)
         self._delay: dict = {}
         self._handles: dict = {}
         self._group_ready: dict = {}
         self._hooks: list = []
-        self._synchronized = False
-        self._should_synchronize = True
-        #: whether this rank takes part (not: it steps on its local gradients, as Horovod)
-        self._included = process_set is global_process_set or process_set.included()
         for p in self._params():
-            self._delay[p] = backward_passes_per_step
-            if p.requires_grad and self._communicates:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+            self._hook(p)
 
-    # -- setup --------------------------------------------------------------------
-    def _params(self) -> list:
-        return [p for group in self.param_groups for p in group["params"]]
-
-    @property
-    def _communicates(self) -> bool:
-        """Whether gradients are reduced as backward runs (not outside the set, not for Adasum's deltas)."""
-        return self._included and self._op is not Adasum
-
-    def _name_parameters(self, named_parameters: Optional[Iterable]) -> dict:
-        params = self._params()
-        if named_parameters is None:
-            return {p: f"param.{i}" for i, p in enumerate(params)}
-        named = list(named_parameters)
-        if named and not isinstance(named[0], tuple):
-            raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, as "
-                             "model.named_parameters() gives")
-        names = {}
-        for name, p in named:
-            if p in names:
-                raise ValueError(f"parameter {name!r} appears twice in named_parameters")
-            names[p] = name
-        missing = [i for i, p in enumerate(params) if p not in names]
-        if missing:
-            raise ValueError(f"named_parameters does not name {len(missing)} optimizer parameters "
-                             f"(indices {missing[:5]}...); pass model.named_parameters() of the optimized model")
-        if len(set(names.values())) != len(names):
-            raise ValueError("parameter names in named_parameters must be unique")
-        return names
-
-    def _group_map(self, groups: Any) -> dict:
-        """Parameter -> its group (a tuple of parameters reduced together), from ``groups``."""
-        if groups is None:
-            return {}
-        params = [p for p in self._params() if p.requires_grad]
-        if isinstance(groups, int):
-            if groups < 1:
-                raise ValueError("groups must be a positive int or a list of lists of parameters")
-            size = -(-len(params) // groups)
-            partition = [tuple(params[i : i + size]) for i in range(0, len(params), size)]
-        else:
-            partition = [tuple(group) for group in groups]
-        mapping = {}
-        for group in partition:
-            for p in group:
-                mapping[p] = group
-        return mapping
+    def _hook(self, p: torch.Tensor) -> None:
+        """Start ``p``'s countdown and, where this rank takes part, hook its gradient."""
+        self._delay[p] = self.backward_passes_per_step
+        if p.requires_grad and self._included:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     # -- the backward hook --------------------------------------------------------
     def _on_grad_ready(self, p: torch.Tensor) -> None:
@@ -222,7 +136,7 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce (starting any not yet started) and install the averages."""
         _metrics.on_sync_start()
-        if not self._communicates:
+        if not self._included:  # outside the process set: local gradients
             self._synchronized = True
             return
         for p in self._params():  # start what backward did not: unused or still-accumulating gradients
@@ -243,47 +157,8 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
         hvps.step_done()
         self._synchronized = True
 
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """Inside, ``step()`` does not synchronize: call ``synchronize()`` yourself first."""
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
-    def step(self, closure=None):
-        """Synchronize gradients (unless already done or skipped), then step the wrapped optimizer."""
-        _metrics.on_step()
-        if self._should_synchronize:
-            if self._synchronized:
-                import warnings
-
-                warnings.warn(
-                    "optimizer.step() called without optimizer.skip_synchronize() after optimizer.synchronize(); "
-                    "gradients are reduced once only",
-                    stacklevel=2,
-                )
-            else:
-                self.synchronize()
-        self._synchronized = False
-        if self._op is Adasum and self._included:
-            return self._adasum_step(closure)
+    def _update(self, closure: Any = None) -> Any:
         return self._inner.step(closure)
-
-    def _adasum_step(self, closure=None):
-        """Step locally, then replace every parameter's update by the Adasum of all ranks' updates."""
-        params = [p for p in self._params() if p.requires_grad]
-        starts = [p.detach().clone() for p in params]
-        loss = self._inner.step(closure)
-        deltas = [(p.detach() - start).contiguous() for p, start in zip(params, starts)]
-        handles = [grouped_allreduce_async_([d], name=f"delta.{self._parameter_names[p]}", op=Adasum)
-                   for p, d in zip(params, deltas)]
-        with torch.no_grad():
-            for p, start, handle in zip(params, starts, handles):
-                (delta,) = handle.wait()
-                p.copy_(start + delta)
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; refused while allreduces are in flight (their results would be lost)."""
@@ -294,11 +169,7 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
             )
         self._inner.zero_grad(set_to_none=set_to_none)
 
-    # -- delegate state to the wrapped optimizer -------------------------------------
-    def state_dict(self) -> dict:
-        """The wrapped optimizer's ``state_dict()`` (torch's integer keys, nothing of the wrapper's)."""
-        return self._inner.state_dict()
-
+    # -- the step in progress ---------------------------------------------------------
     def reset_step(self) -> None:
         """Forget the step in progress, so that the next ``backward()`` starts a fresh one.
 
@@ -328,29 +199,15 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
         self._densified.clear()
         for p in self._delay:
             self._delay[p] = full
-        self._synchronized = False
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load into the wrapped optimizer and share its new groups and state again; the step in
-        progress, if any, is forgotten (:meth:`reset_step`)."""
-        self.reset_step()
-        self._inner.load_state_dict(state_dict)
-        self.param_groups = self._inner.param_groups
-        self.state = self._inner.state
+        super().reset_step()
 
     def add_param_group(self, param_group: dict) -> None:
         """Add ``param_group`` to the wrapped optimizer, with hooks on its parameters."""
         if not hasattr(self, "_inner"):  # called by Optimizer.__init__ for the shared groups
             return torch.optim.Optimizer.add_param_group(self, param_group)
-        self._inner.add_param_group(param_group)
-        for p in param_group["params"] if isinstance(param_group["params"], list) else [param_group["params"]]:
-            self._parameter_names.setdefault(p, f"param.{len(self._parameter_names)}")
-            self._delay[p] = self.backward_passes_per_step
-            if p.requires_grad and self._communicates:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-
-    def __repr__(self) -> str:
-        return f"DistributedOptimizer({self._inner!r})"
+        super().add_param_group(param_group)
+        for p in _group_params(param_group):
+            self._hook(p)
 
 
 def _install(p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -373,7 +230,7 @@ class _Install:
 
     __slots__ = ("members", "grads", "payloads", "ctxs", "buffers", "views", "dtype", "pipeline", "after", "ready")
 
-    def __init__(self, opt: DistributedOptimizer, members: tuple) -> None:
+    def __init__(self, opt: GradientAllreduceOptimizer, members: tuple) -> None:
         self.members = members
         self.views = None
         pipeline = self.pipeline = opt.compression
@@ -416,19 +273,4 @@ class _Install:
             _install(member, grad if self.after == 1.0 else OPS.scale(grad, self.after))
 
 
-#: wrapped optimizer class -> its DistributedOptimizer subclass
-_WRAPPER_CLASSES: dict = {}
-
-
-def _wrapper_class(base: type) -> type:
-    """The class of ``DistributedOptimizer(optimizer)`` for an optimizer of class ``base``: a subclass of
-    both, named like ``base`` (as Horovod names it), so that ``isinstance(opt, base)`` holds."""
-    if issubclass(base, DistributedOptimizer):
-        return base
-    cls = _WRAPPER_CLASSES.get(base)
-    if cls is None:
-        cls = type(base.__name__, (DistributedOptimizer, base),
-                   {"__module__": DistributedOptimizer.__module__, "__doc__": DistributedOptimizer.__doc__,
-                    "__qualname__": f"DistributedOptimizer[{base.__qualname__}]"})
-        _WRAPPER_CLASSES[base] = cls
-    return cls
+__all__ = ["DistributedOptimizer", "GradientAllreduceOptimizer"]

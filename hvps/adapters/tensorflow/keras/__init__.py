@@ -6,54 +6,28 @@ with Keras's signatures, the ``DistributedOptimizer`` and the callbacks
 (``hvd.callbacks.BroadcastGlobalVariablesCallback(0)``, ...).
 """
 
+from hvps.adapters.common.core_names import *  # noqa: F403  (Horovod's basics, listed once for every adapter)
+from hvps.adapters.common.core_names import CORE_NAMES as _CORE_NAMES
+
 from .. import (
     Adasum,
     Average,
     Compression,
-    HorovodInternalError,
-    HvpsError,
     Max,
     Min,
-    ProcessSet,
     Product,
-    ReduceOp,
     Sum,
     SyncBatchNormalization,
-    add_process_set,
     allgather_object,
     alltoall,
     barrier,
     broadcast_global_variables,
     broadcast_object,
     broadcast_variables,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
     elastic,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
     grouped_allreduce,
-    init,
-    is_homogeneous,
-    is_initialized,
     join,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    remove_process_set,
-    rocm_built,
     set_threads,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
 )
 from ..keras_optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 from . import callbacks
@@ -68,16 +42,11 @@ from .callbacks import (
 from .functions import allgather, allreduce, broadcast, reducescatter
 
 __all__ = [
-    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
-    "cuda_built", "rocm_built", "ddl_built", "ccl_built", "is_homogeneous",
-    "HvpsError", "HorovodInternalError", "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum",
-    "Compression", "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "start_timeline", "stop_timeline",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "join", "barrier",
-    "broadcast_variables", "broadcast_global_variables", "broadcast_object", "allgather_object", "set_threads",
-    "DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "SyncBatchNormalization", "callbacks",
-    "elastic",
+    *_CORE_NAMES,
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression", "allreduce", "grouped_allreduce",
+    "allgather", "broadcast", "alltoall", "reducescatter", "join", "barrier", "broadcast_variables",
+    "broadcast_global_variables", "broadcast_object", "allgather_object", "set_threads", "DistributedOptimizer",
+    "PartialDistributedOptimizer", "load_model", "SyncBatchNormalization", "callbacks", "elastic",
     "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
     "LearningRateScheduleCallback", "CheckpointCallback", "CompressionEpochCallback",
 ]
