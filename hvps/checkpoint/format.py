@@ -37,7 +37,6 @@ import hashlib
 import json
 import math
 import os
-import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from typing import Any, Iterator, Mapping, Optional
 import numpy as np
 
 from ..core.errors import HvpsError
+from ..core.files import RefusedFile, open_untrusted
 from ..version import __version__
 from .safety import (
     MAX_MANIFEST_BYTES,
@@ -716,20 +716,12 @@ class Reader:
 
 def open_regular(path: os.PathLike, follow_links: bool = True) -> int:
     """A read descriptor of ``path``, which must be a regular file (not a FIFO, a device or a
-    directory): opened without blocking, then checked; with ``follow_links=False`` a symlink is
-    refused too. CheckpointError otherwise."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow_links else os.O_NOFOLLOW)
+    directory): opened without blocking, then checked (``core/files.py``'s rule); with
+    ``follow_links=False`` a symlink is refused too. CheckpointError otherwise."""
     try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise CheckpointError("missing", path) from None
-    except OSError as exc:  # ELOOP: a symlink
-        raise CheckpointError(f"cannot be opened as a regular file ({exc.strerror})", path) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointError("is not a regular file (a FIFO, device or directory?)", path)
-    os.set_blocking(fd, True)
-    return fd
+        return open_untrusted(path, follow_links=follow_links)
+    except RefusedFile as exc:
+        raise CheckpointError("missing" if exc.missing else exc.reason, path) from None
 
 
 def pread_all(fd: int, dst: np.ndarray, offset: int, path: Path, name: str) -> None:
