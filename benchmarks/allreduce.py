@@ -2,6 +2,7 @@
 
 Contenders: ``raw`` (mpi4py ``Allreduce``), ``hvps-mpi`` and ``hvps-ring`` (the
 MPI backend), ``hvps-shm`` (the node's shared-memory data plane, ``HVPS_SHM=1``),
+``hvps-sealed`` (the sealed data plane, ``HVPS_ENCRYPT=all``: every message sealed, even on one host),
 ``tdist`` (``torch.distributed.all_reduce`` on a default group:
 gloo on CPU, NCCL with ``--device cuda``) and ``hvps-tdist`` (hvps with
 ``HVPS_BACKEND=tdist`` on the same kind of tensors). Ratios are against
@@ -51,7 +52,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 
-IMPLS = ("raw", "hvps-mpi", "hvps-ring", "hvps-shm", "tdist", "hvps-tdist")
+IMPLS = ("raw", "hvps-mpi", "hvps-ring", "hvps-shm", "hvps-sealed", "tdist", "hvps-tdist")
 #: contenders that move torch tensors (the others move numpy arrays)
 TORCH_IMPLS = ("tdist", "hvps-tdist")
 DTYPES = ("float32", "float64", "int32", "int64")
@@ -151,6 +152,10 @@ def run_worker(args: argparse.Namespace) -> None:
     elif args.impl == "hvps-shm":
         os.environ["HVPS_BACKEND"] = "mpi"
         os.environ["HVPS_SHM"] = "1"
+    elif args.impl == "hvps-sealed":
+        os.environ["HVPS_BACKEND"] = "mpi"
+        os.environ["HVPS_SHM"] = "0"
+        os.environ["HVPS_ENCRYPT"] = "all"
     elif args.impl == "hvps-tdist":
         os.environ["HVPS_BACKEND"] = "tdist"
     from mpi4py import MPI
@@ -168,7 +173,8 @@ def run_worker(args: argparse.Namespace) -> None:
             call(send, recv)
             torch.cuda.synchronize()
     worker_clock = _worker_clock()
-    log0(rank, f"# hvps allreduce benchmark: impl={args.impl} ranks={size} dtype={args.dtype}")
+    origin = sys.modules["hvps"].__file__ if "hvps" in sys.modules else "-"
+    log0(rank, f"# hvps allreduce benchmark: impl={args.impl} ranks={size} dtype={args.dtype} hvps={origin}")
     log0(rank, f"# {'Size':>12} {'Median(us)':>12} {'Avg(us)':>12} {'Min(us)':>12} {'Max(us)':>12} {'busbw(GB/s)':>12}")
     results = []
     for nbytes in message_sizes(args):
@@ -205,7 +211,7 @@ def run_worker(args: argparse.Namespace) -> None:
                   f"{slowest.max() * 1e6:>12.1f} {busbw:>12.3f}{'' if ok else '  WRONG RESULT'}", flush=True)
         del send, recv
     if rank == 0:
-        write_json(args.json, {"impl": args.impl, "ranks": size, "dtype": args.dtype, "device": device,
+        write_json(args.json, {"impl": args.impl, "hvps": origin, "ranks": size, "dtype": args.dtype, "device": device,
                                "results": results})
     if args.impl.startswith("hvps-"):
         shutdown = getattr(sys.modules["hvps"], "shutdown", None)
@@ -267,7 +273,9 @@ def run_driver(args: argparse.Namespace) -> dict:
                 continue
             per_round = [r["results"][i]["median_s"] for r in runs[impl]]
             t = median(per_round)
+            fastest = [r["results"][i]["min_s"] for r in runs[impl]]
             row[impl] = {"median_s": t, "per_round_median_s": per_round,
+                         "min_s": median(fastest), "per_round_min_s": fastest,
                          "algbw_GBps": nbytes / t / 1e9, "busbw_GBps": nbytes / t * bus / 1e9,
                          "thread_cpu_ns_per_byte": median([r["results"][i]["thread_cpu_ns_per_byte"]
                                                           for r in runs[impl]]),
@@ -305,6 +313,7 @@ def run_driver(args: argparse.Namespace) -> dict:
               "reference": reference, "rounds": args.rounds,
               "impls": impls, "mpirun_args": args.mpirun_args, "iters": args.iters,
               "iters_large": args.iters_large, "large_bytes": args.large_bytes,
+              "hvps_files": {impl: sorted({str(r.get("hvps")) for r in runs[impl]}) for impl in impls},
               "results": table, "errors": errors}
     write_json(args.json, result)
     return result

@@ -15,6 +15,9 @@ ring all-reduce (Patarasuk & Yuan, 2009); only the second is a ring:
 Work is chunked (``chunk_bytes`` per message) so reduction runs on cache-warm
 data and scratch memory stays small. Every rank makes the same number of
 calls in the same order, including zero-length ones, so odd sizes never hang.
+
+What moves where, and the folding order, is ``schedule.py``'s (shared with the shared-memory and
+sealed data planes); this module moves its bytes in MPI non-blocking sends and receives.
 """
 
 from __future__ import annotations
@@ -23,22 +26,7 @@ import time
 
 import numpy as np
 
-
-def segments(count: int, parts: int) -> list:
-    """Bounds of ``parts`` nearly equal segments of ``count`` elements (the first ones one longer)."""
-    base, extra = divmod(count, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        stop = start + base + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
-
-def _window(bound: tuple, offset: int, chunk: int) -> slice:
-    lo, hi = bound
-    return slice(min(lo + offset, hi), min(lo + offset + chunk, hi))
-
+from .schedule import Schedule, fold_in_rank_order, segments
 
 #: allgather chunks in flight at once per direction: enough to keep a link busy, few enough that a 1 GiB
 #: buffer never has hundreds of large messages posted at once (Open MPI 5's shared-memory transport
@@ -105,59 +93,49 @@ def ring_allreduce(comm, sendbuf: np.ndarray, recvbuf: np.ndarray, ufunc, to_wir
         if recvbuf.ctypes.data != sendbuf.ctypes.data:
             recvbuf[...] = sendbuf
         return
-    bounds = segments(recvbuf.size, size)
-    longest = bounds[0][1] - bounds[0][0]
-    chunk = max(1, min(chunk_bytes // recvbuf.itemsize, longest))
-    rounds = -(-longest // chunk)
+    plan = Schedule(rank, size, segments(recvbuf.size, size), chunk_bytes // recvbuf.itemsize)
+    chunk = plan.width
     count = 2 * size * chunk  # double-buffered
     scratch = (workspace(recvbuf.dtype, count) if workspace else np.empty(count, recvbuf.dtype)).reshape(2, size, chunk)
-    mine = bounds[rank]
+    exchanges = plan.exchanges()
     # In place, a rank after the first two would read its own data after the
     # partial sum overwrote it: keep a copy of it then.
     copy_own = rank >= 2 and recvbuf.ctypes.data == sendbuf.ctypes.data
 
     def post(r: int) -> tuple:
-        offset, n = r * chunk, _width(mine, r * chunk, chunk)
+        own = plan.window(rank, r)
+        n = own.stop - own.start
         requests, peers = [], []
-        for step in range(1, size):
-            to, source = (rank + step) % size, (rank - step) % size
+        for exchange in exchanges:
+            to, source = exchange.to, exchange.source
             requests.append(comm.Irecv(to_wire(scratch[r % 2, source, :n]), source, r))
-            requests.append(comm.Isend(to_wire(sendbuf[_window(bounds[to], offset, chunk)]), to, r))
+            requests.append(comm.Isend(to_wire(sendbuf[plan.window(to, r)]), to, r))
             peers += [source, to]
         return requests, peers
 
+    rounds = plan.rounds
     pending = post(0)
     for r in range(rounds):  # reduce-scatter, rank-ordered folding
         wait_all(*pending, timeout, abort)
         pending = post(r + 1) if r + 1 < rounds else ([], [])
-        own = _window(mine, r * chunk, chunk)
+        own = plan.window(rank, r)
         n = own.stop - own.start
         if n:
             parts = scratch[r % 2]
             if copy_own:
                 parts[rank, :n] = sendbuf[own]
             terms = [sendbuf[own] if q == rank and not copy_own else parts[q, :n] for q in range(size)]
-            ufunc(terms[0], terms[1], out=recvbuf[own])
-            for term in terms[2:]:
-                ufunc(recvbuf[own], term, out=recvbuf[own])
+            fold_in_rank_order(ufunc, terms, recvbuf[own])
 
-    right, left = (rank + 1) % size, (rank - 1) % size
-    for step in range(size - 1):  # ring allgather of the reduced segments, IN_FLIGHT chunks at a time
-        send_bound = bounds[(rank - step) % size]
-        recv_bound = bounds[(rank - step - 1) % size]
+    right, left = plan.right, plan.left
+    for step in plan.gather_steps():  # ring allgather of the reduced segments, IN_FLIGHT chunks at a time
 
-        def post_gather(r: int) -> list:
-            offset = r * chunk
-            return [comm.Irecv(to_wire(recvbuf[_window(recv_bound, offset, chunk)]), left, rounds + r),
-                    comm.Isend(to_wire(recvbuf[_window(send_bound, offset, chunk)]), right, rounds + r)]
+        def post_gather(r: int, step=step) -> list:
+            return [comm.Irecv(to_wire(recvbuf[plan.window(step.recv_block, r)]), left, rounds + r),
+                    comm.Isend(to_wire(recvbuf[plan.window(step.send_block, r)]), right, rounds + r)]
 
         in_flight = [post_gather(r) for r in range(min(IN_FLIGHT, rounds))]
         for r in range(rounds):
             wait_all(in_flight[r], [left, right], timeout, abort)
             if r + IN_FLIGHT < rounds:
                 in_flight.append(post_gather(r + IN_FLIGHT))
-
-
-def _width(bound: tuple, offset: int, chunk: int) -> int:
-    window = _window(bound, offset, chunk)
-    return window.stop - window.start

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ...core import arrays
 from ..buffers import FusionBuffer
-from ..ring import segments
+from ..schedule import segments
 from .base import Backend
 
 

@@ -4,7 +4,9 @@ Wraps an MPI backend and runs each collective itself over non-blocking sends and
 the inner backend's communicator, so that one place seals everything the engine moves (the
 store's exchanges, ``broadcast_object``, checkpoint loading: all are collectives here):
 
-- allreduce: reduce-scatter by pairwise exchange, folded in rank order, then a ring allgather;
+- allreduce: reduce-scatter by pairwise exchange, folded in rank order, then a ring allgather
+  (``schedule.py``'s steps and folding order, as on the MPI ring and the shared-memory plane: the
+  same bits on every plane);
 - reducescatter and alltoallv: pairwise exchange; allgatherv: a ring; broadcast: the ring
   allgather of the root's block alone.
 
@@ -32,7 +34,14 @@ from ...core.errors import DataPlaneStall, HvpsError
 from ...core.settings import env_text
 from .. import sealed_crypto
 from ..buffers import FusionBuffer
-from ..ring import segments
+from ..schedule import (
+    bounds_of_counts,
+    fold_in_rank_order,
+    pairwise_exchanges,
+    ring_gather_steps,
+    ring_neighbours,
+    segments,
+)
 from .base import Backend
 
 _KINDS = {"allreduce": 1, "allgather": 2, "broadcast": 3, "alltoall": 4, "reducescatter": 5, "verdict": 6}
@@ -267,16 +276,15 @@ class SealedBackend(Backend):
 
     def _pairwise(self, state: dict, outgoing, incoming) -> None:
         """Step s = 1..n-1: send ``outgoing(to)`` to rank+s while receiving ``incoming(source)`` from rank-s."""
-        for step in range(1, self.size):
-            to, source = (self.rank + step) % self.size, (self.rank - step) % self.size
-            self._transfer(outgoing(to), to, incoming(source), source, state, step)
+        for exchange in pairwise_exchanges(self.rank, self.size):
+            to, source = exchange.to, exchange.source
+            self._transfer(outgoing(to), to, incoming(source), source, state, exchange.step)
 
     def _ring_gather(self, state: dict, block) -> None:
         """Ring allgather: ``block(r)`` is rank r's bytes, filled in place on every rank."""
-        right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        for step in range(self.size - 1):
-            self._transfer(block((self.rank - step) % self.size), right, block((self.rank - step - 1) % self.size),
-                           left, state, 1000 + step)
+        right, left = ring_neighbours(self.rank, self.size)
+        for step in ring_gather_steps(self.rank, self.size):
+            self._transfer(block(step.send_block), right, block(step.recv_block), left, state, 1000 + step.step)
 
     def _reduce_blocks(self, state: dict, sendbuf: np.ndarray, out: np.ndarray, bounds: list, ufunc) -> None:
         """Rank r receives every rank's block r of ``sendbuf`` and folds them, in rank order, into ``out``."""
@@ -289,9 +297,7 @@ class SealedBackend(Backend):
         if not n:
             return
         parts[self.rank] = flat[lo:hi]
-        out[...] = parts[0]
-        for q in range(1, self.size):
-            ufunc(out, parts[q], out=out)
+        fold_in_rank_order(ufunc, list(parts), out)
 
     def allreduce(self, sendbuf, recvbuf, op):
         state = self._begin("allreduce")
@@ -307,17 +313,16 @@ class SealedBackend(Backend):
 
     def reducescatter(self, sendbuf, recvbuf, counts, op):
         state = self._begin("reducescatter")
-        starts = np.concatenate(([0], np.cumsum(counts))).astype(int)
-        bounds = [(int(starts[r]), int(starts[r + 1])) for r in range(self.size)]
-        self._reduce_blocks(state, sendbuf, recvbuf.reshape(-1), bounds, dtypes.combine(op, recvbuf.dtype))
+        self._reduce_blocks(state, sendbuf, recvbuf.reshape(-1), bounds_of_counts(counts),
+                            dtypes.combine(op, recvbuf.dtype))
         self._end(state)
 
     def allgatherv(self, sendbuf, recvbuf, counts):
         state = self._begin("allgather")
         flat = recvbuf.reshape(-1)
-        starts = np.concatenate(([0], np.cumsum(counts))).astype(int)
-        flat[starts[self.rank]:starts[self.rank + 1]] = sendbuf.reshape(-1)
-        self._ring_gather(state, lambda r: _bytes(flat[starts[r]:starts[r + 1]]))
+        bounds = bounds_of_counts(counts)
+        flat[slice(*bounds[self.rank])] = sendbuf.reshape(-1)
+        self._ring_gather(state, lambda r: _bytes(flat[slice(*bounds[r])]))
         self._end(state)
 
     def broadcast(self, buf, root):
@@ -330,11 +335,10 @@ class SealedBackend(Backend):
     def alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
         state = self._begin("alltoall")
         send, recv = sendbuf.reshape(-1), recvbuf.reshape(-1)
-        s0 = np.concatenate(([0], np.cumsum(sendcounts))).astype(int)
-        r0 = np.concatenate(([0], np.cumsum(recvcounts))).astype(int)
-        recv[r0[self.rank]:r0[self.rank + 1]] = send[s0[self.rank]:s0[self.rank + 1]]
-        self._pairwise(state, lambda to: _bytes(send[s0[to]:s0[to + 1]]),
-                       lambda source: _bytes(recv[r0[source]:r0[source + 1]]))
+        sent, received = bounds_of_counts(sendcounts), bounds_of_counts(recvcounts)
+        recv[slice(*received[self.rank])] = send[slice(*sent[self.rank])]
+        self._pairwise(state, lambda to: _bytes(send[slice(*sent[to])]),
+                       lambda source: _bytes(recv[slice(*received[source])]))
         self._end(state)
 
     def sendrecv(self, sendbuf, dest, recvbuf, source):

@@ -6,7 +6,9 @@ from every peer's slot (in rank order, numpy ufuncs with ``out=``, no temporarie
 its slot, and every rank then copies each owner's reduced part out. Large buffers go
 through in rounds of one buffer each, two buffers per rank, so a rank copies round k+1
 in while slower peers still read round k. Allgather, broadcast and reducescatter use
-the same rounds; alltoall and point-to-point go to ``fallback`` (MPI).
+the same rounds; alltoall and point-to-point go to ``fallback`` (MPI). The blocks, the chunk
+windows, who copies what and the folding order are ``schedule.py``'s, as for the MPI ring and the
+sealed plane, so every plane gives the same bits.
 
 Across nodes, ``node_backend`` composes it like ``HierarchicalBackend``: shared memory
 within the node, MPI (or the ring) on the local ranks' shares across nodes.
@@ -23,21 +25,17 @@ import numpy as np
 
 from ...core import dtypes
 from ...core.errors import HvpsError
-from ..ring import segments
+from ..schedule import Schedule, bounds_of_counts, fold_in_rank_order, segments
 from ..shm_segment import DONE, IN, RED, SHM_DIR, Segment, new_name, segment_bytes
 from .base import Backend
 
 log = logging.getLogger("hvps")
 
 
-def _window(bound: tuple, offset: int, width: int) -> slice:
-    lo, hi = bound
-    return slice(min(lo + offset, hi), min(lo + offset + width, hi))
-
-
-def _bounds(counts: list) -> list:
-    stops = np.cumsum(counts).tolist() if counts else []
-    return [(stop - count, stop) for count, stop in zip(counts, stops)]
+def _gather_order(plan: Schedule) -> list:
+    """The blocks a rank copies out in the allgather: its own, then those the ring would bring it, in that order
+    (in shared memory every owner's block is in reach at once: the ring's steps become copies)."""
+    return [plan.rank] + [step.recv_block for step in plan.gather_steps()]
 
 
 class ShmBackend(Backend):
@@ -81,38 +79,34 @@ class ShmBackend(Backend):
     def _reduce(self, send: np.ndarray, out: np.ndarray, bounds: list, op, everything: bool) -> None:
         """Reduce 1-D ``send``; ``out`` gets all of it (``everything``) or this rank's bound only."""
         slots = self._slots(send.dtype)
-        width = max(1, slots.shape[2] // self.size)
-        longest = max(hi - lo for lo, hi in bounds)
+        plan = Schedule(self.rank, self.size, bounds, slots.shape[2] // self.size)
+        width = plan.width
         ufunc = dtypes.combine(op, send.dtype)
-        rank, mine = self.rank, bounds[self.rank]
+        rank, mine = self.rank, plan.mine
+        exchanges, owners = plan.exchanges(), _gather_order(plan)
 
         def body(which: int, r: int, mark: int) -> None:
-            offset = r * width
             parts = [slots[q, which, :self.size * width].reshape(self.size, width) for q in range(self.size)]
-            for q in range(self.size):  # copy in every part but my own, which only I read
-                if q != rank:
-                    win = _window(bounds[q], offset, width)
-                    parts[rank][q, :win.stop - win.start] = send[win]
+            for exchange in exchanges:  # "send": each peer's part into my slot, where only that peer reads it
+                win = plan.window(exchange.to, r)
+                parts[rank][exchange.to, :win.stop - win.start] = send[win]
             self.segment.publish(IN, mark)
             self.segment.wait(IN, mark)
-            win = _window(mine, offset, width)
+            win = plan.window(rank, r)
             n = win.stop - win.start
             if n:
-                acc = parts[rank][rank, :n]
                 terms = [send[win] if q == rank else parts[q][rank, :n] for q in range(self.size)]
-                ufunc(terms[0], terms[1], out=acc)
-                for term in terms[2:]:
-                    ufunc(acc, term, out=acc)
+                fold_in_rank_order(ufunc, terms, parts[rank][rank, :n])
             self.segment.publish(RED, mark)
             if not everything:
                 out[win.start - mine[0]:win.stop - mine[0]] = parts[rank][rank, :n]
                 return
             self.segment.wait(RED, mark)
-            for q in range(self.size):
-                win = _window(bounds[q], offset, width)
+            for q in owners:  # the allgather: every owner's reduced part, straight from its slot
+                win = plan.window(q, r)
                 out[win] = parts[q][q, :win.stop - win.start]
 
-        self._rounds(body, -(-longest // width))
+        self._rounds(body, plan.rounds)
 
     def allreduce(self, sendbuf, recvbuf, op):
         count = recvbuf.size
@@ -121,26 +115,26 @@ class ShmBackend(Backend):
 
     def reducescatter(self, sendbuf, recvbuf, counts, op):
         if sum(counts):
-            self._reduce(sendbuf.reshape(-1), recvbuf.reshape(-1), _bounds(list(counts)), op, False)
+            self._reduce(sendbuf.reshape(-1), recvbuf.reshape(-1), bounds_of_counts(counts), op, False)
 
     def allgatherv(self, sendbuf, recvbuf, counts):
         if not sum(counts):
             return
         slots = self._slots(recvbuf.dtype)
-        width = slots.shape[2]
-        send, recv, bounds = sendbuf.reshape(-1), recvbuf.reshape(-1), _bounds(list(counts))
+        plan = Schedule(self.rank, self.size, bounds_of_counts(counts), slots.shape[2])
+        send, recv, owners = sendbuf.reshape(-1), recvbuf.reshape(-1), _gather_order(plan)
+        start = plan.mine[0]
 
         def body(which: int, r: int, mark: int) -> None:
-            offset = r * width
-            n = min(width, max(0, counts[self.rank] - offset))
-            slots[self.rank, which, :n] = send[offset:offset + n]
+            own = plan.window(self.rank, r)
+            slots[self.rank, which, :own.stop - own.start] = send[own.start - start:own.stop - start]
             self.segment.publish(IN, mark)
             self.segment.wait(IN, mark)
-            for q in range(self.size):
-                win = _window(bounds[q], offset, width)
+            for q in owners:
+                win = plan.window(q, r)
                 recv[win] = slots[q, which, :win.stop - win.start]
 
-        self._rounds(body, -(-max(counts) // width))
+        self._rounds(body, plan.rounds)
 
     def broadcast(self, buf, root):
         if not buf.size:
