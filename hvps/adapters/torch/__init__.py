@@ -46,6 +46,7 @@ from .mpi_ops import (
     sparse_allreduce_async,
     synchronize,
 )
+from . import adasum_optimizer  # noqa: F401  (registers the Adasum kind of DistributedOptimizer)
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 

@@ -19,7 +19,7 @@ from .mpi_ops import Adasum, grouped_allreduce_async_
 from .optimizer_base import DistributedOptimizer
 
 
-class DistributedAdasumOptimizer(DistributedOptimizer):
+class DistributedAdasumOptimizer(DistributedOptimizer, reduces=(Adasum,)):
     """The ``DistributedOptimizer`` for Adasum: ``step()`` steps locally, then replaces every
     parameter's update by the Adasum of all ranks' updates (see :class:`DistributedOptimizer`
     for the arguments; any compression is accepted, the updates travel uncompressed)."""

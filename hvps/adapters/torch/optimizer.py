@@ -27,12 +27,12 @@ from hvps.compression import summable
 from hvps.core.views import as_tensor
 
 from .compression import OPS
-from .mpi_ops import grouped_allreduce_async_, sparse_allreduce_handle
+from .mpi_ops import Average, Sum, grouped_allreduce_async_, sparse_allreduce_handle
 from .optimizer_base import DistributedOptimizer, _group_params
 from .tensors import core_view, host_buffer, to_numpy
 
 
-class GradientAllreduceOptimizer(DistributedOptimizer):
+class GradientAllreduceOptimizer(DistributedOptimizer, reduces=(Average, Sum)):
     """The ``DistributedOptimizer`` for Average and Sum: each gradient's allreduce starts from a hook
     as soon as backward has accumulated it; ``step()`` waits for them, installs the averages and
     steps the wrapped optimizer (see :class:`DistributedOptimizer` for the arguments)."""

@@ -32,6 +32,11 @@ from hvps.adapters.common.options import gradient_options
 from .compression import as_gradient_compression
 from .mpi_ops import Adasum, Average, Sum
 
+#: the op (resolved) -> the kind of DistributedOptimizer that reduces with it; each kind registers
+#: itself with ``reduces=`` in its class statement
+_KINDS: dict = {}
+
+
 class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
     """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
@@ -53,6 +58,11 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
     _wraps: ClassVar[Optional[type]] = None
     #: how the classes made for a wrapped class are qualified: ``DistributedOptimizer[SGD]``
     _qualname_prefix: ClassVar[str] = "DistributedOptimizer"
+
+    def __init_subclass__(cls, reduces: tuple = (), **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for op in reduces:
+            _KINDS[op] = cls
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "DistributedOptimizer":
         if cls._wraps is not None:  # already the class made for the pair (copies, pickles)
@@ -233,17 +243,13 @@ def _group_params(param_group: dict) -> list:
 
 
 def _kind_for(op: Any) -> type:
-    """The kind of DistributedOptimizer for ``op``: Adasum's (each rank steps, the updates are combined) or
-    the gradient allreduce's, which also takes an op that names neither, and whose checks then raise the
-    ValueError that says so. (Imported here: both kinds subclass this module's class.)"""
-    from .adasum_optimizer import DistributedAdasumOptimizer
-    from .optimizer import GradientAllreduceOptimizer
-
+    """The kind of DistributedOptimizer for ``op``; an op that names none gets the allreduce kind,
+    whose checks then raise the ValueError that says so."""
     try:
         resolved = resolve_op(None, op)
     except ValueError:
         resolved = ReduceOp.Average
-    return DistributedAdasumOptimizer if resolved == ReduceOp.Adasum else GradientAllreduceOptimizer
+    return _KINDS.get(resolved, _KINDS[ReduceOp.Average])
 
 
 #: (kind, wrapped optimizer class) -> the class of the DistributedOptimizer made for them
