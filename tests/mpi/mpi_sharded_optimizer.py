@@ -241,3 +241,44 @@ def test_sparse_gradient_is_refused_unless_dense():
     dense.step()
     moved = (embedding.weight != before).any(dim=1)
     assert moved.tolist() == [False, True, True] + [False] * 7
+
+
+def test_horovods_start_up_idiom_works_on_a_fresh_optimizer():
+    """``broadcast_parameters`` and ``broadcast_optimizer_state`` right after wrapping, as Horovod scripts do:
+    the state is empty then, so the root's ``state_dict()`` needs no collective of its own."""
+    torch.manual_seed(hvd.rank())  # different on every rank until broadcast
+    model = torch.nn.Linear(5, 3)
+    opt = ShardedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01 * (hvd.rank() + 1), foreach=False),
+                           named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.param_groups[0]["lr"] == 0.01
+    model(torch.ones(2, 5) * hvd.rank()).sum().backward()
+    opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = hvd.allgather(flat.reshape(1, -1))
+    assert all(torch.equal(row, flat) for row in gathered)
+
+
+def test_clip_grad_norm_clips_the_whole_gradient():
+    torch.manual_seed(4)
+    ref = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    model.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_cap_mb=TINY_BUCKETS)
+    x = torch.randn(GLOBAL_BATCH, 7, generator=torch.Generator().manual_seed(1))
+    ref(x).square().mean().backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    ref_opt.step()
+    model(_local(x, [])[0]).square().mean().backward()
+    with pytest.raises(HvpsError, match="synchronize"):
+        opt.clip_grad_norm_(0.05)
+    opt.synchronize()
+    norm = opt.clip_grad_norm_(0.05)
+    with opt.skip_synchronize():
+        opt.step()
+    assert expected > 0.05
+    torch.testing.assert_close(norm.float(), expected, rtol=1e-5, atol=0)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -62,13 +62,14 @@ import torch
 
 import hvps
 from hvps import HvpsError, ProcessSet, global_process_set
+from hvps.adapters.common.ops import resolve_op
 from hvps.adapters.common.options import gradient_options
 from hvps.compression import summable
 from hvps.compression.compressors import CastCompressor, NoneCompressor
 
 from .compression import OPS, as_gradient_compression
 from .functions import allgather_object
-from .mpi_ops import Adasum, Average, Sum, grouped_allgather_async, reducescatter_async
+from .mpi_ops import Adasum, Average, Sum, allreduce_async, grouped_allgather_async, reducescatter_async
 
 __all__ = ["ShardedOptimizer"]
 
@@ -170,9 +171,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"ShardedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        op = resolve_op(None, op)
         if op is Adasum:
             raise ValueError("op=Adasum with a sharded optimizer is not supported: Adasum combines whole "
                              "parameter updates, a shard holds only part of each")
+        if op not in (Average, Sum):
+            raise ValueError(f"op={op.name} with a sharded optimizer is not supported: gradients are reduced "
+                             "with Average or Sum")
         if isinstance(optimizer, torch.optim.SparseAdam):
             raise ValueError("SparseAdam (sparse gradients) with a sharded optimizer is not supported: "
                              "shards are dense")
@@ -314,6 +319,38 @@ class ShardedOptimizer(torch.optim.Optimizer):
             bucket.handle, bucket.ctx, bucket.ready = None, None, 0
         for p in self._passes_left:
             self._passes_left[p] = self.backward_passes_per_step
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the averaged gradient shards so that the whole gradient's 2-norm is at most ``max_norm``.
+
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` cannot do it here: after
+        ``synchronize()`` the parameters' ``.grad`` are released and each rank holds only its shard. Use
+        ``optimizer.synchronize(); optimizer.clip_grad_norm_(m)`` then ``with optimizer.skip_synchronize():
+        optimizer.step()`` (Horovod's pattern for clipping).
+
+        Args:
+            max_norm: the largest 2-norm of the gradient over all parameters.
+
+        Returns:
+            The 2-norm before clipping (the same on every rank).
+
+        Raises:
+            HvpsError: called before ``synchronize()``.
+        """
+        if not self._synchronized:
+            raise HvpsError("clip_grad_norm_ needs the averaged gradients: call optimizer.synchronize() first")
+        squares = torch.zeros(1, dtype=torch.float64)
+        for bucket in self._buckets:
+            if bucket.shard.grad is not None:
+                squares += bucket.shard.grad.detach().double().square().sum().cpu()
+        total = allreduce_async(squares, op=Sum, name="shard.grad_norm", process_set=self.process_set).wait()
+        norm = total.sqrt()[0]
+        factor = max_norm / (float(norm) + 1e-6)
+        if factor < 1.0:
+            for bucket in self._buckets:
+                if bucket.shard.grad is not None:
+                    bucket.shard.grad.mul_(factor)
+        return norm
 
     @contextlib.contextmanager
     def skip_synchronize(self):
