@@ -58,6 +58,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64, help="samples per rank")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=5, help="timed steps per contender per round")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="the sharded optimizer's bucket cap")
     args = p.parse_args()
     hvd.init()
     torch.set_num_threads(1)
@@ -66,7 +67,8 @@ def main() -> None:
         "replicated": hvd.DistributedOptimizer(torch.optim.Adam(models["replicated"].parameters(), foreach=False),
                                                named_parameters=models["replicated"].named_parameters()),
         "sharded": ShardedOptimizer(torch.optim.Adam(models["sharded"].parameters(), foreach=False),
-                                    named_parameters=models["sharded"].named_parameters()),
+                                    named_parameters=models["sharded"].named_parameters(),
+                                    bucket_cap_mb=args.bucket_cap_mb),
     }
     x = torch.randn(args.batch, args.width)
     times: dict = {name: [] for name in models}
@@ -80,6 +82,10 @@ def main() -> None:
         "ranks": hvd.size(), "parameters": numel,
         "state_bytes_replicated": state_bytes(optimizers["replicated"]),
         "state_bytes_sharded": state_bytes(optimizers["sharded"].shard_optimizer),
+        # what the sharded side holds besides: its parameter shards (a copy of 1/N of the parameters), which
+        # also carry the averaged gradient shards between synchronize() and the end of step()
+        "shard_bytes": sum(b.shard.nbytes for b in optimizers["sharded"]._buckets),
+        "gradient_bytes_full": sum(p.nbytes for p in models["replicated"].parameters()),
         "step_ms_median": {name: 1e3 * statistics.median(t) for name, t in times.items()},
     }
     result["state_ratio"] = result["state_bytes_sharded"] / result["state_bytes_replicated"]

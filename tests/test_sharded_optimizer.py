@@ -62,3 +62,10 @@ def test_bad_arguments():
         ShardedOptimizer(_sgd(), backward_passes_per_step=0)
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         ShardedOptimizer(_sgd(), bucket_cap_mb=0)
+
+
+def test_groups_are_refused():
+    with pytest.raises(ValueError, match="groups/num_groups with a sharded optimizer"):
+        ShardedOptimizer(_sgd(), groups=2)
+    with pytest.raises(ValueError, match="groups/num_groups with a sharded optimizer"):
+        ShardedOptimizer(_sgd(), num_groups=2)

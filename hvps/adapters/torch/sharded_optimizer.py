@@ -3,7 +3,8 @@
 Why this API. A Horovod user already writes ``opt = hvd.DistributedOptimizer(opt, named_parameters=...)``
 around an ordinary torch optimizer, then ``hvd.broadcast_parameters`` and a plain training loop. Sharding
 changes where the optimizer's state lives, not how the loop reads, so it is reached the same way:
-``hvd.DistributedOptimizer(opt, named_parameters=..., shard=True)`` (which delegates to this class) or
+``hvd.DistributedOptimizer(opt, named_parameters=..., shard=True)`` (which delegates to this class, once
+wired into ``hvps.adapters.torch``) or
 ``ShardedOptimizer(opt, named_parameters=...)`` directly, with the same keyword arguments
 (``compression``, ``backward_passes_per_step``, ``op``, ``gradient_predivide_factor``,
 ``sparse_as_dense``, ``process_set``). It is its own class, not a flag inside ``DistributedOptimizer``,
@@ -69,7 +70,8 @@ from hvps.compression.compressors import CastCompressor, NoneCompressor
 
 from .compression import OPS, as_gradient_compression
 from .functions import allgather_object
-from .mpi_ops import Adasum, Average, Sum, allreduce_async, grouped_allgather_async, reducescatter_async
+from .mpi_ops import (Adasum, Average, Sum, allgather_async, allreduce_async, grouped_allgather_async,
+                      reducescatter_async)
 
 __all__ = ["ShardedOptimizer"]
 
@@ -149,7 +151,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
                  compression: Any = None, backward_passes_per_step: int = 1, op: Any = Average,
                  gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
-                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, num_groups: int = 0, groups: Any = None,
                  process_set: ProcessSet = global_process_set) -> None:
         """Lay out the buckets, check the layout across ranks, and build the local optimizer.
 
@@ -162,6 +164,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             gradient_predivide_factor: Horovod's predivide factor (Average only).
             sparse_as_dense: densify sparse gradients instead of refusing them.
             bucket_cap_mb: largest bucket, in MiB (one bucket per parameter when smaller than each).
+            num_groups: ``DistributedOptimizer``'s argument, refused: buckets replace groups.
+            groups: ``DistributedOptimizer``'s argument, refused: buckets replace groups.
             process_set: the ranks that share the model; this rank must belong to it.
 
         Raises:
@@ -184,6 +188,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if optimizer.state:
             raise ValueError("the optimizer already has state: wrap it before its first step and load "
                              "checkpoints with ShardedOptimizer.load_state_dict")
+        if num_groups or groups is not None:
+            raise ValueError("groups/num_groups with a sharded optimizer is not supported: gradients travel in "
+                             "buckets (bucket_cap_mb)")
         if bucket_cap_mb <= 0:
             raise ValueError("bucket_cap_mb must be positive")
         op, self.compression, prescale, postscale = gradient_options(
@@ -379,16 +386,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         for user_group, shard_group in self._group_pairs:
             shard_group.update(_hyper(user_group))
+        # bucket by bucket: the local optimizer skips shards whose .grad is None, so stepping it with one
+        # bucket's gradient at a time updates that bucket only, and its all-gather overlaps the next one's step
+        grads = [bucket.shard.grad for bucket in self._buckets]
+        for bucket in self._buckets:
+            bucket.shard.grad = None
+        gathers = []
         with torch.no_grad():
-            for bucket in self._buckets:
+            for bucket, grad in zip(self._buckets, grads):
                 bucket.read_parameters()
-            self.shard_optimizer.step()
-            for bucket in self._buckets:
-                bucket.shard.grad = None
-            gathered = grouped_allgather_async([b.shard for b in self._buckets], name="shard.parameters",
-                                               process_set=self.process_set).wait()
-            for bucket, flat in zip(self._buckets, gathered):
-                bucket.write_parameters(flat)
+                if grad is not None:
+                    bucket.shard.grad = grad
+                    self.shard_optimizer.step()
+                    bucket.shard.grad = None
+                gathers.append(allgather_async(bucket.shard, name=f"{bucket.name}.gather",
+                                               process_set=self.process_set))
+            for bucket, handle in zip(self._buckets, gathers):
+                bucket.write_parameters(handle.wait())
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
