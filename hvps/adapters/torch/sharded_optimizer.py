@@ -163,7 +163,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             op: ``hvd.Average`` (default) or ``hvd.Sum``.
             gradient_predivide_factor: Horovod's predivide factor (Average only).
             sparse_as_dense: densify sparse gradients instead of refusing them.
-            bucket_cap_mb: largest bucket, in MiB (one bucket per parameter when smaller than each).
+            bucket_cap_mb: largest bucket, in MiB (a parameter larger than this gets a bucket of its own).
             num_groups: ``DistributedOptimizer``'s argument, refused: buckets replace groups.
             groups: ``DistributedOptimizer``'s argument, refused: buckets replace groups.
             process_set: the ranks that share the model; this rank must belong to it.
