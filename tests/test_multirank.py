@@ -36,6 +36,7 @@ CASES.update({
 # The collectives over the sealed data plane (HVPS_ENCRYPT), every pair of ranks sealed as if on two hosts.
 CASES["collectives-encrypted"] = ("mpi_collectives.py", {"HVPS_ENCRYPT": "all"}, 420)
 CASES["elastic-state"] = ("mpi_elastic_state.py", {}, 240)  # hvd.elastic front end; one data plane suffices
+CASES["sharded-optimizer"] = ("mpi_sharded_optimizer.py", {}, 240)  # ZeRO stage 1-2 (issue 39); one data plane
 
 
 def _inner_module_cases(np_, case_name):

@@ -1,0 +1,572 @@
+"""``ShardedOptimizer``: ZeRO stage 1-2 on hvps's collectives (each rank keeps 1/N of the optimizer state).
+
+Why this API. A Horovod user already writes ``opt = hvd.DistributedOptimizer(opt, named_parameters=...)``
+around an ordinary torch optimizer, then ``hvd.broadcast_parameters`` and a plain training loop. Sharding
+changes where the optimizer's state lives, not how the loop reads, so it is reached the same way:
+``hvd.DistributedOptimizer(opt, named_parameters=..., shard=True)`` (which delegates to this class, once
+wired into ``hvps.adapters.torch``) or
+``ShardedOptimizer(opt, named_parameters=...)`` directly, with the same keyword arguments
+(``compression``, ``backward_passes_per_step``, ``op``, ``gradient_predivide_factor``,
+``sparse_as_dense``, ``process_set``). It is its own class, not a flag inside ``DistributedOptimizer``,
+because its state, ``step()`` and ``state_dict()`` mean different things (torch's
+``ZeroRedundancyOptimizer`` is also its own class); unlike torch's, it takes the optimizer the user
+already built (as Horovod does), not a class and its arguments.
+
+What it does, per step:
+
+1. **Buckets.** At construction the parameters that require gradients are laid out, group by group in
+   the optimizer's order, into flat buckets of one dtype and device (at most ``bucket_cap_mb``), each
+   padded to a multiple of N. Every rank owns the same contiguous block of every bucket: rank r holds
+   elements ``[r * L/N, (r+1) * L/N)`` of a bucket of padded length L. The layout is checked across
+   ranks once (one allgather of each parameter's name, shape and dtype): a disagreement raises
+   ``HvpsError`` naming the parameter and the ranks.
+2. **Backward.** A hook on every parameter fires when its gradient has been accumulated (after
+   ``backward_passes_per_step`` passes). When every gradient of a bucket is in, the bucket's gradients
+   are packed into one flat buffer, compressed (fp16/bf16) and reduce-scattered asynchronously (Average by
+   default), overlapping the rest of backward. The parameters' own ``.grad`` are then released (set to
+   None): after backward a rank keeps only its shard of the averaged gradients (stage 2).
+3. **step().** Waits for the reduce-scatters and decompresses this rank's gradient shard, copies this
+   rank's block of the current parameters into the shard tensors, runs a torch optimizer over the shards
+   only (its momentum or Adam moments exist for 1/N of the elements), and all-gathers the updated shards
+   back into the parameters. The parameters are the truth: they are read at every step, so
+   ``hvd.broadcast_parameters`` or ``model.load_state_dict`` after wrapping is seen.
+
+The local optimizer is built as ``type(optimizer)(shard_groups, **optimizer.defaults)`` with each of the
+user's groups' hyper-parameters; the user's ``param_groups`` stay this object's ``param_groups`` (so
+LR schedulers work on it) and their hyper-parameters are copied to the shard groups before each step.
+Element-wise optimizers only (SGD, Adam, AdamW, RMSprop, Adagrad, ...): an optimizer whose update
+couples elements of one tensor (LAMB's trust ratio, Adafactor's factored moments) would see flat shards,
+not tensors. Parameters that got no gradient on any rank are stepped with a zero gradient (as
+``DistributedOptimizer`` does), not skipped.
+
+``state_dict()`` is **consolidated** and collective: every rank must call it; every rank receives torch's
+ordinary format for the full model (per-parameter state keyed by parameter index, the user's
+``param_groups``), loadable into the unsharded optimizer or into a ``ShardedOptimizer`` at any rank count.
+``load_state_dict()`` takes that format and keeps only this rank's shard (no communication).
+
+Not supported (``ValueError`` at construction): ``op=Adasum``; compressions other than none, fp16 and
+bf16 (int8, top-k, DGC, PowerSGD, Horovod-style compressors); ``torch.optim.SparseAdam``; an optimizer
+that already has state. A sparse gradient met in backward raises ``ValueError`` unless
+``sparse_as_dense=True``.
+
+Exactness: with element-wise kernels (``foreach=False``, the CPU default) the shard update computes each
+element with the same operations as the unsharded optimizer, so when the averaged gradients are the same
+bits the parameters are the same bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Optional
+
+import torch
+
+import hvps
+from hvps import HvpsError, ProcessSet, global_process_set
+from hvps.adapters.common.ops import resolve_op
+from hvps.adapters.common.options import gradient_options
+from hvps.compression import summable
+from hvps.compression.compressors import CastCompressor, NoneCompressor
+
+from .compression import OPS, as_gradient_compression
+from .functions import allgather_object
+from .mpi_ops import (Adasum, Average, Sum, allgather_async, allreduce_async, grouped_allgather_async,
+                      reducescatter_async)
+
+__all__ = ["ShardedOptimizer"]
+
+#: a bucket's default capacity, as torch DDP's
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+class _Bucket:
+    """Parameters of one group, dtype and device, flattened into one padded buffer split evenly over ranks.
+
+    ``slices[i]`` is ``(start, numel)`` of ``params[i]`` in the flat buffer; ``pieces`` are the parts of
+    this rank's block: ``(param, offset in the parameter, offset in the shard, length)``. ``shard`` is the
+    leaf tensor the local optimizer steps (this rank's block of the flat parameters).
+    """
+
+    def __init__(self, index: int, group_index: int, params: list, names: list, size: int, rank: int) -> None:
+        self.index, self.group_index, self.params, self.names = index, group_index, params, names
+        self.slices, start = [], 0
+        for p in params:
+            self.slices.append((start, p.numel()))
+            start += p.numel()
+        self.numel = start
+        self.shard_numel = -(-start // size)
+        self.padded = self.shard_numel * size
+        first, last = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        self.pieces = []
+        for p, (begin, n) in zip(params, self.slices):
+            lo, hi = max(begin, first), min(begin + n, last)
+            if lo < hi:
+                self.pieces.append((p, lo - begin, lo - first, hi - lo))
+        ref = params[0]
+        self.shard = torch.zeros(self.shard_numel, dtype=ref.dtype, device=ref.device)
+        self.name = f"shard.{names[0]}.{len(params)}"
+        self.ready = 0
+        self.handle: Optional[hvps.Handle] = None
+        self.ctx: Any = None
+        self.dense_nbytes = 0
+
+    def pack_gradients(self, sparse_as_dense: bool) -> torch.Tensor:
+        """The bucket's gradients as one flat, padded tensor (zeros where a parameter has none); the
+        parameters' ``.grad`` are released."""
+        parts = []
+        for p, name in zip(self.params, self.names):
+            grad = p.grad
+            if grad is None:
+                parts.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
+                continue
+            if grad.is_sparse:
+                if not sparse_as_dense:
+                    raise ValueError(f"parameter {name!r} has a sparse gradient: a sharded optimizer "
+                                     "reduce-scatters dense buckets; pass sparse_as_dense=True")
+                grad = grad.to_dense()
+            parts.append(grad.reshape(-1))
+            p.grad = None
+        if self.padded > self.numel:
+            ref = self.params[0]
+            parts.append(torch.zeros(self.padded - self.numel, dtype=ref.dtype, device=ref.device))
+        return torch.cat(parts)
+
+    def read_parameters(self) -> None:
+        """Copy this rank's block of the current parameter values into ``shard``."""
+        for p, p_offset, s_offset, n in self.pieces:
+            self.shard[s_offset : s_offset + n].copy_(p.detach().reshape(-1)[p_offset : p_offset + n])
+
+    def write_parameters(self, flat: torch.Tensor) -> None:
+        """Install the gathered flat parameters (every rank's block) into the parameters."""
+        for p, (start, n) in zip(self.params, self.slices):
+            p.data.copy_(flat[start : start + n].view_as(p))
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer`` so that gradients are reduce-scattered and each rank steps 1/N of the state.
+
+    See the module's docstring for the step, the layout and what is supported.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
+                 compression: Any = None, backward_passes_per_step: int = 1, op: Any = Average,
+                 gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, num_groups: int = 0, groups: Any = None,
+                 process_set: ProcessSet = global_process_set) -> None:
+        """Lay out the buckets, check the layout across ranks, and build the local optimizer.
+
+        Args:
+            optimizer: a torch optimizer over the model's parameters, not stepped yet (no state).
+            named_parameters: ``model.named_parameters()``, for names in errors and collectives.
+            compression: ``hvd.Compression.none`` (default), ``.fp16`` or ``.bf16``.
+            backward_passes_per_step: backward passes accumulated locally before the gradients travel.
+            op: ``hvd.Average`` (default) or ``hvd.Sum``.
+            gradient_predivide_factor: Horovod's predivide factor (Average only).
+            sparse_as_dense: densify sparse gradients instead of refusing them.
+            bucket_cap_mb: largest bucket, in MiB (a parameter larger than this gets a bucket of its own).
+            num_groups: ``DistributedOptimizer``'s argument, refused: buckets replace groups.
+            groups: ``DistributedOptimizer``'s argument, refused: buckets replace groups.
+            process_set: the ranks that share the model; this rank must belong to it.
+
+        Raises:
+            ValueError: an unsupported combination (Adasum, a non-cast compression, SparseAdam, an
+                optimizer with state), bad arguments, or a rank outside ``process_set``.
+            HvpsError: hvps is not initialized, or the parameters differ across ranks.
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"ShardedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        op = resolve_op(None, op)
+        if op is Adasum:
+            raise ValueError("op=Adasum with a sharded optimizer is not supported: Adasum combines whole "
+                             "parameter updates, a shard holds only part of each")
+        if op not in (Average, Sum):
+            raise ValueError(f"op={op.name} with a sharded optimizer is not supported: gradients are reduced "
+                             "with Average or Sum")
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            raise ValueError("SparseAdam (sparse gradients) with a sharded optimizer is not supported: "
+                             "shards are dense")
+        if optimizer.state:
+            raise ValueError("the optimizer already has state: wrap it before its first step and load "
+                             "checkpoints with ShardedOptimizer.load_state_dict")
+        if num_groups or groups is not None:
+            raise ValueError("groups/num_groups with a sharded optimizer is not supported: gradients travel in "
+                             "buckets (bucket_cap_mb)")
+        if bucket_cap_mb <= 0:
+            raise ValueError("bucket_cap_mb must be positive")
+        op, self.compression, prescale, postscale = gradient_options(
+            op, gradient_predivide_factor, compression, as_gradient_compression,
+            backward_passes_per_step=backward_passes_per_step, ops=(Average, Sum))
+        if not isinstance(self.compression.compressor, (NoneCompressor, CastCompressor)):
+            raise ValueError(f"compression {self.compression!r} with a sharded optimizer is not supported: "
+                             "only none, fp16 and bf16 (casts that a reduce-scatter can sum)")
+        hvps.size()  # HvpsError before init
+        if not process_set.included():
+            raise ValueError("this rank is not in the sharded optimizer's process_set")
+        self.process_set = process_set
+        self._size, self._rank = process_set.size(), process_set.rank()
+        self._plan = summable.summable_plan(self.compression.compressor, op, process_set.size, prescale, postscale)
+        self._sparse_as_dense = sparse_as_dense
+        self.backward_passes_per_step = backward_passes_per_step
+
+        torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups
+        self._names = _name_parameters([p for g in self.param_groups for p in g["params"]], named_parameters)
+        self._check_same_parameters_everywhere()
+        self._buckets = self._lay_out(int(bucket_cap_mb * 2**20))
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        #: user group -> its shard group (groups without trainable parameters have none)
+        self._group_pairs: list = []
+        shard_groups = []
+        for gi, group in enumerate(self.param_groups):
+            shards = [b.shard for b in self._buckets if b.group_index == gi]
+            if shards:
+                shard_groups.append({**_hyper(group), "params": shards})
+                self._group_pairs.append((group, gi))
+        if not shard_groups:
+            raise ValueError("the optimizer has no parameter that requires a gradient")
+        self.shard_optimizer = type(optimizer)(shard_groups, **optimizer.defaults)
+        self._group_pairs = [(user, shard) for (user, _), shard in zip(self._group_pairs,
+                                                                        self.shard_optimizer.param_groups)]
+        self._passes_left = {p: backward_passes_per_step for p in self._bucket_of}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
+
+    # -- setup ----------------------------------------------------------------------------
+    def _check_same_parameters_everywhere(self) -> None:
+        """One allgather of (name, shape, dtype) per parameter; HvpsError naming the first difference."""
+        mine = [(self._names[p], tuple(p.shape), str(p.dtype), p.requires_grad)
+                for g in self.param_groups for p in g["params"]]
+        everyone = allgather_object(mine, name="shard.signature", process_set=self.process_set)
+        ranks = self.process_set.ranks
+        reference = everyone[0]
+        for member, theirs in enumerate(everyone[1:], start=1):
+            for i in range(max(len(reference), len(theirs))):
+                a = reference[i] if i < len(reference) else None
+                b = theirs[i] if i < len(theirs) else None
+                if a == b:
+                    continue
+                named = (a or b)[0]
+                raise HvpsError(
+                    f"ShardedOptimizer: parameter {i} ({named!r}) differs across ranks: rank {ranks[0]} has "
+                    f"{_describe(a)}, rank {ranks[member]} has {_describe(b)}; every rank must wrap the same "
+                    "model with the same optimizer parameter order")
+
+    def _lay_out(self, cap_bytes: int) -> list:
+        """The buckets: consecutive trainable parameters of one group, dtype and device, up to ``cap_bytes``."""
+        buckets: list = []
+        for gi, group in enumerate(self.param_groups):
+            current: list = []
+            nbytes = 0
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                if p.is_sparse:
+                    raise ValueError(f"parameter {self._names[p]!r} is sparse: a sharded optimizer needs "
+                                     "dense parameters")
+                same_kind = not current or (p.dtype == current[0].dtype and p.device == current[0].device)
+                size = p.numel() * p.element_size()
+                if current and (not same_kind or nbytes + size > cap_bytes):
+                    buckets.append(self._bucket(len(buckets), gi, current))
+                    current, nbytes = [], 0
+                current.append(p)
+                nbytes += size
+            if current:
+                buckets.append(self._bucket(len(buckets), gi, current))
+        return buckets
+
+    def _bucket(self, index: int, group_index: int, params: list) -> _Bucket:
+        return _Bucket(index, group_index, params, [self._names[p] for p in params], self._size, self._rank)
+
+    # -- backward ---------------------------------------------------------------------------
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        left = self._passes_left[p] - 1
+        bucket = self._bucket_of[p]
+        if left < 0:
+            raise HvpsError(f"the gradient of {self._names[p]!r} was computed more than backward_passes_per_step "
+                            f"({self.backward_passes_per_step}) times before step(); increase "
+                            "backward_passes_per_step to accumulate gradients locally")
+        self._passes_left[p] = left
+        if left == 0:
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._start(bucket)
+
+    def _start(self, bucket: _Bucket) -> None:
+        """Pack, compress and start reduce-scattering ``bucket``'s gradients."""
+        flat = bucket.pack_gradients(self._sparse_as_dense)
+        plan = self._plan
+        scaled = flat if plan.before == 1.0 else OPS.scale(flat, plan.before)
+        payload, bucket.ctx = summable.compress_tensor(self.compression, scaled, OPS)
+        self.compression.record(flat.nbytes, [payload])
+        bucket.handle = reducescatter_async(payload, name=bucket.name, op=plan.op, prescale_factor=plan.prescale,
+                                            postscale_factor=plan.postscale, process_set=self.process_set)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish every bucket's reduce-scatter (starting those backward did not) and install this rank's
+        averaged gradient shard as the shard tensors' ``.grad``."""
+        for bucket in self._buckets:
+            if bucket.handle is None:  # unused parameters, or still accumulating: travel as they are
+                self._start(bucket)
+        try:
+            for bucket in self._buckets:
+                out = bucket.handle.wait()
+                grad = summable.decompress_tensor(self.compression, out, bucket.ctx, OPS)
+                if self._plan.after != 1.0:
+                    grad = OPS.scale(grad, self._plan.after)
+                bucket.shard.grad = grad.to(bucket.shard.dtype).view_as(bucket.shard)
+        finally:
+            self._forget_step()
+        hvps.step_done()
+        self._synchronized = True
+
+    def _forget_step(self) -> None:
+        for bucket in self._buckets:
+            bucket.handle, bucket.ctx, bucket.ready = None, None, 0
+        for p in self._passes_left:
+            self._passes_left[p] = self.backward_passes_per_step
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the averaged gradient shards so that the whole gradient's 2-norm is at most ``max_norm``.
+
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` cannot do it here: after
+        ``synchronize()`` the parameters' ``.grad`` are released and each rank holds only its shard. Use
+        ``optimizer.synchronize(); optimizer.clip_grad_norm_(m)`` then ``with optimizer.skip_synchronize():
+        optimizer.step()`` (Horovod's pattern for clipping).
+
+        Args:
+            max_norm: the largest 2-norm of the gradient over all parameters.
+
+        Returns:
+            The 2-norm before clipping (the same on every rank).
+
+        Raises:
+            HvpsError: called before ``synchronize()``.
+        """
+        if not self._synchronized:
+            raise HvpsError("clip_grad_norm_ needs the averaged gradients: call optimizer.synchronize() first")
+        squares = torch.zeros(1, dtype=torch.float64)
+        for bucket in self._buckets:
+            if bucket.shard.grad is not None:
+                squares += bucket.shard.grad.detach().double().square().sum().cpu()
+        total = allreduce_async(squares, op=Sum, name="shard.grad_norm", process_set=self.process_set).wait()
+        norm = total.sqrt()[0]
+        factor = max_norm / (float(norm) + 1e-6)
+        if factor < 1.0:
+            for bucket in self._buckets:
+                if bucket.shard.grad is not None:
+                    bucket.shard.grad.mul_(factor)
+        return norm
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside, ``step()`` does not synchronize: call ``synchronize()`` yourself first."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """Synchronize (unless done or skipped), step this rank's shards, all-gather the parameters.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (run before the gradients are reduced).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._should_synchronize and not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
+        for user_group, shard_group in self._group_pairs:
+            shard_group.update(_hyper(user_group))
+        # bucket by bucket: the local optimizer skips shards whose .grad is None, so stepping it with one
+        # bucket's gradient at a time updates that bucket only, and its all-gather overlaps the next one's step
+        grads = [bucket.shard.grad for bucket in self._buckets]
+        for bucket in self._buckets:
+            bucket.shard.grad = None
+        gathers = []
+        with torch.no_grad():
+            for bucket, grad in zip(self._buckets, grads):
+                bucket.read_parameters()
+                if grad is not None:
+                    bucket.shard.grad = grad
+                    self.shard_optimizer.step()
+                    bucket.shard.grad = None
+                gathers.append(allgather_async(bucket.shard, name=f"{bucket.name}.gather",
+                                               process_set=self.process_set))
+            for bucket, handle in zip(self._buckets, gathers):
+                bucket.write_parameters(handle.wait())
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' gradients; refused while reduce-scatters are in flight.
+
+        Raises:
+            HvpsError: called between ``backward()`` and ``step()``.
+        """
+        if any(b.handle is not None for b in self._buckets):
+            raise HvpsError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+                            "or optimizer.synchronize(); gradients are still being reduce-scattered")
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+        for bucket in self._buckets:
+            bucket.shard.grad = None
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The consolidated state, in torch's format for the full model (collective: every rank calls it).
+
+        Returns:
+            ``{"state": {index: {key: value}}, "param_groups": [...]}`` with parameters numbered over the
+            user's groups in order, as ``optimizer.state_dict()`` of the unsharded optimizer numbers them.
+        """
+        shard_state = self.shard_optimizer.state
+        gathered_keys, tensors = [], []
+        for bucket in self._buckets:
+            for key, value in sorted(shard_state.get(bucket.shard, {}).items()):
+                if torch.is_tensor(value) and value.numel() == bucket.shard_numel and value.dim() > 0:
+                    gathered_keys.append((bucket, key))
+                    tensors.append(value.detach().reshape(-1))
+        flats = grouped_allgather_async(tensors, name="shard.state", process_set=self.process_set).wait() \
+            if tensors else []
+        full = {(b.index, key): flat for (b, key), flat in zip(gathered_keys, flats)}
+        index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        state: dict = {}
+        for bucket in self._buckets:
+            for key, value in shard_state.get(bucket.shard, {}).items():
+                flat = full.get((bucket.index, key))
+                for p, (start, n) in zip(bucket.params, bucket.slices):
+                    entry = state.setdefault(index[p], {})
+                    if flat is not None:
+                        entry[key] = flat[start : start + n].clone().view_as(p)
+                    else:
+                        entry[key] = value.clone() if torch.is_tensor(value) else value
+        groups = [{**_hyper(g), "params": [index[p] for p in g["params"]]} for g in self.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a consolidated state (from :meth:`state_dict` at any rank count, or from the unsharded
+        optimizer's ``state_dict()``), keeping this rank's shard; the step in progress is forgotten.
+
+        Args:
+            state_dict: torch's optimizer format for the full model.
+
+        Raises:
+            ValueError: the groups or parameters do not match, or the parameters of one bucket carry
+                different non-element-wise state (such as ``step``).
+        """
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"the state has {len(groups)} parameter groups, the optimizer {len(self.param_groups)}")
+        params = [p for g in self.param_groups for p in g["params"]]
+        if sum(len(g["params"]) for g in groups) != len(params):
+            raise ValueError("the state's parameter groups do not hold as many parameters as the optimizer's")
+        for mine, theirs in zip(self.param_groups, groups):
+            mine.update(_hyper(theirs))
+        saved = {int(k): v for k, v in state_dict["state"].items()}
+        index = {p: i for i, p in enumerate(params)}
+        shard_state: dict = {}
+        for bucket in self._buckets:
+            entries = [saved.get(index[p], {}) for p in bucket.params]
+            keys = sorted({k for e in entries for k in e})
+            merged: dict = {}
+            for key in keys:
+                values = [e.get(key) for e in entries]
+                sample = next(v for v in values if v is not None)
+                if torch.is_tensor(sample) and sample.dim() > 0 and all(
+                        v is None or (torch.is_tensor(v) and v.numel() == p.numel())
+                        for v, p in zip(values, bucket.params)):
+                    flat = torch.zeros(bucket.padded, dtype=sample.dtype, device=bucket.shard.device)
+                    for v, (start, n) in zip(values, bucket.slices):
+                        if v is not None:
+                            flat[start : start + n].copy_(v.reshape(-1))
+                    lo = self._rank * bucket.shard_numel
+                    merged[key] = flat[lo : lo + bucket.shard_numel].clone()
+                else:
+                    distinct = [v for v in values if v is not None]
+                    if any(not _same(v, sample) for v in distinct):
+                        raise ValueError(f"state {key!r} differs between parameters of one bucket ({bucket.names}): "
+                                         "a sharded optimizer keeps one value per bucket")
+                    merged[key] = sample.clone() if torch.is_tensor(sample) else sample
+            if merged:
+                shard_state[len(shard_state)] = (bucket, merged)
+        shard_params = [p for g in self.shard_optimizer.param_groups for p in g["params"]]
+        shard_index = {p: i for i, p in enumerate(shard_params)}
+        inner = {"state": {shard_index[bucket.shard]: merged for bucket, merged in shard_state.values()},
+                 "param_groups": [{**_hyper(user), "params": [shard_index[p] for p in shard["params"]]}
+                                  for user, shard in self._group_pairs]}
+        self.reset_step()
+        self.shard_optimizer.load_state_dict(inner)
+        self._group_pairs = [(user, shard) for (user, _), shard in zip(self._group_pairs,
+                                                                        self.shard_optimizer.param_groups)]
+
+    def reset_step(self) -> None:
+        """Forget the step in progress (handles not waited for, countdowns full again)."""
+        for bucket in self._buckets:
+            if bucket.handle is not None and bucket.handle.poll():
+                with contextlib.suppress(Exception):
+                    bucket.handle.wait()
+        self._forget_step()
+        self._synchronized = False
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused after construction: the layout is fixed (Optimizer.__init__'s own calls pass).
+
+        Raises:
+            ValueError: called on a constructed ShardedOptimizer.
+        """
+        if hasattr(self, "shard_optimizer"):
+            raise ValueError("a ShardedOptimizer's parameter layout is fixed: add the group to the optimizer "
+                             "before wrapping it")
+        torch.optim.Optimizer.add_param_group(self, param_group)
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer({self.shard_optimizer!r}, shards={self._size}, buckets={len(self._buckets)})"
+
+
+def _hyper(group: dict) -> dict:
+    """A parameter group's hyper-parameters (everything but ``params``)."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a.cpu(), b.cpu())
+    return a == b
+
+
+def _describe(signature: Optional[tuple]) -> str:
+    if signature is None:
+        return "no such parameter"
+    name, shape, dtype, requires_grad = signature
+    return f"{name!r} shape {list(shape)} {dtype}{'' if requires_grad else ' (frozen)'}"
+
+
+def _name_parameters(params: list, named_parameters: Optional[Iterable]) -> dict:
+    """Parameter -> name (``param.<i>`` without ``named_parameters``)."""
+    if named_parameters is None:
+        return {p: f"param.{i}" for i, p in enumerate(params)}
+    names = {}
+    for item in named_parameters:
+        if not isinstance(item, tuple):
+            raise ValueError("named_parameters should be (name, parameter) tuples, as model.named_parameters() gives")
+        name, p = item
+        names.setdefault(p, name)
+    missing = [i for i, p in enumerate(params) if p not in names]
+    if missing:
+        raise ValueError(f"named_parameters does not name {len(missing)} optimizer parameters (indices "
+                         f"{missing[:5]}); pass model.named_parameters() of the optimized model")
+    return {p: names[p] for p in params}

@@ -1,0 +1,284 @@
+"""Inner multi-rank tests of ``ShardedOptimizer`` (ZeRO stage 1-2): against single-process training on the
+global batch, computed in-process on every rank without hvps.
+
+Bit-exactness needs gradients whose average is exact. The dyadic model's loss is linear in its outputs
+(``sum(head(x) * t)`` over three heads, small-integer data, dyadic weights), so its gradients do not depend
+on the parameters and are small multiples of 1/64: exact in float32, summed in any order. Each rank's loss
+is its part of the global loss times N, so the Average reduce-scatter divides an exact multiple of N by N
+(exact too) and yields the reference's gradient bit for bit. Both sides use ``foreach=False`` (element-wise
+kernels): the shard update then computes every element as the unsharded optimizer does.
+
+The model has 56 parameters (not a multiple of 3) in two parameter groups with different rates; with a
+bucket cap of 20 floats it has four buckets of 18, 28, 7 and 3 elements, two of them uneven at 3 ranks.
+"""
+
+import pytest
+import torch
+
+import hvps.adapters.torch as hvd
+from hvps import HvpsError
+from hvps.adapters.torch.sharded_optimizer import ShardedOptimizer
+
+pytestmark = pytest.mark.timeout(120)
+
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and, per rank, by 2 micro-batches
+STEPS = 4
+SCALE = 2.0 ** -6
+HEADS = [(5, 3, True), (4, 7, True), (3, 1, False)]  # (inputs, outputs, bias): 18 + 35 + 3 = 56 parameters
+TINY_BUCKETS = 20 * 4 / 2**20  # 20 float32 elements
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    hvd.init()
+    torch.set_num_threads(1)
+    yield
+
+
+class Heads(torch.nn.Module):
+    """Three linear heads on slices of the input; the loss ``sum(head(x) * t)`` is linear in the outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(i, o, bias=b) for i, o, b in HEADS)
+
+    def loss(self, x, targets, factor):
+        total, start = 0, 0
+        for head, t in zip(self.heads, targets):
+            total = total + (head(x[:, start : start + head.in_features]) * t).sum()
+            start += head.in_features
+        return total * factor
+
+
+def _model():
+    torch.manual_seed(11)
+    model = Heads()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.round(p * 8) / 8)
+    return model
+
+
+def _data(step):
+    g = torch.Generator().manual_seed(500 + step)
+    x = torch.randint(-4, 5, (GLOBAL_BATCH, sum(i for i, _, _ in HEADS)), generator=g).float()
+    targets = [torch.randint(-4, 5, (GLOBAL_BATCH, o), generator=g).float() for _, o, _ in HEADS]
+    return x, targets
+
+
+def _local(x, targets, micro=None):
+    per = GLOBAL_BATCH // hvd.size()
+    lo = hvd.rank() * per
+    rows = slice(lo, lo + per) if micro is None else slice(lo + micro * per // 2, lo + (micro + 1) * per // 2)
+    return x[rows], [t[rows] for t in targets]
+
+
+def _groups(model, kind, lr):
+    heads = model.heads
+    first = [*heads[0].parameters(), *heads[1].parameters()]
+    groups = [{"params": first}, {"params": list(heads[2].parameters()), "lr": lr * 2}]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=0.5, weight_decay=2.0 ** -5, foreach=False)
+    return torch.optim.Adam(groups, lr=lr, foreach=False)
+
+
+def _reference_step(model, opt, step):
+    opt.zero_grad()
+    x, targets = _data(step)
+    model.loss(x, targets, SCALE).backward()
+    opt.step()
+
+
+def _sharded_step(model, opt, step, passes=1):
+    opt.zero_grad()
+    x, targets = _data(step)
+    for micro in range(passes):
+        xs, ts = _local(x, targets, None if passes == 1 else micro)
+        model.loss(xs, ts, SCALE * hvd.size()).backward()
+    opt.step()
+
+
+def _assert_equal(model, ref, what):
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), f"{what}: {name} differs from the single-process run by {(a - b).abs().max()}"
+
+
+def _assert_same_state(sharded_sd, reference_sd):
+    assert sharded_sd["param_groups"] == reference_sd["param_groups"]
+    assert sharded_sd["state"].keys() == reference_sd["state"].keys()
+    for index, entry in reference_sd["state"].items():
+        mine = sharded_sd["state"][index]
+        assert mine.keys() == entry.keys(), index
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(mine[key]), torch.as_tensor(value)), (index, key)
+
+
+@pytest.mark.parametrize("buckets", ["one", "tiny"])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_bit_identical_to_one_process(kind, buckets):
+    lr = 2.0 ** -4
+    ref, model = _model(), _model()
+    ref_opt = _groups(ref, kind, lr)
+    cap = TINY_BUCKETS if buckets == "tiny" else 25
+    opt = ShardedOptimizer(_groups(model, kind, lr), named_parameters=model.named_parameters(), bucket_cap_mb=cap)
+    assert len(opt._buckets) == (4 if buckets == "tiny" else 2)  # a bucket never spans two groups
+    for step in range(STEPS):
+        _reference_step(ref, ref_opt, step)
+        _sharded_step(model, opt, step)
+        _assert_equal(model, ref, f"{kind}, step {step}")
+    _assert_same_state(opt.state_dict(), ref_opt.state_dict())
+
+
+def test_backward_passes_per_step_accumulates_locally():
+    ref, model = _model(), _model()
+    ref_opt = _groups(ref, "adam", 2.0 ** -4)
+    opt = ShardedOptimizer(_groups(model, "adam", 2.0 ** -4), named_parameters=model.named_parameters(),
+                           backward_passes_per_step=2, bucket_cap_mb=TINY_BUCKETS)
+    for step in range(2):
+        _reference_step(ref, ref_opt, step)
+        _sharded_step(model, opt, step, passes=2)
+        _assert_equal(model, ref, f"two passes, step {step}")
+
+
+def test_state_dict_reloads_and_continues_exactly():
+    ref, model = _model(), _model()
+    ref_opt = _groups(ref, "adam", 2.0 ** -4)
+    opt = ShardedOptimizer(_groups(model, "adam", 2.0 ** -4), bucket_cap_mb=TINY_BUCKETS)
+    for step in range(2):
+        _reference_step(ref, ref_opt, step)
+        _sharded_step(model, opt, step)
+    saved = opt.state_dict()
+    # a fresh optimizer (another bucket layout, too) continues from the consolidated state
+    model = _model()
+    model.load_state_dict(ref.state_dict())
+    fresh = ShardedOptimizer(_groups(model, "adam", 1.0), named_parameters=model.named_parameters())
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["lr"] == 2.0 ** -4
+    for step in range(2, 4):
+        _reference_step(ref, ref_opt, step)
+        _sharded_step(model, fresh, step)
+        _assert_equal(model, ref, f"reloaded, step {step}")
+    # the consolidated state loads into the unsharded optimizer too
+    plain = _groups(_model(), "adam", 1.0)
+    plain.load_state_dict(fresh.state_dict())
+    _assert_same_state(plain.state_dict(), ref_opt.state_dict())
+
+
+def _state_bytes(optimizer):
+    storages = {}
+    for entry in optimizer.state.values():
+        for value in entry.values():
+            if torch.is_tensor(value):
+                storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def test_optimizer_state_is_one_nth():
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.Tanh(), torch.nn.Linear(97, 31))
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.Tanh(), torch.nn.Linear(97, 31))
+    replicated = torch.optim.Adam(ref.parameters(), foreach=False)
+    opt = ShardedOptimizer(torch.optim.Adam(model.parameters(), foreach=False), bucket_cap_mb=0.01)
+    x = torch.randn(4, 64)
+    for m, o in ((ref, replicated), (model, opt)):
+        o.zero_grad()
+        m(x).square().sum().backward()
+        o.step()
+    numel = sum(p.numel() for p in model.parameters())
+    elements = sum(b.shard_numel for b in opt._buckets)
+    assert elements * hvd.size() - numel < hvd.size() * len(opt._buckets)  # padding only
+    mine, full = _state_bytes(opt.shard_optimizer), _state_bytes(replicated)
+    steps = 4 * len(opt._buckets)  # one float32 step count per bucket
+    assert mine == 2 * 4 * elements + steps
+    assert mine <= full / hvd.size() * 1.02, (mine, full)
+    # after the step no rank keeps a full gradient: only its shard of the averaged one, freed by the step
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_fp16_compression_is_close():
+    torch.manual_seed(5)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    model.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                           named_parameters=model.named_parameters(), compression=hvd.Compression.fp16)
+    g = torch.Generator().manual_seed(9)
+    for step in range(3):
+        x = torch.randn(GLOBAL_BATCH, 8, generator=g)
+        ref_opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        opt.zero_grad()
+        xs, _ = _local(x, [])
+        model(xs).square().mean().backward()
+        opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_parameters_that_differ_across_ranks_are_named():
+    last = hvd.size() - 1
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3 if hvd.rank() != last else 2))
+    with pytest.raises(HvpsError) as caught:
+        ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    message = str(caught.value)
+    assert "'1.weight'" in message and "rank 0" in message and f"rank {last}" in message, message
+
+
+def test_sparse_gradient_is_refused_unless_dense():
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    opt = ShardedOptimizer(torch.optim.SGD(embedding.parameters(), lr=0.1),
+                           named_parameters=embedding.named_parameters())
+    with pytest.raises(ValueError, match="'weight' has a sparse gradient"):
+        embedding(torch.tensor([1, 2])).sum().backward()
+    opt.reset_step()
+    torch.manual_seed(2)  # the same rows on every rank (no broadcast here)
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    dense = ShardedOptimizer(torch.optim.SGD(embedding.parameters(), lr=0.5), sparse_as_dense=True)
+    before = embedding.weight.detach().clone()
+    embedding(torch.tensor([1, 2])).sum().backward()
+    dense.step()
+    moved = (embedding.weight != before).any(dim=1)
+    assert moved.tolist() == [False, True, True] + [False] * 7
+
+
+def test_horovods_start_up_idiom_works_on_a_fresh_optimizer():
+    """``broadcast_parameters`` and ``broadcast_optimizer_state`` right after wrapping, as Horovod scripts do:
+    the state is empty then, so the root's ``state_dict()`` needs no collective of its own."""
+    torch.manual_seed(hvd.rank())  # different on every rank until broadcast
+    model = torch.nn.Linear(5, 3)
+    opt = ShardedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01 * (hvd.rank() + 1), foreach=False),
+                           named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.param_groups[0]["lr"] == 0.01
+    model(torch.ones(2, 5) * hvd.rank()).sum().backward()
+    opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = hvd.allgather(flat.reshape(1, -1))
+    assert all(torch.equal(row, flat) for row in gathered)
+
+
+def test_clip_grad_norm_clips_the_whole_gradient():
+    torch.manual_seed(4)
+    ref = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    model.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_cap_mb=TINY_BUCKETS)
+    x = torch.randn(GLOBAL_BATCH, 7, generator=torch.Generator().manual_seed(1))
+    ref(x).square().mean().backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    ref_opt.step()
+    model(_local(x, [])[0]).square().mean().backward()
+    with pytest.raises(HvpsError, match="synchronize"):
+        opt.clip_grad_norm_(0.05)
+    opt.synchronize()
+    norm = opt.clip_grad_norm_(0.05)
+    with opt.skip_synchronize():
+        opt.step()
+    assert expected > 0.05
+    torch.testing.assert_close(norm.float(), expected, rtol=1e-5, atol=0)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,71 @@
+"""ShardedOptimizer's refusals at construction (issue 39): checked before any collective, so no hvps.init here.
+
+The multi-rank behaviour (bit-exactness, state sharding, compression, mismatched parameters) is tested in
+tests/mpi/mpi_sharded_optimizer.py, inside the shared jobs of tests/test_multirank.py.
+"""
+
+import pytest
+import torch
+
+import hvps.adapters.torch as hvd
+from hvps.adapters.torch.sharded_optimizer import ShardedOptimizer
+
+
+def _sgd():
+    return torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("compression, named", [
+    (lambda: hvd.Compression.topk(0.1), "top"),
+    (lambda: hvd.Compression.powersgd(1), "owerSGD"),
+    (lambda: hvd.Compression.int8, "nt8"),
+    (lambda: hvd.Compression.dgc(0.1), "DGC"),
+])
+def test_compressions_that_cannot_be_reduce_scattered_are_refused(compression, named):
+    with pytest.raises(ValueError, match="sharded optimizer is not supported") as caught:
+        ShardedOptimizer(_sgd(), compression=compression())
+    assert named.lower() in str(caught.value).lower(), str(caught.value)
+
+
+def test_adasum_is_refused():
+    with pytest.raises(ValueError, match="Adasum with a sharded optimizer"):
+        ShardedOptimizer(_sgd(), op=hvd.Adasum)
+
+
+def test_other_ops_are_refused():
+    with pytest.raises(ValueError, match="op=Max with a sharded optimizer is not supported"):
+        ShardedOptimizer(_sgd(), op=hvd.Max)
+
+
+def test_sparse_adam_is_refused():
+    embedding = torch.nn.Embedding(4, 2, sparse=True)
+    with pytest.raises(ValueError, match="SparseAdam"):
+        ShardedOptimizer(torch.optim.SparseAdam(embedding.parameters()))
+
+
+def test_an_optimizer_with_state_is_refused():
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    with pytest.raises(ValueError, match="already has state"):
+        ShardedOptimizer(optimizer)
+
+
+def test_not_an_optimizer():
+    with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer"):
+        ShardedOptimizer(torch.nn.Linear(3, 2))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        ShardedOptimizer(_sgd(), backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        ShardedOptimizer(_sgd(), bucket_cap_mb=0)
+
+
+def test_groups_are_refused():
+    with pytest.raises(ValueError, match="groups/num_groups with a sharded optimizer"):
+        ShardedOptimizer(_sgd(), groups=2)
+    with pytest.raises(ValueError, match="groups/num_groups with a sharded optimizer"):
+        ShardedOptimizer(_sgd(), num_groups=2)
