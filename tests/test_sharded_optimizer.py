@@ -69,3 +69,11 @@ def test_groups_are_refused():
         ShardedOptimizer(_sgd(), groups=2)
     with pytest.raises(ValueError, match="groups/num_groups with a sharded optimizer"):
         ShardedOptimizer(_sgd(), num_groups=2)
+
+
+def test_distributed_optimizer_with_shard_true_is_the_sharded_optimizer():
+    # Horovod's constructor with one more keyword: the same checks run (here: Adasum refused by the sharded kind)
+    with pytest.raises(ValueError, match="Adasum with a sharded optimizer"):
+        hvd.DistributedOptimizer(_sgd(), op=hvd.Adasum, shard=True)
+    with pytest.raises(ValueError, match="sharded optimizer is not supported"):
+        hvd.DistributedOptimizer(_sgd(), compression=hvd.Compression.int8, shard=True)

@@ -248,8 +248,9 @@ def test_horovods_start_up_idiom_works_on_a_fresh_optimizer():
     the state is empty then, so the root's ``state_dict()`` needs no collective of its own."""
     torch.manual_seed(hvd.rank())  # different on every rank until broadcast
     model = torch.nn.Linear(5, 3)
-    opt = ShardedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01 * (hvd.rank() + 1), foreach=False),
-                           named_parameters=model.named_parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01 * (hvd.rank() + 1), foreach=False),
+                                   named_parameters=model.named_parameters(), shard=True)
+    assert isinstance(opt, ShardedOptimizer)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     assert opt.param_groups[0]["lr"] == 0.01
@@ -258,6 +259,11 @@ def test_horovods_start_up_idiom_works_on_a_fresh_optimizer():
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = hvd.allgather(flat.reshape(1, -1))
     assert all(torch.equal(row, flat) for row in gathered)
+    # once there is state, the consolidated state_dict() is collective: every rank takes part, none hangs
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    state = opt.state_dict()["state"]
+    moments = torch.cat([state[i]["exp_avg"].reshape(-1) for i in sorted(state)])
+    assert all(torch.equal(row, moments) for row in hvd.allgather(moments.reshape(1, -1)))
 
 
 def test_clip_grad_norm_clips_the_whole_gradient():

@@ -48,6 +48,7 @@ from .mpi_ops import (
 )
 from . import adasum_optimizer  # noqa: F401  (registers the Adasum kind of DistributedOptimizer)
 from .optimizer import DistributedOptimizer
+from .sharded_optimizer import ShardedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
@@ -58,7 +59,7 @@ __all__ = [
     "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
     "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
     "grouped_reducescatter_async", "synchronize", "poll", "join", "barrier", "broadcast_parameters",
-    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "DistributedOptimizer", "SyncBatchNorm",
+    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "DistributedOptimizer", "ShardedOptimizer", "SyncBatchNorm",
     "elastic", "CheckpointManager", "CheckpointError",
 ]
 

@@ -100,10 +100,11 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     end up with the root's. As in Horovod, when this rank's optimizer has no state yet, every
     parameter that takes gradients and has none gets a zero gradient.
     """
-    if not optimizer.state_dict()["state"]:
+    own = optimizer.state_dict()  # on every rank: a ShardedOptimizer's state_dict() is collective
+    if not own["state"]:
         _zero_missing_grads(optimizer)
     # arrives in host memory (never on the root's GPU); load_state_dict moves each state to its parameter's device
-    state: Any = broadcast_object(optimizer.state_dict() if hvps.rank() == root_rank else None, root_rank,
+    state: Any = broadcast_object(own if hvps.rank() == root_rank else None, root_rank,
                                   name="optimizer_state", process_set=process_set, map_location="cpu")
     if hvps.rank() != root_rank:
         optimizer.load_state_dict(state)

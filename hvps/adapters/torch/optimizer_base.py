@@ -67,6 +67,10 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
     def __new__(cls, *args: Any, **kwargs: Any) -> "DistributedOptimizer":
         if cls._wraps is not None:  # already the class made for the pair (copies, pickles)
             return super().__new__(cls)
+        if kwargs.get("shard"):  # not an instance of cls: Python then skips DistributedOptimizer.__init__
+            from .sharded_optimizer import ShardedOptimizer
+
+            return ShardedOptimizer(*args, **{k: v for k, v in kwargs.items() if k != "shard"})
         optimizer = args[0] if args else kwargs.get("optimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
@@ -77,7 +81,8 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
                  compression: Any = None, backward_passes_per_step: int = 1, op: Any = Average,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-                 sparse_as_dense: bool = False, process_set: ProcessSet = global_process_set) -> None:
+                 sparse_as_dense: bool = False, process_set: ProcessSet = global_process_set, *,
+                 shard: bool = False) -> None:
         """Check the arguments and share the wrapped optimizer's groups and state.
 
         Args:
@@ -91,6 +96,8 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
             groups: an int (that many groups) or lists of parameters reduced together.
             sparse_as_dense: reduce sparse gradients as dense tensors.
             process_set: the ranks that reduce together.
+            shard: ``True`` returns a :class:`~hvps.adapters.torch.sharded_optimizer.ShardedOptimizer` instead
+                (ZeRO stage 1-2: each rank keeps and steps 1/N of the optimizer state), with these arguments.
 
         Raises:
             HvpsError: before ``hvps.init()``.
