@@ -17,7 +17,8 @@
 #   a      tests/test_gpu.py, 1 rank: NCCL collectives against numpy; ordering with a producer delayed on a side
 #          stream (torch.cuda._sleep), value-changing collectives and a consumer on a third stream, for allreduce,
 #          grouped allreduce, allgather, reducescatter, alltoall, on tdist and mpi; no host sync on the NCCL path;
-#          SyncBatchNorm (fused kernels) against BatchNorm with no sync; join and broadcast_object on the rank's GPU
+#          SyncBatchNorm (fused kernels) against BatchNorm with no sync; join and broadcast_object on the rank's GPU; ShardedOptimizer
+#          (issue 39, ZeRO stage 1-2) bit-identical to plain Adam, its state on the device
 #   b      the ordering tests again under TORCH_CUDA_SANITIZER=1 (torch's stream sanitizer)
 #   c      the CUDA-aware MPI race: is MPI CUDA-aware; the ordering tests on HVPS_BACKEND=mpi (fused allreduce with
 #          prescale, broadcast) either on device memory or staged through the host, with its one log line

@@ -340,3 +340,31 @@ def test_staged_gradients_are_copied_asynchronously_and_still_reduce_exactly():
         print("ok")
     """, HVPS_BACKEND="mpi")
     assert "ok" in out
+
+
+def test_sharded_optimizer_on_cuda_matches_the_plain_optimizer():
+    # ZeRO stage 1-2 (issue 39) at world size 1 on the GPU: the shard is the whole bucket, so every step must
+    # equal plain Adam's bit for bit, with the state and the gradient shards on the device (never the host)
+    out = _run("""
+        hvd.init()
+        torch.cuda.set_device(hvd.local_rank())
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5)).cuda()
+        ref = torch.nn.Sequential(torch.nn.Linear(64, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5)).cuda()
+        ref.load_state_dict(model.state_dict())
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False),
+                                       named_parameters=model.named_parameters(), shard=True)
+        plain = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=False)
+        for step in range(3):
+            x = torch.randn(16, 64, device="cuda")
+            for m, o in ((model, opt), (ref, plain)):
+                o.zero_grad()
+                m(x).square().mean().backward()
+                o.step()
+            for a, b in zip(model.parameters(), ref.parameters()):
+                assert a.device.type == "cuda" and torch.equal(a, b), step
+        state = opt.state_dict()["state"]
+        assert all(v.device.type == "cuda" for s in state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+        print("ok")
+    """, HVPS_BACKEND="tdist")
+    assert "ok" in out

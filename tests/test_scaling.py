@@ -207,3 +207,12 @@ def test_compression_controls():
     assert dgc.compressor.density == 0.01
     dgc.stats.bytes_sent, dgc.stats.dense_bytes = 10, 40
     assert wrapper.compression_stats()["ratio"] == 4.0
+
+
+def test_a_read_only_send_buffer_becomes_a_tensor_without_a_warning():
+    import warnings
+
+    sent = np.frombuffer(b"\x01\x02\x03\x04", dtype=np.uint8)  # read-only, as pickled objects travel
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert as_tensor(sent).tolist() == [1, 2, 3, 4]

@@ -9,6 +9,7 @@ torch is imported only when a view is made.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import ml_dtypes
@@ -39,9 +40,20 @@ def _tables() -> tuple:
 
 
 def as_tensor(array: Any) -> Any:
-    """A torch tensor sharing memory with a numpy ``array``; a tensor is returned as it is."""
+    """A torch tensor sharing memory with a numpy ``array``; a tensor is returned as it is.
+
+    A read-only array (a send buffer: pickled bytes, a user's read-only input) gives a tensor that hvps only
+    reads, so torch's warning that the tensor would be writable is not shown to the user."""
     if not isinstance(array, np.ndarray):
         return array
+    if not array.flags.writeable:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+            return _shared_tensor(array)
+    return _shared_tensor(array)
+
+
+def _shared_tensor(array: np.ndarray) -> Any:
     import torch
 
     carried = _tables()[1].get(array.dtype.name)
