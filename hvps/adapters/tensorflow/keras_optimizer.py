@@ -21,6 +21,7 @@ by default on GPUs) cannot run ``tf.numpy_function``: compile with
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
 import keras
@@ -53,11 +54,24 @@ class DistributedOptimizer(CompressionControls, keras.optimizers.Optimizer):
     from ``model.fit``), ``compression.state_dict()`` holds the residuals.
     """
 
+    def __new__(cls, optimizer: Any = None, *args: Any, shard: bool = False, **kwargs: Any) -> Any:
+        """``shard=True`` gives a :class:`~hvps.adapters.tensorflow.keras_sharded_optimizer.ShardedOptimizer`
+        (ZeRO stage 1-2: each rank keeps 1/N of the optimizer state) with the same arguments instead."""
+        if shard:
+            from .keras_sharded_optimizer import ShardedOptimizer
+
+            # positional arguments by DistributedOptimizer's order; keywords the sharded one adds pass through
+            named = dict(inspect.signature(cls.__init__).bind_partial(None, optimizer, *args).arguments)
+            del named["self"], named["optimizer"]
+            return ShardedOptimizer(optimizer, **_sharded_arguments({**named, **kwargs}))
+        return super().__new__(cls)
+
     def __init__(self, optimizer: keras.optimizers.Optimizer, name: Optional[str] = None, device_dense: str = "",
                  device_sparse: str = "", compression: Any = None, sparse_as_dense: bool = False,
                  backward_passes_per_step: int = 1, op=Average, gradient_predivide_factor: float = 1.0,
                  average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
-                 process_set: Any = global_process_set, scale_local_gradients: bool = True) -> None:
+                 process_set: Any = global_process_set, scale_local_gradients: bool = True,
+                 shard: bool = False) -> None:
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a Keras 3 keras.optimizers.Optimizer, got {type(optimizer)}")
         if isinstance(optimizer, DistributedOptimizer):
@@ -273,6 +287,21 @@ def load_model(filepath: str, custom_optimizers: Any = None, custom_objects: Opt
     if optimizer is not None and not isinstance(optimizer, DistributedOptimizer):
         model.optimizer = DistributedOptimizer(optimizer, compression=compression)
     return model
+
+
+def _sharded_arguments(kwargs: dict) -> dict:
+    """``DistributedOptimizer``'s keyword arguments as the sharded optimizer takes them: the device hints
+    dropped, those that mean nothing without a replicated gradient refused when set."""
+    kwargs = dict(kwargs)
+    kwargs.pop("device_dense", None)
+    kwargs.pop("device_sparse", None)
+    if kwargs.pop("average_aggregated_gradients", False):
+        raise ValueError("average_aggregated_gradients with shard=True is not supported: backward_passes_per_step "
+                         "must be 1 (use the optimizer's gradient_accumulation_steps)")
+    if not kwargs.pop("scale_local_gradients", True):
+        raise ValueError("scale_local_gradients=False with shard=True is not supported: a sharded optimizer has no "
+                         "local variables")
+    return kwargs
 
 
 def _compression_from_config(name: str):

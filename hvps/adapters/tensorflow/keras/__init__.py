@@ -2,7 +2,8 @@
 
 Every name ``horovod.tensorflow.keras`` exports (``elastic``: its states, retry loop and callbacks): the basics of
 ``hvps.adapters.tensorflow``, value-level ``allreduce``/``allgather``/``broadcast``/``reducescatter``
-with Keras's signatures, the ``DistributedOptimizer`` and the callbacks
+with Keras's signatures, the ``DistributedOptimizer`` (``shard=True``: the ``ShardedOptimizer``, ZeRO stage 1-2)
+and the callbacks
 (``hvd.callbacks.BroadcastGlobalVariablesCallback(0)``, ...).
 """
 
@@ -30,6 +31,7 @@ from .. import (
     set_threads,
 )
 from ..keras_optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
+from ..keras_sharded_optimizer import ShardedOptimizer
 from . import callbacks
 from .callbacks import (
     BroadcastGlobalVariablesCallback,
@@ -46,7 +48,7 @@ __all__ = [
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression", "allreduce", "grouped_allreduce",
     "allgather", "broadcast", "alltoall", "reducescatter", "join", "barrier", "broadcast_variables",
     "broadcast_global_variables", "broadcast_object", "allgather_object", "set_threads", "DistributedOptimizer",
-    "PartialDistributedOptimizer", "load_model", "SyncBatchNormalization", "callbacks", "elastic",
+    "ShardedOptimizer", "PartialDistributedOptimizer", "load_model", "SyncBatchNormalization", "callbacks", "elastic",
     "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
     "LearningRateScheduleCallback", "CheckpointCallback", "CompressionEpochCallback",
 ]

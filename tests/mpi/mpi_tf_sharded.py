@@ -1,0 +1,220 @@
+"""Inner multi-rank tests of the Keras 3 ``ShardedOptimizer`` (ZeRO stage 1-2, issue 39 item 6): against
+single-process training on the global batch, computed in-process on every rank without hvps.
+
+Bit-exactness needs gradients whose average is exact (as ``mpi_sharded_optimizer.py`` does for torch): three
+linear heads on integer inputs, a loss linear in the outputs (``sum(head * target)``) with dyadic weights, so
+the gradients do not depend on the weights and are small multiples of 1/64, exact in float32 in any order.
+Each rank's loss is its part of the global loss times N, so the Average reduce-scatter divides an exact
+multiple of N by N and yields the reference's gradient bit for bit. The model has 56 variables' elements
+(18 + 35 + 3, not a multiple of 3); a bucket cap of 16 floats gives buckets of 15, 3, 28 and 7+3 elements
+(padded at 2 ranks and at 3).
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import hvps.adapters.tensorflow.keras as hvd  # noqa: E402
+from hvps import HvpsError  # noqa: E402
+from hvps.adapters.tensorflow.keras_sharded_optimizer import ShardedOptimizer  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+GLOBAL_BATCH = 12  # divisible by 1, 2 and 3
+STEPS = 3
+SCALE = 2.0 ** -6
+HEADS = [(5, 3, True), (4, 7, True), (3, 1, False)]  # (inputs, outputs, bias)
+TINY_BUCKETS = 16 * 4  # bytes: 16 float32 elements
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    hvd.set_threads(1)
+    hvd.init()
+    yield
+
+
+def _model():
+    keras.utils.set_random_seed(11)
+    inputs = [keras.Input((i,)) for i, _, _ in HEADS]
+    outputs = [keras.layers.Dense(o, use_bias=b)(x) for x, (_, o, b) in zip(inputs, HEADS)]
+    model = keras.Model(inputs, outputs)
+    model.set_weights([np.round(w * 8) / 8 for w in model.get_weights()])
+    return model
+
+
+def _data(step):
+    rng = np.random.default_rng(500 + step)
+    xs = [rng.integers(-4, 5, (GLOBAL_BATCH, i)).astype(np.float32) for i, _, _ in HEADS]
+    ts = [rng.integers(-4, 5, (GLOBAL_BATCH, o)).astype(np.float32) for _, o, _ in HEADS]
+    return xs, ts
+
+
+def _local(arrays):
+    per = GLOBAL_BATCH // hvd.size()
+    return [a[hvd.rank() * per : (hvd.rank() + 1) * per] for a in arrays]
+
+
+def _optimizer(kind):
+    if kind == "sgd":
+        return keras.optimizers.SGD(2.0 ** -4, momentum=0.5)
+    return keras.optimizers.Adam(2.0 ** -4)
+
+
+def _train_step(model, opt):
+    @tf.function
+    def step(xs, ts, factor):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(y * t) for y, t in zip(model(xs), ts)]) * factor
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    return step
+
+
+def _assert_equal(model, ref, what):
+    for v, r in zip(model.weights, ref.weights):
+        a, b = v.numpy(), r.numpy()
+        assert np.array_equal(a, b), f"{what}: {v.path} differs from the single-process run by {np.abs(a - b).max()}"
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_gradient_tape_loop_is_bit_identical_to_one_process(kind):
+    ref, model = _model(), _model()
+    ref_opt = _optimizer(kind)
+    opt = hvd.DistributedOptimizer(_optimizer(kind), shard=True, bucket_bytes=TINY_BUCKETS)
+    assert isinstance(opt, ShardedOptimizer)
+    ref_step, step = _train_step(ref, ref_opt), _train_step(model, opt)
+    for s in range(STEPS):
+        xs, ts = _data(s)
+        ref_step(xs, ts, tf.constant(SCALE))
+        step(_local(xs), _local(ts), tf.constant(SCALE * hvd.size()))
+        _assert_equal(model, ref, f"{kind}, step {s}")
+    assert len(opt.shard_variables) == 4
+    assert int(opt.iterations.numpy()) == STEPS
+
+
+class _LinearLoss(keras.losses.Loss):
+    """``factor * sum(y_pred * y_true)`` over the batch (no mean: the average over ranks does it)."""
+
+    def __init__(self, factor):
+        super().__init__(reduction="sum")
+        self.factor = factor
+
+    def call(self, y_true, y_pred):
+        return keras.ops.sum(y_pred * y_true, axis=-1) * self.factor
+
+
+def _fit_data(local):
+    """STEPS batches in order: the global ones, or this rank's rows of each."""
+    xs, ts = zip(*[_data(s) for s in range(STEPS)])
+    pick = _local if local else (lambda arrays: arrays)
+    x = [np.concatenate([pick(batch)[i] for batch in xs]) for i in range(len(HEADS))]
+    t = [np.concatenate([pick(batch)[i] for batch in ts]) for i in range(len(HEADS))]
+    return x, t
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["compiled", "eager"])
+def test_model_fit_is_bit_identical_to_one_process(run_eagerly):
+    size = hvd.size()
+    ref, model = _model(), _model()
+    ref.compile(optimizer=_optimizer("adam"), loss=[_LinearLoss(SCALE)] * len(HEADS), jit_compile=False)
+    opt = hvd.DistributedOptimizer(_optimizer("adam"), shard=True, bucket_bytes=TINY_BUCKETS)
+    model.compile(optimizer=opt, loss=[_LinearLoss(SCALE * size)] * len(HEADS), jit_compile=False,
+                  run_eagerly=run_eagerly)
+    x, t = _fit_data(local=False)
+    ref.fit(x, t, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    x, t = _fit_data(local=True)
+    model.fit(x, t, batch_size=GLOBAL_BATCH // size, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    _assert_equal(model, ref, f"model.fit (run_eagerly={run_eagerly})")
+    assert int(opt.iterations.numpy()) == STEPS
+
+
+def _state_bytes(variables):
+    return sum(int(np.prod(v.shape)) * v.dtype.size if hasattr(v.dtype, "size") else
+               int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables if len(v.shape) > 0)
+
+
+def test_optimizer_state_is_one_nth():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(97, activation="tanh"), keras.layers.Dense(31)])
+    replicated = keras.optimizers.Adam()
+    replicated.build(model.trainable_variables)
+    opt = ShardedOptimizer(keras.optimizers.Adam(), bucket_bytes=10_000)
+    opt.build(model.trainable_variables)
+    numel = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    elements = sum(b.shard_numel for b in opt._buckets)
+    assert elements * hvd.size() - numel < hvd.size() * len(opt._buckets)  # padding only
+    mine, full = _state_bytes(opt.shard_state_variables), _state_bytes(replicated.variables)
+    assert full == 2 * 4 * numel
+    assert mine == 2 * 4 * elements
+    assert mine <= full / hvd.size() * 1.02, (mine, full)
+    # what a broadcast from the root would overwrite: the replicated scalars only, never a shard
+    assert [tuple(v.shape) for v in opt.variables] == [()] * len(opt.variables)
+
+
+def test_fp16_compression_is_close():
+    keras.utils.set_random_seed(5)
+    ref = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
+    model = keras.models.clone_model(ref)
+    model.set_weights(ref.get_weights())
+    ref_opt = keras.optimizers.SGD(0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), shard=True,
+                                   compression=hvd.Compression.fp16)
+    rng = np.random.default_rng(9)
+    for _ in range(3):
+        x = rng.standard_normal((GLOBAL_BATCH, 8)).astype(np.float32)
+        for m, o, batch in ((ref, ref_opt, x), (model, opt, _local([x])[0])):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(m(batch)))
+            o.apply_gradients(zip(tape.gradient(loss, m.trainable_variables), m.trainable_variables))
+    for a, b in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_variables_that_differ_across_ranks_are_named():
+    if hvd.size() == 1:
+        pytest.skip("needs two ranks")
+    last = hvd.size() - 1
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(3 if hvd.rank() != last else 2)])
+    opt = ShardedOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(HvpsError) as caught:
+        opt.build(model.trainable_variables)
+    message = str(caught.value)
+    assert "variable 2" in message and "kernel" in message and "rank 0" in message and f"rank {last}" in message, \
+        message
+
+
+def test_unsupported_combinations_are_refused():
+    sgd = keras.optimizers.SGD
+    refusals = [
+        (lambda: ShardedOptimizer(sgd(0.1), op=hvd.Adasum), "Adasum"),
+        (lambda: ShardedOptimizer(sgd(0.1), compression=hvd.Compression.topk(0.1)), "compression"),
+        (lambda: ShardedOptimizer(sgd(0.1, clipnorm=1.0)), "clipnorm"),
+        (lambda: ShardedOptimizer(sgd(0.1, global_clipnorm=1.0)), "global_clipnorm"),
+        (lambda: ShardedOptimizer(sgd(0.1, use_ema=True)), "use_ema"),
+        (lambda: ShardedOptimizer(keras.optimizers.LossScaleOptimizer(sgd(0.1))), "LossScaleOptimizer"),
+        (lambda: hvd.DistributedOptimizer(sgd(0.1), shard=True, backward_passes_per_step=2),
+         "backward_passes_per_step"),
+    ]
+    built = sgd(0.1)
+    built.build([keras.Variable(np.zeros(3, np.float32))])
+    refusals.append((lambda: ShardedOptimizer(built), "already built"))
+    for make, words in refusals:
+        with pytest.raises(ValueError, match=words):
+            make()
+    embedding = keras.layers.Embedding(10, 4)
+    embedding.build((None,))
+    opt = ShardedOptimizer(sgd(0.1))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(embedding(tf.constant([1, 2])))
+    grads = tape.gradient(loss, embedding.trainable_variables)
+    assert isinstance(grads[0], tf.IndexedSlices)
+    with pytest.raises(ValueError, match="sparse gradient"):
+        opt.apply_gradients(zip(grads, embedding.trainable_variables))
