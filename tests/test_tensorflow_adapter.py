@@ -1,7 +1,8 @@
 """Outer tests of the TensorFlow 2 / Keras 3 adapter: the inner modules
 ``tests/mpi/mpi_tf_ops.py``, ``mpi_tf_train.py``, ``mpi_tf_compat.py`` (Horovod compatibility) and
-``mpi_tf_overlap.py`` (gradient buckets overlapping the backward pass) and ``mpi_tf_elastic.py``
-(``hvd.elastic``'s Keras state, retry loop and callbacks) under mpirun with 2 and 3 ranks
+``mpi_tf_overlap.py`` (gradient buckets overlapping the backward pass), ``mpi_tf_elastic.py``
+(``hvd.elastic``'s Keras state, retry loop and callbacks) and ``mpi_tf_sharded.py`` (the Keras
+``ShardedOptimizer``, ZeRO stage 1-2) under mpirun with 2 and 3 ranks
 and ``mpi_tf_compression.py`` with 3 (clean on every rank; the cases at one rank count share one
 job, so TensorFlow is imported once per rank), plus single-process checks in subprocesses (the
 outer run never imports TensorFlow)."""
@@ -19,7 +20,8 @@ needs_tf = pytest.mark.skipif(not HAVE_TF, reason="the 'tensorflow' extra (tenso
 
 # inner module -> hard timeout in seconds
 CASES = {"ops": ("mpi_tf_ops.py", 300), "train": ("mpi_tf_train.py", 300), "compat": ("mpi_tf_compat.py", 300),
-         "overlap": ("mpi_tf_overlap.py", 300), "elastic": ("mpi_tf_elastic.py", 240)}
+         "overlap": ("mpi_tf_overlap.py", 300), "elastic": ("mpi_tf_elastic.py", 240),
+         "sharded": ("mpi_tf_sharded.py", 240)}
 
 
 # Ranks trace their tf.functions (model.fit's train function: seconds) at different speeds on a

@@ -59,6 +59,7 @@ import tensorflow as tf
 import hvps
 from hvps import HvpsError, global_process_set
 from hvps.adapters.common import options
+from hvps.adapters.common.ops import resolve_op
 from hvps.compression import CastCompressor
 from hvps.compression import NoneCompressor as _CoreNone
 
@@ -346,16 +347,12 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
 def _refuse_unsupported(optimizer: keras.optimizers.Optimizer, op: Any, backward_passes_per_step: int,
                         num_groups: int, groups: Any, bucket_bytes: int) -> None:
     """ValueError naming the first combination a sharded optimizer cannot run."""
-    from hvps.adapters.common.ops import resolve_op
-
-    from .keras_optimizer import DistributedOptimizer
-
     kind = type(optimizer).__name__
-    if isinstance(optimizer, (DistributedOptimizer, ShardedOptimizer)):
-        raise ValueError(f"the optimizer is already a {kind}: wrap the plain Keras optimizer")
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         raise ValueError("LossScaleOptimizer with a sharded optimizer is not supported: its finite-gradient check "
                          "would see one shard per rank and could skip the step on some ranks only")
+    if hasattr(optimizer, "inner_optimizer"):  # hvps's DistributedOptimizer or ShardedOptimizer, or another wrapper
+        raise ValueError(f"the optimizer is already a wrapper ({kind}): wrap the plain Keras optimizer")
     if resolve_op(None, op) is Adasum:
         raise ValueError("op=Adasum with a sharded optimizer is not supported: Adasum combines whole updates, a "
                          "shard holds only part of each")
