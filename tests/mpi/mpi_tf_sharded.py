@@ -216,3 +216,17 @@ def test_unsupported_combinations_are_refused():
     assert isinstance(grads[0], tf.IndexedSlices)
     with pytest.raises(ValueError, match="sparse gradient"):
         opt.apply_gradients(zip(grads, embedding.trainable_variables))
+
+
+def test_checkpoints_and_elastic_state_refuse_the_sharded_state(tmp_path):
+    # they keep optimizer.variables, which leaves out each rank's shard of the moments: refused, not lost
+    model = _model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.1), shard=True), loss="mse")
+    callback = hvd.callbacks.CheckpointCallback(str(tmp_path / f"ckpt{hvd.rank()}"))
+    callback.set_model(model)
+    with pytest.raises(ValueError, match="CheckpointCallback cannot keep a sharded optimizer's state"):
+        callback.on_train_begin()
+    with pytest.raises(ValueError, match="CheckpointCallback.restore cannot keep a sharded optimizer's state"):
+        callback.restore(model)
+    with pytest.raises(ValueError, match="TensorFlowKerasState cannot keep a sharded optimizer's state"):
+        hvd.elastic.KerasState(model)

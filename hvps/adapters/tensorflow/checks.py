@@ -56,3 +56,20 @@ def check_rows(tensor: tf.Tensor, what: str) -> None:
     check_dtype(tensor)
     if tensor.shape.rank == 0:
         raise ValueError(f"{what} needs a tensor with at least one dimension")
+
+
+def refuse_sharded_state(optimizer: Any, who: str) -> None:
+    """Raise ValueError when ``optimizer`` holds a sharded state (``hvd.DistributedOptimizer(..., shard=True)``):
+    each rank then holds 1/N of it, outside ``optimizer.variables``, and ``who`` (a checkpoint callback, an
+    elastic state) would save or restore the replicated variables only, losing the moments without a word.
+
+    Args:
+        optimizer: the optimizer about to be saved or restored (None: nothing to check).
+        who: what refuses it, for the message.
+
+    Raises:
+        ValueError: for a sharded optimizer.
+    """
+    if optimizer is not None and hasattr(optimizer, "shard_state_variables"):
+        raise ValueError(f"{who} cannot keep a sharded optimizer's state yet (each rank holds 1/N of it and it "
+                         "would be lost on restore); use hvd.DistributedOptimizer without shard=True with it")

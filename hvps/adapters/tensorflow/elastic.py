@@ -24,6 +24,7 @@ from hvps.adapters.common.controls import compression_of
 from hvps.elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, State, notify_hosts_updated, run_fn
 from hvps.elastic import reset as _reset
 
+from .checks import refuse_sharded_state
 from .functions import broadcast_variables
 
 #: how a failed hvps collective inside a graph shows in TensorFlow's error (the numpy_function's traceback)
@@ -119,6 +120,7 @@ class TensorFlowKerasState(ObjectState):
             raise ValueError("the model must be built first: call model.build(input_shape) or run it on a batch")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        refuse_sharded_state(self.optimizer, "TensorFlowKerasState")
         self.backend = backend
         self._save_model()
         super().__init__(bcast_object=None, get_rank=None, **kwargs)

@@ -12,6 +12,7 @@ import numpy as np
 
 import hvps
 
+from ..checks import refuse_sharded_state
 from ..functions import broadcast_variables
 
 
@@ -192,6 +193,9 @@ class CheckpointCallback(keras.callbacks.Callback):
         self.manager = CheckpointManager(directory, keep_last=keep_last, keep_every=keep_every, compress=compress,
                                          root_rank=root_rank, fsync=fsync)
 
+    def on_train_begin(self, logs=None):
+        refuse_sharded_state(getattr(self.model, "optimizer", None), "CheckpointCallback")
+
     @staticmethod
     def _arrays(variables: list) -> dict:
         return {f"{i:05d}": np.array(keras.ops.convert_to_numpy(v)) for i, v in enumerate(variables)}
@@ -209,6 +213,7 @@ class CheckpointCallback(keras.callbacks.Callback):
 
     def restore(self, model: keras.Model, version: Union[str, int] = "latest") -> int:
         """Load a saved version into ``model`` (and its built optimizer); return the epoch to resume at (0: none)."""
+        refuse_sharded_state(getattr(model, "optimizer", None), "CheckpointCallback.restore")
         start = self.manager.load(version)
         if start == 0:
             return 0
