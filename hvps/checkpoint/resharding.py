@@ -9,7 +9,7 @@ hold them: :func:`source_pieces` lists which ranks, and where.
 
 from __future__ import annotations
 
-__all__ = ["shard_numel", "shard_bounds", "source_pieces"]
+__all__ = ["shard_numel", "shard_bounds", "source_pieces", "param_pieces"]
 
 
 def shard_numel(numel: int, size: int) -> int:
@@ -78,4 +78,23 @@ def source_pieces(lo: int, hi: int, numel: int, saved_size: int) -> list:
         stop = min(end, (rank + 1) * s)
         pieces.append((rank, at - rank * s, at - lo, stop - at))
         at = stop
+    return pieces
+
+
+def param_pieces(params: list, lo: int, hi: int) -> list:
+    """The parts of the parameters laid out one after another in a flat buffer that fall in ``[lo, hi)``.
+
+    Args:
+        params: ``[(parameter id, start in the buffer, numel)]``.
+        lo: the block's first element.
+        hi: one past its last element.
+
+    Returns:
+        ``[(parameter id, offset in the parameter, offset in the block, length)]`` in buffer order.
+    """
+    pieces = []
+    for ident, begin, n in params:
+        first, last = max(begin, lo), min(begin + n, hi)
+        if first < last:
+            pieces.append((ident, first - begin, first - lo, last - first))
     return pieces

@@ -51,7 +51,7 @@ import torch
 
 from hvps import api
 from hvps.checkpoint.format import CheckpointError, logical_dtype, root_attributes, write_file
-from hvps.checkpoint.resharding import shard_numel, source_pieces
+from hvps.checkpoint.resharding import param_pieces, shard_bounds, shard_numel, source_pieces
 from hvps.checkpoint.safety import SHA256_HEX, Defect, is_int, need
 from hvps.checkpoint.shards import (agree, block_digests, describe_problem, inspect_shard, open_same,
                                     read_verified_blocks, shard_folder, short, tidy_shard_folders)
@@ -69,7 +69,7 @@ MAX_RANKS = 1 << 20
 _DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
                      "bool", "complex64", "complex128"})
 
-__all__ = ["save_optimizer_shards", "is_sharded_manifest", "check_fit", "stage_optimizer",
+__all__ = ["save_optimizer_shards", "is_sharded_manifest", "check_fit", "stage_optimizer", "stage_shard", "relayout",
            "model_fingerprint", "shard_file_name", "tidy"]
 
 
@@ -422,6 +422,20 @@ class _Shards:
         self.open.clear()
 
 
+def relayout(layout: dict, size: int) -> dict:
+    """``layout`` (a ``shard_layout()``) as the same buckets split over ``size`` ranks.
+
+    Args:
+        layout: the layout at its own world size.
+        size: another world size.
+
+    Returns:
+        The layout a ``ShardedOptimizer`` with the same buckets would have at ``size`` ranks.
+    """
+    return dict(layout, world_size=size,
+                buckets=[dict(b, shard_numel=shard_numel(b["numel"], size)) for b in layout["buckets"]])
+
+
 def _locations(manifest: dict) -> dict:
     """Parameter index -> (saved bucket, start in it)."""
     return {index: (b, start) for b, bucket in enumerate(manifest["buckets"]) for index, start, _ in bucket["params"]}
@@ -434,10 +448,10 @@ def _read_flat(shards: _Shards, manifest: dict, b: int, key: str, lo: int, n: in
         out[at:at + k].copy_(shards.read(rank, b, key, offset, offset + k))
 
 
-def _stage_sharded(shards: _Shards, manifest: dict, optimizer: ShardedOptimizer) -> dict:
-    """This rank's new shard of every bucket: ``{bucket index: {key: value}}`` (only the ranges it needs)."""
+def _stage_sharded(shards: _Shards, manifest: dict, layout: dict, rank: int) -> dict:
+    """Rank ``rank``'s shard of every bucket of ``layout`` (a ``shard_layout()`` at any world size):
+    ``{bucket index: {key: value}}``, reading only the saved ranges it needs."""
     where = _locations(manifest)
-    layout = optimizer.shard_layout()
     staged: dict = {}
     for nb, bucket in enumerate(layout["buckets"]):
         sources = sorted({where[index][0] for index, _, _ in bucket["params"]})
@@ -448,15 +462,40 @@ def _stage_sharded(shards: _Shards, manifest: dict, optimizer: ShardedOptimizer)
                                   f"{short(keys)}, scalars {short(scalars)}): a sharded optimizer keeps one per bucket")
         if not keys[0] and not scalars[0]:
             continue
+        lo, hi = shard_bounds(bucket["numel"], layout["world_size"], rank)
         entry = {k: _decode_scalar(v) for k, v in scalars[0].items()}
         for key, dtype in keys[0].items():
-            flat = torch.zeros(bucket["shard_numel"], dtype=getattr(torch, dtype))
-            for index, p_offset, s_offset, n in optimizer.shard_pieces(nb):
+            flat = torch.zeros(hi - lo, dtype=getattr(torch, dtype))
+            for index, p_offset, s_offset, n in param_pieces(bucket["params"], lo, hi):
                 b, start = where[index]
                 _read_flat(shards, manifest, b, key, start + p_offset, n, flat[s_offset:s_offset + n])
             entry[key] = flat
         staged[nb] = entry
     return staged
+
+
+def stage_shard(directory: os.PathLike, checkpoint: Any, layout: dict, rank: int) -> dict:
+    """Rank ``rank``'s new shard of a sharded optimizer laid out as ``layout`` (of any world size), read
+    from the version ``checkpoint``: what a ``ShardedOptimizer`` of that layout loads on that rank.
+
+    Args:
+        directory: the checkpoint directory.
+        checkpoint: the loaded :class:`hvps.checkpoint.Checkpoint` (its optimizer section is a manifest).
+        layout: a ``ShardedOptimizer.shard_layout()``, or one computed for another world size.
+        rank: the rank in ``layout``'s world.
+
+    Returns:
+        ``{bucket index: {key: value}}`` (element-wise state as 1-D tensors of the bucket's shard length).
+
+    Raises:
+        CheckpointError: as :func:`stage_optimizer`.
+    """
+    manifest = _manifest_of(checkpoint.optimizer, checkpoint.path)
+    shards = _Shards(shard_folder(directory, PREFIX, checkpoint.epoch), manifest, checkpoint.epoch)
+    try:
+        return _stage_sharded(shards, manifest, layout, rank)
+    finally:
+        shards.close()
 
 
 def _stage_consolidated(shards: _Shards, manifest: dict) -> dict:
@@ -498,7 +537,8 @@ def stage_optimizer(directory: os.PathLike, checkpoint: Any, optimizer: torch.op
     shards = _Shards(shard_folder(directory, PREFIX, checkpoint.epoch), manifest, checkpoint.epoch)
     try:
         if isinstance(optimizer, ShardedOptimizer):
-            return ("sharded", _stage_sharded(shards, manifest, optimizer), manifest["param_groups"])
+            state = _stage_sharded(shards, manifest, optimizer.shard_layout(), optimizer.process_set.rank())
+            return ("sharded", state, manifest["param_groups"])
         return ("plain", _stage_consolidated(shards, manifest), None)
     finally:
         shards.close()

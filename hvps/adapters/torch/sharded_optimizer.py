@@ -542,12 +542,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state = self.shard_optimizer.state
         return {b.index: dict(state[b.shard]) for b in self._buckets if b.shard in state}
 
-    def shard_pieces(self, bucket_index: int) -> list:
-        """This rank's block of bucket ``bucket_index``, by parameter: ``[(parameter index, offset in the
-        parameter, offset in the shard, length)]``."""
-        index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        return [(index[p], p_offset, s_offset, n) for p, p_offset, s_offset, n in self._buckets[bucket_index].pieces]
-
     def load_local_state(self, by_bucket: dict, param_groups: list) -> None:
         """Install this rank's shard of a state (no communication); the step in progress is forgotten.
 
