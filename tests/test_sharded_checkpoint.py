@@ -207,3 +207,19 @@ def test_manifest_of_another_model_is_refused_without_falling_back(two_versions)
         mgr.load(model=None, optimizer=_sharded(model))
     with pytest.raises(CheckpointError, match="does not fit"):
         mgr.load(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_retention_drops_shard_folders_and_names_are_optional(one_rank, tmp_path):
+    model = _model()
+    opt = _sharded(model)
+    mgr = hvd.CheckpointManager(tmp_path, keep_last=2, fsync=False)
+    for epoch in range(4):
+        _train(model, opt, 1, seed=epoch)
+        mgr.save(epoch, model=model, optimizer=opt)
+    mgr.wait_for_retention()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("optim-")) == \
+        ["optim-epoch-000002", "optim-epoch-000003"]
+    # an optimizer wrapped without named_parameters loads it too (shapes and dtypes must match)
+    unnamed = hvd.DistributedOptimizer(torch.optim.Adam(_model(seed=7).parameters(), foreach=False), shard=True)
+    assert mgr.load(optimizer=unnamed) == 4
+    _assert_state(unnamed, opt.state_dict())

@@ -15,6 +15,12 @@ reads or writes the files.  Saved: the module's ``state_dict()``; the optimizer'
 states (torch CPU and CUDA, numpy's global generator, Python's ``random``); optional
 per-rank compression state and user extras.  bfloat16 and float8 tensors are stored as
 integers of the same width with a ``dtype`` attribute.  No pickle is involved.
+
+A :class:`ShardedOptimizer` (``hvd.DistributedOptimizer(..., shard=True)``) is passed the same way,
+but its state is never gathered: every rank writes its own shard next to the version
+(``optim-epoch-NNNNNN/``, so the directory must be shared by all ranks) and the dense file records
+their manifest; ``load`` re-shards it for any rank count, or consolidates it into a plain torch
+optimizer (see :mod:`hvps.adapters.torch.sharded_checkpoint`).
 """
 
 from __future__ import annotations

@@ -43,6 +43,11 @@ not tensors. Parameters that got no gradient on any rank are stepped with a zero
 ordinary format for the full model (per-parameter state keyed by parameter index, the user's
 ``param_groups``), loadable into the unsharded optimizer or into a ``ShardedOptimizer`` at any rank count.
 ``load_state_dict()`` takes that format and keeps only this rank's shard (no communication).
+For checkpoints prefer ``hvd.CheckpointManager.save(epoch, model=..., optimizer=this)``: each rank then
+writes only its shard (1/N of the state, in memory and on disk) plus a manifest, loadable at any rank
+count or into a plain optimizer (:mod:`hvps.adapters.torch.sharded_checkpoint`, which uses
+:meth:`ShardedOptimizer.shard_layout`, :meth:`ShardedOptimizer.local_state` and
+:meth:`ShardedOptimizer.load_local_state`).
 
 Not supported (``ValueError`` at construction): ``op=Adasum``; compressions other than none, fp16 and
 bf16 (int8, top-k, DGC, PowerSGD, Horovod-style compressors); ``torch.optim.SparseAdam``; an optimizer
