@@ -360,3 +360,45 @@ def test_checkpoint_shards_reload_at_any_rank_count_and_into_one_process(shared_
                     assert torch.equal(staged[b][key], expected), (size, q, b, key)
                 first = bucket["params"][0][0]
                 assert torch.equal(staged[b]["step"], consolidated["state"][first]["step"])
+
+
+def test_checkpoint_reloads_at_one_rank_fewer_and_continues_exactly(shared_dir):
+    """Saved at N ranks, loaded by a ShardedOptimizer over N - 1 of them (a real re-shard, N -> N - 1) while
+    the rank left out loads it into a plain Adam: both continue bit-identically to one process."""
+    import hvps
+
+    fewer = hvd.size() - 1
+    lr = 2.0 ** -4
+    ref, model = _model(), _model()
+    ref_opt = _groups(ref, "adam", lr)
+    opt = ShardedOptimizer(_groups(model, "adam", lr), named_parameters=model.named_parameters(),
+                           bucket_cap_mb=TINY_BUCKETS)
+    for step in range(2):
+        _reference_step(ref, ref_opt, step)
+        _sharded_step(model, opt, step)
+    mgr = hvd.CheckpointManager(shared_dir / "sharded-optimizer-fewer", fsync=False)
+    mgr.save(1, model=model, optimizer=opt)
+    subset = hvps.add_process_set(list(range(fewer)))
+    try:
+        model2 = _model()
+        inside = hvd.rank() < fewer
+        if inside:
+            opt2 = ShardedOptimizer(_groups(model2, "adam", 1.0), named_parameters=model2.named_parameters(),
+                                    bucket_cap_mb=TINY_BUCKETS * 2, process_set=subset)
+        else:
+            opt2 = _groups(model2, "adam", 1.0)
+        assert mgr.load(model=model2, optimizer=opt2) == 2
+        for step in range(2, 4):
+            _reference_step(ref, ref_opt, step)
+            if inside:
+                opt2.zero_grad()
+                x, targets = _data(step)
+                per = GLOBAL_BATCH // fewer
+                rows = slice(hvd.rank() * per, (hvd.rank() + 1) * per)
+                model2.loss(x[rows], [t[rows] for t in targets], SCALE * fewer).backward()
+                opt2.step()
+            else:
+                _reference_step(model2, opt2, step)
+            _assert_equal(model2, ref, f"{hvd.size()} -> {fewer if inside else 'one process'}, step {step}")
+    finally:
+        hvps.remove_process_set(subset)
