@@ -223,3 +223,14 @@ def test_retention_drops_shard_folders_and_names_are_optional(one_rank, tmp_path
     unnamed = hvd.DistributedOptimizer(torch.optim.Adam(_model(seed=7).parameters(), foreach=False), shard=True)
     assert mgr.load(optimizer=unnamed) == 4
     _assert_state(unnamed, opt.state_dict())
+
+
+def test_a_plain_optimizers_checkpoint_loads_into_a_sharded_one(one_rank, tmp_path):
+    model = _model()
+    plain = torch.optim.Adam(model.parameters(), lr=0.01, foreach=False)
+    _train(model, plain, 2, seed=4)
+    mgr = hvd.CheckpointManager(tmp_path, fsync=False)
+    mgr.save(0, model=model, optimizer=plain)
+    sharded = _sharded(_model(seed=7))
+    assert mgr.load(optimizer=sharded) == 1
+    _assert_state(sharded, plain.state_dict())

@@ -138,7 +138,9 @@ def _int_key(k: str) -> Any:
 
 def check_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping) -> list:
     problems = []
-    inner = getattr(optimizer, "_inner", optimizer)
+    # a sharded optimizer loads a plain one's state (it keeps its shard): the class is the one it wraps
+    inner = optimizer.shard_optimizer if isinstance(optimizer, ShardedOptimizer) else getattr(optimizer, "_inner",
+                                                                                              optimizer)
     cls = saved.get("class")
     if cls is not None and cls != type(inner).__name__:
         problems.append(f"optimizer class: checkpoint {cls}, given {type(inner).__name__}")
@@ -287,12 +289,8 @@ class CheckpointManager(_core.CheckpointManager):
         if model is not None:
             problems += [p for p in check_model(model, ck.model, ck.path)] if strict else []
         if optimizer is not None and staged is None:
-            if isinstance(optimizer, ShardedOptimizer) and ck.optimizer and \
-                    not _sharded.is_sharded_manifest(ck.optimizer):
-                problems += check_optimizer(optimizer, ck.optimizer)  # a consolidated state: loads at any rank count
-            else:
-                problems += check_optimizer(optimizer, ck.optimizer) if ck.optimizer else \
-                    ["the checkpoint holds no optimizer state"]
+            problems += check_optimizer(optimizer, ck.optimizer) if ck.optimizer else \
+                ["the checkpoint holds no optimizer state"]
         if problems:
             raise CheckpointError("the checkpoint does not fit the given model/optimizer", ck.path, problems)
         if model is not None:
