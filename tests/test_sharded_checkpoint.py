@@ -234,3 +234,17 @@ def test_a_plain_optimizers_checkpoint_loads_into_a_sharded_one(one_rank, tmp_pa
     sharded = _sharded(_model(seed=7))
     assert mgr.load(optimizer=sharded) == 1
     _assert_state(sharded, plain.state_dict())
+
+
+def test_a_shard_that_cannot_be_written_commits_nothing(two_versions):
+    mgr, states = two_versions
+    (mgr.directory / "optim-epoch-000002").write_text("in the way")
+    model = _model()
+    opt = _sharded(model)
+    _train(model, opt, 1, seed=5)
+    with pytest.raises(CheckpointError, match="saving the sharded optimizer state of epoch 2 failed"):
+        mgr.save(2, model=model, optimizer=opt)
+    assert [v.epoch for v in mgr.list()] == [0, 1]
+    fresh = _sharded(_model(seed=7))
+    assert mgr.load(optimizer=fresh) == 2
+    _assert_state(fresh, states[1])

@@ -53,7 +53,7 @@ from hvps import api
 from hvps.checkpoint.format import CheckpointError, logical_dtype, root_attributes, write_file
 from hvps.checkpoint.resharding import param_pieces, shard_bounds, shard_numel, source_pieces
 from hvps.checkpoint.safety import SHA256_HEX, Defect, is_int, need
-from hvps.checkpoint.shards import (agree, block_digests, describe_problem, inspect_shard, open_same,
+from hvps.checkpoint.shards import (block_digests, describe_problem, inspect_shard, open_same,
                                     read_verified_blocks, shard_folder, short, tidy_shard_folders)
 from hvps.core.atomic_files import atomic_publish
 from hvps.core.views import as_array, as_tensor
@@ -66,6 +66,7 @@ FRAMEWORK = "hvps.sharded_optimizer"  # the shards' root attribute "framework"
 PREFIX = "optim"
 FOLDER_RE = re.compile(r"^optim-epoch-(\d{6,})$")
 MAX_RANKS = 1 << 20
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")  # the names of per-parameter state (exp_avg, step, ...)
 _UNNAMED = re.compile(r"^param\.\d+$")  # ShardedOptimizer's names without named_parameters
 _DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
                      "bool", "complex64", "complex128"})
@@ -130,6 +131,8 @@ def _write_own_shard(folder: Path, optimizer: ShardedOptimizer, layout: dict, fi
     for b, entry in optimizer.local_state().items():
         numel = layout["buckets"][b]["shard_numel"]
         for key, value in entry.items():
+            if not _KEY.match(key):
+                raise CheckpointError(f"optimizer state {short(key)} cannot name a dataset (letters, digits, _)")
             if _element_wise(value, numel):
                 array = as_array(value.detach().reshape(-1).cpu().contiguous())
                 tensors.setdefault(_bucket_key(b), {})[key] = array
@@ -183,10 +186,12 @@ def save_optimizer_shards(manager: Any, epoch: int, optimizer: ShardedOptimizer,
         digest = _write_own_shard(folder, optimizer, layout, fingerprint, epoch, step, getattr(manager, "fsync", True))
     except Exception as exc:  # noqa: BLE001 - every rank learns every rank's problem below (none waits alone)
         problems.append(f"rank {optimizer.process_set.rank()}: {describe_problem(exc)}")
-    everyone = agree(problems, f"ckpt.save.optim.{int(epoch)}")
+    gathered = api.allgather_object((problems, digest), name=f"ckpt.save.optim.{int(epoch)}") if size > 1 \
+        else [(problems, digest)]
+    everyone = [p for rank_problems, _ in gathered for p in rank_problems]
     if everyone:
         raise CheckpointError(f"saving the sharded optimizer state of epoch {epoch} failed", folder, everyone)
-    digests = api.allgather_object(digest, name=f"ckpt.save.optim.{int(epoch)}.digests") if size > 1 else [digest]
+    digests = [d for _, d in gathered]
     inner = optimizer.shard_optimizer
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ids}
               for g, ids in zip(optimizer.param_groups, _group_indices(optimizer.param_groups))]
@@ -263,11 +268,10 @@ def check_manifest(manifest: Any) -> None:
             start += n
         need(start == bucket["numel"] and start > 0, at, "its parameters do not fill it")
         keys = bucket["keys"]
-        need(isinstance(keys, dict) and all(isinstance(k, str) and 0 < len(k) <= 100 and "/" not in k and "." not in k
-                                            and v in _DTYPES for k, v in keys.items()), f"{at}.keys",
-             "must map state names to dtypes")
+        need(isinstance(keys, dict) and all(isinstance(k, str) and _KEY.match(k) and v in _DTYPES
+                                            for k, v in keys.items()), f"{at}.keys", "must map state names to dtypes")
         scalars = bucket["scalars"]
-        need(isinstance(scalars, dict) and all(isinstance(k, str) and k not in keys and _scalar_ok(v)
+        need(isinstance(scalars, dict) and all(isinstance(k, str) and _KEY.match(k) and k not in keys and _scalar_ok(v)
                                                for k, v in scalars.items()), f"{at}.scalars", "must map names to scalars")
     need(seen == {i for i, p in enumerate(params) if p[3]}, "buckets", "must hold every trainable parameter once")
     shards = manifest["shards"]
