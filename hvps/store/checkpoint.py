@@ -37,7 +37,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import stat
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -49,10 +48,12 @@ import numpy as np
 import torch
 
 from hvps import api
-from hvps.core.atomic_files import atomic_publish, remove_temporaries
+from hvps.core.atomic_files import atomic_publish
 from hvps.checkpoint.format import CheckpointError, from_json, open_regular, pread_all, root_attributes, write_file
-from hvps.checkpoint.inspect import inspect_header, prestart
+from hvps.checkpoint.inspect import prestart
 from hvps.checkpoint.safety import MAX_MANIFEST_BYTES, SHA256_HEX, is_int, need
+from hvps.checkpoint.shards import (agree, describe_problem, inspect_shard, shard_folder, short,
+                                   tidy_shard_folders)
 
 from .module import _ShardedBase
 from .table import ShardedTable
@@ -71,7 +72,7 @@ _BAD_NAME = re.compile(r"[/\x00-\x1f\x7f]")
 
 
 def store_dir(directory: os.PathLike, epoch: int) -> Path:
-    return Path(directory) / f"store-epoch-{int(epoch):06d}"
+    return shard_folder(directory, "store", epoch)
 
 
 def shard_name(table: str, member: int, members: int) -> str:
@@ -155,19 +156,8 @@ def manifest_text(epoch: int, gathered: list) -> str:
 
 
 def _tidy(manager: Any, epoch: int) -> None:
-    """After committing ``epoch``: drop the store folders of versions up to it that retention
-    removed (or that never committed), and the temporaries of writers that died in the ones
-    kept.  Anything not named ``store-epoch-NNNNNN`` is left alone, and so are later epochs'
-    folders (the next save may be writing one)."""
-    kept = {v.epoch for v in manager.list()}
-    for path in Path(manager.directory).iterdir():
-        match = FOLDER_RE.match(path.name)
-        if match is None or int(match.group(1)) > epoch or path.is_symlink() or not path.is_dir():
-            continue
-        if int(match.group(1)) not in kept:
-            shutil.rmtree(path, ignore_errors=True)
-            continue
-        remove_temporaries(path)
+    """After committing ``epoch``: :func:`hvps.checkpoint.shards.tidy_shard_folders` of the store folders."""
+    tidy_shard_folders(manager, epoch, FOLDER_RE)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -258,23 +248,13 @@ class _Staged:
     steps: int
 
 
-def _short(value: Any, limit: int = 160) -> str:
-    """``repr(value)`` cut to ``limit`` characters (values from a file go into messages escaped and bounded)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+_short = short
 
 
 def _shard_header(path: Path, expected: dict, table: ShardedTable, members: int, epoch: int):
     """The inspected header of shard ``path`` (sandboxed helper), checked against the store manifest
     and ``table``; the identity of the file inspected."""
-    fd = open_regular(path, follow_links=False)  # refuses FIFOs and links before libhdf5 (in the helper) opens anything
-    try:
-        before = os.fstat(fd)
-    finally:
-        os.close(fd)
-    header = inspect_header(path)
-    if header.manifest_sha256 != expected["sha256"]:
-        raise CheckpointError("is not the shard the store manifest lists (its manifest's SHA-256 differs)", path)
+    header, identity = inspect_shard(path, expected["sha256"])  # refuses FIFOs and links before libhdf5 sees them
     rows, problems = expected["rows"], []
     attrs = header.attrs
     if attrs.get("framework") != FRAMEWORK or attrs.get("epoch") != epoch or attrs.get("world_size") != members:
@@ -306,7 +286,7 @@ def _shard_header(path: Path, expected: dict, table: ShardedTable, members: int,
                         "non-negative integer 'steps'")
     if problems:
         raise CheckpointError("shard does not fit its store manifest and table", path, problems)
-    return header, state["steps"], (before.st_dev, before.st_ino)
+    return header, state["steps"], identity
 
 
 def _read_rows(path: Path, rows: int, header, identity: tuple, table: ShardedTable, tier: Tier,
@@ -390,18 +370,7 @@ def stage_table(folder: Path, table: ShardedTable, saved: dict, epoch: int) -> t
     return tier, steps.pop() if steps else 0
 
 
-def _problem(exc: Exception) -> str:
-    """One line for ``exc``; anything but a CheckpointError (a bug, out of memory) names its type."""
-    text = str(exc).replace("\n", " ")
-    return text if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {text}"
-
-
-def _agree(problems: list, name: str) -> list:
-    """Every rank's problems (collective), each once, in rank order."""
-    out = []
-    for rank_problems in api.allgather_object(problems, name=name):
-        out.extend(p for p in rank_problems if p not in out)
-    return out
+_problem, _agree = describe_problem, agree
 
 
 def _check_dense(manager: Any, epoch: int) -> tuple:

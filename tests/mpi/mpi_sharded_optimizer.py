@@ -288,3 +288,117 @@ def test_clip_grad_norm_clips_the_whole_gradient():
     torch.testing.assert_close(norm.float(), expected, rtol=1e-5, atol=0)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _expected_flat(consolidated, bucket, key, lo, hi):
+    """Elements [lo, hi) of bucket ``bucket`` (a layout entry) of ``key``, from the consolidated state (zero padded)."""
+    flat = torch.cat([consolidated["state"][index][key].reshape(-1) for index, _, _ in bucket["params"]])
+    out = torch.zeros(hi - lo, dtype=flat.dtype)
+    stop = min(hi, flat.numel())
+    if stop > lo:
+        out[: stop - lo] = flat[lo:stop]
+    return out
+
+
+def test_checkpoint_shards_reload_at_any_rank_count_and_into_one_process(shared_dir):
+    """Issue 39, item 4: saved as per-rank shards plus a manifest; loaded at this rank count (another bucket
+    layout), into a plain torch Adam (consolidated, as one process would) and, emulated, at 1 to 4 ranks:
+    each continues bit-identically / holds exactly the consolidated state's slice."""
+    import h5py
+
+    from hvps.adapters.torch import sharded_checkpoint as sc
+    from hvps.checkpoint.resharding import shard_bounds
+
+    lr = 2.0 ** -4
+    ref, model = _model(), _model()
+    ref_opt = _groups(ref, "adam", lr)
+    opt = ShardedOptimizer(_groups(model, "adam", lr), named_parameters=model.named_parameters(),
+                           bucket_cap_mb=TINY_BUCKETS)
+    for step in range(2):
+        _reference_step(ref, ref_opt, step)
+        _sharded_step(model, opt, step)
+    directory = shared_dir / "sharded-optimizer-ckpt"
+    mgr = hvd.CheckpointManager(directory, fsync=False)
+    mgr.save(1, model=model, optimizer=opt)
+    consolidated = opt.state_dict()
+    _assert_same_state(consolidated, ref_opt.state_dict())
+    # this rank's file holds its shard only: 1/N of the element-wise state
+    with h5py.File(directory / "optim-epoch-000001" / sc.shard_file_name(hvd.rank(), hvd.size())) as f:
+        stored = sum(f["optimizer"][b][k].size for b in f["optimizer"] for k in f["optimizer"][b])
+    assert stored == 2 * sum(b.shard_numel for b in opt._buckets)
+
+    # the same rank count, another bucket layout: bit-identical continuation
+    model2 = _model()
+    with torch.no_grad():
+        for p in model2.parameters():
+            p.add_(1.0)
+    opt2 = ShardedOptimizer(_groups(model2, "adam", 1.0), named_parameters=model2.named_parameters())
+    assert mgr.load(model=model2, optimizer=opt2) == 2
+    assert opt2.param_groups[0]["lr"] == lr
+    # into one plain torch Adam (every rank consolidates, reading every shard)
+    plain_model = _model()
+    plain = _groups(plain_model, "adam", 1.0)
+    assert mgr.load(model=plain_model, optimizer=plain) == 2
+    _assert_same_state(plain.state_dict(), consolidated)
+    for step in range(2, 4):
+        _reference_step(ref, ref_opt, step)
+        _sharded_step(model2, opt2, step)
+        _reference_step(plain_model, plain, step)
+        _assert_equal(model2, ref, f"reloaded at {hvd.size()} ranks, step {step}")
+        _assert_equal(plain_model, ref, f"reloaded into one process, step {step}")
+
+    # other rank counts, emulated on every rank: rank q of M reads its ranges of the N saved shards
+    layout = opt.shard_layout()
+    for size in range(1, 5):
+        other = sc.relayout(layout, size)
+        for q in range(hvd.rank(), size, hvd.size()):
+            staged = sc.stage_shard(directory, mgr.loaded, other, q)
+            for b, bucket in enumerate(other["buckets"]):
+                lo, hi = shard_bounds(bucket["numel"], size, q)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    expected = _expected_flat(consolidated, bucket, key, lo, hi)
+                    assert torch.equal(staged[b][key], expected), (size, q, b, key)
+                first = bucket["params"][0][0]
+                assert torch.equal(staged[b]["step"], consolidated["state"][first]["step"])
+
+
+def test_checkpoint_reloads_at_one_rank_fewer_and_continues_exactly(shared_dir):
+    """Saved at N ranks, loaded by a ShardedOptimizer over N - 1 of them (a real re-shard, N -> N - 1) while
+    the rank left out loads it into a plain Adam: both continue bit-identically to one process."""
+    import hvps
+
+    fewer = hvd.size() - 1
+    lr = 2.0 ** -4
+    ref, model = _model(), _model()
+    ref_opt = _groups(ref, "adam", lr)
+    opt = ShardedOptimizer(_groups(model, "adam", lr), named_parameters=model.named_parameters(),
+                           bucket_cap_mb=TINY_BUCKETS)
+    for step in range(2):
+        _reference_step(ref, ref_opt, step)
+        _sharded_step(model, opt, step)
+    mgr = hvd.CheckpointManager(shared_dir / "sharded-optimizer-fewer", fsync=False)
+    mgr.save(1, model=model, optimizer=opt)
+    subset = hvps.add_process_set(list(range(fewer)))
+    try:
+        model2 = _model()
+        inside = hvd.rank() < fewer
+        if inside:
+            opt2 = ShardedOptimizer(_groups(model2, "adam", 1.0), named_parameters=model2.named_parameters(),
+                                    bucket_cap_mb=TINY_BUCKETS * 2, process_set=subset)
+        else:
+            opt2 = _groups(model2, "adam", 1.0)
+        assert mgr.load(model=model2, optimizer=opt2) == 2
+        for step in range(2, 4):
+            _reference_step(ref, ref_opt, step)
+            if inside:
+                opt2.zero_grad()
+                x, targets = _data(step)
+                per = GLOBAL_BATCH // fewer
+                rows = slice(hvd.rank() * per, (hvd.rank() + 1) * per)
+                model2.loss(x[rows], [t[rows] for t in targets], SCALE * fewer).backward()
+                opt2.step()
+            else:
+                _reference_step(model2, opt2, step)
+            _assert_equal(model2, ref, f"{hvd.size()} -> {fewer if inside else 'one process'}, step {step}")
+    finally:
+        hvps.remove_process_set(subset)

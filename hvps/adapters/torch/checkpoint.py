@@ -15,6 +15,12 @@ reads or writes the files.  Saved: the module's ``state_dict()``; the optimizer'
 states (torch CPU and CUDA, numpy's global generator, Python's ``random``); optional
 per-rank compression state and user extras.  bfloat16 and float8 tensors are stored as
 integers of the same width with a ``dtype`` attribute.  No pickle is involved.
+
+A :class:`ShardedOptimizer` (``hvd.DistributedOptimizer(..., shard=True)``) is passed the same way,
+but its state is never gathered: every rank writes its own shard next to the version
+(``optim-epoch-NNNNNN/``, so the directory must be shared by all ranks) and the dense file records
+their manifest; ``load`` re-shards it for any rank count, or consolidates it into a plain torch
+optimizer (see :mod:`hvps.adapters.torch.sharded_checkpoint`).
 """
 
 from __future__ import annotations
@@ -27,8 +33,12 @@ import numpy as np
 import torch
 
 import hvps.checkpoint.manager as _core
-from hvps.checkpoint.format import CheckpointError
+from hvps.checkpoint.format import CheckpointError, IncompatibleCheckpointError
+from hvps.checkpoint.shards import agree, describe_problem
 from hvps.core.views import as_array, as_tensor
+
+from . import sharded_checkpoint as _sharded
+from .sharded_optimizer import ShardedOptimizer
 
 
 def tensor_to_array(tensor: torch.Tensor, where: str = "tensor") -> np.ndarray:
@@ -128,7 +138,9 @@ def _int_key(k: str) -> Any:
 
 def check_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping) -> list:
     problems = []
-    inner = getattr(optimizer, "_inner", optimizer)
+    # a sharded optimizer loads a plain one's state (it keeps its shard): the class is the one it wraps
+    inner = optimizer.shard_optimizer if isinstance(optimizer, ShardedOptimizer) else getattr(optimizer, "_inner",
+                                                                                              optimizer)
     cls = saved.get("class")
     if cls is not None and cls != type(inner).__name__:
         problems.append(f"optimizer class: checkpoint {cls}, given {type(inner).__name__}")
@@ -234,13 +246,23 @@ class CheckpointManager(_core.CheckpointManager):
             rng = rng_state()
         elif rng is False:
             rng = None
-        return super().save(
+        sharded = isinstance(optimizer, ShardedOptimizer)
+        if sharded:  # every rank writes its own shard first; the dense file below commits them
+            if int(epoch) < 0:
+                raise ValueError(f"epoch must be >= 0, got {epoch}")
+            optimizer_section = _sharded.save_optimizer_shards(self, epoch, optimizer, step)
+        else:
+            optimizer_section = None if optimizer is None else optimizer_state(optimizer)
+        path = super().save(
             epoch,
             model=None if model is None else model_state(model),
-            optimizer=None if optimizer is None else optimizer_state(optimizer),
+            optimizer=optimizer_section,
             extra=None if extra is None else _to_neutral(extra, "extra"),
             compression_state=None if compression_state is None else _to_neutral(compression_state, "compression"),
             step=step, rng=None if rng is None else _to_neutral(rng, "rng"))
+        if path is not None:  # the root: drop the shard folders of versions retention removed
+            _sharded.tidy(self, int(epoch))
+        return path
 
     def load(self, version: Union[str, int] = "latest", drop_compression_state: bool = False, *,
              model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -255,6 +277,9 @@ class CheckpointManager(_core.CheckpointManager):
         compression state.  Returns the saved epoch + 1, or 0 when there is nothing to load.
         """
         start = super().load(version, drop_compression_state=drop_compression_state)
+        staged = None
+        if optimizer is not None:
+            start, staged = self._stage_sharded_optimizer(version, start, optimizer, drop_compression_state)
         ck = self.loaded
         if ck is None:
             return start
@@ -263,20 +288,80 @@ class CheckpointManager(_core.CheckpointManager):
         problems = []
         if model is not None:
             problems += [p for p in check_model(model, ck.model, ck.path)] if strict else []
-        if optimizer is not None:
+        if optimizer is not None and staged is None:
             problems += check_optimizer(optimizer, ck.optimizer) if ck.optimizer else \
                 ["the checkpoint holds no optimizer state"]
         if problems:
             raise CheckpointError("the checkpoint does not fit the given model/optimizer", ck.path, problems)
         if model is not None:
             apply_model(model, ck.model, strict, ck.path)
-        if optimizer is not None:
+        if staged is not None:
+            kind, state, groups = staged
+            if kind == "sharded":
+                optimizer.load_local_state(state, groups)
+            else:  # consolidated for a plain optimizer: its class and shapes are checked as for any state
+                apply_optimizer(optimizer, state, ck.path)
+        elif optimizer is not None:
             apply_optimizer(optimizer, ck.optimizer, ck.path)
         if compression is not None:
             compression.load_state_dict(ck.compression_state)
         if restore_rng and ck.rng is not None:
             set_rng_state(ck.rng)
         return start
+
+    def _stage_sharded_optimizer(self, version: Union[str, int], start: int, optimizer: torch.optim.Optimizer,
+                                 drop: bool) -> tuple:
+        """When the loaded version holds a sharded optimizer's manifest: read (and verify) what ``optimizer``
+        needs of its shards, falling back to older versions (``version="latest"``) while shards are bad.
+
+        Returns:
+            ``(epoch to resume from, staged state or None)``; ``self.loaded`` is the version staged.
+
+        Raises:
+            CheckpointError: on every rank, for an explicit ``version`` whose shards are bad, or when the
+                manifest does not fit ``optimizer`` (another model or optimizer class).
+        """
+        while self.loaded is not None and _sharded.is_sharded_manifest(self.loaded.optimizer):
+            ck = self.loaded
+            problems, staged = [], None
+            try:
+                fit = _sharded.check_fit(ck.optimizer, optimizer, ck.path)
+            except CheckpointError as exc:  # a malformed manifest: a defect of this version
+                fit, problems = [], [describe_problem(exc)]
+            if fit:
+                raise CheckpointError("the checkpoint's sharded optimizer state does not fit this optimizer",
+                                      ck.path, fit)
+            if not problems:
+                try:
+                    staged = _sharded.stage_optimizer(self.directory, ck, optimizer)
+                except Exception as exc:  # noqa: BLE001 - every rank learns every rank's problems below
+                    problems = [describe_problem(exc)]
+            everyone = agree(problems, f"ckpt.load.optim.{ck.epoch}")
+            if not everyone:
+                return start, staged
+            if version != "latest":
+                raise CheckpointError(f"the sharded optimizer state of epoch {ck.epoch} cannot be loaded",
+                                      ck.path, everyone)
+            warnings.warn(f"skipping checkpoint epoch {ck.epoch}: {'; '.join(everyone)}", RuntimeWarning,
+                          stacklevel=3)
+            start = self._load_older(ck.epoch, drop)
+        return start, None
+
+    def _load_older(self, epoch: int, drop: bool) -> int:
+        """Load the newest version older than ``epoch`` that reads (skipping, with a warning, those that do
+        not), as ``load("latest")`` does; 0 and ``self.loaded = None`` when there is none."""
+        group = _core._Group(self.root_rank)
+        older = group.bcast_obj([v.epoch for v in reversed(self.list()) if v.epoch < epoch] if group.is_root
+                                else None, f"ckpt.load.older.{epoch}")
+        self.loaded = None
+        for candidate in older:
+            try:
+                return _core.CheckpointManager.load(self, candidate, drop_compression_state=drop)
+            except IncompatibleCheckpointError:
+                raise
+            except CheckpointError as exc:  # raised on every rank alike
+                warnings.warn(f"skipping checkpoint: {exc}", RuntimeWarning, stacklevel=4)
+        return 0
 
 
 __all__ = ["CheckpointManager", "CheckpointError", "tensor_to_array", "array_to_tensor", "rng_state", "set_rng_state"]

@@ -43,6 +43,11 @@ not tensors. Parameters that got no gradient on any rank are stepped with a zero
 ordinary format for the full model (per-parameter state keyed by parameter index, the user's
 ``param_groups``), loadable into the unsharded optimizer or into a ``ShardedOptimizer`` at any rank count.
 ``load_state_dict()`` takes that format and keeps only this rank's shard (no communication).
+For checkpoints prefer ``hvd.CheckpointManager.save(epoch, model=..., optimizer=this)``: each rank then
+writes only its shard (1/N of the state, in memory and on disk) plus a manifest, loadable at any rank
+count or into a plain optimizer (:mod:`hvps.adapters.torch.sharded_checkpoint`, which uses
+:meth:`ShardedOptimizer.shard_layout`, :meth:`ShardedOptimizer.local_state` and
+:meth:`ShardedOptimizer.load_local_state`).
 
 Not supported (``ValueError`` at construction): ``op=Adasum``; compressions other than none, fp16 and
 bf16 (int8, top-k, DGC, PowerSGD, Horovod-style compressors); ``torch.optim.SparseAdam``; an optimizer
@@ -503,15 +508,71 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     merged[key] = sample.clone() if torch.is_tensor(sample) else sample
             if merged:
                 shard_state[len(shard_state)] = (bucket, merged)
+        self._install({bucket.index: merged for bucket, merged in shard_state.values()})
+
+    def _install(self, by_bucket: dict) -> None:
+        """Make ``by_bucket`` (bucket index -> this rank's ``{key: value}``) the local optimizer's state."""
         shard_params = [p for g in self.shard_optimizer.param_groups for p in g["params"]]
         shard_index = {p: i for i, p in enumerate(shard_params)}
-        inner = {"state": {shard_index[bucket.shard]: merged for bucket, merged in shard_state.values()},
+        inner = {"state": {shard_index[self._buckets[b].shard]: merged for b, merged in by_bucket.items()},
                  "param_groups": [{**_hyper(user), "params": [shard_index[p] for p in shard["params"]]}
                                   for user, shard in self._group_pairs]}
         self.reset_step()
         self.shard_optimizer.load_state_dict(inner)
         self._group_pairs = [(user, shard) for (user, _), shard in zip(self._group_pairs,
                                                                         self.shard_optimizer.param_groups)]
+
+    # -- sharded checkpoints (hvps.adapters.torch.sharded_checkpoint) -------------------------------------
+    def shard_layout(self) -> dict:
+        """How the parameters lie in the buckets and the buckets over the ranks (JSON-able).
+
+        Returns:
+            ``{"world_size": N, "params": [[name, shape, dtype, requires_grad], ...], "buckets": [{"group": g,
+            "numel": L, "shard_numel": s, "params": [[parameter index, start, numel], ...]}, ...]}``;
+            parameters are numbered over the user's groups in order, as torch's ``state_dict()`` numbers them.
+        """
+        params = [p for g in self.param_groups for p in g["params"]]
+        index = {p: i for i, p in enumerate(params)}
+        return {"world_size": self._size,
+                "params": [[self._names[p], list(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad]
+                           for p in params],
+                "buckets": [{"group": b.group_index, "numel": b.numel, "shard_numel": b.shard_numel,
+                             "params": [[index[p], start, n] for p, (start, n) in zip(b.params, b.slices)]}
+                            for b in self._buckets]}
+
+    def local_state(self) -> dict:
+        """This rank's shard of the optimizer state, not copied: ``{bucket index: {key: value}}``; element-wise
+        state is a 1-D tensor of the bucket's ``shard_numel`` elements, anything else (a step count) as the
+        local optimizer keeps it."""
+        state = self.shard_optimizer.state
+        return {b.index: dict(state[b.shard]) for b in self._buckets if b.shard in state}
+
+    def load_local_state(self, by_bucket: dict, param_groups: list) -> None:
+        """Install this rank's shard of a state (no communication); the step in progress is forgotten.
+
+        Args:
+            by_bucket: ``{bucket index: {key: value}}`` in :meth:`local_state`'s form, for this optimizer's
+                buckets (element-wise tensors of ``shard_numel`` elements).
+            param_groups: the saved groups (hyper-parameters are taken from them).
+
+        Raises:
+            ValueError: the groups do not match, or a bucket index or tensor size is wrong.
+        """
+        if len(param_groups) != len(self.param_groups):
+            raise ValueError(f"the state has {len(param_groups)} parameter groups, the optimizer "
+                             f"{len(self.param_groups)}")
+        for b, entry in by_bucket.items():
+            if not 0 <= b < len(self._buckets):
+                raise ValueError(f"no bucket {b}")
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.numel() != self._buckets[b].shard_numel:
+                    raise ValueError(f"state {key!r} of bucket {b} has {value.numel()} elements, the shard "
+                                     f"{self._buckets[b].shard_numel}")
+        for mine, theirs in zip(self.param_groups, param_groups):
+            mine.update(_hyper(theirs))
+        device = {b.index: b.shard.device for b in self._buckets}
+        self._install({b: {k: v.to(device[b]) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in entry.items()}
+                       for b, entry in by_bucket.items()})
 
     def reset_step(self) -> None:
         """Forget the step in progress (handles not waited for, countdowns full again)."""
