@@ -37,6 +37,7 @@ CASES.update({
 CASES["collectives-encrypted"] = ("mpi_collectives.py", {"HVPS_ENCRYPT": "all"}, 420)
 CASES["elastic-state"] = ("mpi_elastic_state.py", {}, 240)  # hvd.elastic front end; one data plane suffices
 CASES["sharded-optimizer"] = ("mpi_sharded_optimizer.py", {}, 240)  # ZeRO stage 1-2 (issue 39); one data plane
+CASES["fully-sharded"] = ("mpi_fully_sharded.py", {}, 240)  # ZeRO stage 3 (issue 39); one data plane
 
 
 def _inner_module_cases(np_, case_name):

@@ -221,15 +221,13 @@ class FullyShardedModel:
         for name, p in model.named_parameters():
             if p.is_sparse:
                 raise ValueError(f"sparse parameter {name!r} with fully_shard is not supported")
+        self.units = self._claim(model, _unit_modules(model, units))
         hvps.size()  # HvpsError before init
         if not process_set.included():
             raise ValueError("this rank is not in fully_shard's process_set")
         self.model, self.process_set, self.prefetch = model, process_set, prefetch
         self._size, self._rank = process_set.size(), process_set.rank()
         self._plan = summable.summable_plan(self.compression.compressor, op, process_set.size, prescale, postscale)
-
-        unit_modules = _unit_modules(model, units)
-        self.units = self._claim(model, unit_modules)
         self._check_same_parameters_everywhere()
         if broadcast_from is not None:
             self._broadcast(broadcast_from)
