@@ -165,6 +165,9 @@ def test_sequential_blocks_match_one_process_closely():
     full = _full(model)
     for name, b in ref.state_dict().items():
         torch.testing.assert_close(full[name], b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # evaluation: every unit gathered and freed again, the root too
+        torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-6)
+    assert not any(u.gathered for u in FullyShardedModel.of(model).units)
 
 
 def _storage_bytes(tensors):

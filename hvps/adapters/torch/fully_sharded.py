@@ -376,6 +376,8 @@ class FullyShardedModel:
         def hook(module: torch.nn.Module, args: Any) -> None:
             if unit.is_root:
                 self._order_known = bool(self._forward_order)
+                if self._in_backward:  # the last backward raised before its end: drop what it left
+                    self._abandon_backward()
                 self._free(unit)  # kept from a forward that no backward followed: the shards may have moved
             if not self._order_known and unit not in self._forward_order:
                 self._forward_order.append(unit)
@@ -446,19 +448,25 @@ class FullyShardedModel:
                     for group in unit.groups:
                         if group.reduce_handle is None:
                             continue
-                        out = group.reduce_handle.wait()
+                        out, group.reduce_handle = group.reduce_handle.wait(), None
                         grad = summable.decompress_tensor(self.compression, out, group.reduce_ctx, OPS)
                         if self._plan.after != 1.0:
                             grad = OPS.scale(grad, self._plan.after)
                         group.install_gradient(grad.to(group.dtype).reshape(-1))
         finally:
-            for unit in self.units:
-                for group in unit.groups:
-                    group.reduce_handle, group.reduce_ctx, group.grads_in = None, None, 0
-                unit.reducing = False
-                self._free(unit)
-            self._in_backward = False
+            self._abandon_backward()
         hvps.step_done()
+
+    def _abandon_backward(self) -> None:
+        for unit in self.units:
+            for group in unit.groups:
+                if group.reduce_handle is not None:
+                    with contextlib.suppress(Exception):
+                        group.reduce_handle.wait()
+                group.reduce_handle, group.reduce_ctx, group.grads_in = None, None, 0
+            unit.reducing = False
+            self._free(unit)
+        self._in_backward = False
 
     # -- tools -------------------------------------------------------------------------------------
     def sharded_parameters(self) -> Iterator[torch.nn.Parameter]:
