@@ -49,6 +49,7 @@ from .mpi_ops import (
 from . import adasum_optimizer  # noqa: F401  (registers the Adasum kind of DistributedOptimizer)
 from .optimizer import DistributedOptimizer
 from .sharded_optimizer import ShardedOptimizer
+from .fully_sharded import fully_shard
 from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
@@ -59,7 +60,8 @@ __all__ = [
     "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
     "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
     "grouped_reducescatter_async", "synchronize", "poll", "join", "barrier", "broadcast_parameters",
-    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "DistributedOptimizer", "ShardedOptimizer", "SyncBatchNorm",
+    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "DistributedOptimizer", "ShardedOptimizer", "fully_shard",
+    "SyncBatchNorm",
     "elastic", "CheckpointManager", "CheckpointError",
 ]
 

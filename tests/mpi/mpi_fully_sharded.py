@@ -1,0 +1,230 @@
+"""Inner multi-rank tests of ``fully_shard`` (ZeRO stage 3): against single-process training on the global
+batch, computed in-process on every rank without hvps.
+
+Bit-exactness uses the dyadic trick of tests/mpi/mpi_sharded_optimizer.py: the loss is linear in the
+outputs of three parallel heads (``sum(head(x) * t)``, small-integer data, dyadic weights), so the gradients
+do not depend on the parameters and are exact in float32; each rank's loss is its part of the global loss
+times N, so the Average reduce-scatter yields the reference's gradient bit for bit, and element-wise
+optimizer kernels (``foreach=False``) do the rest. Two heads are units (one of them holding a nested
+module), the third head and a scale vector of the model itself form the root unit; 59 parameters, uneven
+at 2 and 3 ranks.
+"""
+
+import pytest
+import torch
+
+import hvps.adapters.torch as hvd
+from hvps import HvpsError
+from hvps.adapters.torch.fully_sharded import FullyShardedModel, fully_shard
+
+pytestmark = pytest.mark.timeout(120)
+
+GLOBAL_BATCH = 12
+STEPS = 3
+SCALE = 2.0 ** -6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    hvd.init()
+    torch.set_num_threads(1)
+    yield
+
+
+class Pair(torch.nn.Module):
+    """A head made of a linear map and a nested one on the same slice (a unit with a submodule)."""
+
+    def __init__(self, inputs, outputs):
+        super().__init__()
+        self.main = torch.nn.Linear(inputs, outputs)
+        self.extra = torch.nn.Linear(inputs, outputs, bias=False)
+
+    def forward(self, x):
+        return self.main(x) + self.extra(x)
+
+
+class Heads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = Pair(5, 3)  # 18 + 15
+        self.second = torch.nn.Linear(4, 2)  # 10
+        self.third = torch.nn.Linear(3, 3, bias=False)  # 9 (root)
+        self.scale = torch.nn.Parameter(torch.ones(3))  # 3 (root)
+
+    def loss(self, x, targets, factor):
+        a, b, c = x[:, :5], x[:, 5:9], x[:, 9:12]
+        total = (self(a, b, c) * targets[2]).sum() + (self.first(a) * targets[0]).sum() \
+            + (self.second(b) * targets[1]).sum()
+        return total * factor
+
+    def forward(self, a, b, c):
+        return self.third(c) + self.scale * c
+
+
+def _model():
+    torch.manual_seed(11)
+    model = Heads()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.round(p * 8) / 8)
+    return model
+
+
+def _data(step):
+    g = torch.Generator().manual_seed(700 + step)
+    x = torch.randint(-4, 5, (GLOBAL_BATCH, 12), generator=g).float()
+    targets = [torch.randint(-4, 5, (GLOBAL_BATCH, o), generator=g).float() for o in (3, 2, 3)]
+    return x, targets
+
+
+def _local(x, targets):
+    per = GLOBAL_BATCH // hvd.size()
+    rows = slice(hvd.rank() * per, (hvd.rank() + 1) * per)
+    return x[rows], [t[rows] for t in targets]
+
+
+def _optimizer(model, kind, lr):
+    # groups by name: the shards keep their parameters' names
+    named = dict(model.named_parameters())
+    fast = [named["third.weight"], named["scale"]]
+    groups = [{"params": [p for n, p in named.items() if n not in ("third.weight", "scale")]},
+              {"params": fast, "lr": lr * 2}]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=0.5, weight_decay=2.0 ** -5, foreach=False)
+    return torch.optim.Adam(groups, lr=lr, foreach=False)
+
+
+def _full(model):
+    with FullyShardedModel.of(model).full_parameters():
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _assert_equal(full, ref, what):
+    for name, b in ref.state_dict().items():
+        assert torch.equal(full[name], b), f"{what}: {name} differs from the single-process run"
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_bit_identical_to_one_process(kind):
+    lr = 2.0 ** -4
+    ref, model = _model(), _model()
+    ref_opt = _optimizer(ref, kind, lr)
+    fully_shard(model, units=[model.first, model.second, model.first.extra])
+    controller = FullyShardedModel.of(model)
+    assert [u.name for u in controller.units] == ["root", "first", "first.extra", "second"]
+    opt = _optimizer(model, kind, lr)
+    for step in range(STEPS):
+        x, targets = _data(step)
+        ref_opt.zero_grad()
+        ref.loss(x, targets, SCALE).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        xs, ts = _local(x, targets)
+        model.loss(xs, ts, SCALE * hvd.size()).backward()
+        opt.step()
+        _assert_equal(_full(model), ref, f"{kind}, step {step}")
+    # outside forward and backward no rank holds a full parameter
+    assert all(p.numel() == 0 for u in controller.units for g in u.groups for p in g.full)
+    assert [u.name for u in controller._forward_order] == ["root", "first", "first.extra", "second"]
+
+
+class Stack(torch.nn.Module):
+    """Blocks in sequence (the transformer-stack shape): prefetching in forward and backward matters."""
+
+    def __init__(self, width=16, depth=4):
+        super().__init__()
+        self.embed = torch.nn.Linear(6, width)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, width), torch.nn.Tanh())
+            for _ in range(depth))
+        self.head = torch.nn.Linear(width, 2)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def test_sequential_blocks_match_one_process_closely():
+    torch.manual_seed(4)
+    ref, model = Stack(), Stack()
+    model.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    fully_shard(model, units=[torch.nn.Sequential])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        x = torch.randn(GLOBAL_BATCH, 6, generator=g)
+        ref_opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        opt.zero_grad()
+        model(_local(x, [])[0]).square().mean().backward()
+        opt.step()
+    full = _full(model)
+    for name, b in ref.state_dict().items():
+        torch.testing.assert_close(full[name], b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # evaluation: every unit gathered and freed again, the root too
+        torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-6)
+    assert not any(u.gathered for u in FullyShardedModel.of(model).units)
+
+
+def _storage_bytes(tensors):
+    storages = {}
+    for t in tensors:
+        if torch.is_tensor(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _resident(model, opt):
+    """Bytes of every parameter, gradient and optimizer-state storage reachable from the model and optimizer."""
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
+    tensors += [v for entry in opt.state.values() for v in entry.values()]
+    if hasattr(model, "_hvps_fully_sharded"):
+        tensors += [p for u in FullyShardedModel.of(model).units for g in u.groups for p in g.full]
+    return _storage_bytes(tensors)
+
+
+def test_resident_bytes_are_one_nth():
+    torch.manual_seed(3)
+    ref, model = Stack(width=64, depth=3), Stack(width=64, depth=3)
+    model.load_state_dict(ref.state_dict())
+    fully_shard(model, units=[torch.nn.Sequential])
+    opts = [torch.optim.Adam(m.parameters(), foreach=False) for m in (ref, model)]
+    x = torch.randn(4, 6)
+    for m, o in zip((ref, model), opts):
+        o.zero_grad()
+        m(x).square().sum().backward()
+        o.step()
+    mine, replicated = _resident(model, opts[1]), _resident(ref, opts[0])
+    assert mine <= replicated * (1 / hvd.size() + 0.10), (mine, replicated)
+
+
+def test_parameters_that_differ_across_ranks_are_named():
+    last = hvd.size() - 1
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3 if hvd.rank() != last else 2))
+    with pytest.raises(HvpsError) as caught:
+        fully_shard(model, units=[model[0]])
+    message = str(caught.value)
+    assert "'1.weight'" in message and "rank 0" in message and f"rank {last}" in message, message
+
+
+def test_gradients_accumulate_and_clip_over_the_whole_model():
+    torch.manual_seed(6)
+    ref, model = Stack(depth=2), Stack(depth=2)
+    model.load_state_dict(ref.state_dict())
+    fully_shard(model, units=[torch.nn.Sequential])
+    x = torch.randn(GLOBAL_BATCH, 6, generator=torch.Generator().manual_seed(2))
+    for _ in range(2):  # two backward passes, no zero_grad between: the averaged gradients add up
+        ref(x).square().mean().backward()
+        model(_local(x, [])[0]).square().mean().backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    norm = FullyShardedModel.of(model).clip_grad_norm_(0.05)
+    torch.testing.assert_close(norm.float(), expected, rtol=1e-5, atol=0)
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    full = _full(model)
+    for name, b in ref.state_dict().items():
+        torch.testing.assert_close(full[name], b, rtol=1e-5, atol=1e-6)
