@@ -216,3 +216,31 @@ def test_hvpsrun_flags_set_the_variable(flag, value):
 
     assert parse_args(["-np", "2", flag, "python", "train.py"]).hvps_env()["HVPS_ENCRYPT"] == value
     assert "HVPS_ENCRYPT" not in parse_args(["-np", "2", "python", "train.py"]).hvps_env()
+
+
+def test_the_chunk_by_chunk_fold_gives_the_whole_folds_bits_and_stops_at_a_failure():
+    """The sealed reduce-scatter folds its last step's chunks as they open (backends/sealed.py's ChunkFold):
+    in rank order, bit for bit the fold of the whole block, also where a chunk's bytes split an element;
+    and nothing more is folded once a chunk of the collective failed to open."""
+    import numpy as np
+
+    from hvps.dataplane.backends.sealed import ChunkFold
+    from hvps.dataplane.schedule import fold_in_rank_order
+
+    rng = np.random.default_rng(42)
+    parts = (rng.standard_normal((3, 1001)) * 10.0 ** rng.integers(-8, 8, (3, 1001))).astype(np.float32)
+    whole = np.empty(1001, np.float32)
+    fold_in_rank_order(np.add, list(parts), whole)
+    for chunk in (1030, 4000, 4002, 1 << 20):  # bytes: 1030 and 4002 split float32 elements
+        out = np.full(1001, np.nan, np.float32)
+        fold = ChunkFold(np.add, parts, out, {})
+        for stop in range(chunk, parts[0].nbytes + chunk, chunk):
+            fold.upto(min(stop, parts[0].nbytes))
+        assert out.tobytes() == whole.tobytes(), chunk
+    state: dict = {}
+    out = np.zeros(1001, np.float32)
+    fold = ChunkFold(np.add, parts, out, state)
+    fold.upto(2000)
+    state["failure"] = "a chunk from rank 1 failed authentication"
+    fold.upto(parts[0].nbytes)
+    assert out[:500].tobytes() == whole[:500].tobytes() and not out[500:].any()

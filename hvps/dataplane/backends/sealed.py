@@ -12,7 +12,9 @@ store's exchanges, ``broadcast_object``, checkpoint loading: all are collectives
 
 Messages to peers on another host are sealed (``sealed_crypto.py``); same-host peers travel in clear
 unless ``HVPS_ENCRYPT=all``. Each message is cut into chunks, and a worker thread seals chunk
-k+1 and opens chunk k-1 while chunk k is on the wire (OpenSSL releases the GIL).
+k+1 and opens chunk k-1 while chunk k is on the wire (OpenSSL releases the GIL); the reduce-scatter
+folds each chunk of its last step as soon as it opens (``ChunkFold``), into the output at once, so
+only the last chunk's fold is left when the allgather starts.
 
 A chunk that fails to open never ends a collective early on one rank (the others would wait
 for it): the rank notes the failure, carries on with the collective's messages, and every
@@ -25,7 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -50,8 +52,11 @@ _VERDICT_BYTES = 256
 #: full link's queue: the testbed's tbf holds 100 ms of data) overlaps with the others' data. Measured at 1 Gbit/s:
 #: 6 x 1 MiB moved 53% of the link, 8 x 4 MiB (the scratch memory: up to 2 x 8 x HVPS_RING_CHUNK_BYTES) see RESULTS
 WINDOW = 8
-#: polls without progress before napping between polls, and the nap (seconds)
-_SPIN_POLLS, _NAP = 500, 20e-6
+#: polls without progress before napping between polls, the first nap and the longest (seconds): the naps
+#: grow while nothing moves (a link slower than the cipher), so the waiting rank leaves the CPU to the worker,
+#: the other ranks and the kernel's network stack. Measured on a loaded 2-core host, 64 MiB at 1 Gbit/s:
+#: 500 polls and a fixed 20 us nap cost 210-300 ms of CPU per call and rank, 50 and growing naps 170-240
+_SPIN_POLLS, _NAP, _MAX_NAP = 50, 20e-6, 1e-3
 _TAG = 7301  # MPI tag of every message: the communicator is private to this backend, and MPI keeps order
 
 
@@ -92,6 +97,29 @@ class _Tamper:
             self.last = sealed.copy() if self.seen < self.spec[2] else None
 
 
+class ChunkFold:
+    """The reduce-scatter's fold, done chunk by chunk while the last step's chunks arrive.
+
+    ``parts`` holds every rank's contribution to this rank's block, one row per rank; once the last
+    step's chunks up to byte ``stop`` are usable, :meth:`upto` folds the elements they complete, in
+    rank order, into ``out``. Element by element this is the whole block's fold, so the bits are the
+    same whatever the chunk size (a chunk that splits an element leaves it for the next call).
+    Nothing is folded once ``state`` holds a failure: no byte of a collective that failed is used.
+    """
+
+    def __init__(self, ufunc, parts: np.ndarray, out: np.ndarray, state: dict) -> None:
+        self.ufunc, self.parts, self.out, self.state = ufunc, parts, out, state
+        self.folded = 0  # elements of ``out`` folded so far
+
+    def upto(self, stop_byte: int) -> None:
+        """Fold every element that bytes ``[0, stop_byte)`` of each row complete (call with growing stops)."""
+        stop = stop_byte // self.parts.itemsize
+        if stop > self.folded and "failure" not in self.state:
+            window = slice(self.folded, stop)
+            fold_in_rank_order(self.ufunc, list(self.parts[:, window]), self.out[window])
+            self.folded = stop
+
+
 class SealedBackend(Backend):
     """Collectives over sealed messages on ``inner``'s communicator (an MPI backend's)."""
 
@@ -108,7 +136,7 @@ class SealedBackend(Backend):
         self.timeout = timeout
         self.abort = None
         self.sequence = 0
-        self.workspace, self.own = FusionBuffer(), FusionBuffer()  # received blocks, this rank's sum
+        self.workspace = FusionBuffer()  # the blocks received in a reduce-scatter
         self.tamper = _Tamper(keyring.rank)
         self._subsets: dict = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hvps-seal")
@@ -141,9 +169,14 @@ class SealedBackend(Backend):
         return self._scratch[index][:nbytes]
 
     def _transfer(self, send: Optional[np.ndarray], dest: int, recv: Optional[np.ndarray], source: int,
-                  state: dict, step: int) -> None:
+                  state: dict, step: int, on_chunk: Optional[Callable[[int], None]] = None) -> None:
         """Send the bytes ``send`` to ``dest`` while receiving ``recv``'s bytes from ``source``, in chunks,
-        ``WINDOW`` of them in flight each way; the worker thread seals ahead and opens behind."""
+        ``WINDOW`` of them in flight each way; the worker thread seals ahead and opens behind.
+
+        ``on_chunk(stop)``, when given, runs on the worker thread, in chunk order, each time the received
+        bytes ``recv[:stop]`` are all usable (authenticated and opened, or received in clear): the caller
+        consumes them while later chunks are still on the wire. It never runs for a chunk that failed to
+        open, nor for any chunk after it."""
         from mpi4py import MPI
 
         chunk = self.chunk
@@ -172,6 +205,14 @@ class SealedBackend(Backend):
             except sealed_crypto.invalid_tag():
                 state.setdefault("failure", f"a chunk from rank {self.members[source]} failed authentication on rank "
                                             f"{self.members[self.rank]} in {state['what']}")
+                failed[0] = True
+            usable(k)
+
+        failed = [False]  # a chunk of this transfer failed to open: no later chunk is handed on
+
+        def usable(k):
+            if on_chunk is not None and not failed[0]:
+                on_chunk(min((k + 1) * chunk, recv.size))
 
         sealed: dict = {}                 # k -> future of its sealed bytes
         sends: list = []                  # (k, request) in flight
@@ -206,6 +247,8 @@ class SealedBackend(Backend):
                     moved = True
                     if seal_recv:
                         opening.append(self._pool.submit(open_, k, box))
+                    elif on_chunk is not None:  # on the worker too: on_chunk keeps one thread and chunk order
+                        opening.append(self._pool.submit(usable, k))
                     else:
                         opened += 1
             except MPI.Exception as exc:  # e.g. a message longer than the chunk expected: truncated, never stored
@@ -223,7 +266,7 @@ class SealedBackend(Backend):
             idle += 1
             # sleep(0) hands the GIL to the worker thread at once (a spinning thread keeps it for the
             # interpreter's 5 ms switch interval, which cost every sealed chunk milliseconds)
-            time.sleep(_NAP if idle > _SPIN_POLLS else 0)
+            time.sleep(min(_MAX_NAP, _NAP * (idle - _SPIN_POLLS)) if idle > _SPIN_POLLS else 0)
             if self.abort is not None and self.abort.is_set():  # the engine's word that ranks were lost
                 self._drain(sends, recvs, opening, cancel=True)
                 raise HvpsError(f"hvps: {state['what']} (sealed data plane) abandoned: ranks of the job were lost")
@@ -274,11 +317,14 @@ class SealedBackend(Backend):
 
     # -- the collectives ----------------------------------------------------------------------------
 
-    def _pairwise(self, state: dict, outgoing, incoming) -> None:
-        """Step s = 1..n-1: send ``outgoing(to)`` to rank+s while receiving ``incoming(source)`` from rank-s."""
-        for exchange in pairwise_exchanges(self.rank, self.size):
+    def _pairwise(self, state: dict, outgoing, incoming, on_last_chunk: Optional[Callable[[int], None]] = None) -> None:
+        """Step s = 1..n-1: send ``outgoing(to)`` to rank+s while receiving ``incoming(source)`` from rank-s;
+        ``on_last_chunk``: the last step's ``on_chunk`` (see :meth:`_transfer`)."""
+        exchanges = pairwise_exchanges(self.rank, self.size)
+        for exchange in exchanges:
             to, source = exchange.to, exchange.source
-            self._transfer(outgoing(to), to, incoming(source), source, state, exchange.step)
+            self._transfer(outgoing(to), to, incoming(source), source, state, exchange.step,
+                           on_last_chunk if exchange is exchanges[-1] else None)
 
     def _ring_gather(self, state: dict, block) -> None:
         """Ring allgather: ``block(r)`` is rank r's bytes, filled in place on every rank."""
@@ -292,12 +338,13 @@ class SealedBackend(Backend):
         lo, hi = bounds[self.rank]
         n = hi - lo
         parts = self.workspace.view(flat.dtype, n * self.size).reshape(self.size, n) if n else None
+        if n:
+            parts[self.rank] = flat[lo:hi]
+        fold = ChunkFold(ufunc, parts, out, state) if n else None
         self._pairwise(state, lambda to: _bytes(flat[bounds[to][0]:bounds[to][1]]),
-                       lambda source: _bytes(parts[source]) if n else None)
-        if not n:
-            return
-        parts[self.rank] = flat[lo:hi]
-        fold_in_rank_order(ufunc, list(parts), out)
+                       lambda source: _bytes(parts[source]) if n else None, fold and fold.upto)
+        if fold:
+            fold.upto(n * flat.itemsize)  # nothing left unless a chunk's bytes split an element
 
     def allreduce(self, sendbuf, recvbuf, op):
         state = self._begin("allreduce")
@@ -305,9 +352,8 @@ class SealedBackend(Backend):
         bounds = segments(flat.size, self.size)
         ufunc = dtypes.combine(op, recvbuf.dtype)
         lo, hi = bounds[self.rank]
-        mine = self.own.view(flat.dtype, hi - lo)
-        self._reduce_blocks(state, sendbuf, mine, bounds, ufunc)
-        flat[lo:hi] = mine
+        # into recvbuf at once, even in place: this rank's block of sendbuf is copied aside first and never sent
+        self._reduce_blocks(state, sendbuf, flat[lo:hi], bounds, ufunc)
         self._ring_gather(state, lambda r: _bytes(flat[bounds[r][0]:bounds[r][1]]))
         self._end(state)
 
