@@ -304,8 +304,8 @@ class FastPath:
             with self._guard():
                 while not handle.finished and not executor.backlog and status.running:
                     self._cycle()
-                    if time.monotonic() > until:
-                        break
+                    if handle.finished or time.monotonic() > until:
+                        break  # no yield after the cycle that finished it: on a busy core one costs a time slice
                     os.sched_yield()  # a peer rank or our own engine may be waiting for this core
             return True
         finally:
