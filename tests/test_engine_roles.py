@@ -132,6 +132,19 @@ def test_a_sleeping_engine_is_woken_once_and_not_for_a_synchronous_call():
     assert len(wake.calls) == 2
 
 
+
+def test_only_asynchronous_submissions_keep_the_engine_polling_its_queue():
+    queue = SubmissionQueue(0, EngineStatus(), stall_seconds=60, wake=Calls())
+    with waits_at_once():
+        queue.submit_all([entry("sync")])
+    queue.take(cycle_s=0.001, on_waiter=False)
+    assert queue.active_until == 0.0  # its waiter runs the next one, or wakes the engine
+    queue.submit_all([entry("async")])
+    with waits_at_once():
+        queue.submit_all([entry("sync.2")])
+    queue.take(cycle_s=0.001, on_waiter=False)
+    assert queue.active_until > 0.0  # a burst (a backward pass) may be under way
+
 # -- the fast path ----------------------------------------------------------------------------
 class FakeExecutor:
     def __init__(self) -> None:

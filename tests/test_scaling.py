@@ -12,7 +12,7 @@ from hvps.adapters.common.ops import resolve_op
 from hvps.compression import Compression, GradientCompression
 from hvps.compression.framework_compressors import as_gradient_compression
 from hvps.compression.summable import summable_plan
-from hvps.core import dtypes, scaling
+from hvps.core import arrays, dtypes, scaling
 from hvps.core.views import as_tensor
 
 pytestmark = pytest.mark.unit
@@ -216,3 +216,11 @@ def test_a_read_only_send_buffer_becomes_a_tensor_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert as_tensor(sent).tolist() == [1, 2, 3, 4]
+
+
+def test_same_address_tells_an_in_place_collective_from_one_between_arrays():
+    buffer = np.arange(8, dtype=np.float32)
+    assert arrays.same_address(buffer, buffer) and arrays.same_address(buffer, buffer.reshape(2, 4))
+    assert arrays.same_address(buffer[:4], buffer.reshape(-1))  # a view from the same start
+    assert not arrays.same_address(buffer[1:], buffer)  # overlapping, another start
+    assert not arrays.same_address(buffer, np.arange(8, dtype=np.float32))

@@ -43,6 +43,27 @@ def digest(key: bytes, *parts: bytes) -> bytes:
     return mac.digest()
 
 
+def _keyed(key: bytes, first: bytes) -> "hmac.HMAC":
+    """An HMAC-SHA256 state keyed with ``key`` that has taken ``first`` as ``digest``'s first part."""
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    mac.update(HEADER.pack(len(first)))
+    mac.update(first)
+    return mac
+
+
+_COUNT = struct.Struct("!IQ")
+
+
+def _finish(keyed: "hmac.HMAC", count: int, body: bytes) -> bytes:
+    """``digest(key, first, count as 8 bytes, body)``, from ``keyed`` (``_keyed(key, first)``), which is
+    left as it was."""
+    mac = keyed.copy()
+    mac.update(_COUNT.pack(8, count))
+    mac.update(HEADER.pack(len(body)))
+    mac.update(body)
+    return mac.digest()
+
+
 def _depth_ok(data: bytes) -> bool:
     """Whether brackets outside strings nest at most MAX_DEPTH deep (checked before json.loads,
     whose recursive parser would otherwise raise RecursionError)."""
@@ -129,6 +150,10 @@ class Session:
         self._key = key
         self._mine, self._theirs = mine, theirs
         self._sent = self._received = 0
+        # The keyed HMAC states with each direction's role already fed (``digest``'s first part): a frame's
+        # tag copies one (a C-level copy) instead of keying a new HMAC, tens of microseconds per frame.
+        self._sending = _keyed(key, mine)
+        self._receiving = _keyed(key, theirs)
 
     def seal(self, message: dict) -> bytes:
         """The frame carrying ``message``."""
@@ -136,14 +161,14 @@ class Session:
 
     def seal_encoded(self, body: bytes) -> bytes:
         """The frame carrying a message already encoded (one encoding serves many peers)."""
-        tag = digest(self._key, self._mine, self._sent.to_bytes(8, "big"), body)
+        tag = _finish(self._sending, self._sent, body)
         self._sent += 1
         return frame(tag + body)
 
     def open(self, payload: bytes, allowed: frozenset) -> dict:
         """The message in ``payload`` after checking its tag; ProtocolError if it is forged."""
         tag, body = payload[:DIGEST_BYTES], payload[DIGEST_BYTES:]
-        expected = digest(self._key, self._theirs, self._received.to_bytes(8, "big"), body)
+        expected = _finish(self._receiving, self._received, body)
         if len(tag) != DIGEST_BYTES or not hmac.compare_digest(tag, expected):
             raise ProtocolError("message authentication failed")
         self._received += 1

@@ -256,8 +256,12 @@ class Engine:
                     # "More than a cycle", with slack: (now + cycle) - now rounds to a hair above
                     # a cycle, which would make every submission pay for a wake-up while active.
                     queue.sleeping = timeout is None or timeout > 1.5 * self.cycle_s
-                    idle = timeout is None and not self._outstanding() and not self.negotiation.listens_always
-                if idle:  # nothing of ours in flight: unasked messages (announcements to rank 0) can wait
+                    # A waiter driving the engine (FastPath.drive) reads the messages itself, and wakes this
+                    # thread when it stops with anything outstanding: meanwhile, woken by each message, this
+                    # thread would only queue up for the cycle lock (a context switch per message).
+                    idle = (timeout is None and not self.negotiation.listens_always
+                            and (self.executor.on_waiter or not self._outstanding()))
+                if idle:  # nothing of ours in flight, or a waiter drives: unasked messages can wait
                     self.control.wait(_IDLE_READ_SECONDS, messages=False)
                 else:
                     self.control.wait(timeout)

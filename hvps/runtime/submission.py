@@ -76,6 +76,8 @@ class SubmissionQueue:
         self._wake_pending = False
         #: until then the engine polls its queue every cycle (submitters need not wake it)
         self.active_until = 0.0
+        #: whether the queue holds a submission no waiter is about to run (an asynchronous one: more may follow)
+        self._burst = False
         #: set (under the lock) when the engine may block longer than a cycle: then submitters wake it
         self.sleeping = False
         self._unannounced: list = []
@@ -119,11 +121,13 @@ class SubmissionQueue:
                 self._queue.append(entry)
                 self._queued_names.add(request.name)
             self._latest = handles
+            synchronous = getattr(_synchronous, "on", False)
+            self._burst = self._burst or not synchronous
             # A wake-up costs the submitting (training) thread a syscall, a context
             # switch and the GIL (~150 us). Backward hooks submit in bursts, so while
             # the engine is active it polls its queue every cycle instead (as
             # Horovod's cycle does); after a quiet spell a collective wakes it at once.
-            wake = self.claim_wake(self.sleeping and not getattr(_synchronous, "on", False))
+            wake = self.claim_wake(self.sleeping and not synchronous)
         if wake:
             self._wake()
         return handles
@@ -154,8 +158,10 @@ class SubmissionQueue:
     # -- called by whichever thread runs a cycle ------------------------------------------
     def take(self, cycle_s: float, on_waiter: bool) -> None:
         """Move the queue to the pending collectives and their requests to the unannounced ones; unless a
-        waiter runs the cycle (``on_waiter``), poll the queue every ``cycle_s`` for a while (more is likely
-        to follow, a backward pass)."""
+        waiter runs the cycle (``on_waiter``) or every one taken is a synchronous call's (its waiter runs it or
+        wakes the engine), poll the queue every ``cycle_s`` for a while (more is likely to follow, a backward
+        pass). A loop of synchronous calls thus leaves the engine thread asleep: polling, it would take the
+        next call's collective from its waiter and wake up for every message the waiter reads."""
         with self._lock:
             self._wake_pending = self.sleeping = False
             new = list(self._queue)
@@ -164,8 +170,9 @@ class SubmissionQueue:
             for entry in new:  # under the lock: a name is always either queued or pending
                 self._pending[entry.request.name] = entry
             abandoned, self._abandoned = self._abandoned, []
-            if new and not on_waiter:
+            if new and self._burst and not on_waiter:
                 self.active_until = time.monotonic() + ACTIVE_CYCLES * cycle_s
+            self._burst = False
         self._unannounced.extend(e.request for e in new)
         self._unannounced.extend(abandoned)
         self._abandoned_names.update(r.name for r in abandoned)
@@ -297,8 +304,8 @@ class FastPath:
             with self._guard():
                 while not handle.finished and not executor.backlog and status.running:
                     self._cycle()
-                    if time.monotonic() > until:
-                        break
+                    if handle.finished or time.monotonic() > until:
+                        break  # no yield after the cycle that finished it: on a busy core one costs a time slice
                     os.sched_yield()  # a peer rank or our own engine may be waiting for this core
             return True
         finally:

@@ -151,7 +151,7 @@ class MPIBackend(Backend):
             ring_allreduce(self.comm, sendbuf.reshape(-1), recvbuf.reshape(-1), dtypes.combine(op, recvbuf.dtype),
                            wire, self.ring_chunk_bytes, self.timeout, self.workspace.view, self.abort)
             return
-        send = MPI.IN_PLACE if arrays.address(sendbuf) == arrays.address(recvbuf) else wire(sendbuf)
+        send = MPI.IN_PLACE if arrays.same_address(sendbuf, recvbuf) else wire(sendbuf)
         self._call("Allreduce", polled, send, wire(recvbuf), op=mpi_op(_dtype(recvbuf), op))
 
     def allgatherv(self, sendbuf, recvbuf, counts):
