@@ -77,3 +77,22 @@ def test_distributed_optimizer_with_shard_true_is_the_sharded_optimizer():
         hvd.DistributedOptimizer(_sgd(), op=hvd.Adasum, shard=True)
     with pytest.raises(ValueError, match="sharded optimizer is not supported"):
         hvd.DistributedOptimizer(_sgd(), compression=hvd.Compression.int8, shard=True)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_the_flat_layout_tiles_every_tensor_exactly_once(size):
+    from hvps.core.flat_shards import FlatLayout
+
+    sizes = (5, 0, 7, 1, 12)  # 25 elements: padded at 2, 3 and 4 ranks; an empty tensor between
+    layout = FlatLayout(sizes, size)
+    assert layout.padded % size == 0 and layout.padded - layout.numel < size
+    seen = [[] for _ in sizes]
+    for rank in range(size):
+        lo, hi = layout.block(rank)
+        assert hi - lo == layout.shard_numel
+        at = 0
+        for index, offset, in_block, n in layout.pieces(rank):
+            assert in_block == at and n > 0  # pieces fill the block from its start, in order
+            seen[index].extend(range(offset, offset + n))
+            at += n
+    assert seen == [list(range(n)) for n in sizes]

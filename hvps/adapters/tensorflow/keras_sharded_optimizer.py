@@ -62,6 +62,7 @@ from hvps.adapters.common import options
 from hvps.adapters.common.ops import resolve_op
 from hvps.compression import CastCompressor
 from hvps.compression import NoneCompressor as _CoreNone
+from hvps.core.flat_shards import FlatLayout
 
 from .compression import as_gradient_compression
 from .gradients import variable_name
@@ -85,20 +86,11 @@ class _Bucket:
     def __init__(self, index: int, variables: list, size: int, rank: int) -> None:
         self.index, self.variables = index, variables
         self.dtype = variables[0].dtype
-        self.slices, start = [], 0
-        for v in variables:
-            n = int(np.prod(v.shape))
-            self.slices.append((start, n))
-            start += n
-        self.numel = start
-        self.shard_numel = -(-start // size)
-        self.padded = self.shard_numel * size
-        first, last = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        self.pieces = []
-        for v, (begin, n) in zip(variables, self.slices):
-            lo, hi = max(begin, first), min(begin + n, last)
-            if lo < hi:
-                self.pieces.append((v, lo - begin, hi - lo))
+        layout = FlatLayout(tuple(int(np.prod(v.shape)) for v in variables), size)
+        self.slices, self.numel, self.shard_numel, self.padded = (layout.slices, layout.numel, layout.shard_numel,
+                                                                  layout.padded)
+        # (variable, offset in it, length), in block order: the pieces fill the block from its start
+        self.pieces = [(variables[i], offset, n) for i, offset, _, n in layout.pieces(rank)]
         self.padding = self.shard_numel - sum(n for _, _, n in self.pieces)
         self.shard = keras.Variable(initializer="zeros", shape=(self.shard_numel,), dtype=self.dtype,
                                     trainable=True, name=f"hvps_shard_{index}")

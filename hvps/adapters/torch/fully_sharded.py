@@ -67,6 +67,7 @@ from hvps.adapters.common.ops import resolve_op
 from hvps.adapters.common.options import gradient_options
 from hvps.compression import summable
 from hvps.compression.compressors import CastCompressor, NoneCompressor
+from hvps.core.flat_shards import FlatLayout
 
 from .compression import OPS, as_gradient_compression
 from .functions import allgather_object
@@ -89,26 +90,21 @@ class _FlatGroup:
     def __init__(self, name: str, names: list, params: list, size: int, rank: int) -> None:
         self.name, self.names, self.full = name, names, params
         self.shapes = [p.shape for p in params]
-        self.slices, start = [], 0
-        for p in params:
-            self.slices.append((start, p.numel()))
-            start += p.numel()
-        self.numel = start
-        self.shard_numel = -(-start // size)
-        self.padded = self.shard_numel * size
-        first, last = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        layout = FlatLayout(tuple(p.numel() for p in params), size)
+        self.slices, self.numel, self.shard_numel, self.padded = (layout.slices, layout.numel, layout.shard_numel,
+                                                                  layout.padded)
+        # (offset in the parameter, offset in the block, length); (0, 0, 0): none of it is in this rank's block
+        mine = {i: piece for i, *piece in layout.pieces(rank)}
         ref = params[0]
         self.dtype, self.device = ref.dtype, ref.device
         with torch.no_grad():
             self.shard_flat = torch.zeros(self.shard_numel, dtype=ref.dtype, device=ref.device)
             self.pieces, self.shards = [], []
-            for p, (begin, n) in zip(params, self.slices):
-                lo, hi = max(begin, first), min(begin + n, last)
-                if lo >= hi:  # no element of this parameter is in this rank's block
-                    lo = hi = first
-                piece = self.shard_flat[lo - first : hi - first]
-                piece.copy_(p.detach().reshape(-1)[lo - begin : lo - begin + hi - lo])
-                self.pieces.append((lo - first, hi - lo))
+            for i, p in enumerate(params):
+                offset, at, n = mine.get(i, (0, 0, 0))
+                piece = self.shard_flat[at : at + n]
+                piece.copy_(p.detach().reshape(-1)[offset : offset + n])
+                self.pieces.append((at, n))
                 self.shards.append(torch.nn.Parameter(piece, requires_grad=p.requires_grad))
         self.trainable = [p for p in params if p.requires_grad]
         self.gather_handle: Optional[hvps.Handle] = None

@@ -72,6 +72,7 @@ from hvps.adapters.common.ops import resolve_op
 from hvps.adapters.common.options import gradient_options
 from hvps.compression import summable
 from hvps.compression.compressors import CastCompressor, NoneCompressor
+from hvps.core.flat_shards import FlatLayout
 
 from .compression import OPS, as_gradient_compression
 from .functions import allgather_object
@@ -94,19 +95,10 @@ class _Bucket:
 
     def __init__(self, index: int, group_index: int, params: list, names: list, size: int, rank: int) -> None:
         self.index, self.group_index, self.params, self.names = index, group_index, params, names
-        self.slices, start = [], 0
-        for p in params:
-            self.slices.append((start, p.numel()))
-            start += p.numel()
-        self.numel = start
-        self.shard_numel = -(-start // size)
-        self.padded = self.shard_numel * size
-        first, last = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        self.pieces = []
-        for p, (begin, n) in zip(params, self.slices):
-            lo, hi = max(begin, first), min(begin + n, last)
-            if lo < hi:
-                self.pieces.append((p, lo - begin, lo - first, hi - lo))
+        layout = FlatLayout(tuple(p.numel() for p in params), size)
+        self.slices, self.numel, self.shard_numel, self.padded = (layout.slices, layout.numel, layout.shard_numel,
+                                                                  layout.padded)
+        self.pieces = [(params[i], offset, at, n) for i, offset, at, n in layout.pieces(rank)]
         ref = params[0]
         self.shard = torch.zeros(self.shard_numel, dtype=ref.dtype, device=ref.device)
         self.name = f"shard.{names[0]}.{len(params)}"
