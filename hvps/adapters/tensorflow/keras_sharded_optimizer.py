@@ -57,16 +57,16 @@ import numpy as np
 import tensorflow as tf
 
 import hvps
-from hvps import HvpsError, global_process_set
+from hvps import global_process_set
 from hvps.adapters.common import options
-from hvps.adapters.common.ops import resolve_op
+from hvps.adapters.common.sharding import Signature, check_same_everywhere, sharded_op
 from hvps.compression import CastCompressor
 from hvps.compression import NoneCompressor as _CoreNone
 from hvps.core.flat_shards import FlatLayout
 
 from .compression import as_gradient_compression
 from .gradients import variable_name
-from .mpi_ops import Adasum, Average, Sum, grouped_allgather
+from .mpi_ops import Average, Sum, grouped_allgather
 from .scatter_ops import grouped_reducescatter
 
 __all__ = ["ShardedOptimizer", "DEFAULT_BUCKET_BYTES"]
@@ -199,21 +199,10 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
     def _check_same_variables_everywhere(self, var_list: list) -> None:
         """One allgather of (shape, dtype, name) per variable; HvpsError naming the first difference. Names are
         reported, not compared: Keras numbers layers per process, so they may differ between ranks."""
-        mine = [(tuple(int(d) for d in v.shape), str(v.dtype), variable_name(v, f"variable{i}"))
+        mine = [Signature(variable_name(v, f"variable{i}"), tuple(int(d) for d in v.shape), str(v.dtype))
                 for i, v in enumerate(var_list)]
-        everyone = hvps.allgather_object(mine, name="keras_shard.signature", process_set=self.process_set)
-        ranks = self.process_set.ranks
-        reference = everyone[0]
-        for member, theirs in enumerate(everyone[1:], start=1):
-            for i in range(max(len(reference), len(theirs))):
-                a = reference[i] if i < len(reference) else None
-                b = theirs[i] if i < len(theirs) else None
-                if a is not None and b is not None and a[:2] == b[:2]:
-                    continue
-                named = (a or b)[2]
-                raise HvpsError(
-                    f"ShardedOptimizer: variable {i} ({named!r}) differs across ranks: rank {ranks[0]} has "
-                    f"{_describe(a)}, rank {ranks[member]} has {_describe(b)}; every rank must build the same model")
+        check_same_everywhere(mine, "keras_shard.signature", "ShardedOptimizer", "variable",
+                              "every rank must build the same model", self.process_set, compare_names=False)
 
     # -- the wrapped optimizer's face ----------------------------------------------------------
     @property
@@ -345,9 +334,7 @@ def _refuse_unsupported(optimizer: keras.optimizers.Optimizer, op: Any, backward
                          "would see one shard per rank and could skip the step on some ranks only")
     if hasattr(optimizer, "inner_optimizer"):  # hvps's DistributedOptimizer or ShardedOptimizer, or another wrapper
         raise ValueError(f"the optimizer is already a wrapper ({kind}): wrap the plain Keras optimizer")
-    if resolve_op(None, op) is Adasum:
-        raise ValueError("op=Adasum with a sharded optimizer is not supported: Adasum combines whole updates, a "
-                         "shard holds only part of each")
+    sharded_op(op, "a sharded optimizer")
     if int(backward_passes_per_step) != 1:
         raise ValueError(f"backward_passes_per_step={backward_passes_per_step} with a sharded optimizer is not "
                          "supported: give the optimizer gradient_accumulation_steps instead (it accumulates the "
@@ -374,10 +361,3 @@ def _refuse_unsupported(optimizer: keras.optimizers.Optimizer, op: Any, backward
 
 def _key(variable: Any) -> int:
     return id(variable)
-
-
-def _describe(signature: Optional[tuple]) -> str:
-    if signature is None:
-        return "no such variable"
-    shape, dtype, name = signature
-    return f"{name!r} shape {list(shape)} {dtype}"

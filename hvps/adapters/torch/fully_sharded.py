@@ -62,16 +62,15 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 import hvps
-from hvps import HvpsError, ProcessSet, global_process_set
-from hvps.adapters.common.ops import resolve_op
+from hvps import ProcessSet, global_process_set
 from hvps.adapters.common.options import gradient_options
+from hvps.adapters.common.sharding import Signature, check_same_everywhere, sharded_op
 from hvps.compression import summable
 from hvps.compression.compressors import CastCompressor, NoneCompressor
 from hvps.core.flat_shards import FlatLayout
 
 from .compression import OPS, as_gradient_compression
-from .functions import allgather_object
-from .mpi_ops import Adasum, Average, Sum, allgather_async, allreduce_async, broadcast_async_, reducescatter_async
+from .mpi_ops import Average, Sum, allgather_async, allreduce_async, broadcast_async_, reducescatter_async
 
 __all__ = ["fully_shard", "FullyShardedModel"]
 
@@ -197,13 +196,7 @@ class FullyShardedModel:
             raise TypeError(f"fully_shard takes a torch.nn.Module, not {type(model).__name__}")
         if getattr(model, _CONTROLLER, None) is not None:
             raise ValueError("this model is already fully sharded")
-        op = resolve_op(None, op)
-        if op is Adasum:
-            raise ValueError("op=Adasum with fully_shard is not supported: Adasum combines whole parameter "
-                             "updates, a shard holds only part of each")
-        if op not in (Average, Sum):
-            raise ValueError(f"op={op.name} with fully_shard is not supported: gradients are reduce-scattered "
-                             "with Average or Sum")
+        op = sharded_op(op, "fully_shard")
         op, self.compression, prescale, postscale = gradient_options(
             op, gradient_predivide_factor, compression, as_gradient_compression, ops=(Average, Sum))
         if not isinstance(self.compression.compressor, (NoneCompressor, CastCompressor)):
@@ -296,20 +289,10 @@ class FullyShardedModel:
 
     def _check_same_parameters_everywhere(self) -> None:
         """One allgather of each parameter's unit, name, shape and dtype; HvpsError naming the first difference."""
-        mine = [(unit.name, name, tuple(p.shape), str(p.dtype), p.requires_grad)
+        mine = [Signature(name, tuple(p.shape), str(p.dtype), p.requires_grad, unit.name)
                 for unit in self.units for name, p in self._params.get(unit, [])]
-        everyone = allgather_object(mine, name="fully_shard.signature", process_set=self.process_set)
-        ranks = self.process_set.ranks
-        for member, theirs in enumerate(everyone[1:], start=1):
-            reference = everyone[0]
-            for i in range(max(len(reference), len(theirs))):
-                a = reference[i] if i < len(reference) else None
-                b = theirs[i] if i < len(theirs) else None
-                if a != b:
-                    raise HvpsError(
-                        f"fully_shard: parameter {i} ({(a or b)[1]!r}) differs across ranks: rank {ranks[0]} has "
-                        f"{_describe(a)}, rank {ranks[member]} has {_describe(b)}; every rank must wrap the same "
-                        "model with the same units")
+        check_same_everywhere(mine, "fully_shard.signature", "fully_shard", "parameter",
+                              "every rank must wrap the same model with the same units", self.process_set)
 
     def _broadcast(self, root_rank: int) -> None:
         tensors = [(f"{unit.name}.{name}", p.data) for unit in self.units for name, p in self._params.get(unit, [])]
@@ -589,10 +572,3 @@ def _tensors(output: Any) -> list:
     if isinstance(output, dict):
         return [t for item in output.values() for t in _tensors(item)]
     return []
-
-
-def _describe(signature: Optional[tuple]) -> str:
-    if signature is None:
-        return "no such parameter"
-    unit, name, shape, dtype, requires_grad = signature
-    return f"{name!r} shape {list(shape)} {dtype}{'' if requires_grad else ' (frozen)'} in unit {unit!r}"

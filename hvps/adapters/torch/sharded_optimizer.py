@@ -68,15 +68,14 @@ import torch
 
 import hvps
 from hvps import HvpsError, ProcessSet, global_process_set
-from hvps.adapters.common.ops import resolve_op
 from hvps.adapters.common.options import gradient_options
+from hvps.adapters.common.sharding import Signature, check_same_everywhere, sharded_op
 from hvps.compression import summable
 from hvps.compression.compressors import CastCompressor, NoneCompressor
 from hvps.core.flat_shards import FlatLayout
 
 from .compression import OPS, as_gradient_compression
-from .functions import allgather_object
-from .mpi_ops import (Adasum, Average, Sum, allgather_async, allreduce_async, grouped_allgather_async,
+from .mpi_ops import (Average, Sum, allgather_async, allreduce_async, grouped_allgather_async,
                       reducescatter_async)
 
 __all__ = ["ShardedOptimizer"]
@@ -172,13 +171,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"ShardedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
-        op = resolve_op(None, op)
-        if op is Adasum:
-            raise ValueError("op=Adasum with a sharded optimizer is not supported: Adasum combines whole "
-                             "parameter updates, a shard holds only part of each")
-        if op not in (Average, Sum):
-            raise ValueError(f"op={op.name} with a sharded optimizer is not supported: gradients are reduced "
-                             "with Average or Sum")
+        op = sharded_op(op, "a sharded optimizer")
         if isinstance(optimizer, torch.optim.SparseAdam):
             raise ValueError("SparseAdam (sparse gradients) with a sharded optimizer is not supported: "
                              "shards are dense")
@@ -232,22 +225,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -- setup ----------------------------------------------------------------------------
     def _check_same_parameters_everywhere(self) -> None:
         """One allgather of (name, shape, dtype) per parameter; HvpsError naming the first difference."""
-        mine = [(self._names[p], tuple(p.shape), str(p.dtype), p.requires_grad)
+        mine = [Signature(self._names[p], tuple(p.shape), str(p.dtype), p.requires_grad)
                 for g in self.param_groups for p in g["params"]]
-        everyone = allgather_object(mine, name="shard.signature", process_set=self.process_set)
-        ranks = self.process_set.ranks
-        reference = everyone[0]
-        for member, theirs in enumerate(everyone[1:], start=1):
-            for i in range(max(len(reference), len(theirs))):
-                a = reference[i] if i < len(reference) else None
-                b = theirs[i] if i < len(theirs) else None
-                if a == b:
-                    continue
-                named = (a or b)[0]
-                raise HvpsError(
-                    f"ShardedOptimizer: parameter {i} ({named!r}) differs across ranks: rank {ranks[0]} has "
-                    f"{_describe(a)}, rank {ranks[member]} has {_describe(b)}; every rank must wrap the same "
-                    "model with the same optimizer parameter order")
+        check_same_everywhere(mine, "shard.signature", "ShardedOptimizer", "parameter",
+                              "every rank must wrap the same model with the same optimizer parameter order",
+                              self.process_set)
 
     def _lay_out(self, cap_bytes: int) -> list:
         """The buckets: consecutive trainable parameters of one group, dtype and device, up to ``cap_bytes``."""
@@ -599,13 +581,6 @@ def _same(a: Any, b: Any) -> bool:
     if torch.is_tensor(a) or torch.is_tensor(b):
         return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a.cpu(), b.cpu())
     return a == b
-
-
-def _describe(signature: Optional[tuple]) -> str:
-    if signature is None:
-        return "no such parameter"
-    name, shape, dtype, requires_grad = signature
-    return f"{name!r} shape {list(shape)} {dtype}{'' if requires_grad else ' (frozen)'}"
 
 
 def _name_parameters(params: list, named_parameters: Optional[Iterable]) -> dict:

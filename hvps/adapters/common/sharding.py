@@ -1,0 +1,95 @@
+"""What every sharded front end checks the same way (torch's ``ShardedOptimizer`` and ``fully_shard``, Keras's
+``ShardedOptimizer``): which reduction a shard can take, and that every rank lays out the same tensors before
+the first collective (one allgather; ``HvpsError`` naming the first tensor that differs and the two ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import hvps
+from hvps import HvpsError, ReduceOp
+
+from .ops import resolve_op
+
+__all__ = ["Signature", "check_same_everywhere", "sharded_op"]
+
+
+def sharded_op(op: Any, what: str) -> ReduceOp:
+    """``op`` resolved, when gradients can be reduce-scattered with it (Average or Sum).
+
+    Args:
+        op: the op the user gave (Horovod's names or ``ReduceOp``).
+        what: the front end, for the message (``"a sharded optimizer"``, ``"fully_shard"``).
+
+    Returns:
+        The resolved op.
+
+    Raises:
+        ValueError: Adasum (it combines whole updates, a shard holds part of each) or any op but Average/Sum.
+    """
+    op = resolve_op(None, op)
+    if op is ReduceOp.Adasum:
+        raise ValueError(f"op=Adasum with {what} is not supported: Adasum combines whole parameter updates, a "
+                         "shard holds only part of each")
+    if op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(f"op={op.name} with {what} is not supported: gradients are reduce-scattered with "
+                         "Average or Sum")
+    return op
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One tensor as the ranks compare it: ``name`` is reported, and compared only when names are the same on
+    every rank (torch's parameter names; not Keras's, which numbers layers per process)."""
+
+    name: str
+    shape: tuple
+    dtype: str
+    trainable: bool = True
+    #: the ``fully_shard`` unit holding it (None: no units)
+    unit: Optional[str] = None
+
+    def describe(self) -> str:
+        """The tensor in words, for the error."""
+        frozen = "" if self.trainable else " (frozen)"
+        unit = "" if self.unit is None else f" in unit {self.unit!r}"
+        return f"{self.name!r} shape {list(self.shape)} {self.dtype}{frozen}{unit}"
+
+
+def check_same_everywhere(mine: Sequence[Signature], label: str, what: str, kind: str, fix: str,
+                          process_set: Any, compare_names: bool = True) -> None:
+    """One allgather of every rank's signatures; the first difference is raised on every rank alike.
+
+    Args:
+        mine: this rank's tensors, in the order they will be sharded.
+        label: the allgather's name.
+        what: the front end, first in the message.
+        kind: what a tensor is called there (``"parameter"``, ``"variable"``).
+        fix: what the user should do, last in the message.
+        process_set: the ranks that shard together.
+        compare_names: compare names too (False: only shape, dtype, trainable and unit).
+
+    Raises:
+        HvpsError: ``"<what>: <kind> <i> ('<name>') differs across ranks: rank A has ..., rank B has ...; <fix>"``.
+    """
+    everyone = hvps.allgather_object(list(mine), name=label, process_set=process_set)
+    ranks = process_set.ranks
+    reference = everyone[0]
+
+    def same(a: Optional[Signature], b: Optional[Signature]) -> bool:
+        if a is None or b is None:
+            return a is b
+        return a == b if compare_names else (a.shape, a.dtype, a.trainable, a.unit) == (b.shape, b.dtype,
+                                                                                           b.trainable, b.unit)
+
+    for member, theirs in enumerate(everyone[1:], start=1):
+        for i in range(max(len(reference), len(theirs))):
+            a = reference[i] if i < len(reference) else None
+            b = theirs[i] if i < len(theirs) else None
+            if not same(a, b):
+                named = (a or b).name
+                raise HvpsError(
+                    f"{what}: {kind} {i} ({named!r}) differs across ranks: rank {ranks[0]} has "
+                    f"{a.describe() if a else f'no such {kind}'}, rank {ranks[member]} has "
+                    f"{b.describe() if b else f'no such {kind}'}; {fix}")
