@@ -300,6 +300,21 @@ def _expected_flat(consolidated, bucket, key, lo, hi):
     return out
 
 
+def _two_adam_steps_saved(directory, lr):
+    """A reference Adam and a ShardedOptimizer, two identical steps each, the sharded one saved as epoch 1 in
+    ``directory``: ``(ref, ref_opt, model, opt, manager)``."""
+    ref, model = _model(), _model()
+    ref_opt = _groups(ref, "adam", lr)
+    opt = ShardedOptimizer(_groups(model, "adam", lr), named_parameters=model.named_parameters(),
+                           bucket_cap_mb=TINY_BUCKETS)
+    for step in range(2):
+        _reference_step(ref, ref_opt, step)
+        _sharded_step(model, opt, step)
+    mgr = hvd.CheckpointManager(directory, fsync=False)
+    mgr.save(1, model=model, optimizer=opt)
+    return ref, ref_opt, model, opt, mgr
+
+
 def test_checkpoint_shards_reload_at_any_rank_count_and_into_one_process(shared_dir):
     """Issue 39, item 4: saved as per-rank shards plus a manifest; loaded at this rank count (another bucket
     layout), into a plain torch Adam (consolidated, as one process would) and, emulated, at 1 to 4 ranks:
@@ -310,16 +325,8 @@ def test_checkpoint_shards_reload_at_any_rank_count_and_into_one_process(shared_
     from hvps.checkpoint.resharding import shard_bounds
 
     lr = 2.0 ** -4
-    ref, model = _model(), _model()
-    ref_opt = _groups(ref, "adam", lr)
-    opt = ShardedOptimizer(_groups(model, "adam", lr), named_parameters=model.named_parameters(),
-                           bucket_cap_mb=TINY_BUCKETS)
-    for step in range(2):
-        _reference_step(ref, ref_opt, step)
-        _sharded_step(model, opt, step)
     directory = shared_dir / "sharded-optimizer-ckpt"
-    mgr = hvd.CheckpointManager(directory, fsync=False)
-    mgr.save(1, model=model, optimizer=opt)
+    ref, ref_opt, model, opt, mgr = _two_adam_steps_saved(directory, lr)
     consolidated = opt.state_dict()
     _assert_same_state(consolidated, ref_opt.state_dict())
     # this rank's file holds its shard only: 1/N of the element-wise state
@@ -369,15 +376,7 @@ def test_checkpoint_reloads_at_one_rank_fewer_and_continues_exactly(shared_dir):
 
     fewer = hvd.size() - 1
     lr = 2.0 ** -4
-    ref, model = _model(), _model()
-    ref_opt = _groups(ref, "adam", lr)
-    opt = ShardedOptimizer(_groups(model, "adam", lr), named_parameters=model.named_parameters(),
-                           bucket_cap_mb=TINY_BUCKETS)
-    for step in range(2):
-        _reference_step(ref, ref_opt, step)
-        _sharded_step(model, opt, step)
-    mgr = hvd.CheckpointManager(shared_dir / "sharded-optimizer-fewer", fsync=False)
-    mgr.save(1, model=model, optimizer=opt)
+    ref, ref_opt, model, opt, mgr = _two_adam_steps_saved(shared_dir / "sharded-optimizer-fewer", lr)
     subset = hvps.add_process_set(list(range(fewer)))
     try:
         model2 = _model()
