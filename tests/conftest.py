@@ -382,8 +382,64 @@ class InnerJobs:
         return out
 
 
+# Under pytest-xdist (`make test` runs `-n 2 --dist loadfile`), the tests that one worker must run together
+# (one xdist scope each): a shared inner job's tests (each worker that ran one of them would run the whole job
+# again), each file's tests (its module fixtures run once), and the files that stand up a Slurm cluster or
+# network namespaces (one testbed at a time on the machine). Workers know the groups (they collect the items
+# and read their marks); the controller, which schedules, sees only node ids: each worker writes
+# {node id: group} to a file the controller named, and the controller's scheduler reads it.
+TESTBED_FILES = ("test_slurm.py", "test_slurm_gpu.py", "test_multihost.py", "test_multihost_gloo.py")
+GROUPS_FILE = "hvps_groups_file"  # key of the workers' xdist workerinput
+
+
+def xdist_group(item) -> str:
+    """The scope ``item`` runs in under xdist: a shared job's name, "testbeds", or its file."""
+    keys = _item_cases(item)
+    if keys:
+        return keys[0][0].module.split("#")[0]
+    path = item.nodeid.split("::")[0]
+    return "testbeds" if Path(path).name in TESTBED_FILES else path
+
+
+def _write_xdist_groups(config, items) -> None:
+    """On an xdist worker: write each item's group where the controller's scheduler reads it."""
+    path = getattr(config, "workerinput", {}).get(GROUPS_FILE)
+    if path:
+        mine = f"{path}.{config.workerinput['workerid']}"
+        Path(mine + ".tmp").write_text(json.dumps({item.nodeid: xdist_group(item) for item in items}))
+        os.replace(mine + ".tmp", mine)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist controller: tell each worker where to write its groups."""
+    node.workerinput[GROUPS_FILE] = str(node.config._tmp_path_factory.getbasetemp() / "xdist-groups.json")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist controller, ``--dist loadfile``: schedule by the workers' groups (see above)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                base = config._tmp_path_factory.getbasetemp() / "xdist-groups.json"
+                found = sorted(base.parent.glob(base.name + ".gw*"))
+                self.groups = json.loads(found[0].read_text()) if found else {}
+            return self.groups.get(nodeid) or nodeid.split("::")[0]
+
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """A test that shares a job may be the one that runs it: its timeout covers the whole job."""
+    """A test that shares a job may be the one that runs it: its timeout covers the whole job. Under xdist,
+    each worker also writes the items' groups (above)."""
+    _write_xdist_groups(config, items)
     jobs = InnerJobs(items)
     totals = {}
     for item in items:

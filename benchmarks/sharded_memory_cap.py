@@ -1,0 +1,181 @@
+"""Sharded training under a per-rank memory cap (issue 39, "Scale", and the peak-RSS cross-check of "Memory").
+
+Each contender trains the transformer block stack of ``benchmarks/fully_sharded.py`` with Adam for a few
+steps in its own ``mpirun`` job, every rank inside its own memory cgroup capped at ``--cap-mib`` (cgroup v1's
+``memory.limit_in_bytes`` or v2's ``memory.max``; root only). A rank that needs more than the cap is killed by
+the kernel's OOM killer, so "fits" means the whole job finished. Contenders:
+
+* ``replicated``: hvps's ``DistributedOptimizer`` (every rank holds all parameters, gradients, Adam state);
+* ``stage2``: ``hvd.DistributedOptimizer(..., shard=True)`` (Adam state and gradients sharded);
+* ``stage3``: ``hvd.fully_shard(model, units=[TransformerEncoderLayer])`` with a plain Adam.
+
+Per rank it reports the cgroup's peak usage (what the cap is compared with); the process's resident bytes after
+``init()``, its peak while building and wrapping the model, and its peak while training (``VmHWM`` reset in
+between); the bytes it holds by count (parameters, gradients and optimizer state, each storage once); and the
+median step time.
+Without ``--cap-mib`` it runs uncapped (the peak-RSS cross-check of the counted bytes). JSON on stdout.
+
+    python benchmarks/sharded_memory_cap.py --np 2 --cap-mib 1800 --width 1024 --depth 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+CONTENDERS = ("replicated", "stage2", "stage3")
+V1 = Path("/sys/fs/cgroup/memory")
+V2 = Path("/sys/fs/cgroup")
+
+
+def cgroup_for(name: str, cap_bytes: int) -> tuple:
+    """Create a memory cgroup capped at ``cap_bytes``: ``(procs file, peak file, directory)``.
+
+    Raises:
+        RuntimeError: neither cgroup v1's memory controller nor cgroup v2 is writable here.
+    """
+    if (V1 / "memory.limit_in_bytes").exists():
+        path = V1 / name
+        path.mkdir(exist_ok=True)
+        (path / "memory.limit_in_bytes").write_text(str(cap_bytes))
+        swap = path / "memory.memsw.limit_in_bytes"
+        if swap.exists():
+            swap.write_text(str(cap_bytes))  # no escape into swap
+        return path / "cgroup.procs", path / "memory.max_usage_in_bytes", path
+    if (V2 / "cgroup.controllers").exists():
+        path = V2 / name
+        path.mkdir(exist_ok=True)
+        (path / "memory.max").write_text(str(cap_bytes))
+        if (path / "memory.swap.max").exists():
+            (path / "memory.swap.max").write_text("0")
+        return path / "cgroup.procs", path / "memory.peak", path
+    raise RuntimeError("no writable memory cgroup (needs root and cgroup v1's memory controller or cgroup v2)")
+
+
+def rss_bytes(field: str) -> int:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its peak since start or the last reset) of this process."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def worker(args) -> None:
+    """One rank: train ``args.contender`` for ``args.steps`` steps and print this rank's figures as JSON."""
+    import torch
+
+    import hvps.adapters.torch as hvd
+    from fully_sharded import BlockStack, held, step
+
+    torch.set_num_threads(1)
+    hvd.init()
+    baseline = rss_bytes("VmRSS")
+    torch.manual_seed(0)
+    model = BlockStack(args.width, args.depth, args.heads)
+    extra = []
+    if args.contender == "stage3":
+        hvd.fully_shard(model, units=[torch.nn.TransformerEncoderLayer])
+        optimizer = torch.optim.Adam(model.parameters(), foreach=False)
+    else:
+        optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), foreach=False),
+                                             named_parameters=model.named_parameters(),
+                                             shard=args.contender == "stage2")
+    x = torch.randn(args.batch, args.seq, args.width)
+    construction_peak = rss_bytes("VmHWM")
+    Path("/proc/self/clear_refs").write_text("5")  # the peak from here on is the training's
+    times = []
+    for _ in range(args.steps + 1):
+        hvd.barrier()
+        start = time.perf_counter()
+        step(model, optimizer, x)
+        times.append(time.perf_counter() - start)
+    if args.contender == "stage3":
+        from hvps.adapters.torch.fully_sharded import FullyShardedModel
+
+        extra = [p for u in FullyShardedModel.of(model).units for g in u.groups for p in g.full]
+    counted = held(model, optimizer, extra)
+    print("RANK " + json.dumps({"rank": hvd.rank(), "step_s": statistics.median(times[1:]),
+                                "counted_bytes": counted,
+                                "rss_after_init_bytes": baseline, "construction_peak_rss_bytes": construction_peak,
+                                "training_peak_rss_bytes": rss_bytes("VmHWM")}),
+          flush=True)
+    hvd.shutdown()
+
+
+def run_contender(args, contender: str) -> dict:
+    """Launch one contender's job under the caps and gather what its ranks printed."""
+    from hvps.runner.mpi_discovery import find_mpirun
+
+    tag = f"hvps-cap-{os.getpid()}-{contender}"
+    groups = []
+    try:
+        prefix = ""
+        if args.cap_mib:
+            groups = [cgroup_for(f"{tag}-r{r}", args.cap_mib << 20) for r in range(args.np)]
+            procs = " ".join(shlex.quote(str(g[0])) for g in groups)
+            # each rank moves itself into its own capped cgroup before Python starts
+            prefix = (f"set -- {procs}; shift ${{OMPI_COMM_WORLD_RANK:-${{PMI_RANK:-0}}}}; "
+                      "echo $$ > \"$1\"; exec ")
+        command = " ".join(shlex.quote(a) for a in [
+            sys.executable, __file__, "--worker", "--contender", contender, "--width", str(args.width),
+            "--depth", str(args.depth), "--heads", str(args.heads), "--batch", str(args.batch),
+            "--seq", str(args.seq), "--steps", str(args.steps)])
+        argv = [find_mpirun().path, "-np", str(args.np), "--oversubscribe", "sh", "-c", prefix + command]
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        with tempfile.TemporaryFile("w+") as out:
+            code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=args.timeout).returncode
+            out.seek(0)
+            text = out.read()
+        ranks = sorted((json.loads(line.split("RANK ", 1)[1]) for line in text.splitlines() if "RANK {" in line),
+                       key=lambda r: r["rank"])
+        for r, group in zip(ranks, groups):
+            r["cgroup_peak_bytes"] = int(group[1].read_text()) if group[1].exists() else None
+        return {"contender": contender, "fits": code == 0 and len(ranks) == args.np, "exit_code": code,
+                "ranks": ranks, "tail": "" if code == 0 else text[-1500:]}
+    finally:
+        for _, _, path in groups:
+            try:
+                path.rmdir()
+            except OSError:
+                pass
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--np", type=int, default=2, help="ranks")
+    p.add_argument("--cap-mib", type=int, default=0, help="memory cap per rank in MiB (0: uncapped)")
+    p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, from " + ", ".join(CONTENDERS))
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--steps", type=int, default=3, help="timed steps (after one untimed)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per contender's job")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--contender", choices=CONTENDERS, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    unknown = set(args.contenders.split(",")) - set(CONTENDERS)
+    if unknown:
+        p.error(f"--contenders: unknown {sorted(unknown)}; choose from {', '.join(CONTENDERS)}")
+    results = [run_contender(args, c) for c in args.contenders.split(",")]
+    print(json.dumps({"np": args.np, "cap_mib": args.cap_mib, "width": args.width, "depth": args.depth,
+                      "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
