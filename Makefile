@@ -17,8 +17,9 @@ VENV ?= $(if $(filter mpich,$(MPI)),.venv-mpich,.venv)
 PY := $(VENV)/bin/python
 MPI_EXTRA := $(if $(filter system,$(MPI)),,$(MPI),)
 STAMP := $(VENV)/.hvps-installed-$(MPI)
-# extras of `make test` (TEST_EXTRAS=torch,dev leaves TensorFlow out; its tests then skip, saying so)
-TEST_EXTRAS ?= torch,tensorflow,dev
+# extras of `make test` (TEST_EXTRAS=torch,dev leaves TensorFlow out; its tests then skip, saying so;
+# docs: the site's strict build, which tests/test_docs_snippets.py runs)
+TEST_EXTRAS ?= torch,tensorflow,dev,docs
 # what `make test` runs: pytest's arguments (default: the whole suite in tests/)
 PYTEST_ARGS ?=
 RESULTS ?= results
@@ -36,7 +37,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 endif
 
-.PHONY: setup bench test lint clean
+.PHONY: setup bench test lint docs clean
 
 comma := ,
 # bench needs torch (and TensorFlow for FRAMEWORK=tensorflow); test needs its extras.
@@ -61,6 +62,9 @@ test: $(STAMP)-test-$(TEST_EXTRAS)  ## the test suite (PYTEST_ARGS narrows it), 
 
 lint: $(STAMP)-test-$(TEST_EXTRAS)  ## ruff check with pyproject.toml's rules (ruff comes with the dev extra)
 	$(PY) -m ruff check .
+
+docs: $(STAMP)-test-$(TEST_EXTRAS)  ## the documentation site in build/site, strict: a broken link or reference fails
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf .venv .venv-mpich $(RESULTS) build *.egg-info

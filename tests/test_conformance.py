@@ -106,7 +106,7 @@ def test_horovod_torch_suite_at_two_ranks():
 
 
 TF_SCRIPT = SCRIPT.with_name("run-horovod-tensorflow.sh")
-#: the TensorFlow suite's tests that no implementation can pass here, and why (README, "Horovod compatibility")
+#: the TensorFlow suite's tests that no implementation can pass here, and why (docs/horovod-conformance.md)
 TF_IMPOSSIBLE = {
     "test_horovod_syncbn_cpu": "builds Keras 2's BatchNormalization(fused=False); Keras 3 has no fused argument",
     "test_partial_distributed_gradient_tape": "calls Variable.ref(), which Keras 3 variables do not have",

@@ -357,15 +357,18 @@ def test_ssh_gets_the_host_after_double_dash():
 
 def test_every_hvpsrun_flag_the_docs_mention_is_accepted():
     """Issue 38: the README told users to run ``hvpsrun --enable-recovery`` (Open MPI's flag), which hvpsrun
-    rejects; restarts are ``--max-restarts N``. Every ``hvpsrun ...`` example's flags must be hvpsrun's."""
+    rejects; restarts are ``--max-restarts N``. Every ``hvpsrun ...`` example's flags (in the README,
+    SECURITY.md and the docs site, inline or as a code block's line) must be hvpsrun's."""
     import re
     from pathlib import Path
 
     known = {flag for action in build_parser()._actions for flag in action.option_strings}
     root = Path(__file__).resolve().parent.parent
     unknown = set()
-    for doc in ("README.md", "SECURITY.md"):
-        for example in re.findall(r"`hvpsrun ([^`]*)`", (root / doc).read_text()):
+    docs = ["README.md", "SECURITY.md", *sorted(str(p.relative_to(root)) for p in (root / "docs").rglob("*.md"))]
+    for doc in docs:
+        for example in re.findall(r"`hvpsrun ([^`]*)`|^(?:\$ )?hvpsrun (.*)$", (root / doc).read_text(), re.M):
+            example = "".join(example)
             unknown |= {(doc, flag) for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", example)} - \
                 {(doc, flag) for flag in known}
     assert not unknown, unknown

@@ -31,13 +31,31 @@ def bf16() -> GradientCompression:
 
 
 def int8(chunk: int = 256, stochastic: bool = False, error_feedback: bool = False) -> GradientCompression:
-    """8-bit quantisation with a float32 scale per ``chunk`` elements (~3.9x fewer bytes)."""
+    """8-bit quantisation with a float32 scale per ``chunk`` elements (~3.9x fewer bytes).
+
+    Args:
+        chunk: elements that share one float32 scale.
+        stochastic: round stochastically instead of to the nearest level.
+        error_feedback: keep each rank's quantisation error and add it to the next step's gradient.
+
+    Returns:
+        The compression, for ``DistributedOptimizer(compression=...)``.
+    """
     memory = ResidualMemory() if error_feedback else NoMemory()
     return GradientCompression("int8", Int8Compressor(chunk, stochastic), memory)
 
 
 def topk(density: float = 0.01, error_feedback: bool = True, selection: str = "sampled") -> GradientCompression:
-    """Send the ``density`` fraction of largest gradients; error feedback keeps the rest for later."""
+    """Send the ``density`` fraction of largest gradients; error feedback keeps the rest for later.
+
+    Args:
+        density: fraction of each gradient's entries sent, in (0, 1].
+        error_feedback: keep the entries not sent and add them to the next step's gradient.
+        selection: ``"sampled"`` (DGC's threshold estimated on a sample) or ``"exact"`` (a full top-k).
+
+    Returns:
+        The compression, for ``DistributedOptimizer(compression=...)``.
+    """
     memory = ResidualMemory() if error_feedback else NoMemory()
     return GradientCompression(f"topk({density})", TopKCompressor(density, selection), memory)
 
@@ -48,6 +66,21 @@ def dgc(density: float = 0.001, momentum: float = 0.9, clip_norm: Optional[float
 
     Use it with a plain SGD optimizer (no momentum): DGC applies momentum locally.
     Call ``set_epoch(epoch)`` on the optimizer (or this object) each epoch for the warm-up.
+
+    Args:
+        density: the fraction of entries sent once the warm-up is over, in (0, 1].
+        momentum: the momentum DGC applies locally, before selection.
+        clip_norm: clip each rank's gradient to this norm before accumulation; None: no clipping.
+        warmup: a list of densities, one per epoch from epoch 0 (the default sends 25%, 6.25%,
+            1.5625% and 0.4% in the first four epochs); later epochs use ``density``. An empty
+            list starts at ``density``.
+        selection: ``"sampled"`` (threshold estimated on a sample) or ``"exact"``.
+
+    Returns:
+        The compression, for ``DistributedOptimizer(compression=...)``.
+
+    Raises:
+        ValueError: a density outside (0, 1].
     """
     schedule = DensitySchedule(density, list(warmup))
     return GradientCompression(f"dgc({density})", TopKCompressor(schedule.at(0), selection),

@@ -83,14 +83,29 @@ def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
 
 
 def rocm_built() -> bool:
+    """Horovod's query whether it was built with ROCm (AMD GPUs).
+
+    Returns:
+        False: hvps has no ROCm (AMD GPUs) data plane.
+    """
     return False
 
 
 def ddl_built() -> bool:
+    """Horovod's query whether it was built with IBM's DDL.
+
+    Returns:
+        False: hvps has no IBM's DDL data plane.
+    """
     return False
 
 
 def ccl_built() -> bool:
+    """Horovod's query whether it was built with Intel's oneCCL.
+
+    Returns:
+        False: hvps has no Intel's oneCCL data plane.
+    """
     return False
 
 

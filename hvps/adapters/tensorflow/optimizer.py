@@ -31,9 +31,8 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
 
     Args:
         optimizer: a Keras 3 optimizer (see the Keras adapter's DistributedOptimizer) or a TF1
-            ``tf.compat.v1.train.Optimizer``.
-        The others: Horovod's (``num_groups``/``groups`` are accepted and change nothing: hvps buckets
-        gradients by size).
+            ``tf.compat.v1.train.Optimizer``. The other arguments are Horovod's (``num_groups``/``groups``
+            are accepted and change nothing: hvps buckets gradients by size).
 
     Returns:
         The wrapped optimizer.
