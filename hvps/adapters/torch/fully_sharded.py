@@ -111,6 +111,22 @@ class _FlatGroup:
         self.reduce_ctx: Any = None
         self.grads_in = 0
 
+    def relayout(self, block: torch.Tensor, size: int, rank: int) -> None:
+        """Hold ``block`` as this rank's block of a layout over ``size`` ranks (elastic re-sharding): the
+        shard parameters stay the same objects (an optimizer built over them keeps working) and become
+        views of the new block; their gradients are dropped."""
+        layout = FlatLayout(tuple(shape.numel() for shape in self.shapes), size)
+        self.slices, self.numel, self.shard_numel, self.padded = (layout.slices, layout.numel, layout.shard_numel,
+                                                                  layout.padded)
+        mine = {i: piece for i, *piece in layout.pieces(rank)}
+        self.shard_flat = block.to(dtype=self.dtype, device=self.device).reshape(-1).contiguous()
+        self.pieces = []
+        for i, shard in enumerate(self.shards):
+            _, at, n = mine.get(i, (0, 0, 0))
+            shard.data = self.shard_flat[at : at + n]
+            shard.grad = None
+            self.pieces.append((at, n))
+
     def free(self) -> None:
         """Drop the full parameters' storage (the shards stay)."""
         for p in self.full:
@@ -504,6 +520,58 @@ class FullyShardedModel:
                                 lo = self._rank * group.shard_numel + piece - start
                                 shard.copy_(p.detach().reshape(-1)[lo : lo + m])
                 self._free(unit)
+
+    def flat_groups(self) -> list:
+        """Every unit's flat groups, in unit order (the order of :meth:`relayout`'s blocks)."""
+        return [group for unit in self.units for group in unit.groups]
+
+    def world(self) -> tuple:
+        """``(size, rank)`` of the layout the shards are in."""
+        return self._size, self._rank
+
+    def drop_collectives(self) -> None:
+        """Forget what a failed step left behind (local: no collective): gathers and reduce-scatters in
+        flight, gathered parameters, full gradients, the shown full parameters. For an elastic restore."""
+        for unit in self.units:
+            for group in unit.groups:
+                for handle in (group.gather_handle, group.reduce_handle):
+                    if handle is not None:
+                        with contextlib.suppress(Exception):
+                            handle.wait()
+                group.gather_handle = group.reduce_handle = group.reduce_ctx = None
+                group.grads_in = 0
+                for p in group.full:
+                    p.grad = None
+            unit.reducing = False
+            unit.show(full=False)
+            self._free(unit)
+        self._in_backward = False
+
+    def relayout(self, blocks: Sequence[torch.Tensor], size: int, rank: int) -> None:
+        """Re-shard for a world of ``size`` ranks in which this one is ``rank`` (local: the caller brings the
+        data, e.g. the elastic state that rebuilt it).
+
+        Args:
+            blocks: for each of :meth:`flat_groups`, this rank's block of the new layout (its
+                ``FlatLayout(sizes, size).shard_numel`` elements).
+            size: the new number of ranks.
+            rank: this rank in the new world.
+
+        Raises:
+            ValueError: a block of the wrong length, or not one per flat group.
+        """
+        groups = self.flat_groups()
+        if len(blocks) != len(groups):
+            raise ValueError(f"relayout takes one block per flat group ({len(groups)}), not {len(blocks)}")
+        for group, block in zip(groups, blocks):
+            wanted = FlatLayout(tuple(shape.numel() for shape in group.shapes), size).shard_numel
+            if block.numel() != wanted:
+                raise ValueError(f"{group.name}: a block of {block.numel()} elements where {wanted} are held at "
+                                 f"{size} ranks")
+        self.drop_collectives()
+        for group, block in zip(groups, blocks):
+            group.relayout(block, size, rank)
+        self._size, self._rank = size, rank
 
     def remove(self) -> None:
         """Remove the hooks (the parameters stay sharded)."""
