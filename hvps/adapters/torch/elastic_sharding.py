@@ -237,7 +237,14 @@ class FullyShardedStateHandler(SavedValue):
         began = time.monotonic()
         size, rank = hvps.size(), hvps.rank()
         saved = self._saved
-        claims = hvps.allgather_object(saved.claim(), name="elastic.fully_shard.claims")
+        layout = [(g.name, [tuple(shape) for shape in g.shapes], str(g.dtype)) for g in self.controller.flat_groups()]
+        gathered = hvps.allgather_object((saved.claim(), layout), name="elastic.fully_shard.claims")
+        for other, (_, theirs) in enumerate(gathered):
+            if theirs != layout:
+                raise HvpsError(f"elastic fully_shard: rank {other}'s model is laid out differently from rank "
+                                f"{rank}'s ({theirs} vs {layout}): every rank must wrap the same model with the "
+                                "same units")
+        claims = [claim for claim, _ in gathered]
         structure = hvps.broadcast_object(saved.structure if rank == 0 else None, 0,
                                           name="elastic.fully_shard.structure")
         reference = claims[0]

@@ -44,6 +44,9 @@ evaluate or save a full ``state_dict()``).
 At wrap time the parameters' names, shapes and dtypes are compared across ranks (``HvpsError`` naming the
 parameter and the ranks) and, by default, every parameter and buffer is broadcast from rank 0, as DDP does
 at construction (``broadcast_parameters`` cannot run on the shards afterwards: their sizes differ by rank).
+A worker that joins an elastic job in progress leaves both out (the running workers are not wrapping): its
+``hvd.elastic.TorchState``'s sync brings its shards and compares the layouts
+(:mod:`hvps.adapters.torch.elastic_sharding`).
 
 Not supported (``ValueError`` at construction): ``op=Adasum``; compressions other than none, fp16 and bf16
 (top-k, PowerSGD, int8, DGC: they cannot be reduce-scattered); sparse gradients (an ``Embedding`` or
@@ -68,6 +71,7 @@ from hvps.adapters.common.sharding import Signature, check_same_everywhere, shar
 from hvps.compression import summable
 from hvps.compression.compressors import CastCompressor, NoneCompressor
 from hvps.core.flat_shards import FlatLayout
+from hvps.elastic.mode import joins_a_running_job
 
 from .compression import OPS, as_gradient_compression
 from .mpi_ops import Average, Sum, allgather_async, allreduce_async, broadcast_async_, reducescatter_async
@@ -233,9 +237,10 @@ class FullyShardedModel:
         self.model, self.process_set, self.prefetch = model, process_set, prefetch
         self._size, self._rank = process_set.size(), process_set.rank()
         self._plan = summable.summable_plan(self.compression.compressor, op, process_set.size, prescale, postscale)
-        self._check_same_parameters_everywhere()
-        if broadcast_from is not None:
-            self._broadcast(broadcast_from)
+        if not joins_a_running_job():  # a joiner's shards come from the elastic state's sync (and its check)
+            self._check_same_parameters_everywhere()
+            if broadcast_from is not None:
+                self._broadcast(broadcast_from)
         for unit in self.units:
             self._lay_out(unit)
             unit.show(full=False)
