@@ -348,7 +348,10 @@ def _elastic_join(store: Any, secret: Optional[bytes], where: str) -> Bootstrap:
         raise SystemExit(0)
     slot = slots[worker]
     if elastic_session.round == 0 and number > 1:
-        elastic_session.joined_late = worker not in membership.round_slots(store, secret, number - 1)
+        try:
+            elastic_session.joined_late = worker not in membership.round_slots(store, secret, number - 1)
+        except HvpsError:  # the round before cannot be read: do what a first worker does (its wrap-time collectives)
+            elastic_session.joined_late = False
     elastic_session.store, elastic_session.secret = store, secret
     elastic_session.round, elastic_session.rank, elastic_session.worker = number, slot.rank, worker
     os.environ.update(slot.environment())  # scripts read Horovod's variables
