@@ -144,6 +144,32 @@ def test_run_syncs_first_and_resets_on_a_host_update():
     assert notification_manager.listeners() == []  # the loop unregistered its state
 
 
+def test_a_sharded_state_syncs_after_a_removal_too():
+    """A state whose ranks hold different parts (a fully sharded model) must re-shard after every reset: the
+    sync that a removal-only reset leaves out for a replicated state runs for it."""
+    events = []
+
+    class Sharded(ObjectState):
+        same_on_every_rank = False
+
+        def sync(self):
+            events.append("sync")
+            super().sync()
+
+    state = Sharded(bcast_object=lambda obj: obj, get_rank=lambda: 0, step=0)
+
+    def train(state):
+        while state.step < 2:
+            state.step += 1
+            if state.step == 1:
+                notify_hosts_updated(time.time(), HostUpdateResult.removed)
+            state.commit()
+        return state.step
+
+    assert run_fn(train, reset=lambda: events.append("reset"))(state) == 2
+    assert events == ["sync", "reset", "sync"]
+
+
 def test_a_failed_collective_outside_elastic_mode_is_not_retried():
     calls, resets = [], []
 
