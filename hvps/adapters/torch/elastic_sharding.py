@@ -95,7 +95,14 @@ class FullyShardedStateHandler(SavedValue):
 
     @staticmethod
     def handles(value: Any) -> bool:
-        """Whether ``value`` is a model that ``hvd.fully_shard`` changed."""
+        """Whether this handler is the one for ``value``.
+
+        Args:
+            value: a value given to a TorchState.
+
+        Returns:
+            True for a model that ``hvd.fully_shard`` changed.
+        """
         try:
             FullyShardedModel.of(value)
         except ValueError:
@@ -103,7 +110,14 @@ class FullyShardedStateHandler(SavedValue):
         return True
 
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether every parameter of ``optimizer`` is a shard of this model."""
+        """Whether this handler should save ``optimizer`` with the shards.
+
+        Args:
+            optimizer: an optimizer of the same TorchState.
+
+        Returns:
+            True when every parameter of ``optimizer`` is a shard of this model.
+        """
         shards = {id(s) for s in self.controller.sharded_parameters()}
         params = [p for group in optimizer.param_groups for p in group["params"]]
         return bool(params) and all(id(p) in shards for p in params)
@@ -123,7 +137,14 @@ class FullyShardedStateHandler(SavedValue):
 
     def set_value(self, value: torch.nn.Module) -> None:
         """Track another fully sharded model (the optimizers still over its shards stay adopted) and save it
-        locally."""
+        locally.
+
+        Args:
+            value: the model now in the TorchState's attribute.
+
+        Raises:
+            ValueError: it is not fully sharded.
+        """
         self.value = value
         self.controller = FullyShardedModel.of(value)
         self.optimizers = [opt for opt in self.optimizers if self.owns(opt)]
@@ -310,7 +331,14 @@ class AdoptedOptimizerHandler(SavedValue):
         self.value, self.owner = optimizer, owner
 
     def set_value(self, value: torch.optim.Optimizer) -> None:
-        """Another optimizer over the same shards: the model's handler adopts it instead."""
+        """Another optimizer over the same shards: the model's handler adopts it instead.
+
+        Args:
+            value: the optimizer now in the TorchState's attribute.
+
+        Raises:
+            ValueError: its parameters are not the model's shards.
+        """
         if not self.owner.owns(value):
             raise ValueError("a TorchState optimizer over a fully sharded model's shards can only be replaced by "
                              "another optimizer over those shards")

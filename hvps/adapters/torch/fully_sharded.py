@@ -236,7 +236,8 @@ class FullyShardedModel:
             raise ValueError("this rank is not in fully_shard's process_set")
         self.model, self.process_set, self.prefetch = model, process_set, prefetch
         self._size, self._rank = process_set.size(), process_set.rank()
-        self._plan = summable.summable_plan(self.compression.compressor, op, process_set.size, prescale, postscale)
+        self._scaling = (op, prescale, postscale)
+        self._plan = self._reduction_plan()
         if not joins_a_running_job():  # a joiner's shards come from the elastic state's sync (and its check)
             self._check_same_parameters_everywhere()
             if broadcast_from is not None:
@@ -257,6 +258,11 @@ class FullyShardedModel:
                 for p in group.trainable:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit, group)))
         setattr(model, _CONTROLLER, self)
+
+    def _reduction_plan(self) -> Any:
+        """How the gradients are scaled and reduced at the process set's current size."""
+        op, prescale, postscale = self._scaling
+        return summable.summable_plan(self.compression.compressor, op, self.process_set.size, prescale, postscale)
 
     @staticmethod
     def of(model: torch.nn.Module) -> "FullyShardedModel":
@@ -577,6 +583,7 @@ class FullyShardedModel:
         for group, block in zip(groups, blocks):
             group.relayout(block, size, rank)
         self._size, self._rank = size, rank
+        self._plan = self._reduction_plan()  # an average's division (with a cast's guard) depends on the size
 
     def remove(self) -> None:
         """Remove the hooks (the parameters stay sharded)."""
