@@ -23,7 +23,8 @@ authentic value ``elastic/round`` held when it started (a replay).
 
 ``SHARDED=3`` trains the same model wrapped by ``hvd.fully_shard`` (ZeRO stage 3, a Sum reduce-scatter) with a
 plain SGD over its shards, in the same TorchState: a lost rank's shard comes back from its neighbour's copy, with
-no checkpoint (there is none). Each rank then prints, after its first step following a failed collective,
+no checkpoint (there is none). ``SHARDED=1`` shards the optimizer state only (``DistributedOptimizer(...,
+shard=True)``, ZeRO stage 1-2). Each rank then prints, after its first step following a failed collective,
 ``{"recovery_seconds": ...}``: from the failure's detection (hvps's warning) to that step's end.
 
 ``"at": "backward" | "between" | "step"`` moves a failure into the step of the epoch's batch 1, with
@@ -224,14 +225,16 @@ def main() -> None:
     model = make_model()
     sharded = os.environ.get("SHARDED") == "3"
     clock = RecoveryClock()
+    if os.environ.get("SHARDED"):
+        logging.getLogger("hvps").addHandler(clock)
+        logging.getLogger("hvps").addHandler(logging.StreamHandler())  # the warnings still reach stderr
     if sharded:
         hvd.fully_shard(model, op=hvd.Sum)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
-        logging.getLogger("hvps").addHandler(clock)
-        logging.getLogger("hvps").addHandler(logging.StreamHandler())  # the warnings still reach stderr
     else:
         optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5),
-                                             named_parameters=model.named_parameters(), op=hvd.Sum)
+                                             named_parameters=model.named_parameters(), op=hvd.Sum,
+                                             shard=os.environ.get("SHARDED") == "1")
     state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
 
     @hvd.elastic.run

@@ -26,8 +26,9 @@ from hvps.elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, S
 from hvps.elastic import reset as _reset
 from hvps.elastic.state import SavedValue
 
-from .elastic_sharding import FullyShardedStateHandler
+from .elastic_sharding import FullyShardedStateHandler, ShardedOptimizerStateHandler
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .sharded_optimizer import ShardedOptimizer
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -272,6 +273,8 @@ def register_handler(value_type: type, handler: type) -> None:
 def _handler_for(value: Any) -> Any:
     if FullyShardedStateHandler.handles(value):  # before the registry: it is a torch.nn.Module too
         return FullyShardedStateHandler(value)
+    if isinstance(value, ShardedOptimizer):  # and this a torch.optim.Optimizer
+        return ShardedOptimizerStateHandler(value)
     for value_type, handler in _handler_registry:
         if isinstance(value, value_type):
             return handler(value)
@@ -287,9 +290,10 @@ class TorchState(ObjectState):
     plain picklable objects (``epoch=0, batch=0``). Assigning a new handled value to an attribute
     (``state.model = other``) tracks and saves it.
 
-    A model changed by ``hvd.fully_shard`` is saved shard by shard, with the optimizers over its shards:
-    each commit also keeps a copy of the ring neighbour's shard, and after a rank is lost (or one joins)
-    the survivors rebuild and re-shard in memory (:mod:`hvps.adapters.torch.elastic_sharding`).
+    A model changed by ``hvd.fully_shard`` is saved shard by shard, with the optimizers over its shards, and
+    so is a ``ShardedOptimizer``'s state: each commit also keeps a copy of the ring neighbour's shard, and
+    after a rank is lost (or one joins) the survivors rebuild and re-shard in memory
+    (:mod:`hvps.adapters.torch.elastic_sharding`).
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -325,7 +329,8 @@ class TorchState(ObjectState):
     def same_on_every_rank(self) -> bool:
         """False when the state holds a fully sharded model: each rank holds its own shard, so every reset
         re-shards (a sync), removals included."""
-        return not any(isinstance(h, FullyShardedStateHandler) for h in self._handlers.values())
+        sharded = (FullyShardedStateHandler, ShardedOptimizerStateHandler)
+        return not any(isinstance(h, sharded) for h in self._handlers.values())
 
     def save(self) -> None:
         for handler in self._handlers.values():

@@ -44,12 +44,11 @@ from hvps.runtime.bootstrap import elastic_session
 
 from .fully_sharded import FullyShardedModel
 from .functions import broadcast_parameters
+from .sharded_optimizer import ShardedOptimizer
 
-__all__ = ["FullyShardedStateHandler", "AdoptedOptimizerHandler"]
+__all__ = ["FullyShardedStateHandler", "ShardedOptimizerStateHandler", "AdoptedOptimizerHandler"]
 
 log = logging.getLogger("hvps")
-
-_COPY_NAME = "elastic.fully_shard.neighbour_copy"
 
 
 @dataclass
@@ -66,7 +65,8 @@ class _Save:
     neighbour: Optional[list]
     #: the optimizers' state other than the element-wise tensors, and the channels of each group
     structure: dict
-    buffers: dict
+    #: what every rank holds alike (a model's buffers)
+    replicated: Any
 
     def claim(self) -> tuple:
         """What the ranks compare to know who holds the same save: ``(round, version, size, rank, copy valid)``."""
@@ -77,7 +77,148 @@ def _element_wise(value: Any, shard: torch.Tensor) -> bool:
     return torch.is_tensor(value) and value.dim() >= 1 and value.shape == shard.shape
 
 
-class FullyShardedStateHandler(SavedValue):
+class _RingShardsHandler(SavedValue):
+    """What the sharded handlers share: each commit keeps this rank's blocks and its ring neighbour's (host
+    memory), a restore puts its own back, a sync rebuilds and re-shards for the new world. A subclass says what
+    its flat groups are (:meth:`_layout`), captures its blocks (:meth:`_capture`), installs blocks
+    (:meth:`_install`), and keeps what every rank holds alike (:meth:`_restore_replicated`,
+    :meth:`_sync_replicated`)."""
+
+    #: names the collectives and the errors
+    what = "sharded state"
+
+    def _start(self) -> None:
+        self._saved = self._snapshot(version=0)
+
+    # -- what a subclass provides ---------------------------------------------------------------------------
+    def _layout(self) -> list:
+        """``[(name, element counts, dtype)]`` per flat group, the same on every rank."""
+        raise NotImplementedError
+
+    def _world(self) -> tuple:
+        """``(size, rank)`` of the layout the live blocks are in."""
+        raise NotImplementedError
+
+    def _capture(self) -> tuple:
+        """``(blocks as bytes, structure, replicated)`` of the live state."""
+        raise NotImplementedError
+
+    def _row_bytes(self, structure: dict) -> list:
+        """The bytes per element of each group's block under ``structure``."""
+        raise NotImplementedError
+
+    def _install(self, blocks: list, size: int, rank: int, structure: dict) -> None:
+        """Make ``blocks`` (bytes) this rank's blocks of a ``size``-rank layout, with ``structure``."""
+        raise NotImplementedError
+
+    def _apply_hyperparameters(self, structure: dict) -> None:
+        """Take ``structure``'s (rank 0's) optimizer hyper-parameters."""
+        raise NotImplementedError
+
+    def _restore_replicated(self, replicated: Any) -> None:
+        """Put back what every rank holds alike."""
+
+    def _sync_replicated(self) -> None:
+        """Make what every rank holds alike rank 0's (a collective)."""
+
+    # -- save, restore, sync ------------------------------------------------------------------------------
+    def _snapshot(self, version: int) -> _Save:
+        blocks, structure, replicated = self._capture()
+        size, rank = self._world()
+        return _Save(size, rank, elastic_session.round, version, blocks, None, structure, replicated)
+
+    def save(self) -> None:
+        """Keep this rank's blocks, and a copy of its ring neighbour's (one alltoall: a collective)."""
+        saved = self._saved
+        version = saved.version + 1 if saved.round == elastic_session.round else 1
+        snapshot = self._snapshot(version)
+        snapshot.neighbour = self._exchange(snapshot.blocks)
+        self._saved = snapshot
+
+    def _exchange(self, blocks: list) -> list:
+        """Send this rank's blocks to its ring neighbour and receive the previous rank's (same shapes)."""
+        size, rank = hvps.size(), hvps.rank()
+        payload = np.concatenate([b.reshape(-1) for b in blocks]) if blocks else np.zeros(0, np.uint8)
+        splits = [0] * size
+        splits[(rank + 1) % size] = payload.size
+        received, _ = hvps.alltoall(payload, splits, name=f"elastic.{self.what}.neighbour_copy")
+        copies, at = [], 0
+        for block in blocks:
+            copies.append(np.array(received[at : at + block.size]).reshape(block.shape))
+            at += block.size
+        return copies
+
+    def restore(self) -> None:
+        """Return to the last save: this rank's own blocks, in the layout they were saved in (local)."""
+        saved = self._saved
+        self._install(saved.blocks, saved.size, saved.rank, saved.structure)
+        self._restore_replicated(saved.replicated)
+
+    def sync(self) -> None:
+        """Rebuild every rank's blocks of the new world from the survivors' saves and re-shard (a collective;
+        see the module). Nothing moves when the world and its ranks are those of the save.
+
+        Raises:
+            HvpsError: a shard is lost (two ring neighbours died), or the ranks' saves or layouts disagree.
+        """
+        began = time.monotonic()
+        size, rank = hvps.size(), hvps.rank()
+        saved = self._saved
+        layout = self._layout()
+        gathered = hvps.allgather_object((saved.claim(), layout), name=f"elastic.{self.what}.claims")
+        for other, (_, theirs) in enumerate(gathered):
+            if theirs != layout:
+                raise HvpsError(f"elastic {self.what}: rank {other}'s layout differs from rank {rank}'s ({theirs} vs "
+                                f"{layout}): every rank must wrap the same model the same way")
+        structure = hvps.broadcast_object(saved.structure if rank == 0 else None, 0,
+                                          name=f"elastic.{self.what}.structure")
+        claims = [claim for claim, _ in gathered]
+        reference = claims[0]
+        holders = [(claim[3], claim[4]) if claim[:3] == reference[:3] else None for claim in claims]
+        old_size = reference[2]
+        if old_size == size and all(held is not None and held[0] == j for j, held in enumerate(holders)):
+            self._apply_hyperparameters(structure)
+        else:
+            blocks = self._rebuild(holders, old_size, size, rank, structure)
+            self._install(blocks, size, rank, structure)
+            log.info("hvps: rebuilt the %s from %d rank(s)' saves for %d rank(s) in %.3f s", self.what,
+                     sum(held is not None for held in holders), size, time.monotonic() - began)
+        self._sync_replicated()
+
+    def _rebuild(self, holders: list, old_size: int, size: int, rank: int, structure: dict) -> list:
+        """This rank's blocks (bytes, one per flat group) of the ``size``-rank layout, from the holders' saves."""
+        providers = block_providers(holders, old_size)
+        numels = [sum(sizes) for _, sizes, _ in self._layout()]
+        row_bytes = self._row_bytes(structure)
+        plans = [transfers(numel, old_size, size, providers) for numel in numels]
+        saved = self._saved
+        parts, splits = [], [0] * size
+        for dest in range(size):
+            for g, plan in enumerate(plans):
+                for move in plan:
+                    if move.source == rank and move.dest == dest:
+                        source = saved.neighbour[g] if move.from_copy else saved.blocks[g]
+                        if source.shape[1] != row_bytes[g]:
+                            raise HvpsError(f"elastic {self.what}: this rank's save has other optimizer state than "
+                                            "rank 0's; the ranks must step the same optimizers")
+                        parts.append(source[move.offset : move.offset + move.length].reshape(-1))
+                        splits[dest] += parts[-1].size
+        payload = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+        received, _ = hvps.alltoall(payload, splits, name=f"elastic.{self.what}.rebuild")
+        received = np.asarray(received)
+        blocks = [np.zeros((-(-numel // size), width), np.uint8) for numel, width in zip(numels, row_bytes)]
+        at = 0
+        for source in range(size):
+            for g, plan in enumerate(plans):
+                for move in plan:
+                    if move.source == source and move.dest == rank:
+                        n = move.length * row_bytes[g]
+                        blocks[g][move.at : move.at + move.length] = received[at : at + n].reshape(move.length, -1)
+                        at += n
+        return blocks
+
+
+class FullyShardedStateHandler(_RingShardsHandler):
     """Saves, restores and syncs a fully sharded model and the optimizers it adopted (see the module).
 
     Args:
@@ -91,7 +232,9 @@ class FullyShardedStateHandler(SavedValue):
         self.value = model
         self.controller = FullyShardedModel.of(model)
         self.optimizers: list = []
-        self._saved = self._snapshot(version=0)
+        self._start()
+
+    what = "fully_shard"
 
     @staticmethod
     def handles(value: Any) -> bool:
@@ -132,7 +275,7 @@ class FullyShardedStateHandler(SavedValue):
             The handler that stands for it in the TorchState.
         """
         self.optimizers.append(optimizer)
-        self._saved = self._snapshot(version=0)
+        self._start()
         return AdoptedOptimizerHandler(optimizer, self)
 
     def set_value(self, value: torch.nn.Module) -> None:
@@ -148,16 +291,7 @@ class FullyShardedStateHandler(SavedValue):
         self.value = value
         self.controller = FullyShardedModel.of(value)
         self.optimizers = [opt for opt in self.optimizers if self.owns(opt)]
-        self._saved = self._snapshot(version=0)
-
-    # -- save ---------------------------------------------------------------------------------------------
-    def save(self) -> None:
-        """Keep this rank's blocks, and a copy of its ring neighbour's (one alltoall: a collective)."""
-        saved = self._saved
-        version = saved.version + 1 if saved.round == elastic_session.round else 1
-        snapshot = self._snapshot(version)
-        snapshot.neighbour = self._exchange(snapshot.blocks)
-        self._saved = snapshot
+        self._start()
 
     def _structure(self) -> dict:
         groups = self.controller.flat_groups()
@@ -180,7 +314,18 @@ class FullyShardedStateHandler(SavedValue):
                                              for p in group["params"]]})
         return {"optimizers": optimizers, "channels": channels}
 
-    def _snapshot(self, version: int) -> _Save:
+    def _layout(self) -> list:
+        return [(g.name, tuple(shape.numel() for shape in g.shapes), str(g.dtype))
+                for g in self.controller.flat_groups()]
+
+    def _world(self) -> tuple:
+        return self.controller.world()
+
+    def _row_bytes(self, structure: dict) -> list:
+        return [(1 + len(structure["channels"][g])) * torch.empty(0, dtype=group.dtype).element_size()
+                for g, group in enumerate(self.controller.flat_groups())]
+
+    def _capture(self) -> tuple:
         structure = self._structure()
         blocks = []
         for g, group in enumerate(self.controller.flat_groups()):
@@ -197,32 +342,8 @@ class FullyShardedStateHandler(SavedValue):
                         column[at : at + n] = value.detach().reshape(-1).cpu()
                 columns.append(column)
             blocks.append(torch.stack(columns, dim=1).contiguous().view(torch.uint8).numpy())
-        size, rank = self.controller.world()
         buffers = {name: b.detach().clone() for name, b in self.value.named_buffers()}
-        return _Save(size, rank, elastic_session.round, version, blocks, None, structure, buffers)
-
-    def _exchange(self, blocks: list) -> list:
-        """Send this rank's blocks to its ring neighbour and receive the previous rank's (same shapes)."""
-        size, rank = hvps.size(), hvps.rank()
-        payload = np.concatenate([b.reshape(-1) for b in blocks]) if blocks else np.zeros(0, np.uint8)
-        splits = [0] * size
-        splits[(rank + 1) % size] = payload.size
-        received, _ = hvps.alltoall(payload, splits, name=_COPY_NAME)
-        copies, at = [], 0
-        for block in blocks:
-            copies.append(np.array(received[at : at + block.size]).reshape(block.shape))
-            at += block.size
-        return copies
-
-    # -- restore ------------------------------------------------------------------------------------------
-    def restore(self) -> None:
-        """Return to the last save: this rank's own blocks, in the layout they were saved in (local)."""
-        saved = self._saved
-        self._install(saved.blocks, saved.size, saved.rank, saved.structure)
-        with torch.no_grad():
-            for name, b in self.value.named_buffers():
-                if name in saved.buffers:
-                    b.copy_(saved.buffers[name])
+        return blocks, structure, buffers
 
     def _install(self, blocks: list, size: int, rank: int, structure: dict) -> None:
         groups = self.controller.flat_groups()
@@ -247,75 +368,102 @@ class FullyShardedStateHandler(SavedValue):
             for group, values in zip(optimizer.param_groups, saved["param_groups"]):
                 group.update(copy.deepcopy(values))
 
-    # -- sync ---------------------------------------------------------------------------------------------
-    def sync(self) -> None:
-        """Rebuild every rank's blocks of the new world from the survivors' saves and re-shard (a collective;
-        see the module). Nothing moves when the world and its ranks are those of the save.
+    def _apply_hyperparameters(self, structure: dict) -> None:
+        for optimizer, values in zip(self.optimizers, structure["optimizers"]):
+            for group, hyper in zip(optimizer.param_groups, values["param_groups"]):
+                group.update(copy.deepcopy(hyper))
 
-        Raises:
-            HvpsError: a shard is lost (two ring neighbours died), or the ranks' saves disagree.
-        """
-        began = time.monotonic()
-        size, rank = hvps.size(), hvps.rank()
-        saved = self._saved
-        layout = [(g.name, [tuple(shape) for shape in g.shapes], str(g.dtype)) for g in self.controller.flat_groups()]
-        gathered = hvps.allgather_object((saved.claim(), layout), name="elastic.fully_shard.claims")
-        for other, (_, theirs) in enumerate(gathered):
-            if theirs != layout:
-                raise HvpsError(f"elastic fully_shard: rank {other}'s model is laid out differently from rank "
-                                f"{rank}'s ({theirs} vs {layout}): every rank must wrap the same model with the "
-                                "same units")
-        claims = [claim for claim, _ in gathered]
-        structure = hvps.broadcast_object(saved.structure if rank == 0 else None, 0,
-                                          name="elastic.fully_shard.structure")
-        reference = claims[0]
-        holders = [(claim[3], claim[4]) if claim[:3] == reference[:3] else None for claim in claims]
-        old_size = reference[2]
-        if old_size == size and all(held is not None and held[0] == j for j, held in enumerate(holders)):
-            for optimizer, values in zip(self.optimizers, structure["optimizers"]):
-                for group, hyper in zip(optimizer.param_groups, values["param_groups"]):
-                    group.update(copy.deepcopy(hyper))
-        else:
-            blocks = self._rebuild(holders, old_size, size, rank, structure)
-            self._install(blocks, size, rank, structure)
-            log.info("hvps: rebuilt the fully sharded state from %d rank(s)' saves for %d rank(s) in %.3f s",
-                     sum(held is not None for held in holders), size, time.monotonic() - began)
+    def _restore_replicated(self, replicated: Any) -> None:
+        with torch.no_grad():
+            for name, b in self.value.named_buffers():
+                if name in replicated:
+                    b.copy_(replicated[name])
+
+    def _sync_replicated(self) -> None:
         broadcast_parameters(dict(self.value.named_buffers()), root_rank=0)
 
-    def _rebuild(self, holders: list, old_size: int, size: int, rank: int, structure: dict) -> list:
-        """This rank's blocks (bytes, one per flat group) of the ``size``-rank layout, from the holders' saves."""
-        providers = block_providers(holders, old_size)
-        groups = self.controller.flat_groups()
-        row_bytes = [(1 + len(structure["channels"][g])) * torch.empty(0, dtype=group.dtype).element_size()
-                     for g, group in enumerate(groups)]
-        plans = [transfers(sum(shape.numel() for shape in group.shapes), old_size, size, providers)
-                 for group in groups]
-        saved = self._saved
-        parts, splits = [], [0] * size
-        for dest in range(size):
-            for g, plan in enumerate(plans):
-                for move in plan:
-                    if move.source == rank and move.dest == dest:
-                        source = saved.neighbour[g] if move.from_copy else saved.blocks[g]
-                        if source.shape[1] != row_bytes[g]:
-                            raise HvpsError("elastic fully_shard: this rank's save has other optimizer state than "
-                                            "rank 0's; the ranks must step the same optimizers")
-                        parts.append(source[move.offset : move.offset + move.length].reshape(-1))
-                        splits[dest] += parts[-1].size
-        payload = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
-        received, _ = hvps.alltoall(payload, splits, name="elastic.fully_shard.rebuild")
-        received = np.asarray(received)
-        blocks = [np.zeros((-(-sum(s.numel() for s in group.shapes) // size), row_bytes[g]), np.uint8)
-                  for g, group in enumerate(groups)]
-        at = 0
-        for source in range(size):
-            for g, plan in enumerate(plans):
-                for move in plan:
-                    if move.source == source and move.dest == rank:
-                        n = move.length * row_bytes[g]
-                        blocks[g][move.at : move.at + move.length] = received[at : at + n].reshape(move.length, -1)
-                        at += n
-        return blocks
+
+class ShardedOptimizerStateHandler(_RingShardsHandler):
+    """Saves, restores and syncs a ``ShardedOptimizer`` (ZeRO stage 1-2, ``hvd.DistributedOptimizer(...,
+    shard=True)``): its optimizer state is sharded by bucket, one channel per element-wise state (momentum,
+    ``exp_avg``, ...); the parameters are replicated, so the model's own handler keeps them.
+
+    Args:
+        optimizer: the sharded optimizer.
+    """
+
+    what = "sharded_optimizer"
+
+    def __init__(self, optimizer: ShardedOptimizer) -> None:
+        self.value = optimizer
+        self._start()
+
+    def set_value(self, value: ShardedOptimizer) -> None:
+        """Track another sharded optimizer and save it locally.
+
+        Args:
+            value: the optimizer now in the TorchState's attribute.
+        """
+        self.value = value
+        self._start()
+
+    def _buckets(self) -> list:
+        return self.value.shard_layout()["buckets"]
+
+    def _layout(self) -> list:
+        params = self.value.shard_layout()["params"]
+        return [(f"bucket{b}", tuple(n for _, _, n in bucket["params"]), params[bucket["params"][0][0]][2])
+                for b, bucket in enumerate(self._buckets())]
+
+    def _world(self) -> tuple:
+        return self.value.world()
+
+    def _dtypes(self) -> list:
+        return [getattr(torch, dtype) for _, _, dtype in self._layout()]
+
+    def _row_bytes(self, structure: dict) -> list:
+        return [len(keys) * torch.empty(0, dtype=dtype).element_size()
+                for keys, dtype in zip(structure["channels"], self._dtypes())]
+
+    def _capture(self) -> tuple:
+        local = self.value.local_state()
+        channels, scalars, blocks = [], {}, []
+        for b, (bucket, dtype) in enumerate(zip(self._buckets(), self._dtypes())):
+            entries = local.get(b, {})
+            keys = [k for k, v in entries.items() if torch.is_tensor(v) and v.dim() > 0
+                    and v.numel() == bucket["shard_numel"]]
+            scalars[b] = {k: copy.deepcopy(v) for k, v in entries.items() if k not in keys}
+            channels.append(keys)
+            for key in keys:
+                if entries[key].dtype != dtype:
+                    raise HvpsError(f"elastic sharded optimizer: state {key!r} is {entries[key].dtype} for a bucket "
+                                    f"of {dtype}; a shard's state must share its dtype")
+            if keys:
+                block = torch.stack([entries[k].detach().reshape(-1).cpu() for k in keys], dim=1).contiguous()
+                blocks.append(block.view(torch.uint8).numpy().copy())
+            else:
+                blocks.append(np.zeros((bucket["shard_numel"], 0), np.uint8))
+        groups = [{k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+                  for group in self.value.param_groups]
+        structure = {"channels": channels, "scalars": scalars, "has_state": sorted(local), "param_groups": groups}
+        return blocks, structure, None
+
+    def _install(self, blocks: list, size: int, rank: int, structure: dict) -> None:
+        self.value.relayout(size, rank)
+        by_bucket = {}
+        for b, (block, keys, dtype) in enumerate(zip(blocks, structure["channels"], self._dtypes())):
+            if b not in structure["has_state"]:
+                continue
+            entry = copy.deepcopy(structure["scalars"][b])
+            if keys:
+                values = torch.from_numpy(np.ascontiguousarray(block)).view(dtype)
+                entry.update({key: values[:, c].clone() for c, key in enumerate(keys)})
+            by_bucket[b] = entry
+        self.value.load_local_state(by_bucket, structure["param_groups"])
+
+    def _apply_hyperparameters(self, structure: dict) -> None:
+        for group, hyper in zip(self.value.param_groups, structure["param_groups"]):
+            group.update(copy.deepcopy(hyper))
 
 
 class AdoptedOptimizerHandler(SavedValue):
