@@ -327,8 +327,8 @@ class TorchState(ObjectState):
 
     @property
     def same_on_every_rank(self) -> bool:
-        """False when the state holds a fully sharded model: each rank holds its own shard, so every reset
-        re-shards (a sync), removals included."""
+        """False when the state holds a fully sharded model or a sharded optimizer: each rank holds its own
+        shard, so every reset re-shards (a sync), removals included."""
         sharded = (FullyShardedStateHandler, ShardedOptimizerStateHandler)
         return not any(isinstance(h, sharded) for h in self._handlers.values())
 

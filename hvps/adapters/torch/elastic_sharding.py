@@ -1,11 +1,15 @@
-"""The elastic state of a fully sharded model (``hvd.fully_shard``, ZeRO stage 3) and of the optimizers over its
-shards: a lost rank loses nothing, and no checkpoint is read.
+"""The elastic state of sharded training: a fully sharded model (``hvd.fully_shard``, ZeRO stage 3) with the
+optimizers over its shards, and a ``ShardedOptimizer`` (stage 1-2): a lost rank loses nothing, and no checkpoint
+is read.
 
 Why inside ``hvd.elastic.TorchState``. A Horovod elastic user already writes
 ``state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)`` and calls ``state.commit()``; with a
 fully sharded model the same line works. TorchState recognises the model (``FullyShardedModel.of``) and gives it
 :class:`FullyShardedStateHandler`, which also takes over every optimizer of the state whose parameters are all
-shards of that model (their state is sharded the same way). Nothing else in the loop changes.
+shards of that model (their state is sharded the same way). A ``ShardedOptimizer`` (``hvd.DistributedOptimizer(
+..., shard=True)``) gets :class:`ShardedOptimizerStateHandler` in the same way: its buckets are the flat groups,
+its element-wise state the channels (the parameters are replicated: the model's own handler keeps them). Nothing
+else in the loop changes.
 
 What a commit keeps (host memory, never the device): per flat group of the model, this rank's block as a
 ``[shard elements, channels]`` array, channel 0 the parameters and one channel per element-wise optimizer state
@@ -17,7 +21,7 @@ What a sync after a reset does (every rank of the new world, joiners included): 
 save they hold; the survivors of the save rank 0 holds provide every old block, from their own copy or their
 neighbour's (:mod:`hvps.elastic.shard_recovery`), one alltoall moves each element to its rank of the new layout,
 and the model is re-laid out for the new size (``FullyShardedModel.relayout``: the shard parameters stay the
-same objects, so the optimizers keep working). When two ring neighbours died between two commits a shard is
+same objects, so the optimizers keep working; ``ShardedOptimizer.relayout`` rebuilds its buckets). When two ring neighbours died between two commits a shard is
 lost: ``HvpsError``, and the user's checkpoint is the way back. The same path serves growth (the joiners
 receive their blocks) and a same-size world (nothing moves).
 
