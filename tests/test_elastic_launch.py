@@ -286,6 +286,24 @@ def test_a_rank_dies_with_gradients_in_flight(tmp_path, point):
     assert "gradients are still being reduced" not in job.stderr, job.output()
 
 
+def test_a_fully_sharded_model_loses_nothing_when_a_rank_is_killed_and_grows_back(tmp_path):
+    """Issue 39 item 5, at stage 3: rank 1 of 3 is killed (SIGKILL) in the middle of epoch 1, between its
+    backward and its step, while its model is ``hvd.fully_shard``ed. There is no checkpoint: the two survivors
+    rebuild its shard from the neighbour copy their commits keep, re-shard for 2 ranks and go on; at epoch 2 a
+    slot is added, and the new worker receives its shard of the 3-rank layout. The run is bit-exact the
+    uninterrupted one. The recovery time (detection to the first step after it) is printed."""
+    job = Job(tmp_path, THREE_HOSTS, {"1": {"fail": [1], "at": "between", "size": 3, "how": "kill"},
+                                      "2": {"hosts": f"localhost:1\n127.0.0.1:1\n{HOST}:2"}},
+              ["-np", "3", "--min-np", "2"], SHARDED=3, EPOCHS=3)
+    job.assert_exact(epochs=3)
+    assert job.sizes() == [3, 2, 3], job.output()
+    assert job.stderr.count("a collective failed") == 2, job.output()  # each survivor recovers once
+    recoveries = [json.loads(line.split(">:", 1)[-1]) for line in job.stdout.splitlines() if "recovery_seconds" in line]
+    assert sorted((r["rank"], r["size"]) for r in recoveries) == [(0, 2), (1, 2)], job.output()
+    print(f"recovery (detection to the first step after it): {max(r['recovery_seconds'] for r in recoveries)} s")
+    assert not list((tmp_path / "out").glob("*.h5")), "no checkpoint was written, so none was read"
+
+
 # -- Horovod's reported bugs --------------------------------------------------------------------------
 
 def test_graceful_leave_below_min_np_then_a_host_comes(tmp_path):

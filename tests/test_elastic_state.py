@@ -144,6 +144,32 @@ def test_run_syncs_first_and_resets_on_a_host_update():
     assert notification_manager.listeners() == []  # the loop unregistered its state
 
 
+def test_a_sharded_state_syncs_after_a_removal_too():
+    """A state whose ranks hold different parts (a fully sharded model) must re-shard after every reset: the
+    sync that a removal-only reset leaves out for a replicated state runs for it."""
+    events = []
+
+    class Sharded(ObjectState):
+        same_on_every_rank = False
+
+        def sync(self):
+            events.append("sync")
+            super().sync()
+
+    state = Sharded(bcast_object=lambda obj: obj, get_rank=lambda: 0, step=0)
+
+    def train(state):
+        while state.step < 2:
+            state.step += 1
+            if state.step == 1:
+                notify_hosts_updated(time.time(), HostUpdateResult.removed)
+            state.commit()
+        return state.step
+
+    assert run_fn(train, reset=lambda: events.append("reset"))(state) == 2
+    assert events == ["sync", "reset", "sync"]
+
+
 def test_a_failed_collective_outside_elastic_mode_is_not_retried():
     calls, resets = [], []
 
@@ -258,3 +284,61 @@ def test_partition_covers_what_is_left_once_over_any_size():
     assert partition(6, (), 0, 0, False, 1, 2)[1] == [1, 3, 5]
     assert partition(4, {0, 1, 2}, 0, 0, False, 2, 3) == ([3], [3])  # one left for three ranks: repeated
     assert partition(4, range(4), 0, 0, True, 0, 2) == ([], [])
+
+
+def _rebuilt_blocks(numel: int, old_size: int, survivors: list, joiners: int) -> tuple:
+    """Play the sharded recovery's data movement on lists: old rank r held block r and a copy of block
+    r - 1; ``survivors`` (old ranks, in their new rank order) come first, then ``joiners`` empty ranks.
+    Returns (what each new rank ends up with, what it should hold)."""
+    from hvps.core.flat_shards import FlatLayout
+    from hvps.elastic.shard_recovery import block_providers, copied_block, transfers
+
+    flat = [float(i + 1) for i in range(numel)]
+    old = FlatLayout((numel,), old_size)
+    padded = flat + [0.0] * (old.padded - numel)
+    own = {r: padded[slice(*old.block(r))] for r in range(old_size)}
+    copies = {r: own[copied_block(r, old_size)] for r in range(old_size)}
+    holders = [(r, True) for r in survivors] + [None] * joiners
+    new_size = len(holders)
+    new = FlatLayout((numel,), new_size)
+    got = [[0.0] * new.shard_numel for _ in range(new_size)]
+    for move in transfers(numel, old_size, new_size, block_providers(holders, old_size)):
+        held_by = holders[move.source][0]
+        source = copies[held_by] if move.from_copy else own[held_by]
+        assert (copied_block(held_by, old_size) if move.from_copy else held_by) == move.old_block
+        got[move.dest][move.at : move.at + move.length] = source[move.offset : move.offset + move.length]
+    wanted_padded = flat + [0.0] * (new.padded - numel)
+    return got, [wanted_padded[slice(*new.block(j))] for j in range(new_size)]
+
+
+def test_sharded_recovery_rebuilds_every_block_from_own_and_neighbour_copies():
+    """Issue 39 item 5's arithmetic: any survivors of 1-4 ranks with no two ring neighbours dead, plus 0-2
+    joiners, rebuild each new rank's block of the new layout exactly (padding zero), each element once."""
+    import itertools
+
+    cases = 0
+    for old_size in range(1, 5):
+        for dead_count in range(old_size):
+            for dead in itertools.combinations(range(old_size), dead_count):
+                if old_size > 1 and any((d + 1) % old_size in dead for d in dead):
+                    continue  # a lost shard: the next test
+                survivors = [r for r in range(old_size) if r not in dead]
+                for joiners, numel in itertools.product(range(3), (1, 5, 7, 13)):
+                    got, wanted = _rebuilt_blocks(numel, old_size, survivors, joiners)
+                    assert got == wanted, (old_size, dead, joiners, numel)
+                    cases += 1
+    assert cases == (1 + 3 + 4 + 7) * 3 * 4  # survivor sets with no two neighbours dead at 1..4 ranks
+
+
+def test_sharded_recovery_refuses_when_two_ring_neighbours_died():
+    from hvps.core.errors import HvpsError
+    from hvps.elastic.shard_recovery import block_providers
+
+    with pytest.raises(HvpsError, match=r"the shard of old rank 1 \(of 3\) is lost: rank 1 and rank 2, which kept its "
+                                        r"copy, are both gone .* restart from your checkpoint"):
+        block_providers([(0, True), None], 3)
+    with pytest.raises(HvpsError, match="claims old rank 0 of 2, which is out of range or claimed twice"):
+        block_providers([(0, True), (0, True)], 2)
+    with pytest.raises(HvpsError, match="the shard of old rank 1"):  # its keeper survived, but saved no copy
+        block_providers([(2, False), (0, True)], 3)
+    assert block_providers([(2, True), (0, False)], 3) == {0: (1, False), 1: (0, True), 2: (0, False)}

@@ -9,7 +9,7 @@ The adapters (``hvps.adapters.torch.elastic``, ``hvps.adapters.tensorflow.elasti
 """
 
 from .loop import MAX_RESETS_WITHOUT_COMMIT, reset, run_fn
-from .mode import elastic_mode, refuse_torchrun_restarts, torchrun_restarts
+from .mode import elastic_mode, joins_a_running_job, refuse_torchrun_restarts, torchrun_restarts
 from .notification import (
     HostsUpdatedInterrupt,
     HostUpdateResult,
@@ -22,5 +22,5 @@ from .state import ObjectState, State
 __all__ = [
     "State", "ObjectState", "run_fn", "reset", "MAX_RESETS_WITHOUT_COMMIT",
     "HostsUpdatedInterrupt", "HostUpdateResult", "WorkerNotificationManager", "notification_manager",
-    "notify_hosts_updated", "elastic_mode", "torchrun_restarts", "refuse_torchrun_restarts",
+    "notify_hosts_updated", "elastic_mode", "joins_a_running_job", "torchrun_restarts", "refuse_torchrun_restarts",
 ]

@@ -122,7 +122,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None] = reset,
                     state.restore()
                     want_sync, last_error = True, error
                 except HostsUpdatedInterrupt as interrupt:
-                    want_sync, last_error = not interrupt.skip_sync, interrupt
+                    want_sync, last_error = not (interrupt.skip_sync and state.same_on_every_rank), interrupt
                 fruitless = fruitless + 1 if state._commits == commits else 0
                 commits = state._commits
                 if fruitless > limit:

@@ -17,6 +17,7 @@ from typing import Mapping, Optional
 
 from ..core.errors import HvpsError
 from ..core.settings import env_choice
+from ..runtime.bootstrap import elastic_session
 
 ELASTIC_FLAGS = "hvpsrun --min-np N --max-np M --host-discovery-script SCRIPT"
 CHECKPOINT_ALTERNATIVE = ("or save checkpoints (hvd.CheckpointManager) and restart the whole job from the latest "
@@ -26,6 +27,14 @@ CHECKPOINT_ALTERNATIVE = ("or save checkpoints (hvd.CheckpointManager) and resta
 def elastic_mode() -> bool:
     """Whether an elastic launcher started this job (``HVPS_ELASTIC=1``; ``0`` or unset: no)."""
     return env_choice("HVPS_ELASTIC", "0", ("0", "1")) == "1"
+
+
+def joins_a_running_job() -> bool:
+    """Whether this worker joined an elastic job in progress: the first membership it joined was not the
+    job's first, and it had no slot in the one before (a worker added or brought back, not one of the first
+    workers whose first membership failed to form). Its state then comes from the others' (``hvd.elastic``'s
+    sync), so wrap-time collectives that the running workers already did are left out."""
+    return elastic_mode() and elastic_session.joined_late
 
 
 def _int(env: Mapping[str, str], name: str) -> int:

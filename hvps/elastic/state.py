@@ -61,6 +61,12 @@ class State(SavedValue):
         self._reset_callbacks: list = []
         self._commits = 0
 
+    @property
+    def same_on_every_rank(self) -> bool:
+        """Whether every rank holds the same state after a commit (True here). Only then may the sync after a
+        reset that only removed hosts be skipped; a sharded state (each rank its own shard) re-shards then."""
+        return True
+
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], Any]]) -> None:
         """Run each of ``callbacks`` (no arguments) after every reset, before the state is synced:
         e.g. to scale the learning rate to the new ``hvd.size()``."""

@@ -301,6 +301,8 @@ class ElasticSession:
     round: int = 0
     rank: int = -1
     worker: Optional[str] = None
+    #: this worker joined a job in progress: its first round is not the first, and it had no slot in the one before
+    joined_late: bool = False
 
     def report_failure(self, reason: str) -> None:
         """Tell hvpsrun that a collective of this round failed here (it may have to end a stopped peer)."""
@@ -345,6 +347,11 @@ def _elastic_join(store: Any, secret: Optional[bytes], where: str) -> Bootstrap:
                                           "removed or blacklisted); leaving", worker, number)
         raise SystemExit(0)
     slot = slots[worker]
+    if elastic_session.round == 0 and number > 1:
+        try:
+            elastic_session.joined_late = worker not in membership.round_slots(store, secret, number - 1)
+        except HvpsError:  # the round before cannot be read: do what a first worker does (its wrap-time collectives)
+            elastic_session.joined_late = False
     elastic_session.store, elastic_session.secret = store, secret
     elastic_session.round, elastic_session.rank, elastic_session.worker = number, slot.rank, worker
     os.environ.update(slot.environment())  # scripts read Horovod's variables

@@ -21,6 +21,12 @@ rendezvous store (issue 38): from then on a process of its own, on a connection 
 garbage to ``elastic/notice`` and to every ``elastic/failed/N/<worker>`` key of the next rounds, and the
 authentic value ``elastic/round`` held when it started (a replay).
 
+``SHARDED=3`` trains the same model wrapped by ``hvd.fully_shard`` (ZeRO stage 3, a Sum reduce-scatter) with a
+plain SGD over its shards, in the same TorchState: a lost rank's shard comes back from its neighbour's copy, with
+no checkpoint (there is none). ``SHARDED=1`` shards the optimizer state only (``DistributedOptimizer(...,
+shard=True)``, ZeRO stage 1-2). Each rank then prints, after its first step following a failed collective,
+``{"recovery_seconds": ...}``: from the failure's detection (hvps's warning) to that step's end.
+
 ``"at": "backward" | "between" | "step"`` moves a failure into the step of the epoch's batch 1, with
 gradients in flight, whenever the job has ``"size"`` ranks: ranks ``fail`` die there (``how``) and the
 others meet the failure at that point of their own step: ``backward`` inside ``loss.backward()``
@@ -30,7 +36,9 @@ flight; the same failing collective), ``step`` inside ``optimizer.step()`` (the 
 backward before starting the weight's allreduce, which the others' ``step()`` then waits for).
 """
 
+import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -39,6 +47,7 @@ import time
 import torch
 
 import hvps.adapters.torch as hvd
+from hvps.adapters.torch.fully_sharded import FullyShardedModel
 from hvps.runtime.bootstrap import elastic_session
 
 EPOCHS = int(os.environ.get("EPOCHS", "4"))
@@ -72,6 +81,34 @@ def step(model, optimizer, x: torch.Tensor, interrupt=None) -> None:
     if interrupt is not None:
         interrupt("between")
     optimizer.step()
+
+
+def sharded_step(model, optimizer, x: torch.Tensor, interrupt=None) -> None:
+    """One step of the fully sharded model (its forward must run through ``model(x)``); ``interrupt`` is
+    called at "between" only."""
+    optimizer.zero_grad()
+    model(x).sum().backward()
+    if interrupt is not None:
+        interrupt("between")
+    optimizer.step()
+
+
+class RecoveryClock(logging.Handler):
+    """Notes when hvps reports a failed collective (the detection), for the recovery time."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.detected = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "a collective failed" in record.getMessage():
+            self.detected = time.monotonic()
+
+    def report_after_step(self) -> None:
+        if self.detected is not None:
+            print(json.dumps({"recovery_seconds": round(time.monotonic() - self.detected, 3), "rank": hvd.rank(),
+                              "size": hvd.size()}), flush=True)
+            self.detected = None
 
 
 def reference(epochs: int = EPOCHS) -> list:
@@ -186,8 +223,18 @@ def main() -> None:
     schedule = json.loads(os.environ.get("SCHEDULE", "{}"))
     out_dir = os.environ["OUT_DIR"]
     model = make_model()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5),
-                                         named_parameters=model.named_parameters(), op=hvd.Sum)
+    sharded = os.environ.get("SHARDED") == "3"
+    clock = RecoveryClock()
+    if os.environ.get("SHARDED"):
+        logging.getLogger("hvps").addHandler(clock)
+        logging.getLogger("hvps").addHandler(logging.StreamHandler())  # the warnings still reach stderr
+    if sharded:
+        hvd.fully_shard(model, op=hvd.Sum)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
+    else:
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5),
+                                             named_parameters=model.named_parameters(), op=hvd.Sum,
+                                             shard=os.environ.get("SHARDED") == "1")
     state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
 
     @hvd.elastic.run
@@ -197,7 +244,9 @@ def main() -> None:
                 act(schedule, state.epoch, out_dir)
             while state.batch < BATCHES:
                 x = batch_data(state.epoch, state.batch)[hvd.rank()::hvd.size()]
-                step(model, optimizer, x, interruption(schedule, state.epoch, state.batch))
+                (sharded_step if sharded else step)(model, optimizer, x, interruption(schedule, state.epoch,
+                                                                                      state.batch))
+                clock.report_after_step()
                 state.batch += 1
                 state.commit()
             print(json.dumps({"epoch": state.epoch, "rank": hvd.rank(), "size": hvd.size(), "start_rank": start_rank,
@@ -209,9 +258,10 @@ def main() -> None:
             state.commit()
 
     train(state)
-    if hvd.rank() == 0:
-        with open(os.path.join(out_dir, "final.json"), "w") as f:
-            json.dump([p.detach().flatten().tolist() for p in model.parameters()], f)
+    with FullyShardedModel.of(model).full_parameters() if sharded else contextlib.nullcontext():
+        if hvd.rank() == 0:
+            with open(os.path.join(out_dir, "final.json"), "w") as f:
+                json.dump([p.detach().flatten().tolist() for p in model.parameters()], f)
     hvd.shutdown()
 
 

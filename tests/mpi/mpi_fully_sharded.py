@@ -228,3 +228,60 @@ def test_gradients_accumulate_and_clip_over_the_whole_model():
     full = _full(model)
     for name, b in ref.state_dict().items():
         torch.testing.assert_close(full[name], b, rtol=1e-5, atol=1e-6)
+
+
+def test_elastic_state_restores_a_commit_and_rebuilds_a_rank_from_its_neighbours_copy():
+    """Issue 39 item 5 on real ranks, without killing one: TorchState over a fully sharded model and its Adam.
+    A restore undoes an uncommitted step (locally); then rank 1 forgets everything (its parameters, its Adam
+    state, and its save no longer matches the others'), as a worker that replaced a dead one would: the sync
+    rebuilds its blocks from its ring neighbour's copy, and the next steps are bit-exact the one-process run."""
+    from hvps.adapters.torch.elastic_sharding import AdoptedOptimizerHandler, FullyShardedStateHandler
+
+    lr = 2.0 ** -4
+    ref, model = _model(), _model()
+    ref_opt = _optimizer(ref, "adam", lr)
+    fully_shard(model, units=[model.first, model.second])
+    opt = _optimizer(model, "adam", lr)
+    state = hvd.elastic.TorchState(model, opt, batch=0)
+    assert isinstance(state._handlers["model"], FullyShardedStateHandler)
+    assert isinstance(state._handlers["optimizer"], AdoptedOptimizerHandler)
+    assert not state.same_on_every_rank
+    state.sync()  # the same world as the save: nothing moves
+
+    def steps(first, last, commit):
+        for step in range(first, last):
+            x, targets = _data(step)
+            opt.zero_grad()
+            xs, ts = _local(x, targets)
+            model.loss(xs, ts, SCALE * hvd.size()).backward()
+            opt.step()
+            if commit:
+                state.batch += 1
+                state.commit()
+
+    def reference_steps(first, last):
+        for step in range(first, last):
+            x, targets = _data(step)
+            ref_opt.zero_grad()
+            ref.loss(x, targets, SCALE).backward()
+            ref_opt.step()
+
+    steps(0, 2, commit=True)
+    reference_steps(0, 2)
+    steps(2, 3, commit=False)
+    state.restore()
+    _assert_equal(_full(model), ref, "after a restore")
+    if hvd.rank() == 1:
+        handler = state._handlers["model"]
+        handler._saved.version = -1  # not the save the others hold: rank 1 contributes nothing
+        handler._saved.blocks = [block * 0 for block in handler._saved.blocks]
+        with torch.no_grad():
+            for shard in FullyShardedModel.of(model).sharded_parameters():
+                shard.zero_()
+        opt.state.clear()
+    state.sync()
+    assert state.batch == 2
+    _assert_equal(_full(model), ref, "after the rebuild")
+    steps(2, 4, commit=True)
+    reference_steps(2, 4)
+    _assert_equal(_full(model), ref, "two Adam steps after the rebuild")

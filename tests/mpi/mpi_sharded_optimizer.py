@@ -401,3 +401,41 @@ def test_checkpoint_reloads_at_one_rank_fewer_and_continues_exactly(shared_dir):
             _assert_equal(model2, ref, f"{hvd.size()} -> {fewer if inside else 'one process'}, step {step}")
     finally:
         hvps.remove_process_set(subset)
+
+
+def test_elastic_state_restores_a_commit_and_rebuilds_a_rank_from_its_neighbours_copy():
+    """Issue 39 item 5 at stage 1-2, on real ranks without killing one: TorchState over the model and a
+    ShardedOptimizer (Adam, tiny buckets). A restore undoes an uncommitted step; then rank 1 forgets its Adam
+    shards and its save no longer matches the others', as a worker that replaced a dead one would: the sync
+    rebuilds them from its ring neighbour's copy, and the next steps are bit-exact the one-process run."""
+    from hvps.adapters.torch.elastic_sharding import ShardedOptimizerStateHandler
+
+    lr = 2.0 ** -4
+    ref, model = _model(), _model()
+    ref_opt = _groups(ref, "adam", lr)
+    opt = ShardedOptimizer(_groups(model, "adam", lr), named_parameters=model.named_parameters(),
+                           bucket_cap_mb=TINY_BUCKETS)
+    state = hvd.elastic.TorchState(model, opt, batch=0)
+    assert isinstance(state._handlers["optimizer"], ShardedOptimizerStateHandler)
+    assert not state.same_on_every_rank
+    state.sync()
+    for step in range(2):
+        _reference_step(ref, ref_opt, step)
+        _sharded_step(model, opt, step)
+        state.batch += 1
+        state.commit()
+    _sharded_step(model, opt, 2)
+    state.restore()
+    _assert_equal(model, ref, "after a restore")
+    if hvd.rank() == 1:
+        handler = state._handlers["optimizer"]
+        handler._saved.version = -1  # not the save the others hold: rank 1 contributes nothing
+        handler._saved.blocks = [block * 0 for block in handler._saved.blocks]
+        opt.shard_optimizer.state.clear()
+    state.sync()
+    assert state.batch == 2
+    for step in range(2, 4):
+        _reference_step(ref, ref_opt, step)
+        _sharded_step(model, opt, step)
+        _assert_equal(model, ref, f"step {step} after the rebuild")
+    _assert_same_state(opt.state_dict(), ref_opt.state_dict())

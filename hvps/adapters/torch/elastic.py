@@ -26,7 +26,9 @@ from hvps.elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, S
 from hvps.elastic import reset as _reset
 from hvps.elastic.state import SavedValue
 
+from .elastic_sharding import FullyShardedStateHandler, ShardedOptimizerStateHandler
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .sharded_optimizer import ShardedOptimizer
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -268,7 +270,11 @@ def register_handler(value_type: type, handler: type) -> None:
     set_handler_registry([(value_type, handler)] + list(_handler_registry))
 
 
-def _handler_for(value: Any) -> Optional[StateHandler]:
+def _handler_for(value: Any) -> Any:
+    if FullyShardedStateHandler.handles(value):  # before the registry: it is a torch.nn.Module too
+        return FullyShardedStateHandler(value)
+    if isinstance(value, ShardedOptimizer):  # and this a torch.optim.Optimizer
+        return ShardedOptimizerStateHandler(value)
     for value_type, handler in _handler_registry:
         if isinstance(value, value_type):
             return handler(value)
@@ -283,6 +289,11 @@ class TorchState(ObjectState):
     types) are saved through their state dicts and broadcast the way their type needs; the others are
     plain picklable objects (``epoch=0, batch=0``). Assigning a new handled value to an attribute
     (``state.model = other``) tracks and saves it.
+
+    A model changed by ``hvd.fully_shard`` is saved shard by shard, with the optimizers over its shards, and
+    so is a ``ShardedOptimizer``'s state: each commit also keeps a copy of the ring neighbour's shard, and
+    after a rank is lost (or one joins) the survivors rebuild and re-shard in memory
+    (:mod:`hvps.adapters.torch.elastic_sharding`).
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -301,6 +312,11 @@ class TorchState(ObjectState):
                 plain[name] = value
             else:
                 handlers[name] = handler
+        for name, handler in list(handlers.items()):
+            owner = next((h for h in handlers.values() if isinstance(h, FullyShardedStateHandler)
+                          and isinstance(handler, OptimizerStateHandler) and h.owns(handler.value)), None)
+            if owner is not None:
+                handlers[name] = owner.adopt(handler.value)
         object.__setattr__(self, "_handlers", handlers)
         for name in ("model", "optimizer"):
             if name not in values:
@@ -308,6 +324,13 @@ class TorchState(ObjectState):
         for name, handler in handlers.items():
             object.__setattr__(self, name, handler.value)
         super().__init__(bcast_object=None, get_rank=None, **plain)
+
+    @property
+    def same_on_every_rank(self) -> bool:
+        """False when the state holds a fully sharded model or a sharded optimizer: each rank holds its own
+        shard, so every reset re-shards (a sync), removals included."""
+        sharded = (FullyShardedStateHandler, ShardedOptimizerStateHandler)
+        return not any(isinstance(h, sharded) for h in self._handlers.values())
 
     def save(self) -> None:
         for handler in self._handlers.values():

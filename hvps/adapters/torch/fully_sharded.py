@@ -44,6 +44,9 @@ evaluate or save a full ``state_dict()``).
 At wrap time the parameters' names, shapes and dtypes are compared across ranks (``HvpsError`` naming the
 parameter and the ranks) and, by default, every parameter and buffer is broadcast from rank 0, as DDP does
 at construction (``broadcast_parameters`` cannot run on the shards afterwards: their sizes differ by rank).
+A worker that joins an elastic job in progress leaves both out (the running workers are not wrapping): its
+``hvd.elastic.TorchState``'s sync brings its shards and compares the layouts
+(:mod:`hvps.adapters.torch.elastic_sharding`).
 
 Not supported (``ValueError`` at construction): ``op=Adasum``; compressions other than none, fp16 and bf16
 (top-k, PowerSGD, int8, DGC: they cannot be reduce-scattered); sparse gradients (an ``Embedding`` or
@@ -68,6 +71,7 @@ from hvps.adapters.common.sharding import Signature, check_same_everywhere, shar
 from hvps.compression import summable
 from hvps.compression.compressors import CastCompressor, NoneCompressor
 from hvps.core.flat_shards import FlatLayout
+from hvps.elastic.mode import joins_a_running_job
 
 from .compression import OPS, as_gradient_compression
 from .mpi_ops import Average, Sum, allgather_async, allreduce_async, broadcast_async_, reducescatter_async
@@ -110,6 +114,22 @@ class _FlatGroup:
         self.reduce_handle: Optional[hvps.Handle] = None
         self.reduce_ctx: Any = None
         self.grads_in = 0
+
+    def relayout(self, block: torch.Tensor, size: int, rank: int) -> None:
+        """Hold ``block`` as this rank's block of a layout over ``size`` ranks (elastic re-sharding): the
+        shard parameters stay the same objects (an optimizer built over them keeps working) and become
+        views of the new block; their gradients are dropped."""
+        layout = FlatLayout(tuple(shape.numel() for shape in self.shapes), size)
+        self.slices, self.numel, self.shard_numel, self.padded = (layout.slices, layout.numel, layout.shard_numel,
+                                                                  layout.padded)
+        mine = {i: piece for i, *piece in layout.pieces(rank)}
+        self.shard_flat = block.to(dtype=self.dtype, device=self.device).reshape(-1).contiguous()
+        self.pieces = []
+        for i, shard in enumerate(self.shards):
+            _, at, n = mine.get(i, (0, 0, 0))
+            shard.data = self.shard_flat[at : at + n]
+            shard.grad = None
+            self.pieces.append((at, n))
 
     def free(self) -> None:
         """Drop the full parameters' storage (the shards stay)."""
@@ -216,10 +236,12 @@ class FullyShardedModel:
             raise ValueError("this rank is not in fully_shard's process_set")
         self.model, self.process_set, self.prefetch = model, process_set, prefetch
         self._size, self._rank = process_set.size(), process_set.rank()
-        self._plan = summable.summable_plan(self.compression.compressor, op, process_set.size, prescale, postscale)
-        self._check_same_parameters_everywhere()
-        if broadcast_from is not None:
-            self._broadcast(broadcast_from)
+        self._scaling = (op, prescale, postscale)
+        self._plan = self._reduction_plan()
+        if not joins_a_running_job():  # a joiner's shards come from the elastic state's sync (and its check)
+            self._check_same_parameters_everywhere()
+            if broadcast_from is not None:
+                self._broadcast(broadcast_from)
         for unit in self.units:
             self._lay_out(unit)
             unit.show(full=False)
@@ -236,6 +258,11 @@ class FullyShardedModel:
                 for p in group.trainable:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit, group)))
         setattr(model, _CONTROLLER, self)
+
+    def _reduction_plan(self) -> Any:
+        """How the gradients are scaled and reduced at the process set's current size."""
+        op, prescale, postscale = self._scaling
+        return summable.summable_plan(self.compression.compressor, op, self.process_set.size, prescale, postscale)
 
     @staticmethod
     def of(model: torch.nn.Module) -> "FullyShardedModel":
@@ -504,6 +531,59 @@ class FullyShardedModel:
                                 lo = self._rank * group.shard_numel + piece - start
                                 shard.copy_(p.detach().reshape(-1)[lo : lo + m])
                 self._free(unit)
+
+    def flat_groups(self) -> list:
+        """Every unit's flat groups, in unit order (the order of :meth:`relayout`'s blocks)."""
+        return [group for unit in self.units for group in unit.groups]
+
+    def world(self) -> tuple:
+        """``(size, rank)`` of the layout the shards are in."""
+        return self._size, self._rank
+
+    def drop_collectives(self) -> None:
+        """Forget what a failed step left behind (local: no collective): gathers and reduce-scatters in
+        flight, gathered parameters, full gradients, the shown full parameters. For an elastic restore."""
+        for unit in self.units:
+            for group in unit.groups:
+                for handle in (group.gather_handle, group.reduce_handle):
+                    if handle is not None:
+                        with contextlib.suppress(Exception):
+                            handle.wait()
+                group.gather_handle = group.reduce_handle = group.reduce_ctx = None
+                group.grads_in = 0
+                for p in group.full:
+                    p.grad = None
+            unit.reducing = False
+            unit.show(full=False)
+            self._free(unit)
+        self._in_backward = False
+
+    def relayout(self, blocks: Sequence[torch.Tensor], size: int, rank: int) -> None:
+        """Re-shard for a world of ``size`` ranks in which this one is ``rank`` (local: the caller brings the
+        data, e.g. the elastic state that rebuilt it).
+
+        Args:
+            blocks: for each of :meth:`flat_groups`, this rank's block of the new layout (its
+                ``FlatLayout(sizes, size).shard_numel`` elements).
+            size: the new number of ranks.
+            rank: this rank in the new world.
+
+        Raises:
+            ValueError: a block of the wrong length, or not one per flat group.
+        """
+        groups = self.flat_groups()
+        if len(blocks) != len(groups):
+            raise ValueError(f"relayout takes one block per flat group ({len(groups)}), not {len(blocks)}")
+        for group, block in zip(groups, blocks):
+            wanted = FlatLayout(tuple(shape.numel() for shape in group.shapes), size).shard_numel
+            if block.numel() != wanted:
+                raise ValueError(f"{group.name}: a block of {block.numel()} elements where {wanted} are held at "
+                                 f"{size} ranks")
+        self.drop_collectives()
+        for group, block in zip(groups, blocks):
+            group.relayout(block, size, rank)
+        self._size, self._rank = size, rank
+        self._plan = self._reduction_plan()  # an average's division (with a cast's guard) depends on the size
 
     def remove(self) -> None:
         """Remove the hooks (the parameters stay sharded)."""

@@ -73,6 +73,7 @@ from hvps.adapters.common.sharding import Signature, check_same_everywhere, shar
 from hvps.compression import summable
 from hvps.compression.compressors import CastCompressor, NoneCompressor
 from hvps.core.flat_shards import FlatLayout
+from hvps.elastic.mode import joins_a_running_job
 
 from .compression import OPS, as_gradient_compression
 from .mpi_ops import (Average, Sum, allgather_async, allreduce_async, grouped_allgather_async,
@@ -194,16 +195,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("this rank is not in the sharded optimizer's process_set")
         self.process_set = process_set
         self._size, self._rank = process_set.size(), process_set.rank()
-        self._plan = summable.summable_plan(self.compression.compressor, op, process_set.size, prescale, postscale)
+        self._scaling = (op, prescale, postscale)
+        self._plan = self._reduction_plan()
         self._sparse_as_dense = sparse_as_dense
         self.backward_passes_per_step = backward_passes_per_step
 
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
         self._names = _name_parameters([p for g in self.param_groups for p in g["params"]], named_parameters)
-        self._check_same_parameters_everywhere()
+        if not joins_a_running_job():  # a joiner's layout is compared by the elastic state's sync
+            self._check_same_parameters_everywhere()
         self._buckets = self._lay_out(int(bucket_cap_mb * 2**20))
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._local_kind, self._local_defaults = type(optimizer), optimizer.defaults
+        self._build_shard_optimizer()
+        self._passes_left = {p: backward_passes_per_step for p in self._bucket_of}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
+
+    # -- setup ----------------------------------------------------------------------------
+    def _reduction_plan(self) -> Any:
+        """How the gradients are scaled and reduced at the process set's current size."""
+        op, prescale, postscale = self._scaling
+        return summable.summable_plan(self.compression.compressor, op, self.process_set.size, prescale, postscale)
+
+    def _build_shard_optimizer(self) -> None:
+        """The local optimizer over the buckets' shards (no state), and each user group's shard group."""
         #: user group -> its shard group (groups without trainable parameters have none)
         self._group_pairs: list = []
         shard_groups = []
@@ -214,15 +232,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._group_pairs.append((group, gi))
         if not shard_groups:
             raise ValueError("the optimizer has no parameter that requires a gradient")
-        self.shard_optimizer = type(optimizer)(shard_groups, **optimizer.defaults)
+        self.shard_optimizer = self._local_kind(shard_groups, **self._local_defaults)
         self._group_pairs = [(user, shard) for (user, _), shard in zip(self._group_pairs,
                                                                         self.shard_optimizer.param_groups)]
-        self._passes_left = {p: backward_passes_per_step for p in self._bucket_of}
-        self._synchronized = False
-        self._should_synchronize = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
 
-    # -- setup ----------------------------------------------------------------------------
+    def world(self) -> tuple:
+        """``(size, rank)`` of the layout the buckets are in."""
+        return self._size, self._rank
+
+    def relayout(self, size: int, rank: int) -> None:
+        """Lay the buckets out for a world of ``size`` ranks in which this one is ``rank`` (elastic
+        re-sharding; local). The local optimizer starts with no state: install it with
+        :meth:`load_local_state`. The step in progress is forgotten.
+
+        Args:
+            size: the new number of ranks.
+            rank: this rank in the new world.
+        """
+        self.reset_step()
+        self._size, self._rank = size, rank
+        self._buckets = [self._bucket(b.index, b.group_index, b.params) for b in self._buckets]
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._build_shard_optimizer()
+        self._plan = self._reduction_plan()
+
     def _check_same_parameters_everywhere(self) -> None:
         """One allgather of (name, shape, dtype) per parameter; HvpsError naming the first difference."""
         mine = [Signature(self._names[p], tuple(p.shape), str(p.dtype), p.requires_grad)
