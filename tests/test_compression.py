@@ -461,6 +461,10 @@ def test_namespace_registry_and_communicator_choice():
     assert isinstance(choose(C.TopKCompressor(0.1), 2), Allgather)
     # each access builds a new object: no state shared between two optimizers
     assert C.Compression.int8 is not C.Compression.int8
+    # quantize is int8 with its options (it once bound the int8 property and raised TypeError)
+    quantized = C.Compression.quantize(chunk=64, error_feedback=True)
+    assert quantized.name == "int8" and quantized.compressor.chunk == 64
+    assert isinstance(quantized.memory, C.ResidualMemory)
 
 
 def test_payload_sizes_and_wire_model():

@@ -110,7 +110,8 @@ class _Namespace:
     topk = staticmethod(topk)
     dgc = staticmethod(dgc)
     powersgd = staticmethod(powersgd)
-    quantize = staticmethod(int8)
+    # int8 with options (chunk, stochastic, error_feedback); in this class body the name int8 is the property
+    quantize = staticmethod(globals()["int8"])
 
 
 Compression = _Namespace()
