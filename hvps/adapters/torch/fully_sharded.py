@@ -84,8 +84,11 @@ _CONTROLLER = "_hvps_fully_sharded"
 class _FlatGroup:
     """One unit's parameters of one dtype and device, flattened, padded to a multiple of N, and sharded.
 
-    ``full[i]`` is the original ``nn.Parameter`` (its ``.data`` is a view of the gathered buffer while the
-    unit is gathered, an empty tensor otherwise); ``shards[i]`` is the registered shard parameter, a view
+    ``full[i]`` is the original ``nn.Parameter``, for good a view of ``full_flat``, the unit's gathered
+    buffer, whose storage is allocated while the unit is gathered and resized to nothing when it is freed
+    (so the views of the full parameters that autograd saves in forward, such as a linear layer's
+    ``weight.t()``, never keep a gathered copy alive until backward: the unit is gathered into the same
+    storage again before its backward, as FSDP2 does); ``shards[i]`` is the registered shard parameter, a view
     of ``shard_flat``; ``slices[i]`` is ``(start, numel)`` of parameter i in the flat buffer and
     ``pieces[i]`` ``(start, numel)`` of its shard in ``shard_flat``.
     """
@@ -110,6 +113,7 @@ class _FlatGroup:
                 self.pieces.append((at, n))
                 self.shards.append(torch.nn.Parameter(piece, requires_grad=p.requires_grad))
         self.trainable = [p for p in params if p.requires_grad]
+        self._new_full_buffer()
         self.gather_handle: Optional[hvps.Handle] = None
         self.reduce_handle: Optional[hvps.Handle] = None
         self.reduce_ctx: Any = None
@@ -130,11 +134,19 @@ class _FlatGroup:
             shard.data = self.shard_flat[at : at + n]
             shard.grad = None
             self.pieces.append((at, n))
+        self._new_full_buffer()
+
+    def _new_full_buffer(self) -> None:
+        """Make the full parameters views of a new ``full_flat`` of the layout's padded length, unallocated."""
+        self.full_flat = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for p, shape, (start, n) in zip(self.full, self.shapes, self.slices):
+                p.data = self.full_flat[start : start + n].view(shape)
+        self.free()
 
     def free(self) -> None:
-        """Drop the full parameters' storage (the shards stay)."""
-        for p in self.full:
-            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        """Release the full parameters' storage (the shards stay; the views keep their shapes)."""
+        self.full_flat.untyped_storage().resize_(0)
 
     def start_gather(self, process_set: ProcessSet) -> None:
         """Start all-gathering the shards of every rank (a no-op while one is in flight)."""
@@ -143,11 +155,16 @@ class _FlatGroup:
                                                  process_set=process_set)
 
     def finish_gather(self) -> None:
-        """Wait for the all-gather and make the full parameters views of its output."""
+        """Wait for the all-gather and copy its output into ``full_flat`` (allocated again if freed). The
+        copy keeps the version counter: autograd's saved views of the full parameters see the same values
+        they were saved with, not an in-place change."""
         flat = self.gather_handle.wait()
         self.gather_handle = None
-        for p, shape, (start, n) in zip(self.full, self.shapes, self.slices):
-            p.data = flat[start : start + n].view(shape)
+        storage = self.full_flat.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.padded * self.full_flat.element_size())
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full_flat):
+            self.full_flat.copy_(flat)
 
     def pack_gradients(self) -> torch.Tensor:
         """The full gradients as one flat padded tensor (zeros where there is none); the full ``.grad``

@@ -61,6 +61,7 @@ bits the parameters are the same bits.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Any, Iterable, Optional
 
@@ -83,6 +84,8 @@ __all__ = ["ShardedOptimizer"]
 
 #: a bucket's default capacity, as torch DDP's
 DEFAULT_BUCKET_CAP_MB = 25.0
+#: buckets whose parameters' all-gather may be in flight at once in step() (one overlaps the next bucket's step)
+GATHERS_IN_FLIGHT = 2
 
 
 class _Bucket:
@@ -403,7 +406,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         grads = [bucket.shard.grad for bucket in self._buckets]
         for bucket in self._buckets:
             bucket.shard.grad = None
-        gathers = []
+        # at most GATHERS_IN_FLIGHT gathered buckets exist at once: a rank never holds a second copy of
+        # every parameter (the gathered flats) beside the parameters themselves
+        gathers: collections.deque = collections.deque()
         with torch.no_grad():
             for bucket, grad in zip(self._buckets, grads):
                 bucket.read_parameters()
@@ -411,9 +416,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     bucket.shard.grad = grad
                     self.shard_optimizer.step()
                     bucket.shard.grad = None
-                gathers.append(allgather_async(bucket.shard, name=f"{bucket.name}.gather",
-                                               process_set=self.process_set))
-            for bucket, handle in zip(self._buckets, gathers):
+                gathers.append((bucket, allgather_async(bucket.shard, name=f"{bucket.name}.gather",
+                                                        process_set=self.process_set)))
+                if len(gathers) > GATHERS_IN_FLIGHT:
+                    done, handle = gathers.popleft()
+                    done.write_parameters(handle.wait())
+            for bucket, handle in gathers:
                 bucket.write_parameters(handle.wait())
         return loss
 
