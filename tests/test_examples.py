@@ -74,10 +74,11 @@ def program(word: str) -> list:
 
 
 def example_env() -> dict:
-    """This environment without an enclosing job's variables, with the repository importable."""
+    """This environment without an enclosing job's variables, with the repository importable and one MPI."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(INHERITED_JOB)}
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
+    env["HVPS_MPIRUN"] = find_mpirun().path  # hvpsrun's MPI is the one the mpirun command runs
     if os.geteuid() == 0:  # Open MPI refuses root without these (CI's containers run as root)
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return dict(mpi_defaults(env))
@@ -181,9 +182,13 @@ def test_tf_gradient_tape(workdir):
 
 @pytest.mark.parametrize("text", [PYTORCH_ELASTIC, KERAS_ELASTIC], ids=["pytorch", "keras"])
 def test_elastic_job_finishes(workdir, text):
+    """The discovery script's two slots from start to end: one call of the training function, no reset. (Not
+    the number of memberships hvpsrun reports: a worker still exiting when the others have finished may get
+    one of its own at the very end.)"""
     run = run_example(text, workdir)
-    assert "hvpsrun: all workers finished; the job ran 1 membership(s)" in run.stderr, run.output()
-    assert "training on 2 rank(s) from epoch 0" in run.stdout, run.output()
+    assert "hvpsrun: all workers finished; the job ran" in run.stderr, run.output()
+    assert run.stdout.count("training on ") == 1, run.output()
+    assert "training on 2 rank(s) from epoch 0" in run.stdout and "reset:" not in run.stdout, run.output()
     assert sorted(run.losses()) == [0, 1, 2], run.output()
     assert_falls(run.losses(), run)
     assert "done: 3 epoch(s) trained, ending on 2 rank(s)" in run.stdout, run.output()
@@ -214,10 +219,12 @@ def test_compression(workdir, name, least_ratio):
 
 # -- no launch ---------------------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_every_command_is_run_by_one_test():
     assert sorted(TESTED) == sorted(EXAMPLE_COMMANDS)
 
 
+@pytest.mark.unit
 def test_every_example_is_launched_and_listed_in_the_readme():
     readme = (EXAMPLES_DIR / "README.md").read_text()
     scripts = sorted(p.name for p in EXAMPLES_DIR.glob("*.py"))
@@ -230,6 +237,7 @@ def test_every_example_is_launched_and_listed_in_the_readme():
     assert os.access(EXAMPLES_DIR / "discover_hosts.sh", os.X_OK), "hvpsrun runs the discovery script directly"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES_DIR.glob("*.py")))
 def test_every_flag_has_help_and_the_module_says_how_to_launch_it(script):
     tree = ast.parse((EXAMPLES_DIR / script).read_text())
