@@ -14,12 +14,16 @@ Launch it from the repository root with any of::
     torchrun --standalone --nproc-per-node=2 examples/pytorch_train.py
     python examples/pytorch_train.py            # one process
 
+``--resume`` with nothing to load starts at epoch 0, so a launcher that restarts a failed job can always
+pass it: ``hvpsrun --max-restarts 2 --checkpoint-dir ckpt -np 2 python examples/pytorch_train.py --resume``
+(hvpsrun hands its ``--checkpoint-dir`` to the script), or ``torchrun --max-restarts=2 ... --resume``.
 The data is generated, so the script needs nothing but hvps and torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Optional, Sequence
 
@@ -53,8 +57,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=2048, help="size of the synthetic training set")
     parser.add_argument("--lr", type=float, default=0.05,
                         help="learning rate of one rank; the job uses lr * number of ranks")
-    parser.add_argument("--checkpoint-dir", default="checkpoints/pytorch_train",
-                        help="directory of the versioned checkpoints (shared by all ranks' hosts)")
+    parser.add_argument("--checkpoint-dir", default=os.environ.get("HVPS_CHECKPOINT_DIR", "checkpoints/pytorch_train"),
+                        help="directory of the versioned checkpoints (rank 0 writes it); default: hvpsrun's "
+                        "--checkpoint-dir when given, else checkpoints/pytorch_train")
     parser.add_argument("--keep-last", type=int, default=3, help="how many checkpoint versions to keep")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest good checkpoint in --checkpoint-dir (if any)")
