@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import resource
 import shlex
 import subprocess
 import sys
@@ -116,10 +117,12 @@ def run_example(text: str, workdir: Path, timeout: float = 300) -> Run:
     words = shlex.split(text)
     argv = program(words[0]) + [part for word in words[1:] for part in
                                 (program(word) if word == "python" else [word])]
-    started = time.monotonic()
+    started, cpu_before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(argv, cwd=workdir, env=example_env(), capture_output=True, text=True, timeout=timeout)
     run = Run(text, proc.stdout, proc.stderr, time.monotonic() - started)
-    print(f"{run.seconds:6.1f} s  {text}")  # shown with pytest -s: each command's duration
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime
+    print(f"{run.seconds:6.1f} s wall {cpu:6.1f} s cpu  {text}")  # shown with pytest -s: what each command cost
     assert proc.returncode == 0, f"exit status {proc.returncode}\n{run.output()}"
     assert "done:" in run.stdout, run.output()
     return run
