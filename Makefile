@@ -22,6 +22,9 @@ STAMP := $(VENV)/.hvps-installed-$(MPI)
 TEST_EXTRAS ?= torch,tensorflow,dev,docs
 # what `make test` runs: pytest's arguments (default: the whole suite in tests/)
 PYTEST_ARGS ?=
+# pytest-xdist workers of `make test` (0: one process). Many tests wait on processes, sockets and timeouts
+# rather than compute, so two workers overlap them; tests/conftest.py keeps together what must not be split.
+TEST_WORKERS ?= 2
 RESULTS ?= results
 # Sized to finish in about 3 minutes on a 2-core machine; a real cluster wants Horovod's defaults.
 # FRAMEWORK=tensorflow runs the Keras ResNet-50 harness instead. Rank 0 logs one line per iteration:
@@ -58,7 +61,7 @@ bench: $(STAMP)-bench-$(FRAMEWORK)  ## ResNet-50 synthetic benchmark on $(NP) CP
 	$(VENV)/bin/hvpsrun -np $(NP) $(PY) $(BENCH_SCRIPT) $(BENCH_ARGS) --json $(RESULTS)/resnet50-$(FRAMEWORK).json
 
 test: $(STAMP)-test-$(TEST_EXTRAS)  ## the test suite (PYTEST_ARGS narrows it), multi-rank tests under mpirun
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)-test-$(TEST_EXTRAS)  ## ruff check with pyproject.toml's rules (ruff comes with the dev extra)
 	$(PY) -m ruff check .
