@@ -102,16 +102,19 @@ def serve(out_fd: int) -> None:
 
     _limit_memory(resource)
     out = os.fdopen(out_fd, "wb")
-    out.write(b'{"ready": true}\n')
-    out.flush()
-    for line in sys.stdin.buffer:
-        request = json.loads(line)
-        if request.get("key") is None:
-            os.environ.pop(KEY_ENV, None)
-        else:
-            os.environ[KEY_ENV] = request["key"]
-        out.write(json.dumps(_answer(request["path"])).encode() + b"\n")
+    try:
+        out.write(b'{"ready": true}\n')
         out.flush()
+        for line in sys.stdin.buffer:
+            request = json.loads(line)
+            if request.get("key") is None:
+                os.environ.pop(KEY_ENV, None)
+            else:
+                os.environ[KEY_ENV] = request["key"]
+            out.write(json.dumps(_answer(request["path"])).encode() + b"\n")
+            out.flush()
+    except BrokenPipeError:  # the caller exited (it may never have asked anything): nothing to answer
+        os._exit(0)
 
 
 # ----------------------------------------------------------------------------- caller side
