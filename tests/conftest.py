@@ -390,6 +390,11 @@ class InnerJobs:
 # {node id: group} to a file the controller named, and the controller's scheduler reads it.
 TESTBED_FILES = ("test_slurm.py", "test_slurm_gpu.py", "test_multihost.py", "test_multihost_gloo.py")
 GROUPS_FILE = "hvps_groups_file"  # key of the workers' xdist workerinput
+# The groups that take a minute or more on a quiet 2-core machine, longest first: they start first, so that
+# no long one is left for the end while the other worker idles (the rest keep their collection order).
+LONGEST_FIRST = ("tests/test_multirank.py", SHARED_JOBS, "tests/test_conformance.py", "tests/test_elastic_launch.py",
+                 "testbeds", "tests/test_tensorflow_adapter.py", "tests/test_examples.py", "tests/test_gloo_run.py",
+                 "tests/test_docs_snippets.py", "tests/test_fuzz.py")
 
 
 def xdist_group(item) -> str:
@@ -401,13 +406,18 @@ def xdist_group(item) -> str:
     return "testbeds" if Path(path).name in TESTBED_FILES else path
 
 
-def _write_xdist_groups(config, items) -> None:
-    """On an xdist worker: write each item's group where the controller's scheduler reads it."""
+def _order_for_xdist(config, items) -> None:
+    """On an xdist worker: put the longest groups first (every worker sorts alike: same collection) and write
+    each item's group where the controller's scheduler reads it."""
     path = getattr(config, "workerinput", {}).get(GROUPS_FILE)
-    if path:
-        mine = f"{path}.{config.workerinput['workerid']}"
-        Path(mine + ".tmp").write_text(json.dumps({item.nodeid: xdist_group(item) for item in items}))
-        os.replace(mine + ".tmp", mine)
+    if not path:
+        return
+    groups = {item.nodeid: xdist_group(item) for item in items}
+    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(groups[item.nodeid], len(rank)))  # stable: the rest keep their order
+    mine = f"{path}.{config.workerinput['workerid']}"
+    Path(mine + ".tmp").write_text(json.dumps(groups))
+    os.replace(mine + ".tmp", mine)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -418,9 +428,10 @@ def pytest_configure_node(node):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist controller, ``--dist loadfile``: schedule by the workers' groups (see above)."""
+    """xdist controller, ``--dist loadfile``: schedule by the workers' groups, in the workers' order (see above)."""
     if config.getvalue("dist") != "loadfile":
         return None
+    config.option.loadscopereorder = False  # xdist would put the groups with the most tests first
     from xdist.scheduler import LoadScopeScheduling
 
     class GroupScheduling(LoadScopeScheduling):
@@ -439,7 +450,7 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     """A test that shares a job may be the one that runs it: its timeout covers the whole job. Under xdist,
     each worker also writes the items' groups (above)."""
-    _write_xdist_groups(config, items)
+    _order_for_xdist(config, items)
     jobs = InnerJobs(items)
     totals = {}
     for item in items:
