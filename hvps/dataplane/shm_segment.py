@@ -43,7 +43,7 @@ def new_name() -> str:
     return f"hvps-{os.getuid()}-{secrets.token_hex(8)}"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether process ``pid`` still runs (a zombie or a missing process does not; a stopped one does)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -136,7 +136,7 @@ class Segment:
         if self.header[self.size, 0]:
             raise HvpsError("shared-memory collective aborted: another rank on this node failed midway "
                             "(it found a peer dead or stalled)")
-        dead = [r for r in behind if not _alive(int(self.header[r, PID]))]
+        dead = [r for r in behind if not process_alive(int(self.header[r, PID]))]
         if dead:
             self.abort()
             raise HvpsError(f"shared-memory collective failed: local ranks {dead} died while this rank waited "
