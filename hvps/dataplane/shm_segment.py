@@ -17,7 +17,9 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import threading
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -79,6 +81,8 @@ class Segment:
         self.counters = self.header[:size, :3]
         self.header[rank, PID] = os.getpid()
         self._pids: dict = {}
+        #: once set (the engine's event for ranks lost on the control plane), a wait gives up at once
+        self.lost: Optional[threading.Event] = None
 
     def unlink(self) -> None:
         """Remove the name (mappings stay valid); only local rank 0 calls it."""
@@ -119,6 +123,10 @@ class Segment:
             if time.monotonic() < spin_until:
                 os.sched_yield()  # as Open MPI's mpi_yield_when_idle: a runnable training thread goes first
                 continue
+            if self.lost is not None and self.lost.is_set():
+                self.abort()
+                raise HvpsError("shared-memory collective abandoned: the job lost ranks (the control plane "
+                                "found them gone) while this rank waited on the node's segment")
             time.sleep(nap)
             nap = min(_MAX_NAP, nap * 2)
             now = time.monotonic()

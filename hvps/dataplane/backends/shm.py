@@ -66,7 +66,14 @@ class ShmBackend(Backend):
     def ordered(self, entries):
         return self.fallback.ordered(entries) if self.fallback is not None else super().ordered(entries)
 
+    @property
+    def interruptible_bytes(self) -> int:
+        """The flat plane's: a wait on the segment gives up once ``interrupt_on``'s event is set, so the
+        collectives that might run on the flat plane decide."""
+        return self.fallback.interruptible_bytes if self.fallback is not None else 0
+
     def interrupt_on(self, event):
+        self.segment.lost = event
         if self.fallback is not None:
             self.fallback.interrupt_on(event)
 
