@@ -132,7 +132,12 @@ def node_backend(settings, comm, local, cross, flat: Backend,
     if why is None:
         buffer_bytes = max(4096, settings.ring_chunk_bytes // 64 * 64)
         segment, reason = open_segment(local, buffer_bytes, settings.stall_fail_seconds)
-        why = next((r for r in comm.allgather(reason) if r), None)
+        try:
+            why = next((r for r in comm.allgather(reason) if r), None)
+        except BaseException:
+            if segment is not None:
+                segment.close()
+            raise
         if why is not None and segment is not None:  # another node could not open its segment
             segment.close()
     if why is not None:
@@ -141,8 +146,12 @@ def node_backend(settings, comm, local, cross, flat: Backend,
     if local.Get_size() == comm.Get_size():
         node: Backend = ShmBackend(segment, flat)
     else:
-        node = HierarchicalBackend(flat, ShmBackend(segment, None), create(settings.backend, cross, settings),
-                                   local.Get_rank(), local.Get_size())
+        try:
+            across = create(settings.backend, cross, settings)
+        except BaseException:
+            segment.close()
+            raise
+        node = HierarchicalBackend(flat, ShmBackend(segment, None), across, local.Get_rank(), local.Get_size())
         node.name = "hierarchical-shm"
     if not flat.takes("cuda", "float32"):
         return node

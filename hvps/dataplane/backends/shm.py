@@ -212,7 +212,7 @@ class ShmBackend(Backend):
 def open_segment(local, buffer_bytes: int, timeout: float) -> tuple:
     """``(Segment, None)`` mapped on every rank of ``local`` (collective), or ``(None, reason)``.
 
-    Local rank 0 creates it; the name is unlinked once all ranks mapped it.
+    Local rank 0 creates it; the name is unlinked once all ranks mapped it, or when this fails midway.
     """
     rank, size = local.Get_rank(), local.Get_size()
     total = segment_bytes(size, buffer_bytes)
@@ -227,13 +227,20 @@ def open_segment(local, buffer_bytes: int, timeout: float) -> tuple:
             segment = Segment(name, size, 0, buffer_bytes, timeout, create=True)
         except OSError as exc:
             name, reason = None, f"cannot create a shared-memory segment in {SHM_DIR}: {exc}"
-    name, reason = local.bcast((name, reason), root=0)
-    if name is not None and rank != 0:
-        try:
-            segment = Segment(name, size, rank, buffer_bytes, timeout, create=False)
-        except OSError as exc:
-            reason = f"cannot map shared-memory segment {SHM_DIR}/{name} on local rank {rank}: {exc}"
-    reasons = [r for r in local.allgather(reason) if r]
+    try:
+        name, reason = local.bcast((name, reason), root=0)
+        if name is not None and rank != 0:
+            try:
+                segment = Segment(name, size, rank, buffer_bytes, timeout, create=False)
+            except OSError as exc:
+                reason = f"cannot map shared-memory segment {SHM_DIR}/{name} on local rank {rank}: {exc}"
+        reasons = [r for r in local.allgather(reason) if r]
+    except BaseException:  # a peer lost midway (an elastic job changing): leave no name in /dev/shm
+        if segment is not None:
+            if rank == 0:
+                segment.unlink()
+            segment.close()
+        raise
     if rank == 0 and segment is not None:
         segment.unlink()  # every rank mapped it (or gave up): the kernel frees it with the last process
     if reasons:
