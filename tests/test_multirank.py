@@ -13,10 +13,11 @@ from conftest import case
 
 NPS = [2, 3]
 
-# (inner module, extra environment, hard timeout in seconds)
+# (inner module, extra environment, hard timeout in seconds). The cases without HVPS_SHM run on the default data
+# plane, the node's shared memory over MPI (HVPS_SHM=auto); those about another plane say HVPS_SHM=0.
 CASES = {
-    "allreduce-mpi": ("mpi_allreduce.py", {"HVPS_ALLREDUCE_ALGORITHM": "mpi"}, 420),
-    "allreduce-ring": ("mpi_allreduce.py", {"HVPS_ALLREDUCE_ALGORITHM": "ring"}, 420),
+    "allreduce-mpi": ("mpi_allreduce.py", {"HVPS_ALLREDUCE_ALGORITHM": "mpi", "HVPS_SHM": "0"}, 420),
+    "allreduce-ring": ("mpi_allreduce.py", {"HVPS_ALLREDUCE_ALGORITHM": "ring", "HVPS_SHM": "0"}, 420),
     "collectives": ("mpi_collectives.py", {}, 420),
     "async": ("mpi_async.py", {}, 240),
     "errors": ("mpi_errors.py", {"HVPS_STALL_CHECK_TIME_SECONDS": "3"}, 240),
@@ -26,9 +27,10 @@ CASES = {
     "autotune": ("mpi_autotune.py", {"HVPS_AUTOTUNE": "1", "HVPS_AUTOTUNE_WARMUP_STEPS": "1",
                                      "HVPS_AUTOTUNE_STEPS_PER_SAMPLE": "2"}, 240),
 }
-# The whole foundation suite again on the torch.distributed data plane (gloo on CPU).
+# The whole foundation suite again on the torch.distributed data plane (gloo on CPU, without shared memory: jobs
+# without MPI run on shared memory over it by default, in test_gloo_run.py).
 CASES.update({
-    f"{name}-tdist": (module, dict(env, HVPS_BACKEND="tdist"), timeout)
+    f"{name}-tdist": (module, dict(env, HVPS_BACKEND="tdist", HVPS_SHM="0"), timeout)
     for name, (module, env, timeout) in list(CASES.items())
     # the algorithm setting is the MPI backend's; one allreduce run suffices. Autotune is the engine's.
     if name not in ("allreduce-ring", "autotune", "shm")
@@ -57,9 +59,11 @@ def test_inner_module(np_, case_name, inner_results):
 # Through a relay of the control-plane tree (HVPS_CONTROL_FANOUT=1: the chain 0 - 1 - 2, rank 1 passing rank 2's
 # announcements up and rank 0's responses down): the collectives, and the mismatch, stall and join errors. At 2
 # ranks a fan-out of 1 is the star again, so 3 ranks only.
+# On MPI's data plane (HVPS_SHM=0): the collectives and errors above run on shared memory.
 TREE_CASES = {
-    "collectives-tree": ("mpi_collectives.py", {"HVPS_CONTROL_FANOUT": "1"}, 420),
-    "errors-tree": ("mpi_errors.py", {"HVPS_CONTROL_FANOUT": "1", "HVPS_STALL_CHECK_TIME_SECONDS": "3"}, 240),
+    "collectives-tree": ("mpi_collectives.py", {"HVPS_CONTROL_FANOUT": "1", "HVPS_SHM": "0"}, 420),
+    "errors-tree": ("mpi_errors.py", {"HVPS_CONTROL_FANOUT": "1", "HVPS_STALL_CHECK_TIME_SECONDS": "3",
+                                      "HVPS_SHM": "0"}, 240),
 }
 
 
@@ -112,7 +116,7 @@ FUSION_CONFIGS = {"nofusion": {"HVPS_FUSION_THRESHOLD": "0"}, "default": {}, "ti
 def _fusion_cases(np_, algorithm):
     return [(np_, case(f"fusion-{algorithm}-{label}", "mpi_fusion.py", timeout=300,
                        env=dict(extra, HVPS_ALLREDUCE_ALGORITHM=algorithm, HVPS_TEST_OUTDIR="{case_dir}",
-                                HVPS_CYCLE_TIME="5")))
+                                HVPS_CYCLE_TIME="5", HVPS_SHM="0")))
             for label, extra in FUSION_CONFIGS.items()]
 
 
@@ -158,7 +162,7 @@ def test_fusion_on_off_bit_identical(np_, algorithm, inner_results):
 
 
 def _hierarchical_cases(backend):
-    env = {"HVPS_BACKEND": backend, "HVPS_HIERARCHICAL_ALLREDUCE": "1", "HVPS_LOCAL_SIZE": "2",
+    env = {"HVPS_BACKEND": backend, "HVPS_HIERARCHICAL_ALLREDUCE": "1", "HVPS_LOCAL_SIZE": "2", "HVPS_SHM": "0",
            "HVPS_TEST_EXPECT_BACKEND": f"hierarchical-{backend}", "HVPS_TEST_EXPECT_LOCAL_SIZE": "2"}
     return [(4, case(f"hierarchical-{backend}-{module[4:-3]}", module, env=env, timeout=600))
             for module in ("mpi_topology.py", "mpi_allreduce.py")]
@@ -175,7 +179,8 @@ def test_hierarchical_allreduce_on_emulated_nodes(backend, inner_results):
 
 def _tdist_vs_mpi_cases(np_):
     return [(np_, case(f"{module[4:-3]}-{backend}-vs", module, timeout=300,
-                       env={"HVPS_BACKEND": backend, "HVPS_TEST_OUTDIR": "{case_dir}", "HVPS_TEST_EXPECT_BACKEND": backend}))
+                       env={"HVPS_BACKEND": backend, "HVPS_TEST_OUTDIR": "{case_dir}", "HVPS_TEST_EXPECT_BACKEND": backend,
+                            "HVPS_SHM": "0"}))
             for backend in ("mpi", "tdist") for module in ("mpi_topology.py", "mpi_fusion.py")]
 
 

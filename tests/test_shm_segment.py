@@ -1,7 +1,9 @@
 """The shared-memory segment's failure paths, in one process: a dead peer, a stalled one, a peer's
-abort, /dev/shm too small, another user's name (the multi-rank behaviour is tests/mpi/mpi_shm.py)."""
+abort, ranks lost on the control plane, /dev/shm too small, another user's name (the multi-rank
+behaviour is tests/mpi/mpi_shm.py)."""
 
 import os
+import threading
 
 import pytest
 
@@ -49,6 +51,16 @@ def test_a_stalled_peer_fails_after_the_stall_time(segment):
     segment.header[1, PID] = os.getpid()  # alive, never arrives
     with pytest.raises(HvpsError, match=r"local ranks \[1\] moved no data for 0.3 s"):
         segment.wait(IN, 1)
+
+
+def test_ranks_lost_on_the_control_plane_end_the_wait(segment):
+    segment.header[1, PID] = os.getpid()  # alive, never arrives; the stall time (0.3 s) is not what ends it
+    segment.timeout = 60.0
+    segment.lost = threading.Event()
+    segment.lost.set()
+    with pytest.raises(HvpsError, match="the job lost ranks"):
+        segment.wait(IN, 1)
+    assert segment.header[2, 0] == 1, "the peers on the node must stop waiting too (abort flag)"
 
 
 def test_a_peers_abort_ends_the_wait(segment):

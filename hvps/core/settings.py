@@ -33,7 +33,7 @@ VARIABLES: dict[str, str] = {
     "HVPS_HIERARCHICAL_ALLREDUCE": "1: reduce within nodes, across nodes, within nodes again",
     "HVPS_ENCRYPT": "1: seal (AES-256-GCM) every data-plane byte between hosts; all: between every pair of ranks",
     "HVPS_TEST_TAMPER": "test-only fault hook of HVPS_ENCRYPT: damage a sealed chunk (flip|replay:RANK[:N])",
-    "HVPS_SHM": "auto, 0 or 1: collectives among a node's ranks through one shared-memory segment",
+    "HVPS_SHM": "auto (default), 0 or 1: collectives among a node's ranks through one shared-memory segment",
     "HVPS_CACHE_CAPACITY": "requests the response cache keeps; 0 turns it off",
     "HVPS_AUTOTUNE": "1: tune the fusion threshold and cycle time from step times",
     "HVPS_AUTOTUNE_WARMUP_STEPS": "steps each autotune candidate runs before it is measured",
@@ -224,8 +224,9 @@ class Settings:
     backend: str = "auto"
     #: allreduce within each node, then across nodes, then within the node again
     hierarchical: bool = False
-    #: node-local collectives through shared memory: 1 (or fail), auto (when ranks share a host), 0
-    shm: str = "0"
+    #: node-local collectives through shared memory: auto (where ranks share a host and it applies, else the
+    #: flat plane with one warning), 1 (or an HvpsError at init), 0 (never); see dataplane/backends/node_plane.py
+    shm: str = "auto"
     #: requests every rank has agreed on, named by a bit from then on (0: off); see response_cache.py
     cache_capacity: int = 1024
     #: children per rank in the control-plane tree (control/tree.py); above fanout + 1 ranks, relays merge

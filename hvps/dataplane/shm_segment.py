@@ -17,7 +17,9 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import threading
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -43,7 +45,7 @@ def new_name() -> str:
     return f"hvps-{os.getuid()}-{secrets.token_hex(8)}"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether process ``pid`` still runs (a zombie or a missing process does not; a stopped one does)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -79,6 +81,8 @@ class Segment:
         self.counters = self.header[:size, :3]
         self.header[rank, PID] = os.getpid()
         self._pids: dict = {}
+        #: once set (the engine's event for ranks lost on the control plane), a wait gives up at once
+        self.lost: Optional[threading.Event] = None
 
     def unlink(self) -> None:
         """Remove the name (mappings stay valid); only local rank 0 calls it."""
@@ -119,6 +123,10 @@ class Segment:
             if time.monotonic() < spin_until:
                 os.sched_yield()  # as Open MPI's mpi_yield_when_idle: a runnable training thread goes first
                 continue
+            if self.lost is not None and self.lost.is_set():
+                self.abort()
+                raise HvpsError("shared-memory collective abandoned: the job lost ranks (the control plane "
+                                "found them gone) while this rank waited on the node's segment")
             time.sleep(nap)
             nap = min(_MAX_NAP, nap * 2)
             now = time.monotonic()
@@ -136,7 +144,7 @@ class Segment:
         if self.header[self.size, 0]:
             raise HvpsError("shared-memory collective aborted: another rank on this node failed midway "
                             "(it found a peer dead or stalled)")
-        dead = [r for r in behind if not _alive(int(self.header[r, PID]))]
+        dead = [r for r in behind if not process_alive(int(self.header[r, PID]))]
         if dead:
             self.abort()
             raise HvpsError(f"shared-memory collective failed: local ranks {dead} died while this rank waited "

@@ -1,6 +1,9 @@
 """Inner multi-rank tests of the shared-memory data plane (HVPS_SHM=1): the backend on its own with a
 tiny segment (every dtype, op and size, against a numpy reference, in several rounds), then through
-the engine, a rank stopped shorter than the stall time, and no name left in /dev/shm."""
+the engine (over MPI, and over torch.distributed as in jobs without MPI), a rank stopped shorter than
+the stall time, no name left in /dev/shm, and what HVPS_SHM=1 and auto do where shared memory cannot
+be used (one HvpsError at init on every rank; the flat plane, with one warning on rank 0 only where
+ranks share a host)."""
 
 import os
 import signal
@@ -14,6 +17,7 @@ from mpi4py import MPI
 
 import hvps
 from hvps.core.dtypes import ReduceOp
+from hvps.core.errors import HvpsError
 from hvps.dataplane.backends.shm import ShmBackend, open_segment
 
 pytestmark = pytest.mark.timeout(180)
@@ -116,3 +120,66 @@ def test_engine_uses_shared_memory():
             (np.arange(9.0) * size).tolist()
     finally:
         hvps.shutdown()
+
+
+def test_engine_on_torch_distributed_uses_shared_memory(monkeypatch):
+    """HVPS_BACKEND=tdist (the plane of hvpsrun --gloo, torchrun and elastic jobs): shared memory under it;
+    CPU tensors come back as tensors, alltoall runs on gloo."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("HVPS_BACKEND", "tdist")
+    hvps.init()
+    try:
+        from hvps.runtime import state
+
+        assert state._state.engine.backend.name == "shm"
+        size, rank = hvps.size(), hvps.rank()
+        summed = hvps.allreduce(torch.full((1001,), float(rank + 1)), op=hvps.Sum, name="shm.tdist")
+        assert isinstance(summed, torch.Tensor) and torch.equal(summed, torch.full((1001,), size * (size + 1) / 2))
+        swapped, _ = hvps.alltoall(np.full(size, rank, np.int64), name="shm.tdist.a2a")
+        assert swapped.tolist() == list(range(size))
+    finally:
+        hvps.shutdown()
+
+
+def _shm_plane_of_a_job(monkeypatch, caplog, **env) -> tuple:
+    """``(plane name, HvpsError message, hvps warnings)`` of ``hvps.init()`` under ``env``."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    caplog.clear()
+    try:
+        hvps.init()
+    except HvpsError as exc:
+        return None, str(exc), []
+    try:
+        from hvps.runtime import state
+
+        hvps.allreduce(np.ones(3), name="shm.after")
+        return state._state.engine.backend.name, "", [r.getMessage() for r in caplog.records
+                                                      if r.name == "hvps" and r.levelname == "WARNING"]
+    finally:
+        hvps.shutdown()
+
+
+@pytest.mark.parametrize("setting", ["1", "auto"])
+def test_no_two_ranks_on_a_host(monkeypatch, caplog, setting):
+    """Every rank its own node (HVPS_LOCAL_SIZE=1): HVPS_SHM=1 fails at init on every rank, saying why and
+    what to do; auto quietly keeps MPI (nobody expects shared memory there)."""
+    plane, error, warnings = _shm_plane_of_a_job(monkeypatch, caplog, HVPS_SHM=setting, HVPS_LOCAL_SIZE="1")
+    if setting == "1":
+        assert "HVPS_SHM=1" in error and "no two ranks of this job share a host" in error and "HVPS_SHM=0" in error
+    else:
+        assert (plane, warnings) == ("mpi", [])
+
+
+@pytest.mark.parametrize("setting", ["1", "auto"])
+def test_dev_shm_too_small(monkeypatch, caplog, setting):
+    """A segment larger than /dev/shm: HVPS_SHM=1 fails at init on every rank naming the sizes; auto runs on
+    MPI with one warning, from rank 0 only."""
+    plane, error, warnings = _shm_plane_of_a_job(monkeypatch, caplog, HVPS_SHM=setting,
+                                                 HVPS_RING_CHUNK_BYTES=str(1 << 40))
+    if setting == "1":
+        assert "HVPS_SHM=1" in error and "/dev/shm has" in error and "HVPS_SHM=0" in error, error
+        return
+    assert plane == "mpi"
+    expected = 1 if MPI.COMM_WORLD.Get_rank() == 0 else 0
+    assert len([w for w in warnings if "shared memory not used" in w and "/dev/shm has" in w]) == expected, warnings

@@ -4,7 +4,8 @@
 - ``tdist``: torch.distributed process groups, gloo on CPU and NCCL on CUDA;
 - ``auto``: MPI, plus NCCL for CUDA tensors when torch is loaded and a GPU with NCCL is present.
 
-``HVPS_SHM`` puts a node's ranks on one shared-memory segment (``shm.py``);
+``HVPS_SHM`` (auto by default) puts a node's ranks on one shared-memory segment under either plane
+(``node_plane.py``, ``shm.py``);
 ``HVPS_HIERARCHICAL_ALLREDUCE=1`` wraps the chosen one in ``HierarchicalBackend``; ``HVPS_ENCRYPT``
 wraps the MPI data plane in ``SealedBackend`` (``sealed_setup.py``; it takes precedence over ``HVPS_SHM``).
 """
@@ -80,7 +81,7 @@ def build(settings, comm, local, cross, secret=None) -> Backend:
         return _hierarchical(settings, comm, local, backend, lambda: same_host(create(name, local, settings), local),
                              lambda: seal(create(name, cross, settings), cross))
     backend = create(settings.backend, comm, settings)
-    from .shm import node_backend  # HVPS_SHM: shared memory within the node
+    from .node_plane import node_backend  # HVPS_SHM: shared memory within the node
 
     node = node_backend(settings, comm, local, cross, backend, create)
     if node is not None:

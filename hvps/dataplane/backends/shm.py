@@ -10,26 +10,32 @@ the same rounds; alltoall and point-to-point go to ``fallback`` (MPI). The block
 windows, who copies what and the folding order are ``schedule.py``'s, as for the MPI ring and the
 sealed plane, so every plane gives the same bits.
 
-Across nodes, ``node_backend`` composes it like ``HierarchicalBackend``: shared memory
-within the node, MPI (or the ring) on the local ranks' shares across nodes.
+The flat plane under it is MPI's or torch.distributed's (gloo): CPU torch tensors the flat plane
+takes as they are are read here through numpy views of their memory. Whether the plane applies, and
+its composition across nodes, is ``node_plane.py``'s.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import platform
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
-from ...core import dtypes
+from ...core import arrays, dtypes
 from ...core.errors import HvpsError
 from ..schedule import Schedule, bounds_of_counts, fold_in_rank_order, segments
 from ..shm_segment import DONE, IN, RED, SHM_DIR, Segment, new_name, segment_bytes
 from .base import Backend
 
-log = logging.getLogger("hvps")
+
+def _host_view(buffer: Any) -> np.ndarray:
+    """``buffer`` as a numpy array sharing its memory (a CPU torch tensor becomes a view of it)."""
+    if arrays.is_numpy(buffer):
+        return buffer
+    from ...core.views import as_array
+
+    return as_array(buffer)
 
 
 def _gather_order(plan: Schedule) -> list:
@@ -52,6 +58,28 @@ class ShmBackend(Backend):
     @property
     def supports_process_sets(self) -> bool:
         return self.fallback is not None and self.fallback.supports_process_sets
+
+    def takes(self, device: str, dtype: str) -> bool:
+        """CPU tensors when the flat plane takes them (they are read through numpy views here)."""
+        return device == "cpu" and (self.fallback is None or self.fallback.takes(device, dtype))
+
+    def ordered(self, entries):
+        return self.fallback.ordered(entries) if self.fallback is not None else super().ordered(entries)
+
+    @property
+    def interruptible_bytes(self) -> int:
+        """The flat plane's: a wait on the segment gives up once ``interrupt_on``'s event is set, so the
+        collectives that might run on the flat plane decide."""
+        return self.fallback.interruptible_bytes if self.fallback is not None else 0
+
+    def interrupt_on(self, event):
+        self.segment.lost = event
+        if self.fallback is not None:
+            self.fallback.interrupt_on(event)
+
+    def report_failures_to(self, failed):
+        if self.fallback is not None:
+            self.fallback.report_failures_to(failed)
 
     def _slots(self, dtype: np.dtype) -> np.ndarray:
         """Every rank's two buffers as ``[rank, which, element]`` of ``dtype``."""
@@ -109,17 +137,20 @@ class ShmBackend(Backend):
         self._rounds(body, plan.rounds)
 
     def allreduce(self, sendbuf, recvbuf, op):
+        sendbuf, recvbuf = _host_view(sendbuf), _host_view(recvbuf)
         count = recvbuf.size
         if count:
             self._reduce(sendbuf.reshape(-1), recvbuf.reshape(-1), segments(count, self.size), op, True)
 
     def reducescatter(self, sendbuf, recvbuf, counts, op):
         if sum(counts):
+            sendbuf, recvbuf = _host_view(sendbuf), _host_view(recvbuf)
             self._reduce(sendbuf.reshape(-1), recvbuf.reshape(-1), bounds_of_counts(counts), op, False)
 
     def allgatherv(self, sendbuf, recvbuf, counts):
         if not sum(counts):
             return
+        sendbuf, recvbuf = _host_view(sendbuf), _host_view(recvbuf)
         slots = self._slots(recvbuf.dtype)
         plan = Schedule(self.rank, self.size, bounds_of_counts(counts), slots.shape[2])
         send, recv, owners = sendbuf.reshape(-1), recvbuf.reshape(-1), _gather_order(plan)
@@ -137,6 +168,7 @@ class ShmBackend(Backend):
         self._rounds(body, plan.rounds)
 
     def broadcast(self, buf, root):
+        buf = _host_view(buf)
         if not buf.size:
             return
         flat = buf.reshape(-1)
@@ -180,7 +212,7 @@ class ShmBackend(Backend):
 def open_segment(local, buffer_bytes: int, timeout: float) -> tuple:
     """``(Segment, None)`` mapped on every rank of ``local`` (collective), or ``(None, reason)``.
 
-    Local rank 0 creates it; the name is unlinked once all ranks mapped it.
+    Local rank 0 creates it; the name is unlinked once all ranks mapped it, or when this fails midway.
     """
     rank, size = local.Get_rank(), local.Get_size()
     total = segment_bytes(size, buffer_bytes)
@@ -195,13 +227,20 @@ def open_segment(local, buffer_bytes: int, timeout: float) -> tuple:
             segment = Segment(name, size, 0, buffer_bytes, timeout, create=True)
         except OSError as exc:
             name, reason = None, f"cannot create a shared-memory segment in {SHM_DIR}: {exc}"
-    name, reason = local.bcast((name, reason), root=0)
-    if name is not None and rank != 0:
-        try:
-            segment = Segment(name, size, rank, buffer_bytes, timeout, create=False)
-        except OSError as exc:
-            reason = f"cannot map shared-memory segment {SHM_DIR}/{name} on local rank {rank}: {exc}"
-    reasons = [r for r in local.allgather(reason) if r]
+    try:
+        name, reason = local.bcast((name, reason), root=0)
+        if name is not None and rank != 0:
+            try:
+                segment = Segment(name, size, rank, buffer_bytes, timeout, create=False)
+            except OSError as exc:
+                reason = f"cannot map shared-memory segment {SHM_DIR}/{name} on local rank {rank}: {exc}"
+        reasons = [r for r in local.allgather(reason) if r]
+    except BaseException:  # a peer lost midway (an elastic job changing): leave no name in /dev/shm
+        if segment is not None:
+            if rank == 0:
+                segment.unlink()
+            segment.close()
+        raise
     if rank == 0 and segment is not None:
         segment.unlink()  # every rank mapped it (or gave up): the kernel frees it with the last process
     if reasons:
@@ -209,46 +248,3 @@ def open_segment(local, buffer_bytes: int, timeout: float) -> tuple:
             segment.close()
         return None, reasons[0]
     return segment, None
-
-
-def node_backend(settings, comm, local, cross, flat: Backend, create) -> Optional[Backend]:
-    """The shared-memory data plane when ``settings.shm`` asks for it and it applies, else None
-    (collective over ``comm``: every rank takes the same branch). ``create(name, comm, settings)``
-    builds the cross-node backend."""
-    if settings.shm == "0":
-        return None
-    sizes = set(comm.allgather(local.Get_size()))
-    local_size = local.Get_size()
-    why = None
-    if platform.machine() not in ("x86_64", "AMD64"):
-        why = f"{platform.machine()} may reorder stores (only x86-64's total store order is relied on)"
-    elif flat.name != "mpi":
-        why = f"the {flat.name} data plane is in use (shared memory replaces the MPI one only)"
-    elif local_size < 2:
-        why = "no two ranks share a host"
-    elif len(sizes) > 1:
-        why = f"nodes have different numbers of ranks ({sorted(sizes)})"
-    if why is not None:
-        if settings.shm == "1" and comm.Get_rank() == 0:
-            log.warning("HVPS_SHM=1 ignored: %s", why)
-        return None
-    buffer_bytes = max(4096, settings.ring_chunk_bytes // 64 * 64)
-    segment, reason = open_segment(local, buffer_bytes, settings.stall_fail_seconds)
-    failed = comm.allreduce(0 if segment is not None else 1)
-    if failed:
-        if segment is not None:
-            segment.close()
-        if settings.shm == "1":
-            raise HvpsError(f"HVPS_SHM=1: {reason or 'another node could not create its shared-memory segment'}; "
-                            "set HVPS_SHM=0 to use MPI")
-        if reason and local.Get_rank() == 0:
-            log.warning("hvps: shared-memory data plane off, MPI used instead: %s", reason)
-        return None
-    if local_size == comm.Get_size():
-        return ShmBackend(segment, flat)
-    from .hierarchical import HierarchicalBackend
-
-    backend = HierarchicalBackend(flat, ShmBackend(segment, None), create(settings.backend, cross, settings),
-                                  local.Get_rank(), local_size)
-    backend.name = "hierarchical-shm"
-    return backend
