@@ -141,9 +141,9 @@ class Segment:
 
     def _check_peers(self, field: int, value: int, stalled: bool) -> None:
         behind = [r for r in range(self.size) if r != self.rank and self.counters[r, field] < value]
-        if self.header[self.size, 0]:
-            raise HvpsError("shared-memory collective aborted: another rank on this node failed midway "
-                            "(it found a peer dead or stalled)")
+        if self.header[self.size, 0]:  # a stall to the engine: its control plane names who died or stopped
+            raise DataPlaneStall("shared-memory collective aborted: another rank on this node failed midway "
+                                 "(it found a peer dead or stalled)")
         dead = [r for r in behind if not process_alive(int(self.header[r, PID]))]
         if dead:
             self.abort()
