@@ -260,10 +260,8 @@ class FullyShardedModel:
             if broadcast_from is not None:
                 self._broadcast(broadcast_from)
         for unit in self.units:
-            self._lay_out(unit)
+            self._lay_out(unit)  # each flat group starts freed (_FlatGroup._new_full_buffer)
             unit.show(full=False)
-            for group in unit.groups:
-                group.free()
         self._forward_order: list = []
         self._order_known = False
         self._in_backward = False
