@@ -286,9 +286,9 @@ def test_partition_covers_what_is_left_once_over_any_size():
     assert partition(4, range(4), 0, 0, True, 0, 2) == ([], [])
 
 
-def _rebuilt_blocks(numel: int, old_size: int, survivors: list, joiners: int) -> tuple:
+def _rebuilt_blocks(numel: int, old_size: int, survivors: list, joiners: int, stride: int = 1) -> tuple:
     """Play the sharded recovery's data movement on lists: old rank r held block r and a copy of block
-    r - 1; ``survivors`` (old ranks, in their new rank order) come first, then ``joiners`` empty ranks.
+    r - stride; ``survivors`` (old ranks, in their new rank order) come first, then ``joiners`` empty ranks.
     Returns (what each new rank ends up with, what it should hold)."""
     from hvps.core.flat_shards import FlatLayout
     from hvps.elastic.shard_recovery import block_providers, copied_block, transfers
@@ -297,15 +297,15 @@ def _rebuilt_blocks(numel: int, old_size: int, survivors: list, joiners: int) ->
     old = FlatLayout((numel,), old_size)
     padded = flat + [0.0] * (old.padded - numel)
     own = {r: padded[slice(*old.block(r))] for r in range(old_size)}
-    copies = {r: own[copied_block(r, old_size)] for r in range(old_size)}
+    copies = {r: own[copied_block(r, old_size, stride)] for r in range(old_size)}
     holders = [(r, True) for r in survivors] + [None] * joiners
     new_size = len(holders)
     new = FlatLayout((numel,), new_size)
     got = [[0.0] * new.shard_numel for _ in range(new_size)]
-    for move in transfers(numel, old_size, new_size, block_providers(holders, old_size)):
+    for move in transfers(numel, old_size, new_size, block_providers(holders, old_size, stride)):
         held_by = holders[move.source][0]
         source = copies[held_by] if move.from_copy else own[held_by]
-        assert (copied_block(held_by, old_size) if move.from_copy else held_by) == move.old_block
+        assert (copied_block(held_by, old_size, stride) if move.from_copy else held_by) == move.old_block
         got[move.dest][move.at : move.at + move.length] = source[move.offset : move.offset + move.length]
     wanted_padded = flat + [0.0] * (new.padded - numel)
     return got, [wanted_padded[slice(*new.block(j))] for j in range(new_size)]
@@ -328,6 +328,27 @@ def test_sharded_recovery_rebuilds_every_block_from_own_and_neighbour_copies():
                     assert got == wanted, (old_size, dead, joiners, numel)
                     cases += 1
     assert cases == (1 + 3 + 4 + 7) * 3 * 4  # survivor sets with no two neighbours dead at 1..4 ranks
+
+
+def test_sharded_recovery_keeps_each_copy_on_the_next_host():
+    """Several hosts with the same rank count: a block's copy is kept local_size ranks on (the same local rank
+    on the next host), so losing a whole host (hvpsrun and Horovod blacklist a failed worker's host) loses
+    nothing; with the copy on the next rank (stride 1) the same loss would lose a shard."""
+    from hvps.core.errors import HvpsError
+    from hvps.elastic.shard_recovery import block_providers, copy_stride
+
+    assert copy_stride(8, 4, 2) == 4 and copy_stride(6, 2, 3) == 2
+    assert copy_stride(4, 4, 1) == 1 and copy_stride(5, 2, 2) == 1 and copy_stride(1, 1, 1) == 1  # one host; uneven
+    for hosts, per_host in ((2, 2), (3, 2), (2, 3), (3, 3)):
+        size = hosts * per_host
+        stride = copy_stride(size, per_host, hosts)
+        for lost in range(hosts):
+            survivors = [r for r in range(size) if r // per_host != lost]
+            for joiners, numel in ((0, 11), (per_host, 29)):
+                got, wanted = _rebuilt_blocks(numel, size, survivors, joiners, stride)
+                assert got == wanted, (hosts, per_host, lost, joiners, numel)
+        with pytest.raises(HvpsError, match="is lost"):
+            block_providers([(r, True) for r in range(per_host, size)], size, 1)
 
 
 def test_sharded_recovery_refuses_when_two_ring_neighbours_died():

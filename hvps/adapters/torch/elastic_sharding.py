@@ -14,15 +14,18 @@ else in the loop changes.
 What a commit keeps (host memory, never the device): per flat group of the model, this rank's block as a
 ``[shard elements, channels]`` array, channel 0 the parameters and one channel per element-wise optimizer state
 (momentum, ``exp_avg``, ...), plus the optimizers' other state (``step``, hyper-parameters) and the model's
-buffers. Then one ring exchange (an alltoall in which rank r sends only to r + 1: a sendrecv) gives each rank a
-copy of its neighbour's blocks.
+buffers. Then one ring exchange (an alltoall in which rank r sends only to r + s: a sendrecv) gives each rank a
+copy of the blocks of rank r - s, where the stride s is 1 on one host and the ranks per host on several, so that
+each copy lives on another host than its block (:func:`hvps.elastic.shard_recovery.copy_stride`: a failed
+worker's whole host leaves the job).
 
 What a sync after a reset does (every rank of the new world, joiners included): the ranks tell each other which
-save they hold; the survivors of the save rank 0 holds provide every old block, from their own copy or their
-neighbour's (:mod:`hvps.elastic.shard_recovery`), one alltoall moves each element to its rank of the new layout,
-and the model is re-laid out for the new size (``FullyShardedModel.relayout``: the shard parameters stay the
-same objects, so the optimizers keep working; ``ShardedOptimizer.relayout`` rebuilds its buckets). When two ring neighbours died between two commits a shard is
-lost: ``HvpsError``, and the user's checkpoint is the way back. The same path serves growth (the joiners
+save they hold; the survivors of the save rank 0 holds provide every old block, from their own blocks or the
+copies they keep (:mod:`hvps.elastic.shard_recovery`), one alltoall moves each element to its rank of the new
+layout, and the model is re-laid out for the new size (``FullyShardedModel.relayout``: the shard parameters
+stay the same objects, so the optimizers keep working; ``ShardedOptimizer.relayout`` rebuilds its buckets).
+When a block's owner and its copy's keeper both died between two commits, that shard is lost: ``HvpsError``,
+and the user's checkpoint is the way back. The same path serves growth (the joiners
 receive their blocks) and a same-size world (nothing moves).
 
 A restore (after a failed collective, before the reset) is local: this rank's own saved blocks, in the layout
@@ -42,7 +45,7 @@ import torch
 
 import hvps
 from hvps.core.errors import HvpsError
-from hvps.elastic.shard_recovery import block_providers, transfers
+from hvps.elastic.shard_recovery import block_providers, copy_stride, transfers
 from hvps.elastic.state import SavedValue
 from hvps.runtime.bootstrap import elastic_session
 
@@ -63,9 +66,11 @@ class _Save:
     rank: int
     round: int
     version: int
+    #: how far from each block its copy is kept (:func:`copy_stride`)
+    stride: int
     #: per flat group, this rank's block as bytes: ``[shard elements, channels * itemsize]``
     blocks: list
-    #: the ring neighbour's blocks (same shapes), or None before the first exchange
+    #: the blocks of rank ``rank - stride`` (same shapes), or None before the first exchange
     neighbour: Optional[list]
     #: the optimizers' state other than the element-wise tensors, and the channels of each group
     structure: dict
@@ -73,8 +78,9 @@ class _Save:
     replicated: Any
 
     def claim(self) -> tuple:
-        """What the ranks compare to know who holds the same save: ``(round, version, size, rank, copy valid)``."""
-        return self.round, self.version, self.size, self.rank, self.neighbour is not None
+        """What the ranks compare to know who holds the same save: ``(round, version, size, stride, rank, copy
+        valid)``."""
+        return self.round, self.version, self.size, self.stride, self.rank, self.neighbour is not None
 
 
 def _element_wise(value: Any, shard: torch.Tensor) -> bool:
@@ -82,7 +88,7 @@ def _element_wise(value: Any, shard: torch.Tensor) -> bool:
 
 
 class _RingShardsHandler(SavedValue):
-    """What the sharded handlers share: each commit keeps this rank's blocks and its ring neighbour's (host
+    """What the sharded handlers share: each commit keeps this rank's blocks and a copy of another rank's (host
     memory), a restore puts its own back, a sync rebuilds and re-shards for the new world. A subclass says what
     its flat groups are (:meth:`_layout`), captures its blocks (:meth:`_capture`), installs blocks
     (:meth:`_install`), and keeps what every rank holds alike (:meth:`_restore_replicated`,
@@ -129,22 +135,23 @@ class _RingShardsHandler(SavedValue):
     def _snapshot(self, version: int) -> _Save:
         blocks, structure, replicated = self._capture()
         size, rank = self._world()
-        return _Save(size, rank, elastic_session.round, version, blocks, None, structure, replicated)
+        stride = copy_stride(hvps.size(), hvps.local_size(), hvps.cross_size()) if hvps.is_initialized() else 1
+        return _Save(size, rank, elastic_session.round, version, stride, blocks, None, structure, replicated)
 
     def save(self) -> None:
-        """Keep this rank's blocks, and a copy of its ring neighbour's (one alltoall: a collective)."""
+        """Keep this rank's blocks, and a copy of rank ``rank - stride``'s (one alltoall: a collective)."""
         saved = self._saved
         version = saved.version + 1 if saved.round == elastic_session.round else 1
         snapshot = self._snapshot(version)
-        snapshot.neighbour = self._exchange(snapshot.blocks)
+        snapshot.neighbour = self._exchange(snapshot.blocks, snapshot.stride)
         self._saved = snapshot
 
-    def _exchange(self, blocks: list) -> list:
-        """Send this rank's blocks to its ring neighbour and receive the previous rank's (same shapes)."""
+    def _exchange(self, blocks: list, stride: int) -> list:
+        """Send this rank's blocks to rank ``rank + stride`` and receive those of ``rank - stride`` (same shapes)."""
         size, rank = hvps.size(), hvps.rank()
         payload = np.concatenate([b.reshape(-1) for b in blocks]) if blocks else np.zeros(0, np.uint8)
         splits = [0] * size
-        splits[(rank + 1) % size] = payload.size
+        splits[(rank + stride) % size] = payload.size
         received, _ = hvps.alltoall(payload, splits, name=f"elastic.{self.what}.neighbour_copy")
         copies, at = [], 0
         for block in blocks:
@@ -163,7 +170,7 @@ class _RingShardsHandler(SavedValue):
         see the module). Nothing moves when the world and its ranks are those of the save.
 
         Raises:
-            HvpsError: a shard is lost (two ring neighbours died), or the ranks' saves or layouts disagree.
+            HvpsError: a shard is lost (its owner and its copy's keeper died), or the ranks' saves or layouts disagree.
         """
         began = time.monotonic()
         size, rank = hvps.size(), hvps.rank()
@@ -178,20 +185,20 @@ class _RingShardsHandler(SavedValue):
                                           name=f"elastic.{self.what}.structure")
         claims = [claim for claim, _ in gathered]
         reference = claims[0]
-        holders = [(claim[3], claim[4]) if claim[:3] == reference[:3] else None for claim in claims]
-        old_size = reference[2]
+        holders = [(claim[4], claim[5]) if claim[:4] == reference[:4] else None for claim in claims]
+        old_size, stride = reference[2], reference[3]
         if old_size == size and all(held is not None and held[0] == j for j, held in enumerate(holders)):
             self._apply_hyperparameters(structure)
         else:
-            blocks = self._rebuild(holders, old_size, size, rank, structure)
+            blocks = self._rebuild(holders, old_size, stride, size, rank, structure)
             self._install(blocks, size, rank, structure)
             log.info("hvps: rebuilt the %s from %d rank(s)' saves for %d rank(s) in %.3f s", self.what,
                      sum(held is not None for held in holders), size, time.monotonic() - began)
         self._sync_replicated()
 
-    def _rebuild(self, holders: list, old_size: int, size: int, rank: int, structure: dict) -> list:
+    def _rebuild(self, holders: list, old_size: int, stride: int, size: int, rank: int, structure: dict) -> list:
         """This rank's blocks (bytes, one per flat group) of the ``size``-rank layout, from the holders' saves."""
-        providers = block_providers(holders, old_size)
+        providers = block_providers(holders, old_size, stride)
         numels = [sum(sizes) for _, sizes, _ in self._layout()]
         row_bytes = self._row_bytes(structure)
         plans = [transfers(numel, old_size, size, providers) for numel in numels]
