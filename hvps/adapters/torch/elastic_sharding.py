@@ -170,22 +170,30 @@ class _RingShardsHandler(SavedValue):
         see the module). Nothing moves when the world and its ranks are those of the save.
 
         Raises:
-            HvpsError: a shard is lost (its owner and its copy's keeper died), or the ranks' saves or layouts disagree.
+            HvpsError: a shard is lost (its owner and its copy's keeper died), or the ranks' saves or layouts
+                disagree (raised on every rank).
         """
         began = time.monotonic()
         size, rank = hvps.size(), hvps.rank()
         saved = self._saved
         layout = self._layout()
-        gathered = hvps.allgather_object((saved.claim(), layout), name=f"elastic.{self.what}.claims")
-        for other, (_, theirs) in enumerate(gathered):
+        widths = [block.shape[1] for block in saved.blocks]
+        gathered = hvps.allgather_object((saved.claim(), layout, widths), name=f"elastic.{self.what}.claims")
+        for other, (_, theirs, _) in enumerate(gathered):
             if theirs != layout:
                 raise HvpsError(f"elastic {self.what}: rank {other}'s layout differs from rank {rank}'s ({theirs} vs "
                                 f"{layout}): every rank must wrap the same model the same way")
         structure = hvps.broadcast_object(saved.structure if rank == 0 else None, 0,
                                           name=f"elastic.{self.what}.structure")
-        claims = [claim for claim, _ in gathered]
+        claims = [claim for claim, _, _ in gathered]
         reference = claims[0]
         holders = [(claim[4], claim[5]) if claim[:4] == reference[:4] else None for claim in claims]
+        row_bytes = self._row_bytes(structure)
+        for other, (held, (_, _, theirs)) in enumerate(zip(holders, gathered)):
+            if held is not None and theirs != row_bytes:  # every rank sees it: all raise, none waits in the alltoall
+                raise HvpsError(f"elastic {self.what}: rank {other}'s save has other optimizer state than rank 0's "
+                                f"(bytes per element of each group: {theirs} vs {row_bytes}); the ranks must step the "
+                                "same optimizers")
         old_size, stride = reference[2], reference[3]
         if old_size == size and all(held is not None and held[0] == j for j, held in enumerate(holders)):
             self._apply_hyperparameters(structure)
@@ -209,9 +217,6 @@ class _RingShardsHandler(SavedValue):
                 for move in plan:
                     if move.source == rank and move.dest == dest:
                         source = saved.neighbour[g] if move.from_copy else saved.blocks[g]
-                        if source.shape[1] != row_bytes[g]:
-                            raise HvpsError(f"elastic {self.what}: this rank's save has other optimizer state than "
-                                            "rank 0's; the ranks must step the same optimizers")
                         parts.append(source[move.offset : move.offset + move.length].reshape(-1))
                         splits[dest] += parts[-1].size
         payload = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
