@@ -93,6 +93,17 @@ def test_across_hosts_the_tcp_btl_is_bound_to_the_training_interface():
 
 
 @pytest.mark.unit
+def test_a_loopback_interface_is_kept_out_of_the_runtimes_wiring():
+    """PRRTE refuses ``oob_tcp_if_include lo`` on a host with any other interface; the BTL still takes it."""
+    from hvps.runner.mpi_transport import is_loopback
+
+    assert is_loopback("lo") and not is_loopback("ib0")
+    assert open_mpi_transport_args((5, 0), False, ("lo",), [], {}) == ["--mca", "btl_tcp_if_include", "lo"]
+    assert open_mpi_transport_args((5, 0), False, ("lo", "ib0"), [], {}) == [
+        "--mca", "btl_tcp_if_include", "lo,ib0", "--mca", "oob_tcp_if_include", "ib0"]
+
+
+@pytest.mark.unit
 def test_the_users_own_choice_is_never_given_twice():
     """prterun refuses a parameter set twice; a flag would override the user's OMPI_MCA_* variable."""
     cmd = build(["-np", "2", "--mpi-args=--mca btl tcp,self", "python", "t.py"])

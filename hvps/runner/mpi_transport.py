@@ -14,6 +14,11 @@ therefore:
   warns when it was given no interface. That keeps MPI's traffic on the interface; the
   listening socket itself still binds every address (Open MPI 5.0.11, measured), so the
   training network must be isolated (SECURITY.md).
+* binds the runtime's out-of-band wiring (mpirun to its daemons, ``oob_tcp_if_include``) to the
+  same interfaces, loopback ones left out: PRRTE (Open MPI 5) refuses a loopback interface named
+  there on a host that has any other ("No network interfaces were found for out-of-band
+  communications", measured with 5.0.11), and neither version needs one (on a host with loopback
+  only, both wire their daemons over it unasked: measured in a network namespace).
 
 The user's own choice wins: an MCA parameter already named in ``--mpi-args`` or set as
 ``OMPI_MCA_<name>`` in the environment is never given a second value (prterun refuses a
@@ -32,6 +37,18 @@ HOST_FLAGS = ("-H", "--host", "-host", "--hostfile", "-hostfile", "--machinefile
               "--default-hostfile", "-default-hostfile")
 #: environment variables that give Open MPI a default hostfile
 HOSTFILE_ENV = ("OMPI_MCA_orte_default_hostfile", "OMPI_MCA_prte_default_hostfile", "PRTE_MCA_prte_default_hostfile")
+#: Linux's IFF_LOOPBACK bit of /sys/class/net/<name>/flags
+IFF_LOOPBACK = 0x8
+
+
+def is_loopback(name: str) -> bool:
+    """Whether network interface ``name`` is a loopback interface (by its flags when this host has it, else
+    by the name ``lo``)."""
+    try:
+        with open(f"/sys/class/net/{name}/flags") as flags:
+            return bool(int(flags.read(), 16) & IFF_LOOPBACK)
+    except (OSError, ValueError):
+        return name == "lo"
 
 
 def shared_memory_btls(version: tuple) -> str:
@@ -72,10 +89,10 @@ def open_mpi_transport_args(version: tuple, one_host: bool, nics: Sequence[str],
     args: list = []
     if one_host and not names_hosts(mpi_args, env) and mca_value("btl", mpi_args, env) is None:
         args += ["--mca", "btl", shared_memory_btls(version)]
-    if nics:
-        for name in ("btl_tcp_if_include", "oob_tcp_if_include"):
-            if mca_value(name, mpi_args, env) is None:
-                args += ["--mca", name, ",".join(nics)]
+    wanted = {"btl_tcp_if_include": list(nics), "oob_tcp_if_include": [n for n in nics if not is_loopback(n)]}
+    for name, names in wanted.items():
+        if names and mca_value(name, mpi_args, env) is None:
+            args += ["--mca", name, ",".join(names)]
     return args
 
 
