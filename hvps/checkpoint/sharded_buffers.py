@@ -14,6 +14,8 @@ adapters convert).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -24,8 +26,8 @@ import numpy as np
 from .. import api
 from ..core.atomic_files import atomic_publish
 from .format import CheckpointError, logical_dtype, write_file
-from .resharding import source_pieces
-from .safety import SHA256_HEX, is_int, need
+from .resharding import shard_numel, source_pieces
+from .safety import SHA256_HEX, Defect, is_int, need
 from .shards import block_digests, describe_problem, inspect_shard, open_same, read_verified_blocks, short
 
 #: the largest world size a manifest may name
@@ -36,8 +38,9 @@ STATE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")
 DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
                     "bool", "complex64", "complex128"})
 
-__all__ = ["MAX_RANKS", "STATE_KEY", "DTYPES", "shard_file_name", "check_world_size", "check_shard_list", "scalar_ok",
-           "numel_of", "write_rank_shard", "save_rank_shards", "SavedShards"]
+__all__ = ["MAX_RANKS", "STATE_KEY", "DTYPES", "shard_file_name", "params_fingerprint", "checked_manifest",
+           "check_manifest_head", "check_params", "check_flat_buffer", "check_world_size", "check_shard_list",
+           "scalar_ok", "numel_of", "write_rank_shard", "save_rank_shards", "SavedShards"]
 
 
 def shard_file_name(stem: str, rank: int, size: int) -> str:
@@ -60,6 +63,93 @@ def numel_of(shape: list) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def params_fingerprint(params: list) -> str:
+    """SHA-256 of a manifest's ``[name, shape, dtype, requires_grad]`` list: which model the shards are of.
+
+    Args:
+        params: the list, JSON-able.
+
+    Returns:
+        64 hex digits.
+    """
+    return hashlib.sha256(json.dumps(params, separators=(",", ":")).encode()).hexdigest()
+
+
+def checked_manifest(manifest: Any, check: Callable[[Any], None], what: str, path: Any) -> Any:
+    """``manifest`` once ``check`` passed on it.
+
+    Args:
+        manifest: a manifest read from a checkpoint (untrusted).
+        check: raises Defect (or TypeError) naming what is wrong.
+        what: names the manifest in the error.
+        path: the dense file, for the error.
+
+    Returns:
+        ``manifest``.
+
+    Raises:
+        CheckpointError: the manifest is malformed (a defect of the version).
+    """
+    try:
+        check(manifest)
+    except (Defect, RecursionError, TypeError) as exc:
+        raise CheckpointError(f"bad {what} manifest: {exc}", path) from None
+    return manifest
+
+
+def check_manifest_head(manifest: Any, keys: set, fmt: str, version: int) -> None:
+    """Raise Defect unless ``manifest`` is an object of exactly ``keys``, of format ``fmt`` at ``version``, whose
+    ``world_size`` a manifest may name."""
+    need(isinstance(manifest, dict), "", "must be an object")
+    need(set(manifest) == keys, "", f"unexpected keys {short(sorted(map(str, manifest)))}")
+    need(manifest["format"] == fmt, "format", f"{short(manifest['format'])} is not {fmt!r}")
+    need(manifest["format_version"] == version and is_int(manifest["format_version"]), "format_version",
+         f"{short(manifest['format_version'])}: this hvps reads version {version}")
+    check_world_size(manifest["world_size"])
+
+
+def check_params(params: Any, fingerprint: Any) -> None:
+    """Raise Defect unless ``params`` is a list of ``[name, shape, dtype, requires_grad]`` whose
+    :func:`params_fingerprint` is ``fingerprint``."""
+    need(isinstance(params, list), "params", "must be a list")
+    for i, p in enumerate(params):
+        need(isinstance(p, list) and len(p) == 4 and isinstance(p[0], str) and isinstance(p[1], list)
+             and all(is_int(n) and n >= 0 for n in p[1]) and p[2] in DTYPES and isinstance(p[3], bool),
+             f"params[{i}]", "must be [name, shape, dtype, requires_grad]")
+    need(fingerprint == params_fingerprint(params), "fingerprint", "is not the SHA-256 of params")
+
+
+def check_flat_buffer(buffer: dict, at: str, size: int, params: list, seen: set) -> None:
+    """Raise Defect unless ``buffer``'s ``numel``, ``shard_numel`` (at ``size`` ranks), ``params`` (``[index,
+    start, numel]``, one after another, each of its parameter's size, none in ``seen``: they are added) and
+    ``keys`` (state name -> dtype) are consistent.
+
+    Args:
+        buffer: a bucket or flat group of a manifest (an object: the caller checked its keys).
+        at: where it is, for messages.
+        size: the world size that saved.
+        params: the manifest's checked parameter list.
+        seen: the parameter indices of the buffers before it.
+    """
+    need(is_int(buffer["numel"]) and buffer["numel"] >= 0, f"{at}.numel", "must be an integer >= 0")
+    need(buffer["shard_numel"] == shard_numel(buffer["numel"], size) and is_int(buffer["shard_numel"]),
+         f"{at}.shard_numel", f"must be ceil(numel / {size})")
+    start = 0
+    for k, entry in enumerate(buffer["params"] if isinstance(buffer["params"], list) else [None]):
+        need(isinstance(entry, list) and len(entry) == 3 and all(is_int(v) for v in entry), f"{at}.params[{k}]",
+             "must be [index, start, numel]")
+        index, begin, n = entry
+        need(0 <= index < len(params) and index not in seen, f"{at}.params[{k}]", "index out of range or repeated")
+        need(begin == start and n == numel_of(params[index][1]), f"{at}.params[{k}]",
+             "does not follow the previous parameter or has the wrong size")
+        seen.add(index)
+        start += n
+    need(start == buffer["numel"], at, "its parameters do not fill it")
+    need(isinstance(buffer["keys"], dict) and all(isinstance(k, str) and STATE_KEY.match(k) and v in DTYPES
+                                                  for k, v in buffer["keys"].items()),
+         f"{at}.keys", "must map state names to dtypes")
 
 
 def check_world_size(size: Any) -> None:

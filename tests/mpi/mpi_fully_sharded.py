@@ -230,6 +230,25 @@ def test_gradients_accumulate_and_clip_over_the_whole_model():
         torch.testing.assert_close(full[name], b, rtol=1e-5, atol=1e-6)
 
 
+def _sharded_steps(model, opt, first, last, size, rank):
+    """Steps ``[first, last)`` of a fully sharded model over ``size`` ranks, this one ``rank``."""
+    per = GLOBAL_BATCH // size
+    rows = slice(rank * per, (rank + 1) * per)
+    for step in range(first, last):
+        x, targets = _data(step)
+        opt.zero_grad()
+        model.loss(x[rows], [t[rows] for t in targets], SCALE * size).backward()
+        opt.step()
+
+
+def _reference_steps(ref, ref_opt, first, last):
+    for step in range(first, last):
+        x, targets = _data(step)
+        ref_opt.zero_grad()
+        ref.loss(x, targets, SCALE).backward()
+        ref_opt.step()
+
+
 def test_elastic_state_restores_a_commit_and_rebuilds_a_rank_from_its_neighbours_copy():
     """Issue 39 item 5 on real ranks, without killing one: TorchState over a fully sharded model and its Adam.
     A restore undoes an uncommitted step (locally); then rank 1 forgets everything (its parameters, its Adam
@@ -250,21 +269,13 @@ def test_elastic_state_restores_a_commit_and_rebuilds_a_rank_from_its_neighbours
 
     def steps(first, last, commit):
         for step in range(first, last):
-            x, targets = _data(step)
-            opt.zero_grad()
-            xs, ts = _local(x, targets)
-            model.loss(xs, ts, SCALE * hvd.size()).backward()
-            opt.step()
+            _sharded_steps(model, opt, step, step + 1, hvd.size(), hvd.rank())
             if commit:
                 state.batch += 1
                 state.commit()
 
     def reference_steps(first, last):
-        for step in range(first, last):
-            x, targets = _data(step)
-            ref_opt.zero_grad()
-            ref.loss(x, targets, SCALE).backward()
-            ref_opt.step()
+        _reference_steps(ref, ref_opt, first, last)
 
     steps(0, 2, commit=True)
     reference_steps(0, 2)
@@ -285,25 +296,6 @@ def test_elastic_state_restores_a_commit_and_rebuilds_a_rank_from_its_neighbours
     steps(2, 4, commit=True)
     reference_steps(2, 4)
     _assert_equal(_full(model), ref, "two Adam steps after the rebuild")
-
-
-def _sharded_steps(model, opt, first, last, size, rank):
-    """Steps ``[first, last)`` of a fully sharded model over ``size`` ranks, this one ``rank``."""
-    per = GLOBAL_BATCH // size
-    rows = slice(rank * per, (rank + 1) * per)
-    for step in range(first, last):
-        x, targets = _data(step)
-        opt.zero_grad()
-        model.loss(x[rows], [t[rows] for t in targets], SCALE * size).backward()
-        opt.step()
-
-
-def _reference_steps(ref, ref_opt, first, last):
-    for step in range(first, last):
-        x, targets = _data(step)
-        ref_opt.zero_grad()
-        ref.loss(x, targets, SCALE).backward()
-        ref_opt.step()
 
 
 def _assert_staged_is_the_reference_slice(staged, model, opt, ref, ref_opt, size, rank):

@@ -35,7 +35,6 @@ or dtypes) or another optimizer raises CheckpointError.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -46,11 +45,13 @@ import torch
 
 from hvps import api
 from hvps.checkpoint.format import CheckpointError, root_attributes
-from hvps.checkpoint.safety import Defect, is_int, need
-from hvps.checkpoint.sharded_buffers import (DTYPES, STATE_KEY, SavedShards, check_shard_list, check_world_size,
-                                             numel_of, save_rank_shards, scalar_ok, shard_file_name, write_rank_shard)
+from hvps.checkpoint.safety import is_int, need
+from hvps.checkpoint.sharded_buffers import (STATE_KEY, SavedShards, check_flat_buffer, check_manifest_head,
+                                             check_params, check_shard_list, checked_manifest, numel_of,
+                                             params_fingerprint, save_rank_shards, scalar_ok, shard_file_name,
+                                             write_rank_shard)
 from hvps.checkpoint.shards import shard_folder, short, tidy_shard_folders
-from hvps.core.flat_shards import FlatLayout, shard_numel
+from hvps.core.flat_shards import FlatLayout
 from hvps.core.views import as_array
 
 from .fully_sharded import FullyShardedModel
@@ -101,10 +102,6 @@ def _digest_name(dataset: str) -> str:
 
 def _element_wise(value: Any, shard: torch.Tensor) -> bool:
     return torch.is_tensor(value) and value.dim() >= 1 and value.shape == shard.shape
-
-
-def _fingerprint(params: list) -> str:
-    return hashlib.sha256(json.dumps(params, separators=(",", ":")).encode()).hexdigest()
 
 
 def _buffer_names(model: torch.nn.Module) -> list:
@@ -231,7 +228,7 @@ def save_model_shards(manager: Any, epoch: int, model: torch.nn.Module, optimize
         if differ:
             raise CheckpointError(f"saving the fully sharded model of epoch {epoch}: the optimizer state of rank(s) "
                                   f"{differ} differs in kind from rank 0's (keys, dtypes, step counts)")
-    fingerprint = _fingerprint(params)
+    fingerprint = params_fingerprint(params)
     folder = shard_folder(manager.directory, PREFIX, epoch)
     identity = {"rank": rank, "world_size": size, "fingerprint": fingerprint}
     attrs = root_attributes(epoch, step, size, FRAMEWORK, torch.__version__)
@@ -257,22 +254,11 @@ def tidy(manager: Any, epoch: int) -> None:
 def check_manifest(manifest: Any) -> None:
     """Raise Defect unless ``manifest`` has the structure, types, ranges and consistency that
     :func:`save_model_shards` writes."""
-    need(isinstance(manifest, dict), "", "must be an object")
-    need(set(manifest) == {"format", "format_version", "world_size", "fingerprint", "params", "groups", "optimizer",
-                           "shards"}, "", f"unexpected keys {short(sorted(map(str, manifest)))}")
-    need(manifest["format"] == FORMAT, "format", f"{short(manifest['format'])} is not {FORMAT!r}")
-    need(manifest["format_version"] == FORMAT_VERSION and is_int(manifest["format_version"]), "format_version",
-         f"{short(manifest['format_version'])}: this hvps reads version {FORMAT_VERSION}")
-    size = manifest["world_size"]
-    check_world_size(size)
-    params = manifest["params"]
-    need(isinstance(params, list), "params", "must be a list")
-    for i, p in enumerate(params):
-        need(isinstance(p, list) and len(p) == 4 and isinstance(p[0], str) and isinstance(p[1], list)
-             and all(is_int(n) and n >= 0 for n in p[1]) and p[2] in DTYPES and isinstance(p[3], bool),
-             f"params[{i}]", "must be [name, shape, dtype, requires_grad]")
+    check_manifest_head(manifest, {"format", "format_version", "world_size", "fingerprint", "params", "groups",
+                                   "optimizer", "shards"}, FORMAT, FORMAT_VERSION)
+    size, params = manifest["world_size"], manifest["params"]
+    check_params(params, manifest["fingerprint"])
     need(len({p[0] for p in params}) == len(params), "params", "names must be unique")
-    need(manifest["fingerprint"] == _fingerprint(params), "fingerprint", "is not the SHA-256 of params")
     groups = manifest["groups"]
     need(isinstance(groups, list), "groups", "must be a list")
     seen: set = set()
@@ -281,24 +267,8 @@ def check_manifest(manifest: Any) -> None:
         need(isinstance(group, dict) and set(group) == {"unit", "numel", "shard_numel", "params", "keys"}
              and isinstance(group["unit"], str) and isinstance(group["params"], list) and group["params"], at,
              "must be a flat group object")
-        need(is_int(group["numel"]) and group["numel"] >= 0, f"{at}.numel", "must be an integer >= 0")
-        need(group["shard_numel"] == shard_numel(group["numel"], size) and is_int(group["shard_numel"]),
-             f"{at}.shard_numel", f"must be ceil(numel / {size})")
-        start = 0
-        for k, entry in enumerate(group["params"]):
-            need(isinstance(entry, list) and len(entry) == 3 and all(is_int(v) for v in entry), f"{at}.params[{k}]",
-                 "must be [index, start, numel]")
-            index, begin, n = entry
-            need(0 <= index < len(params) and index not in seen, f"{at}.params[{k}]", "index out of range or repeated")
-            need(begin == start and n == numel_of(params[index][1]), f"{at}.params[{k}]",
-                 "does not follow the previous parameter or has the wrong size")
-            need(params[index][2] == params[group["params"][0][0]][2], f"{at}.params[{k}]", "dtype differs in the group")
-            seen.add(index)
-            start += n
-        need(start == group["numel"], at, "its parameters do not fill it")
-        keys = group["keys"]
-        need(isinstance(keys, dict) and all(isinstance(k, str) and STATE_KEY.match(k) and v in DTYPES
-                                            for k, v in keys.items()), f"{at}.keys", "must map state names to dtypes")
+        check_flat_buffer(group, at, size, params, seen)
+        need(len({params[index][2] for index, _, _ in group["params"]}) == 1, f"{at}.params", "of several dtypes")
     need(seen == set(range(len(params))), "groups", "must hold every parameter once")
     _check_optimizer_part(manifest["optimizer"], groups, len(params))
     check_shard_list(manifest["shards"], size, STEM)
@@ -333,12 +303,7 @@ def _check_optimizer_part(part: Any, groups: list, count: int) -> None:
 
 
 def _manifest_of(model_section: Mapping, path: Any) -> dict:
-    manifest = model_section.get(SECTION)
-    try:
-        check_manifest(manifest)
-    except (Defect, RecursionError, TypeError) as exc:
-        raise CheckpointError(f"bad fully sharded model manifest: {exc}", path) from None
-    return manifest
+    return checked_manifest(model_section.get(SECTION), check_manifest, "fully sharded model", path)
 
 
 # ----------------------------------------------------------------------------- fitting

@@ -39,8 +39,6 @@ dense optimizer state that does not fit does.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 from pathlib import Path
@@ -51,9 +49,10 @@ import torch
 from hvps import api
 from hvps.checkpoint.format import CheckpointError, root_attributes
 from hvps.checkpoint.resharding import param_pieces, shard_bounds, shard_numel
-from hvps.checkpoint.safety import Defect, is_int, need
-from hvps.checkpoint.sharded_buffers import (DTYPES, STATE_KEY, SavedShards, check_shard_list, check_world_size,
-                                             numel_of, save_rank_shards, scalar_ok, write_rank_shard)
+from hvps.checkpoint.safety import is_int, need
+from hvps.checkpoint.sharded_buffers import (STATE_KEY, SavedShards, check_flat_buffer, check_manifest_head,
+                                             check_params, check_shard_list, checked_manifest, params_fingerprint,
+                                             save_rank_shards, scalar_ok, write_rank_shard)
 from hvps.checkpoint.sharded_buffers import shard_file_name as _file_name
 from hvps.checkpoint.shards import shard_folder, short, tidy_shard_folders
 from hvps.core.views import as_array
@@ -94,7 +93,7 @@ def model_fingerprint(params: list) -> str:
     Returns:
         64 hex digits.
     """
-    return hashlib.sha256(json.dumps(params, separators=(",", ":")).encode()).hexdigest()
+    return params_fingerprint(params)
 
 
 def _element_wise(value: Any, numel: int) -> bool:
@@ -226,22 +225,11 @@ def is_sharded_manifest(optimizer_section: Any) -> bool:
 def check_manifest(manifest: Any) -> None:
     """Raise Defect unless ``manifest`` has the structure, types, ranges and consistency that
     :func:`save_optimizer_shards` writes."""
-    need(isinstance(manifest, dict), "", "must be an object")
-    need(set(manifest) == {"format", "format_version", "class", "world_size", "fingerprint", "params",
-                           "param_groups", "buckets", "shards"}, "", f"unexpected keys {short(sorted(map(str, manifest)))}")
-    need(manifest["format"] == FORMAT, "format", f"{short(manifest['format'])} is not {FORMAT!r}")
-    need(manifest["format_version"] == FORMAT_VERSION and is_int(manifest["format_version"]), "format_version",
-         f"{short(manifest['format_version'])}: this hvps reads version {FORMAT_VERSION}")
+    check_manifest_head(manifest, {"format", "format_version", "class", "world_size", "fingerprint", "params",
+                                   "param_groups", "buckets", "shards"}, FORMAT, FORMAT_VERSION)
     need(isinstance(manifest["class"], str), "class", "must be a string")
-    size = manifest["world_size"]
-    check_world_size(size)
-    params = manifest["params"]
-    need(isinstance(params, list), "params", "must be a list")
-    for i, p in enumerate(params):
-        need(isinstance(p, list) and len(p) == 4 and isinstance(p[0], str) and isinstance(p[1], list)
-             and all(is_int(n) and n >= 0 for n in p[1]) and p[2] in DTYPES and isinstance(p[3], bool),
-             f"params[{i}]", "must be [name, shape, dtype, requires_grad]")
-    need(manifest["fingerprint"] == model_fingerprint(params), "fingerprint", "is not the SHA-256 of params")
+    size, params = manifest["world_size"], manifest["params"]
+    check_params(params, manifest["fingerprint"])
     groups = manifest["param_groups"]
     need(isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups),
          "param_groups", "must be a list of objects with params")
@@ -254,24 +242,11 @@ def check_manifest(manifest: Any) -> None:
         need(isinstance(bucket, dict) and set(bucket) == {"group", "numel", "shard_numel", "params", "keys",
                                                            "scalars"}, at, "must be a bucket object")
         need(is_int(bucket["group"]) and 0 <= bucket["group"] < len(groups), f"{at}.group", "out of range")
-        need(is_int(bucket["numel"]) and bucket["numel"] >= 1, f"{at}.numel", "must be a positive integer")
-        need(bucket["shard_numel"] == shard_numel(bucket["numel"], size) and is_int(bucket["shard_numel"]),
-             f"{at}.shard_numel", f"must be ceil(numel / {size})")
-        start = 0
-        for k, entry in enumerate(bucket["params"] if isinstance(bucket["params"], list) else [None]):
-            need(isinstance(entry, list) and len(entry) == 3 and all(is_int(v) for v in entry), f"{at}.params[{k}]",
-                 "must be [index, start, numel]")
-            index, begin, n = entry
-            need(0 <= index < len(params) and index not in seen, f"{at}.params[{k}]", "index out of range or repeated")
-            need(group_of[index] == bucket["group"], f"{at}.params[{k}]", "is not in the bucket's group")
-            need(begin == start and n == numel_of(params[index][1]), f"{at}.params[{k}]",
-                 "does not follow the previous parameter or has the wrong size")
-            seen.add(index)
-            start += n
-        need(start == bucket["numel"] and start > 0, at, "its parameters do not fill it")
+        check_flat_buffer(bucket, at, size, params, seen)
+        need(bucket["numel"] >= 1, f"{at}.numel", "must be a positive integer")
+        need(all(group_of[index] == bucket["group"] for index, _, _ in bucket["params"]), f"{at}.params",
+             "holds a parameter of another group")
         keys = bucket["keys"]
-        need(isinstance(keys, dict) and all(isinstance(k, str) and STATE_KEY.match(k) and v in DTYPES
-                                            for k, v in keys.items()), f"{at}.keys", "must map state names to dtypes")
         scalars = bucket["scalars"]
         need(isinstance(scalars, dict) and all(isinstance(k, str) and STATE_KEY.match(k) and k not in keys and scalar_ok(v)
                                                for k, v in scalars.items()), f"{at}.scalars", "must map names to scalars")
@@ -280,12 +255,7 @@ def check_manifest(manifest: Any) -> None:
 
 
 def _manifest_of(section: Mapping, path: Any) -> dict:
-    manifest = section.get("sharded")
-    try:
-        check_manifest(manifest)
-    except (Defect, RecursionError, TypeError) as exc:
-        raise CheckpointError(f"bad sharded optimizer manifest: {exc}", path) from None
-    return manifest
+    return checked_manifest(section.get("sharded"), check_manifest, "sharded optimizer", path)
 
 
 def _target_params(optimizer: torch.optim.Optimizer) -> list:
