@@ -254,11 +254,12 @@ class SavedShards:
 
     def __init__(self, folder: Path, shards: list, identity: Mapping, expected: Mapping[str, tuple]) -> None:
         self.folder, self.shards, self.identity, self.expected = folder, shards, dict(identity), dict(expected)
-        self.open: dict = {}  # rank -> (header, fd, blocks)
+        self.open: dict = {}  # rank -> (header, fd, blocks, {dataset: entry})
         self.spans: dict = {}  # (rank, dataset) -> (first byte, the verified blocks read last)
 
     def get(self, rank: int) -> tuple:
-        """``(header, descriptor, block digests)`` of saved rank ``rank``'s shard (opened and checked once).
+        """``(header, descriptor, block digests, {dataset: entry})`` of saved rank ``rank``'s shard (opened and
+        checked once).
 
         Raises:
             CheckpointError: the shard is missing, unsafe, damaged, not the one listed or does not fit the manifest.
@@ -268,7 +269,7 @@ class SavedShards:
             path = self.folder / shard["file"]
             header, identity = inspect_shard(path, shard["sha256"])
             blocks = self._check(path, header, rank)
-            self.open[rank] = (header, open_same(path, identity), blocks)
+            self.open[rank] = (header, open_same(path, identity), blocks, {e.path: e for e in header.entries})
         return self.open[rank]
 
     def _check(self, path: Path, header: Any, rank: int) -> dict:
@@ -308,13 +309,14 @@ class SavedShards:
         Raises:
             CheckpointError: as :meth:`get`, or a block read is truncated or damaged.
         """
-        header, fd, blocks = self.get(rank)
-        entry = next(e for e in header.entries if e.path == dataset)
+        header, fd, blocks, entries = self.get(rank)
+        entry = entries[dataset]
         item = np.dtype(entry.storage).itemsize
         first, last = lo * item, hi * item
         start, span = self.spans.get((rank, dataset), (0, np.empty(0, np.uint8)))
         if not start <= first <= last <= start + span.size:  # pieces come in order: most hit the last span
-            start, span = read_verified_blocks(fd, header, dataset, blocks[self.expected[dataset][2]], first, last)
+            start, span = read_verified_blocks(fd, header, dataset, blocks[self.expected[dataset][2]], first, last,
+                                               entry=entry)
             self.spans[(rank, dataset)] = (start, span)
         array = span[first - start:last - start].view(np.dtype(entry.storage))
         if entry.dtype != np.dtype(entry.storage).name:
@@ -337,7 +339,7 @@ class SavedShards:
 
     def close(self) -> None:
         """Close every shard opened."""
-        for _, fd, _ in self.open.values():
+        for _, fd, _, _ in self.open.values():
             os.close(fd)
         self.open.clear()
         self.spans.clear()

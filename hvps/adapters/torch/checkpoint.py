@@ -111,13 +111,26 @@ def check_state(current: Mapping, saved: Mapping) -> list:
     return problems
 
 
-def apply_model(model: torch.nn.Module, saved: Mapping, strict: bool, path: Any) -> None:
-    problems = check_model(model, saved, path)
+def apply_model(model: torch.nn.Module, saved: Mapping, strict: bool, path: Any,
+                current: Optional[Mapping] = None) -> None:
+    """Load ``saved`` into ``model`` (what fits, with a warning, unless ``strict``).
+
+    Args:
+        model: the module.
+        saved: the checkpoint's model section (numpy arrays and values).
+        strict: raise on any problem instead of warning.
+        path: the checkpoint, for messages.
+        current: the entries of ``model.state_dict()`` to load (default all).
+
+    Raises:
+        CheckpointError: ``strict`` and the checkpoint does not fit.
+    """
+    current = model.state_dict() if current is None else current
+    problems = check_state(current, saved)
     if problems and strict:
         raise CheckpointError("the checkpoint does not fit this model (strict=True)", path, problems)
     if problems:
         warnings.warn(f"{path}: loading what fits; skipped: " + "; ".join(problems), RuntimeWarning, stacklevel=3)
-    current = model.state_dict()
     state = {}
     for k, v in saved.items():
         if k not in current:
@@ -324,8 +337,7 @@ class CheckpointManager(_core.CheckpointManager):
             raise CheckpointError("the checkpoint does not fit the given model/optimizer", ck.path, problems)
         if isinstance(staged, _fully.Staged):
             _fully.apply_staged(staged, model, optimizer)
-            model.load_state_dict({k: array_to_tensor(v) if isinstance(v, np.ndarray) else v
-                                   for k, v in staged.buffers.items()}, strict=False)
+            apply_model(model, staged.buffers, strict, ck.path, current=_fully.buffers_of(model))
         elif model is not None:
             apply_model(model, ck.model, strict, ck.path)
         if isinstance(staged, tuple):  # a ShardedOptimizer's own shard

@@ -50,7 +50,7 @@ from hvps.checkpoint.sharded_buffers import (STATE_KEY, SavedShards, check_flat_
                                              check_params, check_shard_list, checked_manifest, numel_of,
                                              params_fingerprint, save_rank_shards, scalar_ok, shard_file_name,
                                              write_rank_shard)
-from hvps.checkpoint.shards import shard_folder, short, tidy_shard_folders
+from hvps.checkpoint.shards import describe_problem, shard_folder, short, tidy_shard_folders
 from hvps.core.flat_shards import FlatLayout
 from hvps.core.views import as_array
 
@@ -218,16 +218,22 @@ def save_model_shards(manager: Any, epoch: int, model: torch.nn.Module, optimize
         layout.append({"unit": group.name, "numel": group.numel, "shard_numel": group.shard_numel,
                        "params": [[at + i, start, n] for i, (start, n) in enumerate(group.slices)], "keys": {}})
         at += len(group.shards)
-    optimizer_part, keys = (None, {}) if optimizer is None else _optimizer_part(optimizer, controller)
+    optimizer_part, keys, problem = None, {}, None
+    try:
+        if optimizer is not None:
+            optimizer_part, keys = _optimizer_part(optimizer, controller)
+    except CheckpointError as exc:  # every rank learns every rank's problem below (none waits alone)
+        problem = describe_problem(exc)
     for (g, key), dtype in sorted(keys.items()):
         layout[g]["keys"][key] = dtype
-    if size > 1:  # the shards must hold the same datasets: every rank's optimizer state of the same kind
-        mine = json.dumps([optimizer_part, layout], sort_keys=True, default=str)
-        others = api.allgather_object(mine, name=f"ckpt.save.model.layout.{int(epoch)}")
-        differ = [r for r, theirs in enumerate(others) if theirs != others[0]]
-        if differ:
-            raise CheckpointError(f"saving the fully sharded model of epoch {epoch}: the optimizer state of rank(s) "
-                                  f"{differ} differs in kind from rank 0's (keys, dtypes, step counts)")
+    # the shards must hold the same datasets: every rank's optimizer state of the same kind
+    mine = (problem, json.dumps([optimizer_part, layout], sort_keys=True, default=str))
+    gathered = api.allgather_object(mine, name=f"ckpt.save.model.layout.{int(epoch)}") if size > 1 else [mine]
+    problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(gathered) if p is not None]
+    problems += [f"rank {r}: its optimizer state differs in kind from rank 0's (keys, dtypes, step counts)"
+                 for r, (_, theirs) in enumerate(gathered) if theirs != gathered[0][1]]
+    if problems:
+        raise CheckpointError(f"saving the fully sharded model of epoch {epoch} failed", manager.directory, problems)
     fingerprint = params_fingerprint(params)
     folder = shard_folder(manager.directory, PREFIX, epoch)
     identity = {"rank": rank, "world_size": size, "fingerprint": fingerprint}
