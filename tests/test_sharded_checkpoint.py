@@ -305,11 +305,14 @@ def test_a_plain_optimizers_checkpoint_loads_into_a_sharded_one(one_rank, tmp_pa
 
 
 # ----------------------------------------------------------------------------- stage 3 only
-def test_a_sharded_optimizer_over_a_fully_sharded_model_is_refused(one_rank, tmp_path):
+def test_an_optimizer_not_over_the_shards_is_refused(one_rank, tmp_path):
     model = _model()
     fully_shard(model)
+    mgr = hvd.CheckpointManager(tmp_path, fsync=False)
     with pytest.raises(CheckpointError, match="ShardedOptimizer over a fully sharded model"):
-        hvd.CheckpointManager(tmp_path, fsync=False).save(0, model=model, optimizer=_sharded(model))
+        mgr.save(0, model=model, optimizer=_sharded(model))
+    with pytest.raises(CheckpointError, match="not a shard of the fully sharded model"):
+        mgr.save(0, model=model, optimizer=torch.optim.SGD(_model().parameters(), lr=0.1))
     assert not list(tmp_path.iterdir())
 
 

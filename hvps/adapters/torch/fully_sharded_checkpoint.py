@@ -164,13 +164,12 @@ def _optimizer_part(optimizer: torch.optim.Optimizer, controller: FullyShardedMo
 
 
 def _write_own_shard(path: Any, controller: FullyShardedModel, optimizer: Optional[torch.optim.Optimizer],
-                     keys: Mapping, identity: dict, attrs: dict, fsync: bool) -> str:
+                     layout: list, identity: dict, attrs: dict, fsync: bool) -> str:
+    """Write this rank's block of every flat group (``layout``: the manifest's groups) and of its state keys."""
     datasets: dict = {}
-    for g, group in enumerate(controller.flat_groups()):
+    for g, (group, saved) in enumerate(zip(controller.flat_groups(), layout)):
         datasets[_values(g)] = (as_array(group.shard_flat.detach().cpu().contiguous()), _digest_name(_values(g)))
-        for (kg, key), dtype in keys.items():
-            if kg != g:
-                continue
+        for key, dtype in saved["keys"].items():
             column = torch.zeros(group.shard_numel, dtype=getattr(torch, dtype))
             for shard, (at, n) in zip(group.shards, group.pieces):
                 value = optimizer.state.get(shard, {}).get(key)
@@ -197,9 +196,9 @@ def save_model_shards(manager: Any, epoch: int, model: torch.nn.Module, optimize
         The manifest, JSON-able (the same on every rank).
 
     Raises:
-        CheckpointError: on every rank, when a rank could not write its shard or the ranks' optimizer state
-            differs in kind (earlier versions stay intact); on the caller's rank for an optimizer that is not
-            over the model's shards.
+        CheckpointError: on every rank, when a rank could not write its shard, its optimizer is not over the
+            model's shards or the ranks' optimizer state differs in kind (earlier versions stay intact), or the
+            model is sharded over fewer ranks than the job's or ``optimizer`` is a ``ShardedOptimizer``.
     """
     controller = FullyShardedModel.of(model)
     size, rank = controller.world()
@@ -241,7 +240,7 @@ def save_model_shards(manager: Any, epoch: int, model: torch.nn.Module, optimize
 
     def write() -> str:
         folder.mkdir(parents=True, exist_ok=True)
-        return _write_own_shard(folder / shard_file_name(STEM, rank, size), controller, optimizer, keys, identity,
+        return _write_own_shard(folder / shard_file_name(STEM, rank, size), controller, optimizer, layout, identity,
                                 attrs, getattr(manager, "fsync", True))
 
     digests = save_rank_shards(write, rank, size, f"the fully sharded model of epoch {epoch}", folder,
