@@ -41,7 +41,8 @@ CASES["elastic-state"] = ("mpi_elastic_state.py", {}, 240)  # hvd.elastic front 
 # ZeRO stage 1-2 (issue 39); one data plane suffices. Dynamic process sets: a checkpoint saved by every rank is
 # re-sharded over fewer of them.
 CASES["sharded-optimizer"] = ("mpi_sharded_optimizer.py", {"HVPS_DYNAMIC_PROCESS_SETS": "1"}, 240)
-CASES["fully-sharded"] = ("mpi_fully_sharded.py", {}, 240)  # ZeRO stage 3 (issue 39); one data plane
+# ZeRO stage 3 (issue 39); one data plane. Dynamic process sets: its checkpoint too is re-sharded over fewer ranks.
+CASES["fully-sharded"] = ("mpi_fully_sharded.py", {"HVPS_DYNAMIC_PROCESS_SETS": "1"}, 240)
 
 
 def _inner_module_cases(np_, case_name):

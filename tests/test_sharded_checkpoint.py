@@ -1,9 +1,11 @@
-"""Checkpoints of the sharded optimizer (issue 39, item 4) in one process: the re-sharding arithmetic
-(N -> M for N, M in 1..4, uneven sizes), and the refusal of shards that are missing, damaged, of another
-checkpoint or of another model, with ``load("latest")`` falling back to the previous version.
+"""Checkpoints of the sharded optimizer (stage 1-2) and of a ``fully_shard`` model (stage 3) (issue 39, item 4)
+in one process: the re-sharding arithmetic (N -> M for N, M in 1..4, uneven sizes), and, for both stages, the
+refusal of shards that are missing, damaged, of another checkpoint or of another model, with ``load("latest")``
+falling back to the previous version; a stage 3 checkpoint loaded in a process without ``hvps.init()``.
 
-The multi-rank saves and loads (at 2 and 3 ranks, into one process, emulated at 1..4 ranks) are in
-tests/mpi/mpi_sharded_optimizer.py, inside the shared jobs of tests/test_multirank.py.
+The multi-rank saves and loads (at 2 and 3 ranks, at one rank fewer, into one process, emulated at 1..4 ranks)
+are in tests/mpi/mpi_sharded_optimizer.py and tests/mpi/mpi_fully_sharded.py, inside the shared jobs of
+tests/test_multirank.py.
 """
 
 import shutil
@@ -17,9 +19,11 @@ import torch
 import hvps
 import hvps.adapters.torch as hvd
 from hvps.adapters.torch import sharded_checkpoint as sc
-from hvps.checkpoint.format import CheckpointError, write_file
+from hvps.adapters.torch.fully_sharded import fully_shard
+from hvps.checkpoint.format import CheckpointError, root_attributes, write_file
 from hvps.checkpoint.manager import CheckpointManager as CoreManager
 from hvps.checkpoint.resharding import param_pieces, shard_bounds, shard_numel, source_pieces
+from hvps.checkpoint.shards import block_digests
 
 SIZES = range(1, 5)
 NUMELS = [1, 2, 5, 7, 13, 56]
@@ -92,137 +96,201 @@ def _sharded(model):
                                     bucket_cap_mb=20 * 4 / 2**20)
 
 
+class StageOneTwo:
+    """A ShardedOptimizer over a plain model: its state in shards, the model in the dense file."""
+
+    folder, stem, dataset, section = "optim", "optimizer", "optimizer/b00000/exp_avg", "optimizer"
+    what = "the sharded optimizer state"
+
+    def build(self, seed=1, width=5):
+        model = _model(seed, width)
+        return model, _sharded(model)
+
+
+class StageThree:
+    """A fully sharded model (two units) and a plain Adam over its shards: both in shards."""
+
+    folder, stem, dataset, section = "model", "model", "model/g00000/values", "model"
+    what = "the fully sharded model"
+
+    def build(self, seed=1, width=5):
+        model = _model(seed, width)
+        fully_shard(model, units=[model[1]])
+        return model, torch.optim.Adam(model.parameters(), lr=0.01, foreach=False)
+
+
+KINDS = {"stage1-2": StageOneTwo(), "stage3": StageThree()}
+
+
+@pytest.fixture(params=list(KINDS))
+def kind(request, one_rank):
+    return KINDS[request.param]
+
+
+def _snapshot(model, opt):
+    """Parameters by name and optimizer state by position, flattened: alike for sharded and unsharded holders."""
+    sd = opt.state_dict()
+    state = {index: {k: v.reshape(-1).clone() if torch.is_tensor(v) else v for k, v in entry.items()}
+             for index, entry in sd["state"].items()}
+    params = {name: p.detach().reshape(-1).clone() for name, p in model.named_parameters()}
+    return params, sd["param_groups"], state
+
+
+def _assert_state(model, opt, expected):
+    params, groups, state = _snapshot(model, opt)
+    assert groups == expected[1]
+    for name, value in expected[0].items():
+        assert torch.equal(params[name], value), name
+    for index, entry in expected[2].items():
+        for key, value in entry.items():
+            assert torch.equal(state[index][key], value) if torch.is_tensor(value) else state[index][key] == value
+
+
 @pytest.fixture
-def two_versions(one_rank, tmp_path):
-    """Epochs 0 and 1 of a sharded Adam; the plain state_dict() of each."""
-    model = _model()
-    opt = _sharded(model)
+def two_versions(kind, tmp_path):
+    """Epochs 0 and 1 of Adam in shards; the snapshot of each."""
+    model, opt = kind.build()
     mgr = hvd.CheckpointManager(tmp_path / "run", fsync=False)
     states = []
     for epoch in range(2):
         _train(model, opt, 2, seed=epoch)
         mgr.save(epoch, model=model, optimizer=opt)
-        states.append(opt.state_dict())
+        states.append(_snapshot(model, opt))
     return mgr, states
 
 
-def _shard(mgr, epoch):
-    return mgr.directory / f"optim-epoch-{epoch:06d}" / sc.shard_file_name(0, 1)
+def _shard(mgr, kind, epoch):
+    return mgr.directory / f"{kind.folder}-epoch-{epoch:06d}" / f"{kind.stem}.00000-of-00001.h5"
 
 
-def _assert_state(opt, expected):
-    got = opt.state_dict()
-    assert got["param_groups"] == expected["param_groups"]
-    for index, entry in expected["state"].items():
-        for key, value in entry.items():
-            assert torch.equal(got["state"][index][key], value), (index, key)
-
-
-def _assert_falls_back(mgr, states, match):
-    """load("latest") skips epoch 1 with a warning naming ``match`` and loads epoch 0; load(1) raises."""
+def _plain():
+    """An unsharded model and a plain Adam (what one process loads a checkpoint into)."""
     model = _model(seed=7)
-    opt = _sharded(model)
+    return model, torch.optim.Adam(model.parameters(), foreach=False)
+
+
+def _assert_falls_back(mgr, kind, states, match):
+    """load("latest") skips epoch 1 with a warning naming ``match`` and loads epoch 0; load(1) raises."""
+    model, opt = kind.build(seed=7)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert mgr.load(model=model, optimizer=opt) == 1
     assert any("skipping checkpoint epoch 1" in str(w.message) and match in str(w.message) for w in caught), \
         [str(w.message) for w in caught]
-    _assert_state(opt, states[0])
+    _assert_state(model, opt, states[0])
+    model, opt = kind.build(seed=7)
     with pytest.raises(CheckpointError, match=match):
-        mgr.load(1, model=_model(seed=7), optimizer=_sharded(_model(seed=7)))
-    # a plain optimizer (consolidating on load) refuses it and falls back alike
-    plain_model = _model(seed=7)
-    plain = torch.optim.Adam(plain_model.parameters(), foreach=False)
+        mgr.load(1, model=model, optimizer=opt)
+    # a plain model and optimizer (reading every shard whole) refuse it and fall back alike
+    plain_model, plain = _plain()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert mgr.load(model=plain_model, optimizer=plain) == 1
-    _assert_state(plain, states[0])
+    _assert_state(plain_model, plain, states[0])
 
 
-def test_round_trip_into_sharded_and_plain(two_versions):
+def test_round_trip_into_sharded_and_plain(two_versions, kind):
     mgr, states = two_versions
-    opt = _sharded(_model(seed=7))
-    assert mgr.load(model=_model(seed=7), optimizer=opt) == 2
-    _assert_state(opt, states[1])
-    plain_model = _model(seed=7)
-    plain = torch.optim.Adam(plain_model.parameters(), foreach=False)
+    model, opt = kind.build(seed=7)
+    assert mgr.load(model=model, optimizer=opt) == 2
+    _assert_state(model, opt, states[1])
+    plain_model, plain = _plain()
     assert mgr.load(model=plain_model, optimizer=plain) == 2
-    _assert_state(plain, states[1])
+    _assert_state(plain_model, plain, states[1])
 
 
-def test_missing_shard(two_versions):
+def test_missing_shard(two_versions, kind):
     mgr, states = two_versions
-    _shard(mgr, 1).unlink()
-    _assert_falls_back(mgr, states, "missing")
+    _shard(mgr, kind, 1).unlink()
+    _assert_falls_back(mgr, kind, states, "missing")
 
 
-def test_damaged_shard(two_versions):
+def test_damaged_shard(two_versions, kind):
     mgr, states = two_versions
-    path = _shard(mgr, 1)
+    path = _shard(mgr, kind, 1)
     with h5py.File(path) as f:
-        offset = f["optimizer/b00000/exp_avg"].id.get_offset()
+        offset = f[kind.dataset].id.get_offset()
     with open(path, "r+b") as fh:
         fh.seek(offset + 5)
         byte = fh.read(1)
         fh.seek(offset + 5)
         fh.write(bytes([byte[0] ^ 0x40]))
-    _assert_falls_back(mgr, states, "checksum mismatch")
+    _assert_falls_back(mgr, kind, states, "checksum mismatch")
 
 
-def test_shard_of_another_checkpoint(two_versions, tmp_path):
+def test_shard_of_another_checkpoint(two_versions, kind, tmp_path):
     mgr, states = two_versions
-    other = _model(seed=3)
-    other_opt = _sharded(other)
+    other, other_opt = kind.build(seed=3)
     _train(other, other_opt, 1, seed=9)
     other_mgr = hvd.CheckpointManager(tmp_path / "other", fsync=False)
     other_mgr.save(1, model=other, optimizer=other_opt)
-    shutil.copyfile(_shard(other_mgr, 1), _shard(mgr, 1))
-    _assert_falls_back(mgr, states, "is not the shard the manifest lists")
+    shutil.copyfile(_shard(other_mgr, kind, 1), _shard(mgr, kind, 1))
+    _assert_falls_back(mgr, kind, states, "is not the shard the manifest lists")
 
 
-def test_shard_of_another_model_that_the_manifest_lists(two_versions):
+def test_shard_of_another_model_that_the_manifest_lists(two_versions, kind):
     """A shard whose digest the manifest does list, but written for another model (fingerprint, datasets)."""
     mgr, states = two_versions
     ck = CoreManager(mgr.directory).read(1)
-    manifest = ck.optimizer["sharded"]
-    arrays = {"b00000": {"exp_avg": np.zeros(manifest["buckets"][0]["shard_numel"], np.float32)}}
-    from hvps.checkpoint.format import root_attributes
-    from hvps.checkpoint.shards import block_digests
-
-    path = _shard(mgr, 1)
-    header = write_file(path, {"optimizer": arrays, "extra": {
+    manifest = getattr(ck, kind.section)["sharded" if kind.section == "optimizer" else "fully_sharded"]
+    section, group, key = kind.dataset.split("/")
+    arrays = {group: {key: np.zeros(3, np.float32)}}
+    framework = sc.FRAMEWORK if kind.section == "optimizer" else "hvps.fully_shard"
+    path = _shard(mgr, kind, 1)
+    header = write_file(path, {section: arrays, "extra": {
         "rank": 0, "world_size": 1, "fingerprint": "0" * 64,
-        "blocks": {"b00000.exp_avg": block_digests(arrays["b00000"]["exp_avg"])}}},
-        root_attributes(1, None, 1, sc.FRAMEWORK, torch.__version__), fsync=False)
+        "blocks": {f"{group}.{key}": block_digests(arrays[group][key])}}},
+        root_attributes(1, None, 1, framework, torch.__version__), fsync=False)
     manifest["shards"][0]["sha256"] = header.manifest_sha256
     CoreManager(mgr.directory, keep_last=None, fsync=False).save(1, model=ck.model, optimizer=ck.optimizer,
                                                                    extra=ck.extra, rng=ck.rng)
-    _assert_falls_back(mgr, states, "another model")
+    _assert_falls_back(mgr, kind, states, "another model")
 
 
-def test_manifest_of_another_model_is_refused_without_falling_back(two_versions):
+def test_manifest_of_another_model_is_refused_without_falling_back(two_versions, kind):
     mgr, _ = two_versions
-    model = _model(seed=7, width=6)
+    model, opt = kind.build(seed=7, width=6)
     with pytest.raises(CheckpointError, match="another model"):
-        mgr.load(model=None, optimizer=_sharded(model))
+        mgr.load(model=model if kind.section == "model" else None, optimizer=opt)
     with pytest.raises(CheckpointError, match="does not fit"):
         mgr.load(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def test_retention_drops_shard_folders_and_names_are_optional(one_rank, tmp_path):
-    model = _model()
-    opt = _sharded(model)
+def test_retention_drops_shard_folders(kind, tmp_path):
+    model, opt = kind.build()
     mgr = hvd.CheckpointManager(tmp_path, keep_last=2, fsync=False)
     for epoch in range(4):
         _train(model, opt, 1, seed=epoch)
         mgr.save(epoch, model=model, optimizer=opt)
     mgr.wait_for_retention()
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("optim-")) == \
-        ["optim-epoch-000002", "optim-epoch-000003"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f"{kind.folder}-")) == \
+        [f"{kind.folder}-epoch-000002", f"{kind.folder}-epoch-000003"]
+
+
+def test_a_shard_that_cannot_be_written_commits_nothing(two_versions, kind):
+    mgr, states = two_versions
+    (mgr.directory / f"{kind.folder}-epoch-000002").write_text("in the way")
+    model, opt = kind.build()
+    _train(model, opt, 1, seed=5)
+    with pytest.raises(CheckpointError, match=f"saving {kind.what} of epoch 2 failed"):
+        mgr.save(2, model=model, optimizer=opt)
+    assert [v.epoch for v in mgr.list()] == [0, 1]
+    fresh, fresh_opt = kind.build(seed=7)
+    assert mgr.load(model=fresh, optimizer=fresh_opt) == 2
+    _assert_state(fresh, fresh_opt, states[1])
+
+
+# ----------------------------------------------------------------------------- stage 1-2 only
+def test_names_are_optional(one_rank, tmp_path):
+    model = _model()
+    opt = _sharded(model)
+    _train(model, opt, 1, seed=0)
+    mgr = hvd.CheckpointManager(tmp_path, fsync=False)
+    mgr.save(0, model=model, optimizer=opt)
     # an optimizer wrapped without named_parameters loads it too (shapes and dtypes must match)
     unnamed = hvd.DistributedOptimizer(torch.optim.Adam(_model(seed=7).parameters(), foreach=False), shard=True)
-    assert mgr.load(optimizer=unnamed) == 4
-    _assert_state(unnamed, opt.state_dict())
+    assert mgr.load(optimizer=unnamed) == 1
+    _assert_state(model, unnamed, _snapshot(model, opt))
 
 
 def test_a_plain_optimizers_checkpoint_loads_into_a_sharded_one(one_rank, tmp_path):
@@ -233,18 +301,32 @@ def test_a_plain_optimizers_checkpoint_loads_into_a_sharded_one(one_rank, tmp_pa
     mgr.save(0, model=model, optimizer=plain)
     sharded = _sharded(_model(seed=7))
     assert mgr.load(optimizer=sharded) == 1
-    _assert_state(sharded, plain.state_dict())
+    _assert_state(model, sharded, _snapshot(model, plain))
 
 
-def test_a_shard_that_cannot_be_written_commits_nothing(two_versions):
-    mgr, states = two_versions
-    (mgr.directory / "optim-epoch-000002").write_text("in the way")
+# ----------------------------------------------------------------------------- stage 3 only
+def test_an_optimizer_not_over_the_shards_is_refused(one_rank, tmp_path):
     model = _model()
-    opt = _sharded(model)
-    _train(model, opt, 1, seed=5)
-    with pytest.raises(CheckpointError, match="saving the sharded optimizer state of epoch 2 failed"):
-        mgr.save(2, model=model, optimizer=opt)
-    assert [v.epoch for v in mgr.list()] == [0, 1]
-    fresh = _sharded(_model(seed=7))
-    assert mgr.load(optimizer=fresh) == 2
-    _assert_state(fresh, states[1])
+    fully_shard(model)
+    mgr = hvd.CheckpointManager(tmp_path, fsync=False)
+    with pytest.raises(CheckpointError, match="ShardedOptimizer over a fully sharded model"):
+        mgr.save(0, model=model, optimizer=_sharded(model))
+    with pytest.raises(CheckpointError, match="not a shard of the fully sharded model"):
+        mgr.save(0, model=model, optimizer=torch.optim.SGD(_model().parameters(), lr=0.1))
+    assert not list(tmp_path.iterdir())
+
+
+def test_fully_sharded_checkpoint_loads_in_a_process_without_hvps_init(one_rank, tmp_path):
+    """Inference and export: the shards read into an unsharded model and a plain optimizer, hvps not running."""
+    model, opt = StageThree().build()
+    _train(model, opt, 2, seed=1)
+    hvd.CheckpointManager(tmp_path, fsync=False).save(0, model=model, optimizer=opt)
+    expected = _snapshot(model, opt)
+    hvps.shutdown()
+    try:
+        plain_model, plain = _plain()
+        assert hvd.CheckpointManager(tmp_path).load(model=plain_model, optimizer=plain) == 1
+        _assert_state(plain_model, plain, expected)
+        assert plain_model[0].weight.shape == (5, 4)
+    finally:
+        hvps.init()

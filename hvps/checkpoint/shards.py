@@ -168,7 +168,7 @@ def read_verified_range(fd: int, header: Header, dataset: str, digests: list, fi
 
 
 def read_verified_blocks(fd: int, header: Header, dataset: str, digests: list, first: int, last: int,
-                         block_bytes: int = BLOCK_BYTES) -> tuple:
+                         block_bytes: int = BLOCK_BYTES, entry: Any = None) -> tuple:
     """The whole blocks of contiguous ``dataset`` that cover bytes ``[first, last)``, each block checked.
 
     Args:
@@ -179,6 +179,7 @@ def read_verified_blocks(fd: int, header: Header, dataset: str, digests: list, f
         first: the first byte wanted.
         last: one past the last byte wanted.
         block_bytes: the block size the digests were taken with.
+        entry: the dataset's entry in ``header.entries``, when the caller has it at hand (else it is looked up).
 
     Returns:
         ``(first byte of the span, uint8 array of the span)``; the span is empty when ``first == last``.
@@ -187,7 +188,7 @@ def read_verified_blocks(fd: int, header: Header, dataset: str, digests: list, f
         CheckpointError: the dataset is not stored contiguously, the range is out of it, the file is
             truncated, or a block's digest differs.
     """
-    entry = next((e for e in header.entries if e.path == dataset), None)
+    entry = entry if entry is not None else next((e for e in header.entries if e.path == dataset), None)
     offset = (header.offsets or {}).get(dataset)
     if entry is None or (entry.nbytes and offset is None):
         raise CheckpointError(f"dataset {dataset} is missing or not stored contiguously", header.path)

@@ -230,6 +230,25 @@ def test_gradients_accumulate_and_clip_over_the_whole_model():
         torch.testing.assert_close(full[name], b, rtol=1e-5, atol=1e-6)
 
 
+def _sharded_steps(model, opt, first, last, size, rank):
+    """Steps ``[first, last)`` of a fully sharded model over ``size`` ranks, this one ``rank``."""
+    per = GLOBAL_BATCH // size
+    rows = slice(rank * per, (rank + 1) * per)
+    for step in range(first, last):
+        x, targets = _data(step)
+        opt.zero_grad()
+        model.loss(x[rows], [t[rows] for t in targets], SCALE * size).backward()
+        opt.step()
+
+
+def _reference_steps(ref, ref_opt, first, last):
+    for step in range(first, last):
+        x, targets = _data(step)
+        ref_opt.zero_grad()
+        ref.loss(x, targets, SCALE).backward()
+        ref_opt.step()
+
+
 def test_elastic_state_restores_a_commit_and_rebuilds_a_rank_from_its_neighbours_copy():
     """Issue 39 item 5 on real ranks, without killing one: TorchState over a fully sharded model and its Adam.
     A restore undoes an uncommitted step (locally); then rank 1 forgets everything (its parameters, its Adam
@@ -250,21 +269,13 @@ def test_elastic_state_restores_a_commit_and_rebuilds_a_rank_from_its_neighbours
 
     def steps(first, last, commit):
         for step in range(first, last):
-            x, targets = _data(step)
-            opt.zero_grad()
-            xs, ts = _local(x, targets)
-            model.loss(xs, ts, SCALE * hvd.size()).backward()
-            opt.step()
+            _sharded_steps(model, opt, step, step + 1, hvd.size(), hvd.rank())
             if commit:
                 state.batch += 1
                 state.commit()
 
     def reference_steps(first, last):
-        for step in range(first, last):
-            x, targets = _data(step)
-            ref_opt.zero_grad()
-            ref.loss(x, targets, SCALE).backward()
-            ref_opt.step()
+        _reference_steps(ref, ref_opt, first, last)
 
     steps(0, 2, commit=True)
     reference_steps(0, 2)
@@ -285,3 +296,89 @@ def test_elastic_state_restores_a_commit_and_rebuilds_a_rank_from_its_neighbours
     steps(2, 4, commit=True)
     reference_steps(2, 4)
     _assert_equal(_full(model), ref, "two Adam steps after the rebuild")
+
+
+def _assert_staged_is_the_reference_slice(staged, model, opt, ref, ref_opt, size, rank):
+    """Rank ``rank`` of ``size``'s staged blocks and Adam state are exactly its slices of the one-process run."""
+    from hvps.core.flat_shards import FlatLayout
+
+    named = dict(ref.named_parameters())
+    position = {id(p): k for k, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    for g, group in enumerate(FullyShardedModel.of(model).flat_groups()):
+        layout = FlatLayout(tuple(shape.numel() for shape in group.shapes), size)
+        flat = torch.cat([named[n].detach().reshape(-1) for n in group.names])
+        lo, hi = layout.block(rank)
+        expected = torch.zeros(hi - lo)
+        expected[: max(0, min(hi, flat.numel()) - lo)] = flat[lo:hi]
+        assert torch.equal(staged.blocks[g], expected), (size, rank, group.name)
+        for i, offset, _, n in layout.pieces(rank):
+            entry = staged.optimizer["state"][position[id(group.shards[i])]]
+            reference = ref_opt.state[named[group.names[i]]]
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(entry[key], reference[key].reshape(-1)[offset : offset + n]), (size, rank, key)
+            assert torch.equal(entry["step"], reference["step"])
+
+
+def test_checkpoint_reshards_to_fewer_and_more_ranks_and_into_one_process(shared_dir):
+    """Issue 39 item 4 at stage 3: saved at N ranks as per-rank shards of the parameters and of Adam's state plus a
+    manifest, then loaded at N ranks with other units, at N - 1 ranks (a process set) and into an unsharded model
+    with a plain Adam (every rank consolidating, as one process would): each continues bit-identically to the
+    one-process run. Emulated on every rank at 1 to 4 ranks: each rank's staged blocks are exactly its slices."""
+    import h5py
+
+    import hvps
+    from hvps.adapters.torch import fully_sharded_checkpoint as fc
+
+    size, rank = hvd.size(), hvd.rank()
+    lr = 2.0 ** -4
+    ref, model = _model(), _model()
+    ref_opt = _optimizer(ref, "adam", lr)
+    fully_shard(model, units=[model.first, model.second])
+    opt = _optimizer(model, "adam", lr)
+    _sharded_steps(model, opt, 0, 2, size, rank)
+    _reference_steps(ref, ref_opt, 0, 2)
+    directory = shared_dir / "fully-sharded-ckpt"
+    mgr = hvd.CheckpointManager(directory, fsync=False)
+    mgr.save(1, model=model, optimizer=opt)
+    with h5py.File(directory / "model-epoch-000001" / f"model.{rank:05d}-of-{size:05d}.h5") as f:
+        stored = sum(f[s][g][k].size for s in ("model", "optimizer") for g in f[s] for k in f[s][g])
+    assert stored == 3 * sum(g.shard_numel for g in FullyShardedModel.of(model).flat_groups())  # 1/N: values, m, v
+
+    same = _model()
+    with torch.no_grad():
+        for p in same.parameters():
+            p.add_(1.0)
+    fully_shard(same, units=[same.first, same.first.extra, same.second], broadcast_from=None)  # other flat groups
+    same_opt = _optimizer(same, "adam", 1.0)
+    assert mgr.load(model=same, optimizer=same_opt) == 2
+    assert same_opt.param_groups[0]["lr"] == lr
+    fewer = size - 1
+    subset = hvps.add_process_set(list(range(fewer)))
+    try:
+        inside = rank < fewer
+        smaller = _model()
+        if inside:
+            fully_shard(smaller, units=[smaller.first, smaller.second], process_set=subset)
+        smaller_opt = _optimizer(smaller, "adam", 1.0)
+        assert mgr.load(model=smaller, optimizer=smaller_opt) == 2
+        plain = _model()
+        plain_opt = _optimizer(plain, "adam", 1.0)
+        assert mgr.load(model=plain, optimizer=plain_opt) == 2
+        for m in range(1, 5):  # rank q of M reads its ranges of the N saved shards
+            for q in range(rank, m, size):
+                staged = fc.stage(directory, mgr.loaded, same, same_opt, world=(m, q))
+                _assert_staged_is_the_reference_slice(staged, same, same_opt, ref, ref_opt, m, q)
+        for step in range(2, 4):
+            _reference_steps(ref, ref_opt, step, step + 1)
+            _sharded_steps(same, same_opt, step, step + 1, size, rank)
+            if inside:
+                _sharded_steps(smaller, smaller_opt, step, step + 1, fewer, rank)
+            else:
+                _reference_steps(smaller, smaller_opt, step, step + 1)
+            _reference_steps(plain, plain_opt, step, step + 1)
+            _assert_equal(_full(same), ref, f"reloaded at {size} ranks with other units, step {step}")
+            _assert_equal(_full(smaller) if inside else smaller.state_dict(), ref,
+                          f"{size} -> {fewer if inside else 'one process'}, step {step}")
+            _assert_equal(plain.state_dict(), ref, f"{size} -> one process, step {step}")
+    finally:
+        hvps.remove_process_set(subset)

@@ -20,11 +20,15 @@ A :class:`ShardedOptimizer` (``hvd.DistributedOptimizer(..., shard=True)``) is p
 but its state is never gathered: every rank writes its own shard next to the version
 (``optim-epoch-NNNNNN/``, so the directory must be shared by all ranks) and the dense file records
 their manifest; ``load`` re-shards it for any rank count, or consolidates it into a plain torch
-optimizer (see :mod:`hvps.adapters.torch.sharded_checkpoint`).
+optimizer (see :mod:`hvps.adapters.torch.sharded_checkpoint`). A model changed by ``hvd.fully_shard``
+(with its optimizer over the shards) is saved alike, parameters and optimizer state as per-rank
+shards (``model-epoch-NNNNNN/``), and loads into a fully sharded model at any rank count or into
+an unsharded model in one process (see :mod:`hvps.adapters.torch.fully_sharded_checkpoint`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import warnings
 from typing import Any, Mapping, Optional, Union
@@ -37,6 +41,7 @@ from hvps.checkpoint.format import CheckpointError, IncompatibleCheckpointError
 from hvps.checkpoint.shards import agree, describe_problem
 from hvps.core.views import as_array, as_tensor
 
+from . import fully_sharded_checkpoint as _fully
 from . import sharded_checkpoint as _sharded
 from .sharded_optimizer import ShardedOptimizer
 
@@ -76,7 +81,19 @@ def model_state(model: Union[torch.nn.Module, Mapping]) -> dict:
 
 def check_model(model: torch.nn.Module, saved: Mapping, path: Any) -> list:
     """Problems (missing / unexpected keys, shape and dtype mismatches) of loading ``saved``."""
-    current = model.state_dict()
+    return check_state(model.state_dict(), saved)
+
+
+def check_state(current: Mapping, saved: Mapping) -> list:
+    """Problems (missing / unexpected keys, shape and dtype mismatches) of loading ``saved`` over ``current``.
+
+    Args:
+        current: the entries of a model's ``state_dict()`` to load.
+        saved: the checkpoint's, as numpy arrays and values.
+
+    Returns:
+        One line a problem.
+    """
     problems = []
     for k in current:
         if k not in saved:
@@ -94,13 +111,26 @@ def check_model(model: torch.nn.Module, saved: Mapping, path: Any) -> list:
     return problems
 
 
-def apply_model(model: torch.nn.Module, saved: Mapping, strict: bool, path: Any) -> None:
-    problems = check_model(model, saved, path)
+def apply_model(model: torch.nn.Module, saved: Mapping, strict: bool, path: Any,
+                current: Optional[Mapping] = None) -> None:
+    """Load ``saved`` into ``model`` (what fits, with a warning, unless ``strict``).
+
+    Args:
+        model: the module.
+        saved: the checkpoint's model section (numpy arrays and values).
+        strict: raise on any problem instead of warning.
+        path: the checkpoint, for messages.
+        current: the entries of ``model.state_dict()`` to load (default all).
+
+    Raises:
+        CheckpointError: ``strict`` and the checkpoint does not fit.
+    """
+    current = model.state_dict() if current is None else current
+    problems = check_state(current, saved)
     if problems and strict:
         raise CheckpointError("the checkpoint does not fit this model (strict=True)", path, problems)
     if problems:
         warnings.warn(f"{path}: loading what fits; skipped: " + "; ".join(problems), RuntimeWarning, stacklevel=3)
-    current = model.state_dict()
     state = {}
     for k, v in saved.items():
         if k not in current:
@@ -246,22 +276,29 @@ class CheckpointManager(_core.CheckpointManager):
             rng = rng_state()
         elif rng is False:
             rng = None
-        sharded = isinstance(optimizer, ShardedOptimizer)
-        if sharded:  # every rank writes its own shard first; the dense file below commits them
-            if int(epoch) < 0:
-                raise ValueError(f"epoch must be >= 0, got {epoch}")
-            optimizer_section = _sharded.save_optimizer_shards(self, epoch, optimizer, step)
+        fully_sharded = _fully.is_fully_sharded_model(model)
+        if (fully_sharded or isinstance(optimizer, ShardedOptimizer)) and int(epoch) < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        # sharded state: every rank writes its own shards first; the dense file below commits them
+        if fully_sharded:  # the optimizer's state lies in the model's shards
+            manifest = _fully.save_model_shards(self, epoch, model, optimizer, step)
+            model_section, optimizer_section = {_fully.SECTION: manifest,
+                                                "buffers": model_state(_fully.buffers_of(model))}, None
         else:
-            optimizer_section = None if optimizer is None else optimizer_state(optimizer)
+            model_section = None if model is None else model_state(model)
+            optimizer_section = None if optimizer is None else (
+                _sharded.save_optimizer_shards(self, epoch, optimizer, step) if isinstance(optimizer, ShardedOptimizer)
+                else optimizer_state(optimizer))
         path = super().save(
             epoch,
-            model=None if model is None else model_state(model),
+            model=model_section,
             optimizer=optimizer_section,
             extra=None if extra is None else _to_neutral(extra, "extra"),
             compression_state=None if compression_state is None else _to_neutral(compression_state, "compression"),
             step=step, rng=None if rng is None else _to_neutral(rng, "rng"))
         if path is not None:  # the root: drop the shard folders of versions retention removed
             _sharded.tidy(self, int(epoch))
+            _fully.tidy(self, int(epoch))
         return path
 
     def load(self, version: Union[str, int] = "latest", drop_compression_state: bool = False, *,
@@ -277,31 +314,35 @@ class CheckpointManager(_core.CheckpointManager):
         compression state.  Returns the saved epoch + 1, or 0 when there is nothing to load.
         """
         start = super().load(version, drop_compression_state=drop_compression_state)
-        staged = None
-        if optimizer is not None:
-            start, staged = self._stage_sharded_optimizer(version, start, optimizer, drop_compression_state)
+        start, staged = self._stage_shards(version, start, model, optimizer, drop_compression_state)
         ck = self.loaded
         if ck is None:
             return start
         ck.compression_state = {k: (array_to_tensor(v) if isinstance(v, np.ndarray) else v)
                                 for k, v in ck.compression_state.items()}
+        if isinstance(staged, tuple) and staged[0] == "dense":  # read from shards into dense sections
+            ck = dataclasses.replace(ck, model=ck.model if staged[1] is None else staged[1],
+                                     optimizer=ck.optimizer if staged[2] is None else staged[2])
+            staged = None
         problems = []
-        if model is not None:
-            problems += [p for p in check_model(model, ck.model, ck.path)] if strict else []
+        if isinstance(staged, _fully.Staged):  # the parameters are staged: the buffers are the model's rest
+            if strict:
+                problems += check_state(_fully.buffers_of(model), staged.buffers)
+        elif model is not None and strict:
+            problems += check_model(model, ck.model, ck.path)
         if optimizer is not None and staged is None:
             problems += check_optimizer(optimizer, ck.optimizer) if ck.optimizer else \
                 ["the checkpoint holds no optimizer state"]
         if problems:
             raise CheckpointError("the checkpoint does not fit the given model/optimizer", ck.path, problems)
-        if model is not None:
+        if isinstance(staged, _fully.Staged):
+            _fully.apply_staged(staged, model, optimizer)
+            apply_model(model, staged.buffers, strict, ck.path, current=_fully.buffers_of(model))
+        elif model is not None:
             apply_model(model, ck.model, strict, ck.path)
-        if staged is not None:
-            kind, state, groups = staged
-            if kind == "sharded":
-                optimizer.load_local_state(state, groups)
-            else:  # consolidated for a plain optimizer: its class and shapes are checked as for any state
-                apply_optimizer(optimizer, state, ck.path)
-        elif optimizer is not None:
+        if isinstance(staged, tuple):  # a ShardedOptimizer's own shard
+            optimizer.load_local_state(staged[1], staged[2])
+        elif optimizer is not None and staged is None:
             apply_optimizer(optimizer, ck.optimizer, ck.path)
         if compression is not None:
             compression.load_state_dict(ck.compression_state)
@@ -309,39 +350,57 @@ class CheckpointManager(_core.CheckpointManager):
             set_rng_state(ck.rng)
         return start
 
-    def _stage_sharded_optimizer(self, version: Union[str, int], start: int, optimizer: torch.optim.Optimizer,
-                                 drop: bool) -> tuple:
-        """When the loaded version holds a sharded optimizer's manifest: read (and verify) what ``optimizer``
-        needs of its shards, falling back to older versions (``version="latest"``) while shards are bad.
+    def _shard_reader(self, ck: Any, model: Any, optimizer: Any) -> Optional[tuple]:
+        """``(check the fit, stage, what)`` for a version whose state lies in per-rank shards that ``model`` or
+        ``optimizer`` load; None for a dense version (or nothing to load from the shards)."""
+        if _fully.is_fully_sharded(ck.model) and (model is not None or optimizer is not None):
+            return (lambda: _fully.check_fit(ck, model, optimizer),
+                    lambda: _dense_or_staged(_fully.stage(self.directory, ck, model, optimizer)),
+                    "the checkpoint's fully sharded model does not fit the given model/optimizer")
+        if optimizer is not None and _sharded.is_sharded_manifest(ck.optimizer):
+            return (lambda: _sharded.check_fit(ck.optimizer, optimizer, ck.path),
+                    lambda: _sharded_optimizer_staged(_sharded.stage_optimizer(self.directory, ck, optimizer)),
+                    "the checkpoint's sharded optimizer state does not fit this optimizer")
+        return None
+
+    def _stage_shards(self, version: Union[str, int], start: int, model: Any, optimizer: Any, drop: bool) -> tuple:
+        """When the loaded version keeps state in per-rank shards (a sharded optimizer's, a fully sharded model's):
+        read (and verify) what ``model`` and ``optimizer`` need of them, falling back to older versions
+        (``version="latest"``) while shards are bad.
 
         Returns:
-            ``(epoch to resume from, staged state or None)``; ``self.loaded`` is the version staged.
+            ``(epoch to resume from, staged)``; ``self.loaded`` is the version staged. ``staged`` is None for a
+            dense version, ``("sharded", state, groups)`` for a ``ShardedOptimizer``'s own shard, a
+            ``fully_sharded_checkpoint.Staged`` for a fully sharded model, or ``("dense", model section,
+            optimizer section)`` (None for a section to take as loaded) for state read whole from the shards.
 
         Raises:
             CheckpointError: on every rank, for an explicit ``version`` whose shards are bad, or when the
-                manifest does not fit ``optimizer`` (another model or optimizer class).
+                manifest does not fit ``model`` or ``optimizer`` (another model or optimizer class).
         """
-        while self.loaded is not None and _sharded.is_sharded_manifest(self.loaded.optimizer):
+        while self.loaded is not None:
             ck = self.loaded
+            reader = self._shard_reader(ck, model, optimizer)
+            if reader is None:
+                return start, None
+            check_fit, stage, misfit = reader
             problems, staged = [], None
             try:
-                fit = _sharded.check_fit(ck.optimizer, optimizer, ck.path)
+                fit = check_fit()
             except CheckpointError as exc:  # a malformed manifest: a defect of this version
                 fit, problems = [], [describe_problem(exc)]
             if fit:
-                raise CheckpointError("the checkpoint's sharded optimizer state does not fit this optimizer",
-                                      ck.path, fit)
+                raise CheckpointError(misfit, ck.path, fit)
             if not problems:
                 try:
-                    staged = _sharded.stage_optimizer(self.directory, ck, optimizer)
+                    staged = stage()
                 except Exception as exc:  # noqa: BLE001 - every rank learns every rank's problems below
                     problems = [describe_problem(exc)]
-            everyone = agree(problems, f"ckpt.load.optim.{ck.epoch}")
+            everyone = agree(problems, f"ckpt.load.shards.{ck.epoch}")
             if not everyone:
                 return start, staged
             if version != "latest":
-                raise CheckpointError(f"the sharded optimizer state of epoch {ck.epoch} cannot be loaded",
-                                      ck.path, everyone)
+                raise CheckpointError(f"the sharded state of epoch {ck.epoch} cannot be loaded", ck.path, everyone)
             warnings.warn(f"skipping checkpoint epoch {ck.epoch}: {'; '.join(everyone)}", RuntimeWarning,
                           stacklevel=3)
             start = self._load_older(ck.epoch, drop)
@@ -362,6 +421,17 @@ class CheckpointManager(_core.CheckpointManager):
             except CheckpointError as exc:  # raised on every rank alike
                 warnings.warn(f"skipping checkpoint: {exc}", RuntimeWarning, stacklevel=4)
         return 0
+
+
+def _dense_or_staged(staged: Any) -> Any:
+    """A fully sharded model's staged state, or its state read whole as dense sections."""
+    return staged if isinstance(staged, _fully.Staged) else ("dense", *staged)
+
+
+def _sharded_optimizer_staged(staged: tuple) -> tuple:
+    """A ShardedOptimizer's own shard, or its state consolidated as a dense optimizer section."""
+    kind, state, groups = staged
+    return ("sharded", state, groups) if kind == "sharded" else ("dense", None, state)
 
 
 __all__ = ["CheckpointManager", "CheckpointError", "tensor_to_array", "array_to_tensor", "rng_state", "set_rng_state"]

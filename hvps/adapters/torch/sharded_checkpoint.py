@@ -39,24 +39,23 @@ dense optimizer state that does not fit does.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-import numpy as np
 import torch
 
 from hvps import api
-from hvps.checkpoint.format import CheckpointError, logical_dtype, root_attributes, write_file
-from hvps.checkpoint.resharding import param_pieces, shard_bounds, shard_numel, source_pieces
-from hvps.checkpoint.safety import SHA256_HEX, Defect, is_int, need
-from hvps.checkpoint.shards import (block_digests, describe_problem, inspect_shard, open_same,
-                                    read_verified_blocks, shard_folder, short, tidy_shard_folders)
-from hvps.core.atomic_files import atomic_publish
-from hvps.core.views import as_array, as_tensor
+from hvps.checkpoint.format import CheckpointError, root_attributes
+from hvps.checkpoint.resharding import param_pieces, shard_bounds, shard_numel
+from hvps.checkpoint.safety import is_int, need
+from hvps.checkpoint.sharded_buffers import (STATE_KEY, SavedShards, check_flat_buffer, check_manifest_head,
+                                             check_params, check_shard_list, checked_manifest, params_fingerprint,
+                                             save_rank_shards, scalar_ok, write_rank_shard)
+from hvps.checkpoint.sharded_buffers import shard_file_name as _file_name
+from hvps.checkpoint.shards import shard_folder, short, tidy_shard_folders
+from hvps.core.views import as_array
 
 from .sharded_optimizer import ShardedOptimizer
 
@@ -65,19 +64,16 @@ FORMAT_VERSION = 1
 FRAMEWORK = "hvps.sharded_optimizer"  # the shards' root attribute "framework"
 PREFIX = "optim"
 FOLDER_RE = re.compile(r"^optim-epoch-(\d{6,})$")
-MAX_RANKS = 1 << 20
-_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")  # the names of per-parameter state (exp_avg, step, ...)
+STEM = "optimizer"  # the shards' file names
 _UNNAMED = re.compile(r"^param\.\d+$")  # ShardedOptimizer's names without named_parameters
-_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
-                     "bool", "complex64", "complex128"})
 
 __all__ = ["save_optimizer_shards", "is_sharded_manifest", "check_fit", "stage_optimizer", "stage_shard", "relayout",
-           "model_fingerprint", "shard_file_name", "tidy"]
+           "model_fingerprint", "shard_file_name", "tidy", "encode_scalar", "decode_scalar"]
 
 
 def shard_file_name(rank: int, size: int) -> str:
     """The file name of ``rank``'s shard when ``size`` ranks saved."""
-    return f"optimizer.{int(rank):05d}-of-{int(size):05d}.h5"
+    return _file_name(STEM, rank, size)
 
 
 def _bucket_key(b: int) -> str:
@@ -97,14 +93,27 @@ def model_fingerprint(params: list) -> str:
     Returns:
         64 hex digits.
     """
-    return hashlib.sha256(json.dumps(params, separators=(",", ":")).encode()).hexdigest()
+    return params_fingerprint(params)
 
 
 def _element_wise(value: Any, numel: int) -> bool:
     return torch.is_tensor(value) and value.dim() > 0 and value.numel() == numel
 
 
-def _encode_scalar(key: str, value: Any, where: str) -> dict:
+def encode_scalar(key: str, value: Any, where: str) -> dict:
+    """``value``, state that is not element-wise (a step count), as the manifests record it.
+
+    Args:
+        key: its name, for messages.
+        value: a 0-d tensor, None, a bool, an int or a float.
+        where: what holds it, for messages.
+
+    Returns:
+        ``{"value": v}``, or ``{"tensor": dtype, "value": v}`` for a 0-d tensor.
+
+    Raises:
+        CheckpointError: any other value (it cannot be saved as shards).
+    """
     if torch.is_tensor(value):
         if value.dim() != 0:
             raise CheckpointError(f"{where}: state {key!r} is a tensor of shape {list(value.shape)}, neither "
@@ -115,7 +124,8 @@ def _encode_scalar(key: str, value: Any, where: str) -> dict:
     raise CheckpointError(f"{where}: state {key!r} of type {type(value).__name__} cannot be saved as shards")
 
 
-def _decode_scalar(encoded: dict) -> Any:
+def decode_scalar(encoded: dict) -> Any:
+    """The inverse of :func:`encode_scalar` (of a manifest that was checked with ``scalar_ok``)."""
     if "tensor" in encoded:
         return torch.tensor(encoded["value"], dtype=getattr(torch, encoded["tensor"]))
     return encoded["value"]
@@ -126,22 +136,18 @@ def _write_own_shard(folder: Path, optimizer: ShardedOptimizer, layout: dict, fi
                      step: Optional[int], fsync: bool) -> str:
     """Write this rank's shard; its manifest digest."""
     rank, size = optimizer.process_set.rank(), layout["world_size"]
-    tensors: dict = {}
-    blocks: dict = {}
+    datasets: dict = {}
     for b, entry in optimizer.local_state().items():
         numel = layout["buckets"][b]["shard_numel"]
         for key, value in entry.items():
-            if not _KEY.match(key):
+            if not STATE_KEY.match(key):
                 raise CheckpointError(f"optimizer state {short(key)} cannot name a dataset (letters, digits, _)")
             if _element_wise(value, numel):
                 array = as_array(value.detach().reshape(-1).cpu().contiguous())
-                tensors.setdefault(_bucket_key(b), {})[key] = array
-                blocks[f"{_bucket_key(b)}.{key}"] = block_digests(array)
-    sections = {"optimizer": tensors,
-                "extra": {"rank": rank, "world_size": size, "fingerprint": fingerprint, "blocks": blocks}}
+                datasets[_dataset(b, key)] = (array, f"{_bucket_key(b)}.{key}")
+    extra = {"rank": rank, "world_size": size, "fingerprint": fingerprint}
     attrs = root_attributes(epoch, step, size, FRAMEWORK, torch.__version__)
-    with atomic_publish(folder / shard_file_name(rank, size), fsync=fsync) as tmp:
-        return write_file(tmp, sections, attrs, fsync=fsync).manifest_sha256
+    return write_rank_shard(folder / shard_file_name(rank, size), datasets, extra, attrs, fsync)
 
 
 def _bucket_manifest(layout: dict, state: dict) -> list:
@@ -151,7 +157,7 @@ def _bucket_manifest(layout: dict, state: dict) -> list:
         entry = state.get(b, {})
         keys = {k: str(v.dtype).replace("torch.", "") for k, v in entry.items()
                 if _element_wise(v, bucket["shard_numel"])}
-        scalars = {k: _encode_scalar(k, v, f"bucket {b}") for k, v in entry.items() if k not in keys}
+        scalars = {k: encode_scalar(k, v, f"bucket {b}") for k, v in entry.items() if k not in keys}
         out.append(dict(bucket, keys=keys, scalars=scalars))
     return out
 
@@ -180,18 +186,13 @@ def save_optimizer_shards(manager: Any, epoch: int, optimizer: ShardedOptimizer,
     layout = optimizer.shard_layout()
     fingerprint = model_fingerprint(layout["params"])
     folder = shard_folder(manager.directory, PREFIX, epoch)
-    problems, digest = [], None
-    try:
+
+    def write() -> str:
         folder.mkdir(parents=True, exist_ok=True)
-        digest = _write_own_shard(folder, optimizer, layout, fingerprint, epoch, step, getattr(manager, "fsync", True))
-    except Exception as exc:  # noqa: BLE001 - every rank learns every rank's problem below (none waits alone)
-        problems.append(f"rank {optimizer.process_set.rank()}: {describe_problem(exc)}")
-    gathered = api.allgather_object((problems, digest), name=f"ckpt.save.optim.{int(epoch)}") if size > 1 \
-        else [(problems, digest)]
-    everyone = [p for rank_problems, _ in gathered for p in rank_problems]
-    if everyone:
-        raise CheckpointError(f"saving the sharded optimizer state of epoch {epoch} failed", folder, everyone)
-    digests = [d for _, d in gathered]
+        return _write_own_shard(folder, optimizer, layout, fingerprint, epoch, step, getattr(manager, "fsync", True))
+
+    digests = save_rank_shards(write, optimizer.process_set.rank(), size,
+                               f"the sharded optimizer state of epoch {epoch}", folder, f"ckpt.save.optim.{int(epoch)}")
     inner = optimizer.shard_optimizer
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ids}
               for g, ids in zip(optimizer.param_groups, _group_indices(optimizer.param_groups))]
@@ -224,22 +225,11 @@ def is_sharded_manifest(optimizer_section: Any) -> bool:
 def check_manifest(manifest: Any) -> None:
     """Raise Defect unless ``manifest`` has the structure, types, ranges and consistency that
     :func:`save_optimizer_shards` writes."""
-    need(isinstance(manifest, dict), "", "must be an object")
-    need(set(manifest) == {"format", "format_version", "class", "world_size", "fingerprint", "params",
-                           "param_groups", "buckets", "shards"}, "", f"unexpected keys {short(sorted(map(str, manifest)))}")
-    need(manifest["format"] == FORMAT, "format", f"{short(manifest['format'])} is not {FORMAT!r}")
-    need(manifest["format_version"] == FORMAT_VERSION and is_int(manifest["format_version"]), "format_version",
-         f"{short(manifest['format_version'])}: this hvps reads version {FORMAT_VERSION}")
+    check_manifest_head(manifest, {"format", "format_version", "class", "world_size", "fingerprint", "params",
+                                   "param_groups", "buckets", "shards"}, FORMAT, FORMAT_VERSION)
     need(isinstance(manifest["class"], str), "class", "must be a string")
-    size = manifest["world_size"]
-    need(is_int(size) and 1 <= size <= MAX_RANKS, "world_size", f"must be an integer in 1..{MAX_RANKS}")
-    params = manifest["params"]
-    need(isinstance(params, list), "params", "must be a list")
-    for i, p in enumerate(params):
-        need(isinstance(p, list) and len(p) == 4 and isinstance(p[0], str) and isinstance(p[1], list)
-             and all(is_int(n) and n >= 0 for n in p[1]) and p[2] in _DTYPES and isinstance(p[3], bool),
-             f"params[{i}]", "must be [name, shape, dtype, requires_grad]")
-    need(manifest["fingerprint"] == model_fingerprint(params), "fingerprint", "is not the SHA-256 of params")
+    size, params = manifest["world_size"], manifest["params"]
+    check_params(params, manifest["fingerprint"])
     groups = manifest["param_groups"]
     need(isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups),
          "param_groups", "must be a list of objects with params")
@@ -252,59 +242,20 @@ def check_manifest(manifest: Any) -> None:
         need(isinstance(bucket, dict) and set(bucket) == {"group", "numel", "shard_numel", "params", "keys",
                                                            "scalars"}, at, "must be a bucket object")
         need(is_int(bucket["group"]) and 0 <= bucket["group"] < len(groups), f"{at}.group", "out of range")
-        need(is_int(bucket["numel"]) and bucket["numel"] >= 1, f"{at}.numel", "must be a positive integer")
-        need(bucket["shard_numel"] == shard_numel(bucket["numel"], size) and is_int(bucket["shard_numel"]),
-             f"{at}.shard_numel", f"must be ceil(numel / {size})")
-        start = 0
-        for k, entry in enumerate(bucket["params"] if isinstance(bucket["params"], list) else [None]):
-            need(isinstance(entry, list) and len(entry) == 3 and all(is_int(v) for v in entry), f"{at}.params[{k}]",
-                 "must be [index, start, numel]")
-            index, begin, n = entry
-            need(0 <= index < len(params) and index not in seen, f"{at}.params[{k}]", "index out of range or repeated")
-            need(group_of[index] == bucket["group"], f"{at}.params[{k}]", "is not in the bucket's group")
-            need(begin == start and n == _numel(params[index][1]), f"{at}.params[{k}]",
-                 "does not follow the previous parameter or has the wrong size")
-            seen.add(index)
-            start += n
-        need(start == bucket["numel"] and start > 0, at, "its parameters do not fill it")
+        check_flat_buffer(bucket, at, size, params, seen)
+        need(bucket["numel"] >= 1, f"{at}.numel", "must be a positive integer")
+        need(all(group_of[index] == bucket["group"] for index, _, _ in bucket["params"]), f"{at}.params",
+             "holds a parameter of another group")
         keys = bucket["keys"]
-        need(isinstance(keys, dict) and all(isinstance(k, str) and _KEY.match(k) and v in _DTYPES
-                                            for k, v in keys.items()), f"{at}.keys", "must map state names to dtypes")
         scalars = bucket["scalars"]
-        need(isinstance(scalars, dict) and all(isinstance(k, str) and _KEY.match(k) and k not in keys and _scalar_ok(v)
+        need(isinstance(scalars, dict) and all(isinstance(k, str) and STATE_KEY.match(k) and k not in keys and scalar_ok(v)
                                                for k, v in scalars.items()), f"{at}.scalars", "must map names to scalars")
     need(seen == {i for i, p in enumerate(params) if p[3]}, "buckets", "must hold every trainable parameter once")
-    shards = manifest["shards"]
-    need(isinstance(shards, list) and len(shards) == size, "shards", f"must list {size} shards")
-    for r, shard in enumerate(shards):
-        need(isinstance(shard, dict) and shard == {"file": shard_file_name(r, size), "rank": r,
-                                                   "sha256": shard.get("sha256")}
-             and isinstance(shard["sha256"], str) and SHA256_HEX.match(shard["sha256"]) is not None,
-             f"shards[{r}]", f"must be {{file: {shard_file_name(r, size)!r}, rank: {r}, sha256}}")
-
-
-def _numel(shape: list) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _scalar_ok(v: Any) -> bool:
-    if not isinstance(v, dict) or "value" not in v or not set(v) <= {"tensor", "value"}:
-        return False
-    if "tensor" in v and v["tensor"] not in _DTYPES:
-        return False
-    return v["value"] is None or isinstance(v["value"], (bool, int, float))
+    check_shard_list(manifest["shards"], size, STEM)
 
 
 def _manifest_of(section: Mapping, path: Any) -> dict:
-    manifest = section.get("sharded")
-    try:
-        check_manifest(manifest)
-    except (Defect, RecursionError, TypeError) as exc:
-        raise CheckpointError(f"bad sharded optimizer manifest: {exc}", path) from None
-    return manifest
+    return checked_manifest(section.get("sharded"), check_manifest, "sharded optimizer", path)
 
 
 def _target_params(optimizer: torch.optim.Optimizer) -> list:
@@ -357,76 +308,13 @@ def check_fit(section: Mapping, optimizer: torch.optim.Optimizer, path: Any) -> 
 
 
 # ----------------------------------------------------------------------------- reading
-class _Shards:
-    """The saved shards this rank opens, each inspected and checked against the manifest once."""
-
-    def __init__(self, folder: Path, manifest: dict, epoch: int) -> None:
-        self.folder, self.manifest, self.epoch = folder, manifest, epoch
-        self.open: dict = {}  # rank -> (header, fd, blocks)
-        self.spans: dict = {}  # (rank, dataset) -> (first byte, the verified blocks read last)
-
-    def get(self, rank: int) -> tuple:
-        if rank not in self.open:
-            shard = self.manifest["shards"][rank]
-            path = self.folder / shard["file"]
-            header, identity = inspect_shard(path, shard["sha256"])
-            blocks = self._check(path, header, rank)
-            self.open[rank] = (header, open_same(path, identity), blocks)
-        return self.open[rank]
-
-    def _check(self, path: Path, header: Any, rank: int) -> dict:
-        m, problems = self.manifest, []
-        attrs = header.attrs
-        if (attrs.get("framework"), attrs.get("epoch"), attrs.get("world_size")) != (FRAMEWORK, self.epoch,
-                                                                                     m["world_size"]):
-            problems.append(f"root attributes framework={short(attrs.get('framework'))} epoch={short(attrs.get('epoch'))} "
-                            f"world_size={short(attrs.get('world_size'))}, expected {FRAMEWORK!r}, {self.epoch}, "
-                            f"{m['world_size']}")
-        extra = header.groups.get("/extra") or {}
-        if extra.get("fingerprint") != m["fingerprint"]:
-            problems.append("its model fingerprint is not the manifest's (a shard of another model)")
-        if (extra.get("rank"), extra.get("world_size")) != (rank, m["world_size"]):
-            problems.append(f"/extra says rank {short(extra.get('rank'))} of {short(extra.get('world_size'))}, "
-                            f"expected {rank} of {m['world_size']}")
-        wanted = {_dataset(b, k): (dtype, bucket["shard_numel"])
-                  for b, bucket in enumerate(m["buckets"]) for k, dtype in bucket["keys"].items()}
-        found = {e.path: e for e in header.entries}
-        if set(found) != set(wanted):
-            problems.append(f"datasets {short(sorted(found))}, the manifest lists {short(sorted(wanted))}")
-        blocks = header.groups.get("/extra/blocks") or {}
-        for p, (dtype, n) in wanted.items():
-            e = found.get(p)
-            if e is None:
-                continue
-            if e.dtype != dtype or tuple(e.shape) != (n,):
-                problems.append(f"dataset {p} is {e.dtype} {short(tuple(e.shape))}, the manifest says {dtype} ({n},)")
-            digests = blocks.get(p[len("/optimizer/"):].replace("/", "."))
-            if not (isinstance(digests, list) and all(isinstance(d, str) for d in digests)):
-                problems.append(f"dataset {p} has no block digests")
-        if problems:
-            raise CheckpointError("shard does not fit its manifest", path, problems)
-        return blocks
-
-    def read(self, rank: int, b: int, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of saved rank ``rank``'s shard of bucket ``b``'s ``key`` (verified)."""
-        header, fd, blocks = self.get(rank)
-        path = _dataset(b, key)
-        entry = next(e for e in header.entries if e.path == path)
-        item = np.dtype(entry.storage).itemsize
-        first, last = lo * item, hi * item
-        start, span = self.spans.get((rank, path), (0, np.empty(0, np.uint8)))
-        if not start <= first <= last <= start + span.size:  # pieces come in order: most hit the last span
-            start, span = read_verified_blocks(fd, header, path, blocks[f"{_bucket_key(b)}.{key}"], first, last)
-            self.spans[(rank, path)] = (start, span)
-        array = span[first - start:last - start].view(np.dtype(entry.storage))
-        if entry.dtype != np.dtype(entry.storage).name:
-            array = array.view(logical_dtype(entry.dtype, path))
-        return as_tensor(array.copy())
-
-    def close(self) -> None:
-        for _, fd, _ in self.open.values():
-            os.close(fd)
-        self.open.clear()
+def _open_shards(directory: os.PathLike, manifest: dict, epoch: int) -> SavedShards:
+    """The saved shards of version ``epoch``, to be checked against ``manifest`` as they are opened."""
+    expected = {_dataset(b, k): (dtype, bucket["shard_numel"], f"{_bucket_key(b)}.{k}")
+                for b, bucket in enumerate(manifest["buckets"]) for k, dtype in bucket["keys"].items()}
+    identity = {"framework": FRAMEWORK, "epoch": epoch, "world_size": manifest["world_size"],
+                "fingerprint": manifest["fingerprint"]}
+    return SavedShards(shard_folder(directory, PREFIX, epoch), manifest["shards"], identity, expected)
 
 
 def relayout(layout: dict, size: int) -> dict:
@@ -448,14 +336,12 @@ def _locations(manifest: dict) -> dict:
     return {index: (b, start) for b, bucket in enumerate(manifest["buckets"]) for index, start, _ in bucket["params"]}
 
 
-def _read_flat(shards: _Shards, manifest: dict, b: int, key: str, lo: int, n: int, out: torch.Tensor) -> None:
+def _read_flat(shards: SavedShards, manifest: dict, b: int, key: str, lo: int, n: int, out: torch.Tensor) -> None:
     """Copy elements ``[lo, lo + n)`` of saved bucket ``b``'s ``key`` into ``out`` (``n`` elements)."""
-    bucket = manifest["buckets"][b]
-    for rank, offset, at, k in source_pieces(lo, lo + n, bucket["numel"], manifest["world_size"]):
-        out[at:at + k].copy_(shards.read(rank, b, key, offset, offset + k))
+    shards.read_flat(_dataset(b, key), manifest["buckets"][b]["numel"], lo, n, as_array(out))
 
 
-def _stage_sharded(shards: _Shards, manifest: dict, layout: dict, rank: int) -> dict:
+def _stage_sharded(shards: SavedShards, manifest: dict, layout: dict, rank: int) -> dict:
     """Rank ``rank``'s shard of every bucket of ``layout`` (a ``shard_layout()`` at any world size):
     ``{bucket index: {key: value}}``, reading only the saved ranges it needs."""
     where = _locations(manifest)
@@ -470,7 +356,7 @@ def _stage_sharded(shards: _Shards, manifest: dict, layout: dict, rank: int) -> 
         if not keys[0] and not scalars[0]:
             continue
         lo, hi = shard_bounds(bucket["numel"], layout["world_size"], rank)
-        entry = {k: _decode_scalar(v) for k, v in scalars[0].items()}
+        entry = {k: decode_scalar(v) for k, v in scalars[0].items()}
         for key, dtype in keys[0].items():
             flat = torch.zeros(hi - lo, dtype=getattr(torch, dtype))
             for index, p_offset, s_offset, n in param_pieces(bucket["params"], lo, hi):
@@ -498,14 +384,11 @@ def stage_shard(directory: os.PathLike, checkpoint: Any, layout: dict, rank: int
         CheckpointError: as :func:`stage_optimizer`.
     """
     manifest = _manifest_of(checkpoint.optimizer, checkpoint.path)
-    shards = _Shards(shard_folder(directory, PREFIX, checkpoint.epoch), manifest, checkpoint.epoch)
-    try:
+    with _open_shards(directory, manifest, checkpoint.epoch) as shards:
         return _stage_sharded(shards, manifest, layout, rank)
-    finally:
-        shards.close()
 
 
-def _stage_consolidated(shards: _Shards, manifest: dict) -> dict:
+def _stage_consolidated(shards: SavedShards, manifest: dict) -> dict:
     """The whole state in the adapter's neutral optimizer format (for a plain torch optimizer)."""
     state: dict = {}
     for b, bucket in enumerate(manifest["buckets"]):
@@ -513,7 +396,7 @@ def _stage_consolidated(shards: _Shards, manifest: dict) -> dict:
             shape = manifest["params"][index][1]
             entry: dict = {}
             for key, value in bucket["scalars"].items():
-                decoded = _decode_scalar(value)
+                decoded = decode_scalar(value)
                 entry[key] = as_array(decoded) if torch.is_tensor(decoded) else decoded
             for key, dtype in bucket["keys"].items():
                 flat = torch.empty(n, dtype=getattr(torch, dtype))
@@ -541,11 +424,8 @@ def stage_optimizer(directory: os.PathLike, checkpoint: Any, optimizer: torch.op
         CheckpointError: a shard is missing, unsafe, damaged, disagrees with the manifest or is of another model.
     """
     manifest = _manifest_of(checkpoint.optimizer, checkpoint.path)
-    shards = _Shards(shard_folder(directory, PREFIX, checkpoint.epoch), manifest, checkpoint.epoch)
-    try:
+    with _open_shards(directory, manifest, checkpoint.epoch) as shards:
         if isinstance(optimizer, ShardedOptimizer):
             state = _stage_sharded(shards, manifest, optimizer.shard_layout(), optimizer.process_set.rank())
             return ("sharded", state, manifest["param_groups"])
         return ("plain", _stage_consolidated(shards, manifest), None)
-    finally:
-        shards.close()
