@@ -49,6 +49,16 @@ count or into a plain optimizer (:mod:`hvps.adapters.torch.sharded_checkpoint`, 
 :meth:`ShardedOptimizer.shard_layout`, :meth:`ShardedOptimizer.local_state` and
 :meth:`ShardedOptimizer.load_local_state`).
 
+Tiers: ``state_tier="disk", disk_dir=path`` keeps the shards' element-wise state (Adam's moments, SGD's
+momentum) in a scratch file under ``path`` that the kernel pages (:mod:`hvps.adapters.torch.state_tier`),
+read ahead one bucket before its step and written behind after it, so the state may exceed the memory a rank
+may hold. Flat keywords rather than DeepSpeed's ``offload_optimizer={"device": "nvme", "nvme_path": ...}``
+dict: the other options here are keywords too, the store already names its tiers ``tier="disk"`` and
+``disk_dir=``, any filesystem serves (not only NVMe), and DeepSpeed's buffer counts and sizes tune its own
+asynchronous-I/O engine, where here the page cache does the buffering. The bucket shards (the fp32 master
+copy of this rank's block) stay in memory: they are 1/N of the parameters, which every rank holds whole.
+``close()`` frees the file (it has no name from its creation on, so it goes with the process anyway).
+
 Not supported (``ValueError`` at construction): ``op=Adasum``; compressions other than none, fp16 and
 bf16 (int8, top-k, DGC, PowerSGD, Horovod-style compressors); ``torch.optim.SparseAdam``; an optimizer
 that already has state. A sparse gradient met in backward raises ``ValueError`` unless
@@ -63,7 +73,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Any, Iterable, Optional
+import os
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
@@ -79,6 +90,7 @@ from hvps.elastic.mode import joins_a_running_job
 from .compression import OPS, as_gradient_compression
 from .mpi_ops import (Average, Sum, allgather_async, allreduce_async, grouped_allgather_async,
                       reducescatter_async)
+from .state_tier import DiskStateTier
 
 __all__ = ["ShardedOptimizer"]
 
@@ -152,7 +164,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  compression: Any = None, backward_passes_per_step: int = 1, op: Any = Average,
                  gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
                  bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, num_groups: int = 0, groups: Any = None,
-                 process_set: ProcessSet = global_process_set) -> None:
+                 process_set: ProcessSet = global_process_set, state_tier: str = "host",
+                 disk_dir: Optional[Union[str, os.PathLike]] = None) -> None:
         """Lay out the buckets, check the layout across ranks, and build the local optimizer.
 
         Args:
@@ -167,11 +180,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             num_groups: ``DistributedOptimizer``'s argument, refused: buckets replace groups.
             groups: ``DistributedOptimizer``'s argument, refused: buckets replace groups.
             process_set: the ranks that share the model; this rank must belong to it.
+            state_tier: where the shards' element-wise optimizer state lives: ``"host"`` (memory, the
+                default) or ``"disk"`` (a scratch file under ``disk_dir``, paged by the kernel; see
+                :class:`~hvps.adapters.torch.state_tier.DiskStateTier`).
+            disk_dir: the directory of the disk tier (``state_tier="disk"`` only), local to each rank.
 
         Raises:
             ValueError: an unsupported combination (Adasum, a non-cast compression, SparseAdam, an
                 optimizer with state), bad arguments, or a rank outside ``process_set``.
-            HvpsError: hvps is not initialized, or the parameters differ across ranks.
+            HvpsError: hvps is not initialized, the parameters differ across ranks, or the disk tier's
+                directory is read-only or its filesystem lacks room for the state.
         """
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"ShardedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
@@ -187,6 +205,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              "buckets (bucket_cap_mb)")
         if bucket_cap_mb <= 0:
             raise ValueError("bucket_cap_mb must be positive")
+        if state_tier not in ("host", "disk"):
+            raise ValueError(f"unknown state_tier {state_tier!r}: choose 'host' or 'disk'")
+        if (state_tier == "disk") != (disk_dir is not None):
+            raise ValueError("state_tier='disk' needs disk_dir=..., and disk_dir is for state_tier='disk' only")
+        self._disk_dir = disk_dir
+        self.state_tier: Optional[DiskStateTier] = None
         op, self.compression, prescale, postscale = gradient_options(
             op, gradient_predivide_factor, compression, as_gradient_compression,
             backward_passes_per_step=backward_passes_per_step, ops=(Average, Sum))
@@ -236,6 +260,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not shard_groups:
             raise ValueError("the optimizer has no parameter that requires a gradient")
         self.shard_optimizer = self._local_kind(shard_groups, **self._local_defaults)
+        if self.state_tier is not None:
+            self.state_tier.close()
+        if self._disk_dir is not None:
+            self.state_tier = DiskStateTier(self.shard_optimizer, self._disk_dir)
         self._group_pairs = [(user, shard) for (user, _), shard in zip(self._group_pairs,
                                                                         self.shard_optimizer.param_groups)]
 
@@ -409,13 +437,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # at most GATHERS_IN_FLIGHT gathered buckets exist at once: a rank never holds a second copy of
         # every parameter (the gathered flats) beside the parameters themselves
         gathers: collections.deque = collections.deque()
+        tier = self.state_tier
         with torch.no_grad():
-            for bucket, grad in zip(self._buckets, grads):
+            for i, (bucket, grad) in enumerate(zip(self._buckets, grads)):
+                if tier is not None and i + 1 < len(self._buckets):
+                    tier.prefetch([self._buckets[i + 1].shard])  # read ahead while this bucket steps
                 bucket.read_parameters()
                 if grad is not None:
                     bucket.shard.grad = grad
                     self.shard_optimizer.step()
                     bucket.shard.grad = None
+                if tier is not None:
+                    tier.write_behind([bucket.shard])
                 gathers.append((bucket, allgather_async(bucket.shard, name=f"{bucket.name}.gather",
                                                         process_set=self.process_set)))
                 if len(gathers) > GATHERS_IN_FLIGHT:
@@ -608,6 +641,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("a ShardedOptimizer's parameter layout is fixed: add the group to the optimizer "
                              "before wrapping it")
         torch.optim.Optimizer.add_param_group(self, param_group)
+
+    def close(self) -> None:
+        """Give the disk tier's file back (its state moves to memory first); nothing to do with the host tier."""
+        if self.state_tier is not None:
+            self.state_tier.close()
+            self.state_tier = None
+            self._disk_dir = None
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer({self.shard_optimizer!r}, shards={self._size}, buckets={len(self._buckets)})"
