@@ -15,7 +15,14 @@ between); the bytes it holds by count (parameters, gradients and optimizer state
 median step time.
 Without ``--cap-mib`` it runs uncapped (the peak-RSS cross-check of the counted bytes). JSON on stdout.
 
+``--tier disk --tier-dir DIR`` keeps the sharded contenders' Adam state in the disk tier (``stage2``:
+``state_tier="disk"``; ``stage3``: ``hvd.DiskStateTier`` on the plain Adam), each rank's file under
+``DIR/rank<r>`` (the replicated contender ignores it). ``--phases`` adds each rank's resident and peak bytes
+after the forward, the backward and the step of every step (where a step's peak comes from).
+
     python benchmarks/sharded_memory_cap.py --np 2 --cap-mib 1800 --width 1024 --depth 8
+    python benchmarks/sharded_memory_cap.py --np 2 --cap-mib 900 --contenders stage2,stage3 --tier disk \
+        --tier-dir /var/tmp/hvps-tier
 """
 from __future__ import annotations
 
@@ -84,21 +91,32 @@ def worker(args) -> None:
     torch.manual_seed(0)
     model = BlockStack(args.width, args.depth, args.heads)
     extra = []
+    tier_dir = str(Path(args.tier_dir) / f"rank{hvd.rank()}") if args.tier == "disk" else None
+    tier = None
     if args.contender == "stage3":
         hvd.fully_shard(model, units=[torch.nn.TransformerEncoderLayer])
         optimizer = torch.optim.Adam(model.parameters(), foreach=False)
+        if tier_dir:
+            tier = hvd.DiskStateTier(optimizer, tier_dir)
+    elif args.contender == "stage2":
+        tiering = {"state_tier": "disk", "disk_dir": tier_dir} if tier_dir else {}
+        optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), foreach=False),
+                                             named_parameters=model.named_parameters(), shard=True, **tiering)
+        tier = optimizer.state_tier
     else:
         optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), foreach=False),
-                                             named_parameters=model.named_parameters(),
-                                             shard=args.contender == "stage2")
+                                             named_parameters=model.named_parameters())
     x = torch.randn(args.batch, args.seq, args.width)
     construction_peak = rss_bytes("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")  # the peak from here on is the training's
-    times = []
+    times, phases = [], []
     for _ in range(args.steps + 1):
         hvd.barrier()
         start = time.perf_counter()
-        step(model, optimizer, x)
+        if args.phases:
+            phases.append(phased_step(model, optimizer, x))
+        else:
+            step(model, optimizer, x)
         times.append(time.perf_counter() - start)
     if args.contender == "stage3":
         from hvps.adapters.torch.fully_sharded import FullyShardedModel
@@ -108,9 +126,27 @@ def worker(args) -> None:
     print("RANK " + json.dumps({"rank": hvd.rank(), "step_s": statistics.median(times[1:]),
                                 "counted_bytes": counted,
                                 "rss_after_init_bytes": baseline, "construction_peak_rss_bytes": construction_peak,
-                                "training_peak_rss_bytes": rss_bytes("VmHWM")}),
+                                "training_peak_rss_bytes": rss_bytes("VmHWM"),
+                                "tier_file_bytes": tier.nbytes if tier is not None else 0,
+                                **({"phases_mib": phases} if args.phases else {})}),
           flush=True)
     hvd.shutdown()
+
+
+def phased_step(model, optimizer, x) -> dict:
+    """One training step (as ``fully_sharded.step``) with ``VmRSS``/``VmHWM`` in MiB after each phase."""
+    def mark() -> list:
+        return [rss_bytes("VmRSS") >> 20, rss_bytes("VmHWM") >> 20]
+
+    marks = {"start": mark()}
+    optimizer.zero_grad(set_to_none=False)
+    loss = model(x).square().mean()
+    marks["forward"] = mark()
+    loss.backward()
+    marks["backward"] = mark()
+    optimizer.step()
+    marks["step"] = mark()
+    return marks
 
 
 def run_contender(args, contender: str) -> dict:
@@ -130,7 +166,8 @@ def run_contender(args, contender: str) -> dict:
         command = " ".join(shlex.quote(a) for a in [
             sys.executable, __file__, "--worker", "--contender", contender, "--width", str(args.width),
             "--depth", str(args.depth), "--heads", str(args.heads), "--batch", str(args.batch),
-            "--seq", str(args.seq), "--steps", str(args.steps)])
+            "--seq", str(args.seq), "--steps", str(args.steps), "--tier", args.tier, "--tier-dir", args.tier_dir]
+            + (["--phases"] if args.phases else []))
         argv = [find_mpirun().path, "-np", str(args.np), "--oversubscribe", "sh", "-c", prefix + command]
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         with tempfile.TemporaryFile("w+") as out:
@@ -163,6 +200,11 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one untimed)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per contender's job")
+    p.add_argument("--tier", choices=("host", "disk"), default="host",
+                   help="where the sharded contenders keep Adam's state (disk: a scratch file under --tier-dir)")
+    p.add_argument("--tier-dir", default=os.path.join(tempfile.gettempdir(), "hvps-state-tier"),
+                   help="the disk tier's directory (each rank uses rank<r> under it)")
+    p.add_argument("--phases", action="store_true", help="record RSS after forward, backward and step")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--contender", choices=CONTENDERS, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -173,7 +215,8 @@ def main() -> None:
     if unknown:
         p.error(f"--contenders: unknown {sorted(unknown)}; choose from {', '.join(CONTENDERS)}")
     results = [run_contender(args, c) for c in args.contenders.split(",")]
-    print(json.dumps({"np": args.np, "cap_mib": args.cap_mib, "width": args.width, "depth": args.depth,
+    print(json.dumps({"np": args.np, "cap_mib": args.cap_mib, "tier": args.tier, "width": args.width,
+                      "depth": args.depth,
                       "results": results}, indent=1))
 
 

@@ -24,7 +24,9 @@ What it does, per step:
    ``backward_passes_per_step`` passes). When every gradient of a bucket is in, the bucket's gradients
    are packed into one flat buffer, compressed (fp16/bf16) and reduce-scattered asynchronously (Average by
    default), overlapping the rest of backward. The parameters' own ``.grad`` are then released (set to
-   None): after backward a rank keeps only its shard of the averaged gradients (stage 2).
+   None): after backward a rank keeps only its shard of the averaged gradients (stage 2). At most
+   ``REDUCE_SCATTERS_IN_FLIGHT`` buckets travel at once: starting one more first waits for the oldest, so a
+   rank whose reductions lag its backward does not hold every bucket's full-size flat gradient at once.
 3. **step().** Waits for the reduce-scatters and decompresses this rank's gradient shard, copies this
    rank's block of the current parameters into the shard tensors, runs a torch optimizer over the shards
    only (its momentum or Adam moments exist for 1/N of the elements), and all-gathers the updated shards
@@ -98,6 +100,10 @@ __all__ = ["ShardedOptimizer"]
 DEFAULT_BUCKET_CAP_MB = 25.0
 #: buckets whose parameters' all-gather may be in flight at once in step() (one overlaps the next bucket's step)
 GATHERS_IN_FLIGHT = 2
+#: buckets whose gradients' reduce-scatter may be in flight at once in backward: a started one holds its flat,
+#: full-size gradient until it is waited for, so without a bound a rank whose reductions lag its backward
+#: would hold the whole gradient at the end of backward (stage 1's peak, not stage 2's)
+REDUCE_SCATTERS_IN_FLIGHT = 4
 
 
 class _Bucket:
@@ -120,6 +126,8 @@ class _Bucket:
         self.ready = 0
         self.handle: Optional[hvps.Handle] = None
         self.ctx: Any = None
+        #: this rank's averaged gradient block once the reduce-scatter was waited for (before step())
+        self.reduced: Optional[torch.Tensor] = None
         self.dense_nbytes = 0
 
     def pack_gradients(self, sparse_as_dense: bool) -> torch.Tensor:
@@ -235,6 +243,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._buckets = self._lay_out(int(bucket_cap_mb * 2**20))
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._local_kind, self._local_defaults = type(optimizer), optimizer.defaults
+        #: buckets whose reduce-scatter started, oldest first, until waited for
+        self._in_flight: collections.deque = collections.deque()
         self._build_shard_optimizer()
         self._passes_left = {p: backward_passes_per_step for p in self._bucket_of}
         self._synchronized = False
@@ -344,21 +354,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.compression.record(flat.nbytes, [payload])
         bucket.handle = reducescatter_async(payload, name=bucket.name, op=plan.op, prescale_factor=plan.prescale,
                                             postscale_factor=plan.postscale, process_set=self.process_set)
+        self._in_flight.append(bucket)
+        if len(self._in_flight) > REDUCE_SCATTERS_IN_FLIGHT:  # the oldest: every rank started it already
+            self._finish(self._in_flight.popleft())
+
+    def _finish(self, bucket: _Bucket) -> None:
+        """Wait for ``bucket``'s reduce-scatter and keep this rank's averaged block (the flat input goes)."""
+        out = bucket.handle.wait()
+        if bucket in self._in_flight:
+            self._in_flight.remove(bucket)
+        grad = summable.decompress_tensor(self.compression, out, bucket.ctx, OPS)
+        if self._plan.after != 1.0:
+            grad = OPS.scale(grad, self._plan.after)
+        bucket.reduced = grad.to(bucket.shard.dtype).view_as(bucket.shard)
+        bucket.handle, bucket.ctx = None, None
 
     # -- the step ---------------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Finish every bucket's reduce-scatter (starting those backward did not) and install this rank's
         averaged gradient shard as the shard tensors' ``.grad``."""
         for bucket in self._buckets:
-            if bucket.handle is None:  # unused parameters, or still accumulating: travel as they are
+            if bucket.handle is None and bucket.reduced is None:  # unused parameters, or still accumulating
                 self._start(bucket)
         try:
             for bucket in self._buckets:
-                out = bucket.handle.wait()
-                grad = summable.decompress_tensor(self.compression, out, bucket.ctx, OPS)
-                if self._plan.after != 1.0:
-                    grad = OPS.scale(grad, self._plan.after)
-                bucket.shard.grad = grad.to(bucket.shard.dtype).view_as(bucket.shard)
+                if bucket.reduced is None:
+                    self._finish(bucket)
+                bucket.shard.grad = bucket.reduced
         finally:
             self._forget_step()
         hvps.step_done()
@@ -366,7 +388,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _forget_step(self) -> None:
         for bucket in self._buckets:
-            bucket.handle, bucket.ctx, bucket.ready = None, None, 0
+            bucket.handle, bucket.ctx, bucket.ready, bucket.reduced = None, None, 0, None
+        self._in_flight.clear()
         for p in self._passes_left:
             self._passes_left[p] = self.backward_passes_per_step
 
@@ -464,7 +487,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Raises:
             HvpsError: called between ``backward()`` and ``step()``.
         """
-        if any(b.handle is not None for b in self._buckets):
+        if any(b.handle is not None or b.reduced is not None for b in self._buckets):
             raise HvpsError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
                             "or optimizer.synchronize(); gradients are still being reduce-scattered")
         for group in self.param_groups:
