@@ -466,12 +466,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if tier is not None and i + 1 < len(self._buckets):
                     tier.prefetch([self._buckets[i + 1].shard])  # read ahead while this bucket steps
                 bucket.read_parameters()
-                if grad is not None:
+                if grad is not None:  # the tier's step hook writes this bucket's state behind
                     bucket.shard.grad = grad
                     self.shard_optimizer.step()
                     bucket.shard.grad = None
-                if tier is not None:
-                    tier.write_behind([bucket.shard])
                 gathers.append((bucket, allgather_async(bucket.shard, name=f"{bucket.name}.gather",
                                                         process_set=self.process_set)))
                 if len(gathers) > GATHERS_IN_FLIGHT:

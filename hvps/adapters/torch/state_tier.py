@@ -23,7 +23,11 @@ checkpoint code from these tensors as from any others.
 The optimizer creates its state lazily at its first step (and replaces it in ``load_state_dict``); a step
 post-hook and a load post-hook copy each new element-wise tensor into its place in the mapping (bit for
 bit) and install the mapped tensor in the optimizer's state, so at most one step's new state is ever in
-anonymous memory. State the probe did not predict (another dtype, a shape it did not show) gets a scratch
+anonymous memory. After each step the hook also writes behind the state of the parameters that were
+stepped (those with a gradient): their dirty pages are sent to the disk at once
+(``POSIX_FADV_DONTNEED``) and unmapped from the process (``MADV_DONTNEED``: a shared file mapping's data
+stays in the page cache), so under a memory cap the kernel finds clean pages to drop instead of stalling
+on write-back. (``ShardedOptimizer`` steps one bucket at a time, so this happens bucket by bucket.) State the probe did not predict (another dtype, a shape it did not show) gets a scratch
 file of its own at that moment; a full filesystem then raises ``HvpsError`` from the step, before the
 mapped tensor replaces the in-memory one.
 """
@@ -141,6 +145,8 @@ class DiskStateTier:
         plan, offset = [], 0
         keys_by_dtype = {dtype: _elementwise_keys(optimizer, dtype) for dtype in {p.dtype for p in params}}
         for p in params:
+            if p.numel() == 0:  # an empty shard (fully_shard's last rank): nothing to page
+                continue
             for key, dtype in keys_by_dtype[p.dtype].items():
                 plan.append((p, key, offset, p.numel(), dtype))
                 offset += _round_up(p.numel() * dtype.itemsize)
@@ -150,7 +156,7 @@ class DiskStateTier:
             for p, key, at, numel, dtype in plan:
                 self._slots.setdefault(p, {})[key] = (scratch, at, numel, dtype)
         self.adopt()
-        self._hooks = [optimizer.register_step_post_hook(lambda *_: self.adopt()),
+        self._hooks = [optimizer.register_step_post_hook(lambda *_: self._after_step()),
                        optimizer.register_load_state_dict_post_hook(lambda *_: self.adopt())]
 
     @property
@@ -174,8 +180,8 @@ class DiskStateTier:
             return
         for p, state in self.optimizer.state.items():
             for key, value in list(state.items()):
-                if not (torch.is_tensor(value) and value.dim() > 0 and value.shape == p.shape
-                        and value.device.type == "cpu"):
+                if not (torch.is_tensor(value) and value.dim() > 0 and value.numel() > 0
+                        and value.shape == p.shape and value.device.type == "cpu"):
                     continue
                 slot = self._slots.get(p, {}).get(key)
                 if slot is not None and self._slot_tensor_is(value, slot):
@@ -190,6 +196,11 @@ class DiskStateTier:
                 with torch.no_grad():
                     mapped.copy_(value)
                 state[key] = mapped
+
+    def _after_step(self) -> None:
+        """Adopt new state, then write behind the state of the parameters just stepped (those with a gradient)."""
+        self.adopt()
+        self.write_behind(p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None)
 
     @staticmethod
     def _slot_tensor_is(tensor: torch.Tensor, slot: tuple) -> bool:
