@@ -54,6 +54,10 @@ _WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
+
+
 def _round_up(n: int, to: int = PAGE) -> int:
     return (n + to - 1) // to * to
 
@@ -76,7 +80,7 @@ class _ScratchFile:
         except OSError as e:
             os.close(self.fd)
             full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            raise HvpsError(f"the optimizer state's disk tier cannot reserve {self.nbytes / 2**20:.1f} MiB in "
+            raise HvpsError(f"the optimizer state's disk tier cannot reserve {_size(self.nbytes)} in "
                             f"{str(directory)!r}: {e.strerror or e}"
                             + (" (the filesystem is full: free space or choose another disk_dir)" if full else "")) \
                 from e
@@ -243,7 +247,7 @@ class DiskStateTier:
         self._files.clear()
 
     def __repr__(self) -> str:
-        return f"DiskStateTier({str(self.directory)!r}, {self.nbytes / 2**20:.1f} MiB)"
+        return f"DiskStateTier({str(self.directory)!r}, {_size(self.nbytes)})"
 
 
 def _elementwise_keys(optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> dict:
