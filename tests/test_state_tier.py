@@ -112,6 +112,14 @@ def test_sharded_optimizer_with_a_disk_tier_matches_one_in_memory(one_rank, kind
     _step(ref, ref_opt, 4)
     _step(disk, tiered, 4)
     _assert_equal(disk, ref, f"{kind}, after reloading")
+    old_tier = tiered.state_tier
+    tiered.relayout(1, 0)  # elastic re-sharding: a new tier for the new shards, the old one dropped
+    assert tiered.state_tier is not old_tier and old_tier.nbytes == 0
+    tiered.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    _step(ref, ref_opt, 5)
+    _step(disk, tiered, 5)
+    _assert_equal(disk, ref, f"{kind}, after a relayout")
+    assert all(tiered.state_tier.holds(v) for v in _elementwise_state(tiered.shard_optimizer))
     tiered.close()
     assert tiered.state_tier is None
 

@@ -270,8 +270,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not shard_groups:
             raise ValueError("the optimizer has no parameter that requires a gradient")
         self.shard_optimizer = self._local_kind(shard_groups, **self._local_defaults)
-        if self.state_tier is not None:
-            self.state_tier.close()
+        if self.state_tier is not None:  # a relayout: the old shards' state goes (never copied to memory)
+            self.state_tier.close(keep_state=False)
         if self._disk_dir is not None:
             self.state_tier = DiskStateTier(self.shard_optimizer, self._disk_dir)
         self._group_pairs = [(user, shard) for (user, _), shard in zip(self._group_pairs,

@@ -228,9 +228,14 @@ class DiskStateTier:
             for scratch, at, nbytes in self._ranges(params):
                 scratch.write_behind(at, nbytes)
 
-    def close(self) -> None:
-        """Stop tiering: state tensors move back to memory (copies), the hooks go, and the files are unmapped
-        (their blocks are freed; they never had a name after construction). Idempotent."""
+    def close(self, keep_state: bool = True) -> None:
+        """Stop tiering: the hooks go and the files are unmapped (their blocks are freed; they never had a name
+        after construction). Idempotent.
+
+        Args:
+            keep_state: move the tiered state tensors back to memory (copies), so the optimizer goes on; with
+                False they are dropped from the optimizer's state instead (for an optimizer being replaced).
+        """
         if self._closed:
             return
         self._closed = True
@@ -240,7 +245,10 @@ class DiskStateTier:
             for key, value in list(state.items()):
                 slot = self._slots.get(p, {}).get(key)
                 if torch.is_tensor(value) and slot is not None and self._slot_tensor_is(value, slot):
-                    state[key] = value.clone()
+                    if keep_state:
+                        state[key] = value.clone()
+                    else:
+                        del state[key]
         self._slots.clear()
         for scratch in self._files:
             scratch.close()
