@@ -12,10 +12,28 @@ the kernel's OOM killer, so "fits" means the whole job finished. Contenders:
 Per rank it reports the cgroup's peak usage (what the cap is compared with); the process's resident bytes after
 ``init()``, its peak while building and wrapping the model, and its peak while training (``VmHWM`` reset in
 between); the bytes it holds by count (parameters, gradients and optimizer state, each storage once); and the
-median step time.
+median step time. The ranks run with a fixed ``MALLOC_MMAP_THRESHOLD_`` (``--malloc-mmap-threshold``): with
+glibc's dynamic threshold, tensors of up to 32 MiB freed during a step (gradient buckets) stay in the heap, and
+the measured peak RSS of stage 2 was ~2,300 MiB where the bytes it holds come to ~1,400.
 Without ``--cap-mib`` it runs uncapped (the peak-RSS cross-check of the counted bytes). JSON on stdout.
 
+``--tier disk --tier-dir DIR`` keeps the sharded contenders' Adam state in the disk tier (``stage2``:
+``state_tier="disk"``; ``stage3``: ``hvd.DiskStateTier`` on the plain Adam), each rank's file under
+``DIR/rank<r>`` (the replicated contender ignores it). ``--phases`` adds each rank's resident and peak bytes
+after the forward, the backward and the step of every step (where a step's peak comes from).
+
     python benchmarks/sharded_memory_cap.py --np 2 --cap-mib 1800 --width 1024 --depth 8
+    python benchmarks/sharded_memory_cap.py --np 2 --cap-mib 1300 --contenders stage2,stage3 --tier disk \\
+        --tier-dir /var/tmp/hvps-tier
+
+Measured (2026-12-06, 2 ranks on a 2-core VM shared with other jobs, load average 6-9, so step times are
+rough; defaults: width 1024, depth 8, 101M parameters, Adam; cgroup v1 caps; tier on the VM's ext4 disk):
+uncapped training peak RSS replicated 1,990 MiB, stage 2 1,626 (1,935 before its backward kept at most 4
+reduce-scatters in flight; ~2,300 with glibc's dynamic malloc threshold), stage 3 1,801, stage 2 with the
+disk tier 1,234. Cap 1,850: replicated OOM-killed, stage 2 (cgroup peak 1,522) and stage 3 (1,698) train.
+Cap 1,550: stage 3 killed, stage 3 with the disk tier trains (20.0 s/step). Cap 1,300: stage 2 killed,
+stage 2 with the disk tier trains (13.2 s/step; 20.6 without write-behind); at 1,150 too (12.0 s/step).
+Uncapped, one after the other: stage 2 8.7 s/step in memory, 10.2 s/step with the disk tier.
 """
 from __future__ import annotations
 
@@ -84,21 +102,32 @@ def worker(args) -> None:
     torch.manual_seed(0)
     model = BlockStack(args.width, args.depth, args.heads)
     extra = []
+    tier_dir = str(Path(args.tier_dir) / f"rank{hvd.rank()}") if args.tier == "disk" else None
+    tier = None
     if args.contender == "stage3":
         hvd.fully_shard(model, units=[torch.nn.TransformerEncoderLayer])
         optimizer = torch.optim.Adam(model.parameters(), foreach=False)
+        if tier_dir:
+            tier = hvd.DiskStateTier(optimizer, tier_dir)
+    elif args.contender == "stage2":
+        tiering = {"state_tier": "disk", "disk_dir": tier_dir} if tier_dir else {}
+        optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), foreach=False),
+                                             named_parameters=model.named_parameters(), shard=True, **tiering)
+        tier = optimizer.state_tier
     else:
         optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), foreach=False),
-                                             named_parameters=model.named_parameters(),
-                                             shard=args.contender == "stage2")
+                                             named_parameters=model.named_parameters())
     x = torch.randn(args.batch, args.seq, args.width)
     construction_peak = rss_bytes("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")  # the peak from here on is the training's
-    times = []
+    times, phases = [], []
     for _ in range(args.steps + 1):
         hvd.barrier()
         start = time.perf_counter()
-        step(model, optimizer, x)
+        if args.phases:
+            phases.append(phased_step(model, optimizer, x))
+        else:
+            step(model, optimizer, x)
         times.append(time.perf_counter() - start)
     if args.contender == "stage3":
         from hvps.adapters.torch.fully_sharded import FullyShardedModel
@@ -108,9 +137,27 @@ def worker(args) -> None:
     print("RANK " + json.dumps({"rank": hvd.rank(), "step_s": statistics.median(times[1:]),
                                 "counted_bytes": counted,
                                 "rss_after_init_bytes": baseline, "construction_peak_rss_bytes": construction_peak,
-                                "training_peak_rss_bytes": rss_bytes("VmHWM")}),
+                                "training_peak_rss_bytes": rss_bytes("VmHWM"),
+                                "tier_file_bytes": tier.nbytes if tier is not None else 0,
+                                **({"phases_mib": phases} if args.phases else {})}),
           flush=True)
     hvd.shutdown()
+
+
+def phased_step(model, optimizer, x) -> dict:
+    """One training step (as ``fully_sharded.step``) with ``VmRSS``/``VmHWM`` in MiB after each phase."""
+    def mark() -> list:
+        return [rss_bytes("VmRSS") >> 20, rss_bytes("VmHWM") >> 20]
+
+    marks = {"start": mark()}
+    optimizer.zero_grad(set_to_none=False)
+    loss = model(x).square().mean()
+    marks["forward"] = mark()
+    loss.backward()
+    marks["backward"] = mark()
+    optimizer.step()
+    marks["step"] = mark()
+    return marks
 
 
 def run_contender(args, contender: str) -> dict:
@@ -130,9 +177,12 @@ def run_contender(args, contender: str) -> dict:
         command = " ".join(shlex.quote(a) for a in [
             sys.executable, __file__, "--worker", "--contender", contender, "--width", str(args.width),
             "--depth", str(args.depth), "--heads", str(args.heads), "--batch", str(args.batch),
-            "--seq", str(args.seq), "--steps", str(args.steps)])
+            "--seq", str(args.seq), "--steps", str(args.steps), "--tier", args.tier, "--tier-dir", args.tier_dir]
+            + (["--phases"] if args.phases else []))
         argv = [find_mpirun().path, "-np", str(args.np), "--oversubscribe", "sh", "-c", prefix + command]
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        if args.malloc_mmap_threshold:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
         with tempfile.TemporaryFile("w+") as out:
             code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=args.timeout).returncode
             out.seek(0)
@@ -163,6 +213,14 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one untimed)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per contender's job")
+    p.add_argument("--tier", choices=("host", "disk"), default="host",
+                   help="where the sharded contenders keep Adam's state (disk: a scratch file under --tier-dir)")
+    p.add_argument("--tier-dir", default=os.path.join(tempfile.gettempdir(), "hvps-state-tier"),
+                   help="the disk tier's directory (each rank uses rank<r> under it)")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=131072,
+                   help="the ranks' MALLOC_MMAP_THRESHOLD_ (0: glibc's own, which rises after each large free "
+                        "up to 32 MiB, so freed gradient buckets stay in the heap and the peak RSS grows)")
+    p.add_argument("--phases", action="store_true", help="record RSS after forward, backward and step")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--contender", choices=CONTENDERS, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -173,7 +231,9 @@ def main() -> None:
     if unknown:
         p.error(f"--contenders: unknown {sorted(unknown)}; choose from {', '.join(CONTENDERS)}")
     results = [run_contender(args, c) for c in args.contenders.split(",")]
-    print(json.dumps({"np": args.np, "cap_mib": args.cap_mib, "width": args.width, "depth": args.depth,
+    print(json.dumps({"np": args.np, "cap_mib": args.cap_mib, "tier": args.tier,
+                      "malloc_mmap_threshold": args.malloc_mmap_threshold, "width": args.width,
+                      "depth": args.depth,
                       "results": results}, indent=1))
 
 

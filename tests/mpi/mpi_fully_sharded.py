@@ -382,3 +382,30 @@ def test_checkpoint_reshards_to_fewer_and_more_ranks_and_into_one_process(shared
             _assert_equal(plain.state_dict(), ref, f"{size} -> one process, step {step}")
     finally:
         hvps.remove_process_set(subset)
+
+
+def test_disk_tier_under_the_shards_optimizer_is_bit_identical():
+    """Issue 39, item 3 at stage 3: ``hvd.DiskStateTier`` on the plain Adam over the shard parameters keeps its
+    state in a scratch file and trains bit-identically to one process."""
+    import tempfile
+
+    lr = 2.0 ** -4
+    ref, model = _model(), _model()
+    ref_opt = _optimizer(ref, "adam", lr)
+    fully_shard(model, units=[model.first, model.second, model.first.extra])
+    opt = _optimizer(model, "adam", lr)
+    with tempfile.TemporaryDirectory() as directory:
+        tier = hvd.DiskStateTier(opt, directory)
+        for step in range(3):
+            x, targets = _data(step)
+            ref_opt.zero_grad()
+            ref.loss(x, targets, SCALE).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            xs, ts = _local(x, targets)
+            model.loss(xs, ts, SCALE * hvd.size()).backward()
+            opt.step()
+            _assert_equal(_full(model), ref, f"disk tier, step {step}")
+        state = [v for entry in opt.state.values() for v in entry.values() if v.dim() > 0 and v.numel() > 0]
+        assert state and all(tier.holds(v) for v in state)
+        tier.close()

@@ -49,6 +49,7 @@ from .mpi_ops import (
 from . import adasum_optimizer  # noqa: F401  (registers the Adasum kind of DistributedOptimizer)
 from .optimizer import DistributedOptimizer
 from .sharded_optimizer import ShardedOptimizer
+from .state_tier import DiskStateTier
 from .fully_sharded import fully_shard
 from .sync_batch_norm import SyncBatchNorm
 
@@ -61,6 +62,7 @@ __all__ = [
     "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
     "grouped_reducescatter_async", "synchronize", "poll", "join", "barrier", "broadcast_parameters",
     "broadcast_optimizer_state", "broadcast_object", "allgather_object", "DistributedOptimizer", "ShardedOptimizer", "fully_shard",
+    "DiskStateTier",
     "SyncBatchNorm",
     "elastic", "CheckpointManager", "CheckpointError",
 ]

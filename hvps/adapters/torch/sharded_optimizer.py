@@ -24,7 +24,9 @@ What it does, per step:
    ``backward_passes_per_step`` passes). When every gradient of a bucket is in, the bucket's gradients
    are packed into one flat buffer, compressed (fp16/bf16) and reduce-scattered asynchronously (Average by
    default), overlapping the rest of backward. The parameters' own ``.grad`` are then released (set to
-   None): after backward a rank keeps only its shard of the averaged gradients (stage 2).
+   None): after backward a rank keeps only its shard of the averaged gradients (stage 2). At most
+   ``REDUCE_SCATTERS_IN_FLIGHT`` buckets travel at once: starting one more first waits for the oldest, so a
+   rank whose reductions lag its backward does not hold every bucket's full-size flat gradient at once.
 3. **step().** Waits for the reduce-scatters and decompresses this rank's gradient shard, copies this
    rank's block of the current parameters into the shard tensors, runs a torch optimizer over the shards
    only (its momentum or Adam moments exist for 1/N of the elements), and all-gathers the updated shards
@@ -49,6 +51,16 @@ count or into a plain optimizer (:mod:`hvps.adapters.torch.sharded_checkpoint`, 
 :meth:`ShardedOptimizer.shard_layout`, :meth:`ShardedOptimizer.local_state` and
 :meth:`ShardedOptimizer.load_local_state`).
 
+Tiers: ``state_tier="disk", disk_dir=path`` keeps the shards' element-wise state (Adam's moments, SGD's
+momentum) in a scratch file under ``path`` that the kernel pages (:mod:`hvps.adapters.torch.state_tier`),
+read ahead one bucket before its step and written behind after it, so the state may exceed the memory a rank
+may hold. Flat keywords rather than DeepSpeed's ``offload_optimizer={"device": "nvme", "nvme_path": ...}``
+dict: the other options here are keywords too, the store already names its tiers ``tier="disk"`` and
+``disk_dir=``, any filesystem serves (not only NVMe), and DeepSpeed's buffer counts and sizes tune its own
+asynchronous-I/O engine, where here the page cache does the buffering. The bucket shards (the fp32 master
+copy of this rank's block) stay in memory: they are 1/N of the parameters, which every rank holds whole.
+``close()`` frees the file (it has no name from its creation on, so it goes with the process anyway).
+
 Not supported (``ValueError`` at construction): ``op=Adasum``; compressions other than none, fp16 and
 bf16 (int8, top-k, DGC, PowerSGD, Horovod-style compressors); ``torch.optim.SparseAdam``; an optimizer
 that already has state. A sparse gradient met in backward raises ``ValueError`` unless
@@ -63,7 +75,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Any, Iterable, Optional
+import os
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
@@ -79,6 +92,7 @@ from hvps.elastic.mode import joins_a_running_job
 from .compression import OPS, as_gradient_compression
 from .mpi_ops import (Average, Sum, allgather_async, allreduce_async, grouped_allgather_async,
                       reducescatter_async)
+from .state_tier import DiskStateTier
 
 __all__ = ["ShardedOptimizer"]
 
@@ -86,6 +100,10 @@ __all__ = ["ShardedOptimizer"]
 DEFAULT_BUCKET_CAP_MB = 25.0
 #: buckets whose parameters' all-gather may be in flight at once in step() (one overlaps the next bucket's step)
 GATHERS_IN_FLIGHT = 2
+#: buckets whose gradients' reduce-scatter may be in flight at once in backward: a started one holds its flat,
+#: full-size gradient until it is waited for, so without a bound a rank whose reductions lag its backward
+#: would hold the whole gradient at the end of backward (stage 1's peak, not stage 2's)
+REDUCE_SCATTERS_IN_FLIGHT = 4
 
 
 class _Bucket:
@@ -108,6 +126,8 @@ class _Bucket:
         self.ready = 0
         self.handle: Optional[hvps.Handle] = None
         self.ctx: Any = None
+        #: this rank's averaged gradient block once the reduce-scatter was waited for (before step())
+        self.reduced: Optional[torch.Tensor] = None
         self.dense_nbytes = 0
 
     def pack_gradients(self, sparse_as_dense: bool) -> torch.Tensor:
@@ -152,7 +172,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  compression: Any = None, backward_passes_per_step: int = 1, op: Any = Average,
                  gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
                  bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, num_groups: int = 0, groups: Any = None,
-                 process_set: ProcessSet = global_process_set) -> None:
+                 process_set: ProcessSet = global_process_set, state_tier: str = "host",
+                 disk_dir: Optional[Union[str, os.PathLike]] = None) -> None:
         """Lay out the buckets, check the layout across ranks, and build the local optimizer.
 
         Args:
@@ -167,11 +188,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             num_groups: ``DistributedOptimizer``'s argument, refused: buckets replace groups.
             groups: ``DistributedOptimizer``'s argument, refused: buckets replace groups.
             process_set: the ranks that share the model; this rank must belong to it.
+            state_tier: where the shards' element-wise optimizer state lives: ``"host"`` (memory, the
+                default) or ``"disk"`` (a scratch file under ``disk_dir``, paged by the kernel; see
+                :class:`~hvps.adapters.torch.state_tier.DiskStateTier`).
+            disk_dir: the directory of the disk tier (``state_tier="disk"`` only), local to each rank.
 
         Raises:
             ValueError: an unsupported combination (Adasum, a non-cast compression, SparseAdam, an
                 optimizer with state), bad arguments, or a rank outside ``process_set``.
-            HvpsError: hvps is not initialized, or the parameters differ across ranks.
+            HvpsError: hvps is not initialized, the parameters differ across ranks, or the disk tier's
+                directory is read-only or its filesystem lacks room for the state.
         """
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"ShardedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
@@ -187,6 +213,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              "buckets (bucket_cap_mb)")
         if bucket_cap_mb <= 0:
             raise ValueError("bucket_cap_mb must be positive")
+        if state_tier not in ("host", "disk"):
+            raise ValueError(f"unknown state_tier {state_tier!r}: choose 'host' or 'disk'")
+        if (state_tier == "disk") != (disk_dir is not None):
+            raise ValueError("state_tier='disk' needs disk_dir=..., and disk_dir is for state_tier='disk' only")
+        self._disk_dir = disk_dir
+        self.state_tier: Optional[DiskStateTier] = None
         op, self.compression, prescale, postscale = gradient_options(
             op, gradient_predivide_factor, compression, as_gradient_compression,
             backward_passes_per_step=backward_passes_per_step, ops=(Average, Sum))
@@ -211,6 +243,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._buckets = self._lay_out(int(bucket_cap_mb * 2**20))
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._local_kind, self._local_defaults = type(optimizer), optimizer.defaults
+        #: buckets whose reduce-scatter started, oldest first, until waited for
+        self._in_flight: collections.deque = collections.deque()
         self._build_shard_optimizer()
         self._passes_left = {p: backward_passes_per_step for p in self._bucket_of}
         self._synchronized = False
@@ -236,6 +270,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not shard_groups:
             raise ValueError("the optimizer has no parameter that requires a gradient")
         self.shard_optimizer = self._local_kind(shard_groups, **self._local_defaults)
+        if self.state_tier is not None:  # a relayout: the old shards' state goes (never copied to memory)
+            self.state_tier.close(keep_state=False)
+        if self._disk_dir is not None:
+            self.state_tier = DiskStateTier(self.shard_optimizer, self._disk_dir)
         self._group_pairs = [(user, shard) for (user, _), shard in zip(self._group_pairs,
                                                                         self.shard_optimizer.param_groups)]
 
@@ -316,21 +354,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.compression.record(flat.nbytes, [payload])
         bucket.handle = reducescatter_async(payload, name=bucket.name, op=plan.op, prescale_factor=plan.prescale,
                                             postscale_factor=plan.postscale, process_set=self.process_set)
+        self._in_flight.append(bucket)
+        if len(self._in_flight) > REDUCE_SCATTERS_IN_FLIGHT:  # the oldest: every rank started it already
+            self._finish(self._in_flight.popleft())
+
+    def _finish(self, bucket: _Bucket) -> None:
+        """Wait for ``bucket``'s reduce-scatter and keep this rank's averaged block (the flat input goes)."""
+        out = bucket.handle.wait()
+        if bucket in self._in_flight:
+            self._in_flight.remove(bucket)
+        grad = summable.decompress_tensor(self.compression, out, bucket.ctx, OPS)
+        if self._plan.after != 1.0:
+            grad = OPS.scale(grad, self._plan.after)
+        bucket.reduced = grad.to(bucket.shard.dtype).view_as(bucket.shard)
+        bucket.handle, bucket.ctx = None, None
 
     # -- the step ---------------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Finish every bucket's reduce-scatter (starting those backward did not) and install this rank's
         averaged gradient shard as the shard tensors' ``.grad``."""
         for bucket in self._buckets:
-            if bucket.handle is None:  # unused parameters, or still accumulating: travel as they are
+            if bucket.handle is None and bucket.reduced is None:  # unused parameters, or still accumulating
                 self._start(bucket)
         try:
             for bucket in self._buckets:
-                out = bucket.handle.wait()
-                grad = summable.decompress_tensor(self.compression, out, bucket.ctx, OPS)
-                if self._plan.after != 1.0:
-                    grad = OPS.scale(grad, self._plan.after)
-                bucket.shard.grad = grad.to(bucket.shard.dtype).view_as(bucket.shard)
+                if bucket.reduced is None:
+                    self._finish(bucket)
+                bucket.shard.grad = bucket.reduced
         finally:
             self._forget_step()
         hvps.step_done()
@@ -338,7 +388,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _forget_step(self) -> None:
         for bucket in self._buckets:
-            bucket.handle, bucket.ctx, bucket.ready = None, None, 0
+            bucket.handle, bucket.ctx, bucket.ready, bucket.reduced = None, None, 0, None
+        self._in_flight.clear()
         for p in self._passes_left:
             self._passes_left[p] = self.backward_passes_per_step
 
@@ -409,10 +460,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # at most GATHERS_IN_FLIGHT gathered buckets exist at once: a rank never holds a second copy of
         # every parameter (the gathered flats) beside the parameters themselves
         gathers: collections.deque = collections.deque()
+        tier = self.state_tier
         with torch.no_grad():
-            for bucket, grad in zip(self._buckets, grads):
+            for i, (bucket, grad) in enumerate(zip(self._buckets, grads)):
+                if tier is not None and i + 1 < len(self._buckets):
+                    tier.prefetch([self._buckets[i + 1].shard])  # read ahead while this bucket steps
                 bucket.read_parameters()
-                if grad is not None:
+                if grad is not None:  # the tier's step hook writes this bucket's state behind
                     bucket.shard.grad = grad
                     self.shard_optimizer.step()
                     bucket.shard.grad = None
@@ -431,7 +485,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Raises:
             HvpsError: called between ``backward()`` and ``step()``.
         """
-        if any(b.handle is not None for b in self._buckets):
+        if any(b.handle is not None or b.reduced is not None for b in self._buckets):
             raise HvpsError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
                             "or optimizer.synchronize(); gradients are still being reduce-scattered")
         for group in self.param_groups:
@@ -608,6 +662,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("a ShardedOptimizer's parameter layout is fixed: add the group to the optimizer "
                              "before wrapping it")
         torch.optim.Optimizer.add_param_group(self, param_group)
+
+    def close(self) -> None:
+        """Give the disk tier's file back (its state moves to memory first); nothing to do with the host tier."""
+        if self.state_tier is not None:
+            self.state_tier.close()
+            self.state_tier = None
+            self._disk_dir = None
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer({self.shard_optimizer!r}, shards={self._size}, buckets={len(self._buckets)})"
