@@ -27,7 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -165,23 +165,24 @@ def _pieces(box: np.ndarray) -> list:
 class ChunkFold:
     """The reduce-scatter's fold, done chunk by chunk while the last step's chunks arrive.
 
-    ``parts`` holds every rank's contribution to this rank's block, one row per rank; once the last
+    ``parts`` holds every rank's contribution to this rank's block, one row per rank (``out`` may be the
+    memory of row 0 or 1, not of a later row: see ``fold_in_rank_order``); once the last
     step's chunks up to byte ``stop`` are usable, :meth:`upto` folds the elements they complete, in
     rank order, into ``out``. Element by element this is the whole block's fold, so the bits are the
     same whatever the chunk size (a chunk that splits an element leaves it for the next call).
     Nothing is folded once ``state`` holds a failure: no byte of a collective that failed is used.
     """
 
-    def __init__(self, ufunc, parts: np.ndarray, out: np.ndarray, state: dict) -> None:
-        self.ufunc, self.parts, self.out, self.state = ufunc, parts, out, state
+    def __init__(self, ufunc, parts: Sequence[np.ndarray], out: np.ndarray, state: dict) -> None:
+        self.ufunc, self.parts, self.out, self.state = ufunc, list(parts), out, state
         self.folded = 0  # elements of ``out`` folded so far
 
     def upto(self, stop_byte: int) -> None:
         """Fold every element that bytes ``[0, stop_byte)`` of each row complete (call with growing stops)."""
-        stop = stop_byte // self.parts.itemsize
+        stop = stop_byte // self.out.itemsize
         if stop > self.folded and "failure" not in self.state:
             window = slice(self.folded, stop)
-            fold_in_rank_order(self.ufunc, list(self.parts[:, window]), self.out[window])
+            fold_in_rank_order(self.ufunc, [row[window] for row in self.parts], self.out[window])
             self.folded = stop
 
 
@@ -454,9 +455,14 @@ class SealedBackend(Backend):
         lo, hi = bounds[self.rank]
         n = hi - lo
         parts = self.workspace.view(flat.dtype, n * self.size).reshape(self.size, n) if n else None
+        fold = None
         if n:
-            parts[self.rank] = flat[lo:hi]
-        fold = ChunkFold(ufunc, parts, out, state) if n else None
+            rows = list(parts)
+            if self.rank < 2 or not np.may_share_memory(flat[lo:hi], out):
+                rows[self.rank] = flat[lo:hi]  # folded from where it is: no copy
+            else:  # in place, and folded into after rows 0 and 1 were: aside first
+                rows[self.rank][...] = flat[lo:hi]
+            fold = ChunkFold(ufunc, rows, out, state)
 
         def to(peer: int) -> np.ndarray:
             return _bytes(flat[bounds[peer][0]:bounds[peer][1]])
