@@ -11,10 +11,12 @@ store's exchanges, ``broadcast_object``, checkpoint loading: all are collectives
   allgather of the root's block alone.
 
 Messages to peers on another host are sealed (``sealed_crypto.py``); same-host peers travel in clear
-unless ``HVPS_ENCRYPT=all``. Each message is cut into chunks, and a worker thread seals chunk
-k+1 and opens chunk k-1 while chunk k is on the wire (OpenSSL releases the GIL); the reduce-scatter
-folds each chunk of its last step as soon as it opens (``ChunkFold``), into the output at once, so
-only the last chunk's fold is left when the allgather starts.
+unless ``HVPS_ENCRYPT=all``. Each message is cut into chunks, and a worker thread seals chunks ahead
+and opens them behind while others are on the wire (OpenSSL releases the GIL). The allreduce is one
+stream from its reduce-scatter's last step on: that step's chunks are folded as they open
+(``ChunkFold``), each chunk of this rank's sum is sealed and sent on as soon as it is folded, and each
+later ring step sends each chunk as soon as the step before opened it, so the link never waits for a
+step to end. Every chunk travels as MPI messages small enough to go eagerly (``MESSAGE_BYTES``).
 
 A chunk that fails to open never ends a collective early on one rank (the others would wait
 for it): the rank notes the failure, carries on with the collective's messages, and every
