@@ -11,10 +11,12 @@ store's exchanges, ``broadcast_object``, checkpoint loading: all are collectives
   allgather of the root's block alone.
 
 Messages to peers on another host are sealed (``sealed_crypto.py``); same-host peers travel in clear
-unless ``HVPS_ENCRYPT=all``. Each message is cut into chunks, and a worker thread seals chunk
-k+1 and opens chunk k-1 while chunk k is on the wire (OpenSSL releases the GIL); the reduce-scatter
-folds each chunk of its last step as soon as it opens (``ChunkFold``), into the output at once, so
-only the last chunk's fold is left when the allgather starts.
+unless ``HVPS_ENCRYPT=all``. Each message is cut into chunks, and a worker thread seals chunks ahead
+and opens them behind while others are on the wire (OpenSSL releases the GIL). The allreduce is one
+stream from its reduce-scatter's last step on: that step's chunks are folded as they open
+(``ChunkFold``), each chunk of this rank's sum is sealed and sent on as soon as it is folded, and each
+later ring step sends each chunk as soon as the step before opened it, so the link never waits for a
+step to end. Every chunk travels as MPI messages small enough to go eagerly (``MESSAGE_BYTES``).
 
 A chunk that fails to open never ends a collective early on one rank (the others would wait
 for it): the rank notes the failure, carries on with the collective's messages, and every
@@ -27,7 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -58,6 +60,14 @@ WINDOW = 8
 #: 500 polls and a fixed 20 us nap cost 210-300 ms of CPU per call and rank, 50 and growing naps 170-240
 _SPIN_POLLS, _NAP, _MAX_NAP = 50, 20e-6, 1e-3
 _TAG = 7301  # MPI tag of every message: the communicator is private to this backend, and MPI keeps order
+#: bytes of the MPI messages a chunk travels in: within Open MPI's TCP eager limit (64 KiB with its headers), so
+#: none waits on a rendezvous: a large message's reply queues behind the data its peer already streams (the BTL's
+#: queue and the testbed's 100 ms tbf queue), and a step that starts while the link is full stalled for that long.
+#: Measured at 1 Gbit/s, 2 emulated hosts, a 64 MiB reduce-scatter and allgather streamed chunk by chunk: 4 MiB
+#: messages 780-960 ms, these 564-656 ms (560 ms of link time)
+MESSAGE_BYTES = 65536 - 1024
+#: the first step number of a ring allgather
+_GATHER_STEP = 1000
 
 
 def _bytes(array) -> np.ndarray:
@@ -97,26 +107,84 @@ class _Tamper:
             self.last = sealed.copy() if self.seen < self.spec[2] else None
 
 
+class Outgoing:
+    """One message of a stream (:meth:`SealedBackend._stream`): the bytes ``data`` to ``peer`` at ``step``.
+
+    ``ready()``, when given, says how many leading bytes of ``data`` hold their final value yet (the stream
+    sends each chunk once they cover it); ``units`` are its chunks, set by the stream."""
+
+    def __init__(self, data: Optional[np.ndarray], peer: int, step: int,
+                 ready: Optional[Callable[[], int]] = None) -> None:
+        self.data, self.peer, self.step, self.ready = data, peer, step, ready
+        self.units: list = []
+
+
+class Incoming:
+    """One message of a stream: ``data``'s bytes from ``peer`` at ``step``.
+
+    ``on_chunk(stop)``, when given, runs on the worker thread, in chunk order, each time ``data[:stop]`` is
+    all usable (authenticated and opened, or received in clear): the caller consumes them while later chunks
+    are on the wire; it never runs for a chunk that failed to open, nor for any chunk after it. ``usable``
+    is that ``stop``. ``after``: an :class:`Outgoing` sending these same bytes first (in place): chunk k is
+    received only once its chunk k is sent."""
+
+    def __init__(self, data: Optional[np.ndarray], peer: int, step: int,
+                 on_chunk: Optional[Callable[[int], None]] = None, after: Optional[Outgoing] = None) -> None:
+        self.data, self.peer, self.step, self.on_chunk, self.after = data, peer, step, on_chunk, after
+        self.usable, self.failed = 0, False
+        self.units: list = []
+
+
+class _Unit:
+    """Chunk ``k`` of a message: its bytes ``[start, stop)``, nonce (None: in clear), place in the stream,
+    and the MPI requests moving it."""
+
+    __slots__ = ("message", "k", "start", "stop", "nonce", "index", "requests", "box", "done")
+
+    def __init__(self, message, k: int, start: int, stop: int, nonce: Optional[bytes], index: int) -> None:
+        self.message, self.k, self.start, self.stop, self.nonce, self.index = message, k, start, stop, nonce, index
+        self.requests: list = []
+        self.box = None
+        self.done = False
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def plain(self) -> np.ndarray:
+        return self.message.data[self.start:self.stop]
+
+
+def _pieces(box: np.ndarray) -> list:
+    """The MPI messages a chunk travels in (``box``: its bytes on the wire), the same on both sides.
+
+    Every chunk, even an exchange's first ones, posted at once: the peer may already be streaming when they
+    are (it entered the collective first), and whole 4 MiB chunks there measured 860 ms at 1 Gbit/s where
+    pieces took 600; pieces cost more CPU (at 10 Gbit/s about 15 ms per 64 MiB call and rank)."""
+    return [box[lo:lo + MESSAGE_BYTES] for lo in range(0, box.size, MESSAGE_BYTES)]
+
+
 class ChunkFold:
     """The reduce-scatter's fold, done chunk by chunk while the last step's chunks arrive.
 
-    ``parts`` holds every rank's contribution to this rank's block, one row per rank; once the last
+    ``parts`` holds every rank's contribution to this rank's block, one row per rank (``out`` may be the
+    memory of row 0 or 1, not of a later row: see ``fold_in_rank_order``); once the last
     step's chunks up to byte ``stop`` are usable, :meth:`upto` folds the elements they complete, in
     rank order, into ``out``. Element by element this is the whole block's fold, so the bits are the
     same whatever the chunk size (a chunk that splits an element leaves it for the next call).
     Nothing is folded once ``state`` holds a failure: no byte of a collective that failed is used.
     """
 
-    def __init__(self, ufunc, parts: np.ndarray, out: np.ndarray, state: dict) -> None:
-        self.ufunc, self.parts, self.out, self.state = ufunc, parts, out, state
+    def __init__(self, ufunc, parts: Sequence[np.ndarray], out: np.ndarray, state: dict) -> None:
+        self.ufunc, self.parts, self.out, self.state = ufunc, list(parts), out, state
         self.folded = 0  # elements of ``out`` folded so far
 
     def upto(self, stop_byte: int) -> None:
         """Fold every element that bytes ``[0, stop_byte)`` of each row complete (call with growing stops)."""
-        stop = stop_byte // self.parts.itemsize
+        stop = stop_byte // self.out.itemsize
         if stop > self.folded and "failure" not in self.state:
             window = slice(self.folded, stop)
-            fold_in_rank_order(self.ufunc, list(self.parts[:, window]), self.out[window])
+            fold_in_rank_order(self.ufunc, [row[window] for row in self.parts], self.out[window])
             self.folded = stop
 
 
@@ -170,91 +238,112 @@ class SealedBackend(Backend):
 
     def _transfer(self, send: Optional[np.ndarray], dest: int, recv: Optional[np.ndarray], source: int,
                   state: dict, step: int, on_chunk: Optional[Callable[[int], None]] = None) -> None:
-        """Send the bytes ``send`` to ``dest`` while receiving ``recv``'s bytes from ``source``, in chunks,
-        ``WINDOW`` of them in flight each way; the worker thread seals ahead and opens behind.
+        """Send the bytes ``send`` to ``dest`` while receiving ``recv``'s bytes from ``source`` (one message
+        each way, see :meth:`_stream`); ``on_chunk`` as :class:`Incoming`'s."""
+        self._stream([Outgoing(send, dest, step)], [Incoming(recv, source, step, on_chunk)], state)
 
-        ``on_chunk(stop)``, when given, runs on the worker thread, in chunk order, each time the received
-        bytes ``recv[:stop]`` are all usable (authenticated and opened, or received in clear): the caller
-        consumes them while later chunks are still on the wire. It never runs for a chunk that failed to
-        open, nor for any chunk after it."""
+    def _stream(self, outgoing: list, incoming: list, state: dict) -> None:
+        """Move every message of ``outgoing`` and ``incoming`` as one stream of chunks.
+
+        Chunks are sent in list order (chunk k of message m when ``m.ready()`` covers it), ``WINDOW`` sealed
+        ahead on the worker thread and in flight, and received in list order, ``WINDOW`` posted ahead and
+        opened behind on the worker; a message that waits on another's bytes (the allgather's on the
+        reduce-scatter's fold, each ring step's on the step before) starts as soon as its first chunk can,
+        so the link never waits for a step to end. Each chunk travels as MPI messages of at most
+        ``MESSAGE_BYTES``: sent eagerly, none waits on a rendezvous reply queued behind the data a peer is
+        already streaming. Nonces are drawn in list order per direction, on both sides alike."""
         from mpi4py import MPI
 
-        chunk = self.chunk
-        ns = -(-send.size // chunk) if send is not None and send.size else 0
-        nr = -(-recv.size // chunk) if recv is not None and recv.size else 0
-        seal_send, seal_recv = bool(ns) and self.sealed(dest), bool(nr) and self.sealed(source)
+        sends = self._units(outgoing, self.send_dir)
+        recvs = self._units(incoming, self.recv_dir)
         kind, seq = state["kind"], state["sequence"]
-        nonces_s = [self.send_dir[dest].next_nonce() for _ in range(ns)] if seal_send else []
-        nonces_r = [self.recv_dir[source].next_nonce() for _ in range(nr)] if seal_recv else []
 
-        def plain(buf, k):
-            return buf[k * chunk:(k + 1) * chunk]
+        def aad(unit: _Unit) -> bytes:
+            return sealed_crypto.aad(kind, seq, unit.message.step, unit.k, unit.size)
 
-        def seal(k):
-            data = plain(send, k)
-            out = self._slot(k % WINDOW, data.size + sealed_crypto.TAG)
-            self.send_dir[dest].seal_into(nonces_s[k], data, out, sealed_crypto.aad(kind, seq, step, k, data.size))
-            return out
+        def seal(unit: _Unit) -> np.ndarray:
+            box = self._slot(unit.index % WINDOW, unit.size + sealed_crypto.TAG)
+            self.send_dir[unit.message.peer].seal_into(unit.nonce, unit.plain(), box, aad(unit))
+            return box
 
-        def open_(k, box):
-            data = plain(recv, k)
-            self.tamper.on_receive(box)
+        def open_(unit: _Unit) -> None:
+            message = unit.message
+            self.tamper.on_receive(unit.box)
             try:
-                aad = sealed_crypto.aad(kind, seq, step, k, data.size)
-                self.recv_dir[source].open_into(nonces_r[k], box, data, aad)
+                self.recv_dir[message.peer].open_into(unit.nonce, unit.box, unit.plain(), aad(unit))
             except sealed_crypto.invalid_tag():
-                state.setdefault("failure", f"a chunk from rank {self.members[source]} failed authentication on rank "
-                                            f"{self.members[self.rank]} in {state['what']}")
-                failed[0] = True
-            usable(k)
+                state.setdefault("failure", f"a chunk from rank {self.members[message.peer]} failed authentication on "
+                                            f"rank {self.members[self.rank]} in {state['what']}")
+                message.failed = True
+            usable(unit)
 
-        failed = [False]  # a chunk of this transfer failed to open: no later chunk is handed on
+        def usable(unit: _Unit) -> None:  # in chunk order, on the worker (or inline for a plain receive)
+            message = unit.message
+            if not message.failed:
+                message.usable = unit.stop
+                if message.on_chunk is not None:
+                    message.on_chunk(unit.stop)
 
-        def usable(k):
-            if on_chunk is not None and not failed[0]:
-                on_chunk(min((k + 1) * chunk, recv.size))
+        def ready(unit: _Unit) -> bool:  # may chunk ``unit`` be sealed and sent (or received into) yet
+            gate = unit.message.ready
+            return gate is None or "failure" in state or unit.stop <= gate()
 
-        sealed: dict = {}                 # k -> future of its sealed bytes
-        sends: list = []                  # (k, request) in flight
-        recvs: list = []                  # (k, request, box) in flight
-        opening: list = []                # futures of chunks being opened, in order
-        posted_s = posted_r = done_s = opened = 0
+        def may_receive(unit: _Unit) -> bool:  # in place: the same bytes are sent first
+            before = unit.message.after
+            return before is None or unit.k >= len(before.units) or before.units[unit.k].done
+
+        sealing: dict = {}                # index -> future of its sealed bytes
+        posted_s = done_s = posted_r = done_r = opened = 0
+        opening: list = []                # (unit, future) being opened, in order
         idle, deadline = 0, time.monotonic() + self.timeout
-        while done_s < ns or opened < nr:
+        while done_s < len(sends) or opened < len(recvs):
             moved = False
-            while seal_send and len(sealed) + len(sends) < WINDOW and posted_s + len(sealed) < ns:
-                k = posted_s + len(sealed)
-                sealed[k] = self._pool.submit(seal, k)
-            while posted_s < ns and len(sends) < WINDOW and (not seal_send or sealed[posted_s].done()):
-                box = sealed.pop(posted_s).result() if seal_send else plain(send, posted_s)
-                sends.append((posted_s, self.comm.Isend(box, dest, _TAG)))
+            while len(sealing) + posted_s - done_s < WINDOW and posted_s + len(sealing) < len(sends):
+                unit = sends[posted_s + len(sealing)]
+                if unit.nonce is None or not ready(unit):
+                    break
+                sealing[unit.index] = self._pool.submit(seal, unit)
+            while posted_s < len(sends) and posted_s - done_s < WINDOW:
+                unit = sends[posted_s]
+                if unit.nonce is not None:
+                    if unit.index not in sealing or not sealing[unit.index].done():
+                        break
+                    box = sealing.pop(unit.index).result()
+                elif ready(unit):
+                    box = unit.plain()
+                else:
+                    break
+                unit.requests = [self.comm.Isend(piece, unit.message.peer, _TAG) for piece in _pieces(box)]
                 posted_s += 1
                 moved = True
-            while posted_r < nr and posted_r - opened < WINDOW:
-                box = self._slot(WINDOW + posted_r % WINDOW, plain(recv, posted_r).size + sealed_crypto.TAG) \
-                    if seal_recv else plain(recv, posted_r)
-                recvs.append((posted_r, self.comm.Irecv(box, source, _TAG), box))
+            while posted_r < len(recvs) and posted_r - opened < WINDOW and may_receive(recvs[posted_r]):
+                unit = recvs[posted_r]
+                unit.box = self._slot(WINDOW + unit.index % WINDOW, unit.size + sealed_crypto.TAG) \
+                    if unit.nonce is not None else unit.plain()
+                unit.requests = [self.comm.Irecv(piece, unit.message.peer, _TAG) for piece in _pieces(unit.box)]
                 posted_r += 1
-            try:
-                if sends or recvs:  # one call progresses every request; then take the finished ones in order
-                    MPI.Request.Testsome([q for _, q in sends] + [q for _, q, _ in recvs])
-                while sends and sends[0][1] == MPI.REQUEST_NULL:
-                    sends.pop(0)
+            try:  # each call progresses every request; the oldest first, as they finish in order
+                while done_s < posted_s and MPI.Request.Testall(sends[done_s].requests):
+                    sends[done_s].done = True
                     done_s += 1
                     moved = True
-                while recvs and recvs[0][1] == MPI.REQUEST_NULL:
-                    k, _, box = recvs.pop(0)
+                while done_r < posted_r and MPI.Request.Testall(recvs[done_r].requests):
+                    unit = recvs[done_r]
+                    done_r += 1
                     moved = True
-                    if seal_recv:
-                        opening.append(self._pool.submit(open_, k, box))
-                    elif on_chunk is not None:  # on the worker too: on_chunk keeps one thread and chunk order
-                        opening.append(self._pool.submit(usable, k))
-                    else:
+                    if unit.nonce is not None:
+                        opening.append(self._pool.submit(open_, unit))
+                    elif unit.message.on_chunk is not None:  # on the worker: on_chunk keeps one thread and order
+                        opening.append(self._pool.submit(usable, unit))
+                    elif not opening:
+                        usable(unit)
                         opened += 1
+                    else:
+                        opening.append(self._pool.submit(usable, unit))
             except MPI.Exception as exc:  # e.g. a message longer than the chunk expected: truncated, never stored
-                self._drain(sends, recvs, opening)
-                state.setdefault("failure", f"a message between ranks {self.members[dest]}, {self.members[source]} "
-                                            f"and {self.members[self.rank]} was refused in {state['what']}: {exc}")
+                self._drain(sends[done_s:posted_s], recvs[done_r:posted_r], opening, sealing)
+                state.setdefault("failure", f"a message between ranks {self._peers(outgoing, incoming)} and "
+                                            f"{self.members[self.rank]} was refused in {state['what']}: {exc}")
                 return
             while opening and opening[0].done():
                 opening.pop(0).result()
@@ -268,26 +357,44 @@ class SealedBackend(Backend):
             # interpreter's 5 ms switch interval, which cost every sealed chunk milliseconds)
             time.sleep(min(_MAX_NAP, _NAP * (idle - _SPIN_POLLS)) if idle > _SPIN_POLLS else 0)
             if self.abort is not None and self.abort.is_set():  # the engine's word that ranks were lost
-                self._drain(sends, recvs, opening, cancel=True)
+                self._drain(sends[done_s:posted_s], recvs[done_r:posted_r], opening, sealing, cancel=True)
                 raise HvpsError(f"hvps: {state['what']} (sealed data plane) abandoned: ranks of the job were lost")
             if time.monotonic() > deadline:
-                silent = sorted({self.members[dest] for _ in sends[:1]} | {self.members[source] for _ in recvs[:1]})
-                self._drain(sends, recvs, opening, cancel=True)
+                waiting = sends[done_s:done_s + 1] + recvs[done_r:done_r + 1]
+                silent = sorted({self.members[unit.message.peer] for unit in waiting})
+                self._drain(sends[done_s:posted_s], recvs[done_r:posted_r], opening, sealing, cancel=True)
                 raise DataPlaneStall(f"hvps: {state['what']} (sealed data plane) failed: no data moved to or from "
                                      f"ranks {silent} for {self.timeout:g} s (HVPS_STALL_CHECK_TIME_SECONDS); a rank "
                                      "died or a link between ranks is down")
 
+    def _units(self, messages: list, directions: dict) -> list:
+        """The chunks of ``messages`` in order, each with its nonce (drawn now, in order) when sealed."""
+        units = []
+        for message in messages:
+            message.units = []
+            size = message.data.size if message.data is not None else 0
+            sealed = size > 0 and self.sealed(message.peer)
+            for k, lo in enumerate(range(0, size, self.chunk)):
+                nonce = directions[message.peer].next_nonce() if sealed else None
+                unit = _Unit(message, k, lo, min(lo + self.chunk, size), nonce, len(units))
+                message.units.append(unit)
+                units.append(unit)
+        return units
+
+    def _peers(self, outgoing: list, incoming: list) -> str:
+        return ", ".join(str(self.members[p]) for p in sorted({m.peer for m in outgoing + incoming}))
+
     @staticmethod
-    def _drain(sends: list, recvs: list, opening: list, cancel: bool = False) -> None:
+    def _drain(sends: list, recvs: list, opening: list, sealing: dict, cancel: bool = False) -> None:
         """After a failure: finish what is still in flight, or (``cancel``: a peer is gone) cancel it without
-        waiting, as the ring does; either way let the worker finish the chunks it is opening."""
-        for item in sends + recvs:
-            request = item[1]
-            try:
-                request.Cancel() if cancel else request.Wait()
-            except Exception:  # noqa: BLE001 - an errored request is finished too
-                pass
-        for future in opening:
+        waiting, as the ring does; either way let the worker finish the chunks it is sealing and opening."""
+        for unit in sends + recvs:
+            for request in unit.requests:
+                try:
+                    request.Cancel() if cancel else request.Wait()
+                except Exception:  # noqa: BLE001 - an errored request is finished too
+                    pass
+        for future in list(sealing.values()) + opening:
             future.result()
 
     def _begin(self, what: str) -> dict:
@@ -317,32 +424,64 @@ class SealedBackend(Backend):
 
     # -- the collectives ----------------------------------------------------------------------------
 
-    def _pairwise(self, state: dict, outgoing, incoming, on_last_chunk: Optional[Callable[[int], None]] = None) -> None:
-        """Step s = 1..n-1: send ``outgoing(to)`` to rank+s while receiving ``incoming(source)`` from rank-s;
-        ``on_last_chunk``: the last step's ``on_chunk`` (see :meth:`_transfer`)."""
-        exchanges = pairwise_exchanges(self.rank, self.size)
-        for exchange in exchanges:
+    def _pairwise(self, state: dict, outgoing, incoming) -> None:
+        """Step s = 1..n-1: send ``outgoing(to)`` to rank+s while receiving ``incoming(source)`` from rank-s."""
+        for exchange in pairwise_exchanges(self.rank, self.size):
             to, source = exchange.to, exchange.source
-            self._transfer(outgoing(to), to, incoming(source), source, state, exchange.step,
-                           on_last_chunk if exchange is exchanges[-1] else None)
+            self._transfer(outgoing(to), to, incoming(source), source, state, exchange.step)
 
-    def _ring_gather(self, state: dict, block) -> None:
-        """Ring allgather: ``block(r)`` is rank r's bytes, filled in place on every rank."""
+    def _ring_gather(self, state: dict, block, first: Optional[Outgoing] = None,
+                     first_ready: Optional[Callable[[], int]] = None) -> tuple:
+        """Ring allgather: ``block(r)`` is rank r's bytes, filled in place on every rank.
+
+        Returns the ring's messages (outgoing, incoming) for :meth:`_stream`: each step sends the block the
+        step before received, chunk by chunk as it opens; ``first_ready``: how much of this rank's own
+        block is final yet; ``first``: the message that sends the first step's incoming bytes before."""
         right, left = ring_neighbours(self.rank, self.size)
+        outgoing, incoming = [], []
+        ready, after = first_ready, first
         for step in ring_gather_steps(self.rank, self.size):
-            self._transfer(block(step.send_block), right, block(step.recv_block), left, state, 1000 + step.step)
+            outgoing.append(Outgoing(block(step.send_block), right, _GATHER_STEP + step.step, ready))
+            incoming.append(Incoming(block(step.recv_block), left, _GATHER_STEP + step.step, after=after))
+            ready, after = (lambda received=incoming[-1]: received.usable), None
+        return outgoing, incoming
 
-    def _reduce_blocks(self, state: dict, sendbuf: np.ndarray, out: np.ndarray, bounds: list, ufunc) -> None:
-        """Rank r receives every rank's block r of ``sendbuf`` and folds them, in rank order, into ``out``."""
+    def _reduce_blocks(self, state: dict, sendbuf: np.ndarray, out: np.ndarray, bounds: list, ufunc,
+                       gather: Optional[Callable] = None) -> None:
+        """Rank r receives every rank's block r of ``sendbuf`` and folds them, in rank order, into ``out``.
+
+        The last step folds each chunk as it opens (:class:`ChunkFold`); ``gather(sent, folded)``, when given,
+        returns more messages (outgoing, incoming) to stream with that step: ``sent`` is the last step's
+        outgoing message, ``folded()`` how many bytes of ``out`` are final yet."""
         flat = sendbuf.reshape(-1)
         lo, hi = bounds[self.rank]
         n = hi - lo
         parts = self.workspace.view(flat.dtype, n * self.size).reshape(self.size, n) if n else None
+        fold = None
         if n:
-            parts[self.rank] = flat[lo:hi]
-        fold = ChunkFold(ufunc, parts, out, state) if n else None
-        self._pairwise(state, lambda to: _bytes(flat[bounds[to][0]:bounds[to][1]]),
-                       lambda source: _bytes(parts[source]) if n else None, fold and fold.upto)
+            rows = list(parts)
+            if self.rank < 2 or not np.may_share_memory(flat[lo:hi], out):
+                rows[self.rank] = flat[lo:hi]  # folded from where it is: no copy
+            else:  # in place, and folded into after rows 0 and 1 were: aside first
+                rows[self.rank][...] = flat[lo:hi]
+            fold = ChunkFold(ufunc, rows, out, state)
+
+        def to(peer: int) -> np.ndarray:
+            return _bytes(flat[bounds[peer][0]:bounds[peer][1]])
+
+        def into(peer: int) -> Optional[np.ndarray]:
+            return _bytes(parts[peer]) if n else None
+
+        exchanges = pairwise_exchanges(self.rank, self.size)
+        for exchange in exchanges[:-1]:
+            self._transfer(to(exchange.to), exchange.to, into(exchange.source), exchange.source, state, exchange.step)
+        last = exchanges[-1]
+        sent = Outgoing(to(last.to), last.to, last.step)
+        outgoing, incoming = [sent], [Incoming(into(last.source), last.source, last.step, fold and fold.upto)]
+        if gather is not None:
+            more_out, more_in = gather(sent, (lambda: fold.folded * flat.itemsize) if fold else None)
+            outgoing, incoming = outgoing + more_out, incoming + more_in
+        self._stream(outgoing, incoming, state)
         if fold:
             fold.upto(n * flat.itemsize)  # nothing left unless a chunk's bytes split an element
 
@@ -352,9 +491,11 @@ class SealedBackend(Backend):
         bounds = segments(flat.size, self.size)
         ufunc = dtypes.combine(op, recvbuf.dtype)
         lo, hi = bounds[self.rank]
-        # into recvbuf at once, even in place: this rank's block of sendbuf is copied aside first and never sent
-        self._reduce_blocks(state, sendbuf, flat[lo:hi], bounds, ufunc)
-        self._ring_gather(state, lambda r: _bytes(flat[bounds[r][0]:bounds[r][1]]))
+        # into recvbuf at once, even in place: this rank's block of sendbuf is copied aside first and never sent;
+        # the allgather streams with the reduce-scatter's last step, each chunk of this rank's sum sent once folded
+        self._reduce_blocks(state, sendbuf, flat[lo:hi], bounds, ufunc,
+                            lambda sent, folded: self._ring_gather(state, lambda r: _bytes(flat[bounds[r][0]:bounds[r][1]]),
+                                                                   sent, folded))
         self._end(state)
 
     def reducescatter(self, sendbuf, recvbuf, counts, op):
@@ -368,14 +509,14 @@ class SealedBackend(Backend):
         flat = recvbuf.reshape(-1)
         bounds = bounds_of_counts(counts)
         flat[slice(*bounds[self.rank])] = sendbuf.reshape(-1)
-        self._ring_gather(state, lambda r: _bytes(flat[slice(*bounds[r])]))
+        self._stream(*self._ring_gather(state, lambda r: _bytes(flat[slice(*bounds[r])])), state)
         self._end(state)
 
     def broadcast(self, buf, root):
         state = self._begin(f"broadcast from rank {self.members[root]}")
         whole = _bytes(buf)
         empty = whole[:0]
-        self._ring_gather(state, lambda r: whole if r == root else empty)
+        self._stream(*self._ring_gather(state, lambda r: whole if r == root else empty), state)
         self._end(state)
 
     def alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
