@@ -12,7 +12,14 @@ from hvps import HvpsError, ReduceOp
 
 from .ops import resolve_op
 
-__all__ = ["Signature", "check_same_everywhere", "sharded_op"]
+__all__ = ["REDUCE_SCATTERS_IN_FLIGHT", "Signature", "check_same_everywhere", "sharded_op"]
+
+#: gradient reduce-scatters a sharded front end keeps in flight during backward: a started one holds its flat,
+#: full-size gradient until it is waited for, so without a bound a rank whose reductions lag its backward holds
+#: the whole gradient at the end of backward (stage 1's peak, not stage 2's or 3's). Starting one more first
+#: waits for the oldest; every rank started that one unless the ranks' gradients become ready in very different
+#: orders, which then ends in the stall error naming the bucket, not in a silent hang.
+REDUCE_SCATTERS_IN_FLIGHT = 4
 
 
 def sharded_op(op: Any, what: str) -> ReduceOp:

@@ -31,9 +31,10 @@ Per step:
 2. **Backward.** A hook on the unit's outputs gathers it again before its backward and prefetches the
    unit before it. When the last of a unit's gradients is accumulated, its gradients are packed into one
    flat buffer and reduce-scattered asynchronously (Average by default), and the full parameters and
-   gradients are freed. At the end of ``backward()`` the reduce-scatters are waited for and each shard's
-   ``.grad`` is its block of the averaged gradient (added to an existing ``.grad``: accumulation works as
-   in torch). Parameters no rank used get a zero gradient (all ranks must reduce-scatter the same buffers).
+   gradients are freed. At most ``REDUCE_SCATTERS_IN_FLIGHT`` travel at once (starting one more waits for
+   the oldest: each holds a full-size flat gradient until then); at the end of ``backward()`` the rest are
+   waited for. Each shard's ``.grad`` is its block of the averaged gradient (added to an existing ``.grad``:
+   accumulation works as in torch). Parameters no rank used get a zero gradient (all ranks must reduce-scatter the same buffers).
 3. **Step.** Any element-wise torch optimizer over ``model.parameters()`` (SGD, Adam, AdamW, RMSprop, ...).
 
 Between steps a rank holds its shards, their gradients and the optimizer's state for them: about 1/N of
@@ -59,6 +60,7 @@ are too.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
@@ -67,7 +69,8 @@ import torch
 import hvps
 from hvps import ProcessSet, global_process_set
 from hvps.adapters.common.options import gradient_options
-from hvps.adapters.common.sharding import Signature, check_same_everywhere, sharded_op
+from hvps.adapters.common.sharding import (REDUCE_SCATTERS_IN_FLIGHT, Signature, check_same_everywhere,
+                                          sharded_op)
 from hvps.compression import summable
 from hvps.compression.compressors import CastCompressor, NoneCompressor
 from hvps.core.flat_shards import FlatLayout
@@ -117,6 +120,8 @@ class _FlatGroup:
         self.gather_handle: Optional[hvps.Handle] = None
         self.reduce_handle: Optional[hvps.Handle] = None
         self.reduce_ctx: Any = None
+        #: whether this backward started its reduce-scatter (it may be finished already)
+        self.reduce_started = False
         self.grads_in = 0
 
     def relayout(self, block: torch.Tensor, size: int, rank: int) -> None:
@@ -265,6 +270,8 @@ class FullyShardedModel:
         self._forward_order: list = []
         self._order_known = False
         self._in_backward = False
+        #: flat groups whose reduce-scatter is in flight, oldest first (at most REDUCE_SCATTERS_IN_FLIGHT)
+        self._reducing: collections.deque = collections.deque()
         self._hooks = []
         for unit in self.units:
             self._hooks.append(unit.module.register_forward_pre_hook(self._pre_forward_hook(unit)))
@@ -441,7 +448,7 @@ class FullyShardedModel:
             group.grads_in += 1
             if group.grads_in == len(group.trainable):
                 self._start_reduce(group)
-                if all(g.reduce_handle is not None or not g.trainable for g in unit.groups):
+                if all(g.reduce_started or not g.trainable for g in unit.groups):
                     unit.reducing = True
                     if unit.all_trainable:  # frozen parameters may still be needed by this backward
                         self._free(unit)
@@ -456,24 +463,29 @@ class FullyShardedModel:
         group.reduce_handle = reducescatter_async(payload, name=f"{group.name}.reduce", op=plan.op,
                                                   prescale_factor=plan.prescale, postscale_factor=plan.postscale,
                                                   process_set=self.process_set)
+        group.reduce_started = True
+        self._reducing.append(group)
+        if len(self._reducing) > REDUCE_SCATTERS_IN_FLIGHT:  # its flat full-size gradient goes now
+            self._finish_reduce(self._reducing.popleft())
+
+    def _finish_reduce(self, group: _FlatGroup) -> None:
+        """Wait for ``group``'s reduce-scatter and give its shards their gradients."""
+        out, group.reduce_handle = group.reduce_handle.wait(), None
+        grad = summable.decompress_tensor(self.compression, out, group.reduce_ctx, OPS)
+        if self._plan.after != 1.0:
+            grad = OPS.scale(grad, self._plan.after)
+        with torch.no_grad():
+            group.install_gradient(grad.to(group.dtype).reshape(-1))
 
     def _finish_backward(self) -> None:
         """End of ``backward()``: reduce-scatter what is left, install the shard gradients, free everything."""
         try:
             for unit in self.units:
                 for group in unit.groups:
-                    if group.trainable and group.reduce_handle is None:
+                    if group.trainable and not group.reduce_started:
                         self._start_reduce(group)  # parameters without a gradient on this rank
-            with torch.no_grad():
-                for unit in self.units:
-                    for group in unit.groups:
-                        if group.reduce_handle is None:
-                            continue
-                        out, group.reduce_handle = group.reduce_handle.wait(), None
-                        grad = summable.decompress_tensor(self.compression, out, group.reduce_ctx, OPS)
-                        if self._plan.after != 1.0:
-                            grad = OPS.scale(grad, self._plan.after)
-                        group.install_gradient(grad.to(group.dtype).reshape(-1))
+            while self._reducing:
+                self._finish_reduce(self._reducing.popleft())
         finally:
             self._abandon_backward()
         hvps.step_done()
@@ -485,8 +497,10 @@ class FullyShardedModel:
                     with contextlib.suppress(Exception):
                         group.reduce_handle.wait()
                 group.reduce_handle, group.reduce_ctx, group.grads_in = None, None, 0
+                group.reduce_started = False
             unit.reducing = False
             self._free(unit)
+        self._reducing.clear()
         self._in_backward = False
 
     # -- tools -------------------------------------------------------------------------------------
@@ -565,12 +579,13 @@ class FullyShardedModel:
                         with contextlib.suppress(Exception):
                             handle.wait()
                 group.gather_handle = group.reduce_handle = group.reduce_ctx = None
-                group.grads_in = 0
+                group.grads_in, group.reduce_started = 0, False
                 for p in group.full:
                     p.grad = None
             unit.reducing = False
             unit.show(full=False)
             self._free(unit)
+        self._reducing.clear()
         self._in_backward = False
 
     def relayout(self, blocks: Sequence[torch.Tensor], size: int, rank: int) -> None:

@@ -83,7 +83,8 @@ import torch
 import hvps
 from hvps import HvpsError, ProcessSet, global_process_set
 from hvps.adapters.common.options import gradient_options
-from hvps.adapters.common.sharding import Signature, check_same_everywhere, sharded_op
+from hvps.adapters.common.sharding import (REDUCE_SCATTERS_IN_FLIGHT, Signature, check_same_everywhere,
+                                          sharded_op)
 from hvps.compression import summable
 from hvps.compression.compressors import CastCompressor, NoneCompressor
 from hvps.core.flat_shards import FlatLayout
@@ -100,10 +101,6 @@ __all__ = ["ShardedOptimizer"]
 DEFAULT_BUCKET_CAP_MB = 25.0
 #: buckets whose parameters' all-gather may be in flight at once in step() (one overlaps the next bucket's step)
 GATHERS_IN_FLIGHT = 2
-#: buckets whose gradients' reduce-scatter may be in flight at once in backward: a started one holds its flat,
-#: full-size gradient until it is waited for, so without a bound a rank whose reductions lag its backward
-#: would hold the whole gradient at the end of backward (stage 1's peak, not stage 2's)
-REDUCE_SCATTERS_IN_FLIGHT = 4
 
 
 class _Bucket:
@@ -355,7 +352,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bucket.handle = reducescatter_async(payload, name=bucket.name, op=plan.op, prescale_factor=plan.prescale,
                                             postscale_factor=plan.postscale, process_set=self.process_set)
         self._in_flight.append(bucket)
-        if len(self._in_flight) > REDUCE_SCATTERS_IN_FLIGHT:  # the oldest: every rank started it already
+        if len(self._in_flight) > REDUCE_SCATTERS_IN_FLIGHT:  # the oldest (see REDUCE_SCATTERS_IN_FLIGHT)
             self._finish(self._in_flight.popleft())
 
     def _finish(self, bucket: _Bucket) -> None:
