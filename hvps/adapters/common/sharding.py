@@ -18,8 +18,11 @@ __all__ = ["REDUCE_SCATTERS_IN_FLIGHT", "Signature", "check_same_everywhere", "s
 #: full-size gradient until it is waited for, so without a bound a rank whose reductions lag its backward holds
 #: the whole gradient at the end of backward (stage 1's peak, not stage 2's or 3's). Starting one more first
 #: waits for the oldest; every rank started that one unless the ranks' gradients become ready in very different
-#: orders, which then ends in the stall error naming the bucket, not in a silent hang.
-REDUCE_SCATTERS_IN_FLIGHT = 4
+#: orders, which then ends in the stall error naming the bucket, not in a silent hang. Measured at 2 ranks on a
+#: 101M-parameter transformer stack (benchmarks/sharded_memory_cap.py, 2026-12-06): stage 3's training peak RSS
+#: 1,453 / 1,518 / 1,651 MiB with 1 / 2 / 4 in flight, step times alike within noise; 2 keeps one reduction
+#: overlapping the next unit's backward and needs a wider reordering than 1 before it can stall.
+REDUCE_SCATTERS_IN_FLIGHT = 2
 
 
 def sharded_op(op: Any, what: str) -> ReduceOp:
