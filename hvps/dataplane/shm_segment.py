@@ -121,9 +121,14 @@ class Segment:
                 return True
         return False
 
+    def _column(self, field: int) -> list:
+        """Every rank's ``field``, in rank order."""
+        words = self._words
+        return [words[rank * _LINE + field] for rank in range(self.size)]
+
     def _wait_slow(self, field: int, value: int, ranks) -> None:
         nap = _NAP
-        last = self.counters[:, field].copy()
+        last = self._column(field)
         start = time.monotonic()
         spin_until, deadline, next_check = start + _SPIN_S, start + self.timeout, start + _PID_CHECK
         while True:
@@ -142,9 +147,9 @@ class Segment:
             if now < next_check:
                 continue
             next_check = now + _PID_CHECK
-            current = self.counters[:, field]
-            if (current != last).any():  # a peer moved: a slow rank, not a stalled one
-                last = current.copy()
+            current = self._column(field)
+            if current != last:  # a peer moved: a slow rank, not a stalled one
+                last = current
                 deadline = now + self.timeout
             self._check_peers(field, value, now > deadline)
 

@@ -60,6 +60,8 @@ class ShmBackend(Backend):
         self._views: dict = {}
         #: (bounds, width) -> the reduction's schedule, exchanges and gather order (``_plan``)
         self._plans: dict = {}
+        #: (dtype, buffer, width) -> every rank's buffer as rows per owner (``_parts``)
+        self._part_views: dict = {}
 
     @property
     def supports_process_sets(self) -> bool:
@@ -95,6 +97,19 @@ class ShmBackend(Backend):
             view = self.segment.buffer(0, 0, dtype, self.size * 2 * per).reshape(self.size, 2, per)
             self._views[dtype] = view
         return view
+
+    def _parts(self, slots: np.ndarray, which: int, width: int) -> list:
+        """Per rank, buffer ``which`` of its slot as ``[owner, element]`` rows of ``width`` (views kept per
+        dtype, buffer and width, as the slots are)."""
+        key = (slots.dtype, which, width)
+        parts = self._part_views.get(key)
+        if parts is None:
+            size = self.size
+            parts = [slots[q, which, :size * width].reshape(size, width) for q in range(size)]
+            if len(self._part_views) >= _PLANS_KEPT:
+                self._part_views.clear()
+            self._part_views[key] = parts
+        return parts
 
     def _plan(self, bounds: list, width: int) -> tuple:
         """The reduction's ``Schedule`` over ``bounds`` in windows of ``width``, its exchanges and gather order:
@@ -133,7 +148,7 @@ class ShmBackend(Backend):
         rank, mine = self.rank, plan.mine
 
         def body(which: int, r: int, mark: int) -> None:
-            parts = [slots[q, which, :self.size * width].reshape(self.size, width) for q in range(self.size)]
+            parts = self._parts(slots, which, width)
             for exchange in exchanges:  # "send": each peer's part into my slot, where only that peer reads it
                 win = plan.window(exchange.to, r)
                 parts[rank][exchange.to, :win.stop - win.start] = send[win]
@@ -223,6 +238,7 @@ class ShmBackend(Backend):
         if failed:
             self.segment.abort()
         self._views.clear()
+        self._part_views.clear()
         self.segment.close()
         if self.fallback is not None:
             self.fallback.close(failed)
