@@ -306,8 +306,8 @@ class FastPath:
             return
         quiet_until = min(self._quiet_until(), until)
         queue, has_input, status = self._queue, self._has_input, self._status
-        while (not queue.has_new() and not has_input() and not handle.finished and status.running
-               and time.monotonic() < quiet_until):
+        while (time.monotonic() < quiet_until and not queue.has_new() and not handle.finished and status.running
+               and not has_input()):
             os.sched_yield()
 
     def drive(self, handle: Handle) -> bool:
