@@ -98,8 +98,11 @@ def names_from(prefix: str) -> Iterator[None]:
 
 
 def _track_unnamed(handles: list) -> None:
+    unnamed = [h for h in handles if ".noname." in h.name]
+    if not unnamed:  # named collectives: nothing to track, and no lock to take
+        return
     with _unnamed_lock:
-        _unnamed["handles"].extend(h for h in handles if ".noname." in h.name)
+        _unnamed["handles"].extend(unnamed)
         if len(_unnamed["handles"]) > 4096:  # forget finished ones now and then
             _unnamed["handles"] = [h for h in _unnamed["handles"] if not h.finished]
 

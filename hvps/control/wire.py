@@ -95,7 +95,7 @@ def parse_object(data: bytes, allowed: frozenset, required: frozenset = frozense
     if check_depth and not _depth_ok(data):
         raise ProtocolError(f"JSON nested deeper than {MAX_DEPTH} levels")
     try:
-        message = json.loads(data)
+        message = _DECODER.decode(data.decode())
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise ProtocolError(f"not JSON: {exc}") from None
     if not isinstance(message, dict):
@@ -105,9 +105,15 @@ def parse_object(data: bytes, allowed: frozenset, required: frozenset = frozense
     return message
 
 
+#: made once: ``json.dumps`` with ``separators`` builds an encoder per call, and ``json.loads`` of bytes guesses
+#: their encoding first (together ~5 us of a 4 B allreduce's ~10 us per control message)
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+_DECODER = json.JSONDecoder()
+
+
 def encode(message: dict) -> bytes:
     """The compact JSON bytes of ``message``."""
-    return json.dumps(message, separators=(",", ":")).encode()
+    return _ENCODER.encode(message).encode()
 
 
 def frame(payload: bytes) -> bytes:

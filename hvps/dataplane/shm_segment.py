@@ -79,6 +79,9 @@ class Segment:
             os.close(fd)
         self.header = np.frombuffer(self.map, np.int64, (size + 1) * _LINE).reshape(size + 1, _LINE)
         self.counters = self.header[:size, :3]
+        #: the same header as Python ints: one rank's field is ``_words[rank * _LINE + field]`` (a read costs
+        #: ~40 ns, where a numpy comparison of a counter column costs ~3 us; a 4 B allreduce waits 3 times)
+        self._words = memoryview(self.map)[:(size + 1) * _LINE * 8].cast("q")
         self.header[rank, PID] = os.getpid()
         self._pids: dict = {}
         #: once set (the engine's event for ranks lost on the control plane), a wait gives up at once
@@ -98,7 +101,7 @@ class Segment:
 
     def publish(self, field: int, value: int) -> None:
         """Set this rank's ``field`` counter (after its data is in place: x86 keeps stores in order)."""
-        self.header[self.rank, field] = value
+        self._words[self.rank * _LINE + field] = value
 
     def abort(self) -> None:
         """Tell every peer's wait to give up (this rank failed midway)."""
@@ -106,19 +109,30 @@ class Segment:
 
     def wait(self, field: int, value: int, ranks=None) -> None:
         """Until ``field`` is at least ``value`` on ``ranks`` (every rank when None)."""
-        column = self.counters[:, field] if ranks is None else self.counters[ranks, field]
-        if (column >= value).all():
+        if not self._behind(field, value, ranks):
             return
         self._wait_slow(field, value, ranks)
 
+    def _behind(self, field: int, value: int, ranks) -> bool:
+        """Whether ``field`` is below ``value`` on any of ``ranks`` (every rank when None)."""
+        words = self._words
+        for rank in range(self.size) if ranks is None else ranks:
+            if words[rank * _LINE + field] < value:
+                return True
+        return False
+
+    def _column(self, field: int) -> list:
+        """Every rank's ``field``, in rank order."""
+        words = self._words
+        return [words[rank * _LINE + field] for rank in range(self.size)]
+
     def _wait_slow(self, field: int, value: int, ranks) -> None:
         nap = _NAP
-        last = self.counters[:, field].copy()
+        last = self._column(field)
         start = time.monotonic()
         spin_until, deadline, next_check = start + _SPIN_S, start + self.timeout, start + _PID_CHECK
         while True:
-            column = self.counters[:, field] if ranks is None else self.counters[ranks, field]
-            if (column >= value).all():
+            if not self._behind(field, value, ranks):
                 return
             if time.monotonic() < spin_until:
                 os.sched_yield()  # as Open MPI's mpi_yield_when_idle: a runnable training thread goes first
@@ -133,9 +147,9 @@ class Segment:
             if now < next_check:
                 continue
             next_check = now + _PID_CHECK
-            current = self.counters[:, field]
-            if (current != last).any():  # a peer moved: a slow rank, not a stalled one
-                last = current.copy()
+            current = self._column(field)
+            if current != last:  # a peer moved: a slow rank, not a stalled one
+                last = current
                 deadline = now + self.timeout
             self._check_peers(field, value, now > deadline)
 
@@ -157,6 +171,7 @@ class Segment:
     def close(self) -> None:
         """Drop the mapping (views into it must be gone)."""
         self.header = self.counters = None
+        self._words.release()
         try:
             self.map.close()
         except BufferError:  # a caller still holds a view: the kernel frees it at exit

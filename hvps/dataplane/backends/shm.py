@@ -29,6 +29,10 @@ from ..shm_segment import DONE, IN, RED, SHM_DIR, Segment, new_name, segment_byt
 from .base import Backend
 
 
+#: reduction layouts ``ShmBackend._plan`` keeps (all are dropped when one more is needed)
+_PLANS_KEPT = 256
+
+
 def _host_view(buffer: Any) -> np.ndarray:
     """``buffer`` as a numpy array sharing its memory (a CPU torch tensor becomes a view of it)."""
     if arrays.is_numpy(buffer):
@@ -54,6 +58,10 @@ class ShmBackend(Backend):
         self.rank, self.size = segment.rank, segment.size
         self.seq = 0  # rounds run so far: the same on every rank, as every rank runs the same calls
         self._views: dict = {}
+        #: (bounds, width) -> the reduction's schedule, exchanges and gather order (``_plan``)
+        self._plans: dict = {}
+        #: (dtype, buffer, width) -> every rank's buffer as rows per owner (``_parts``)
+        self._part_views: dict = {}
 
     @property
     def supports_process_sets(self) -> bool:
@@ -90,6 +98,33 @@ class ShmBackend(Backend):
             self._views[dtype] = view
         return view
 
+    def _parts(self, slots: np.ndarray, which: int, width: int) -> list:
+        """Per rank, buffer ``which`` of its slot as ``[owner, element]`` rows of ``width`` (views kept per
+        dtype, buffer and width, as the slots are)."""
+        key = (slots.dtype, which, width)
+        parts = self._part_views.get(key)
+        if parts is None:
+            size = self.size
+            parts = [slots[q, which, :size * width].reshape(size, width) for q in range(size)]
+            if len(self._part_views) >= _PLANS_KEPT:
+                self._part_views.clear()
+            self._part_views[key] = parts
+        return parts
+
+    def _plan(self, bounds: list, width: int) -> tuple:
+        """The reduction's ``Schedule`` over ``bounds`` in windows of ``width``, its exchanges and gather order:
+        made once per layout (a training loop reduces the same few sizes every step; making them cost a
+        4 B allreduce ~4 us)."""
+        key = (tuple(bounds), width)
+        layout = self._plans.get(key)
+        if layout is None:
+            plan = Schedule(self.rank, self.size, bounds, width)
+            layout = (plan, plan.exchanges(), _gather_order(plan))
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.clear()
+            self._plans[key] = layout
+        return layout
+
     def _rounds(self, body, rounds: int) -> None:
         """``body(which, round, mark)`` ``rounds`` times, each once the peers left that buffer (peers abort on
         a failure)."""
@@ -107,14 +142,13 @@ class ShmBackend(Backend):
     def _reduce(self, send: np.ndarray, out: np.ndarray, bounds: list, op, everything: bool) -> None:
         """Reduce 1-D ``send``; ``out`` gets all of it (``everything``) or this rank's bound only."""
         slots = self._slots(send.dtype)
-        plan = Schedule(self.rank, self.size, bounds, slots.shape[2] // self.size)
+        plan, exchanges, owners = self._plan(bounds, slots.shape[2] // self.size)
         width = plan.width
         ufunc = dtypes.combine(op, send.dtype)
         rank, mine = self.rank, plan.mine
-        exchanges, owners = plan.exchanges(), _gather_order(plan)
 
         def body(which: int, r: int, mark: int) -> None:
-            parts = [slots[q, which, :self.size * width].reshape(self.size, width) for q in range(self.size)]
+            parts = self._parts(slots, which, width)
             for exchange in exchanges:  # "send": each peer's part into my slot, where only that peer reads it
                 win = plan.window(exchange.to, r)
                 parts[rank][exchange.to, :win.stop - win.start] = send[win]
@@ -204,6 +238,7 @@ class ShmBackend(Backend):
         if failed:
             self.segment.abort()
         self._views.clear()
+        self._part_views.clear()
         self.segment.close()
         if self.fallback is not None:
             self.fallback.close(failed)
