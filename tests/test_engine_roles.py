@@ -217,37 +217,6 @@ def test_a_waiter_stops_driving_at_a_response_too_large_for_it():
     assert queue.sleeping  # from now on submitters wake the engine thread
 
 
-def drive_until_finished(cycles_to_finish: int, quiet_until: float, input_at_look: int) -> tuple:
-    """Drive one collective that the ``cycles_to_finish``-th cycle finishes, with a message arriving at look
-    ``input_at_look`` (0: none) and cycles due from ``quiet_until``: ``(cycles, looks)`` it took."""
-    status, executor = EngineStatus(), FakeExecutor()
-    queue = SubmissionQueue(0, status, stall_seconds=60, wake=Calls())
-    cycles, looks = Calls(), Calls()
-
-    def has_input() -> bool:
-        looks()
-        return len(looks.calls) == input_at_look
-
-    def cycle() -> None:
-        cycles()
-        queue.take(0.001, executor.on_waiter)
-        if len(cycles.calls) == cycles_to_finish:
-            queue.take_pending([handle.name])[0].handle.set_result("done")
-
-    path = FastPath(queue, status, executor, threading.Lock(), cycle, contextlib.nullcontext, lambda: False,
-                    Calls(), 5.0, quiet_until=lambda: quiet_until, has_input=has_input)
-    (handle,) = queue.submit_all([entry("announced")])
-    assert path.drive(handle) and handle.wait() == "done"
-    return len(cycles.calls), len(looks.calls)
-
-
-def test_between_its_cycles_a_waiter_only_looks_for_input_until_a_cycle_is_due():
-    # nothing due: after the first cycle (the announcement) the waiter looks until the response arrives
-    assert drive_until_finished(2, quiet_until=float("inf"), input_at_look=3) == (2, 3)
-    # a cycle due at once (an announcement, a stall check): one runs every turn, without a look
-    assert drive_until_finished(3, quiet_until=0.0, input_at_look=0) == (3, 0)
-
-
 # -- rank 0's coordination -------------------------------------------------------------------
 def rank_zero(size: int = 3, stall_seconds: float = 10.0, silent: tuple = (), announcements=None):
     status, plane = EngineStatus(), FakePlane(0, size, silent=silent)

@@ -525,10 +525,6 @@ class ControlPlane:
         if not self._ended:
             (self._selector if messages else self._wake_selector).select(timeout)
 
-    def has_input(self) -> bool:
-        """Whether ``poll`` would find something now (a message, a wake-up, a closed connection); never blocks."""
-        return bool(self._ended) or bool(self._selector.select(0))
-
     def poll(self, timeout: Optional[float]) -> tuple:
         """Wait up to ``timeout`` s (None: until something happens).
 

@@ -96,7 +96,7 @@ class Engine:
         self._cycle_lock = threading.Lock()
         self.fast_path = FastPath(self.queue, self.status, self.executor, self._cycle_lock, self._cycle,
                                   self.failures.stop_the_engine, self._outstanding, self.control.wake,
-                                  settings.spin_wait_us / 1e6, self._quiet_until, self.control.has_input)
+                                  settings.spin_wait_us / 1e6)
         if settings.timeline and settings.timeline != "DYNAMIC":  # DYNAMIC: start_timeline() later
             self.start_timeline(settings.timeline, settings.timeline_mark_cycles)
         if self.autotuner is not None:
@@ -283,11 +283,6 @@ class Engine:
         """Whether the engine thread has anything to do or watch (the status lock is held)."""
         return (self.queue.has_work() or bool(self.executor.backlog) or self.negotiation.busy()
                 or not self.status.running)
-
-    def _quiet_until(self) -> float:
-        """When a cycle is due even if nothing arrives (``_timeout`` from now; infinity when never)."""
-        timeout = self._timeout()
-        return math.inf if timeout is None else time.monotonic() + timeout
 
     def _timeout(self) -> Optional[float]:
         """How long poll may block: a cycle while active, else until the next announcement or

@@ -207,10 +207,6 @@ class SubmissionQueue:
         """Whether collectives wait in the queue (the lock is held)."""
         return bool(self._queue)
 
-    def has_new(self) -> bool:
-        """Whether submissions or failure requests wait for a cycle to take them (a hint: no lock is taken)."""
-        return bool(self._queue or self._abandoned)
-
     def has_work(self) -> bool:
         """Whether anything submitted is queued, pending or unannounced (the lock is held)."""
         return bool(self._queue or self._pending or self._abandoned or self._unannounced)
@@ -262,15 +258,11 @@ class FastPath:
 
     def __init__(self, queue: SubmissionQueue, status: EngineStatus, executor: WaiterRuns,
                  cycle_lock: threading.Lock, cycle: Callable[[], None], guard: Callable[[], ContextManager],
-                 outstanding: Callable[[], bool], wake: Callable[[], None], spin_seconds: float,
-                 quiet_until: Optional[Callable[[], float]] = None,
-                 has_input: Optional[Callable[[], bool]] = None) -> None:
+                 outstanding: Callable[[], bool], wake: Callable[[], None], spin_seconds: float) -> None:
         """``cycle`` runs one engine cycle (under ``cycle_lock``, which the engine thread holds for each of its
         own), inside ``guard()`` (which turns an exception into the engine's failure); ``outstanding`` (called
         with the status lock held) says whether the engine thread has something to do or watch, and ``wake``
-        wakes it. ``quiet_until()`` (after a cycle) is when the next cycle is due even if nothing arrives, and
-        ``has_input()`` whether anything arrived (control-plane messages); until either, a waiter only looks
-        for input between cycles (without them: a cycle every turn)."""
+        wakes it."""
         self._queue = queue
         self._status = status
         self._executor = executor
@@ -281,8 +273,6 @@ class FastPath:
         self._wake = wake
         #: how long a waiter drives the engine before it blocks (seconds; 0: never)
         self.spin_seconds = spin_seconds
-        self._quiet_until = quiet_until
-        self._has_input = has_input
 
     def expedite(self, handle: Handle) -> None:
         """A thread is about to block on ``handle``: when nothing else is in flight, run the engine's
@@ -295,20 +285,6 @@ class FastPath:
     def alone(self, handle: Handle) -> bool:
         """Whether ``handle``'s collective is the only one in flight on this rank."""
         return not self._executor.backlog and self._queue.alone(handle)
-
-    def _await_input(self, handle: Handle, until: float) -> None:
-        """Between a waiter's cycles: yield the core until something arrives that a cycle would act on (a
-        message, a submission, a failure request), the next cycle is due anyway (an announcement, a stall
-        check: ``quiet_until``), ``handle`` finished (a lost rank fails it from another thread) or ``until``.
-        A cycle that finds nothing costs ~10 us, a look for input ~3 us: a message is taken up sooner, and
-        the peer rank that sends it gets more of a shared core meanwhile."""
-        if self._quiet_until is None or self._has_input is None:
-            return
-        quiet_until = min(self._quiet_until(), until)
-        queue, has_input, status = self._queue, self._has_input, self._status
-        while (time.monotonic() < quiet_until and not queue.has_new() and not handle.finished and status.running
-               and not has_input()):
-            os.sched_yield()
 
     def drive(self, handle: Handle) -> bool:
         """Run cycles on this (waiting) thread until ``handle`` is done, a response too large for it
@@ -331,7 +307,6 @@ class FastPath:
                     if handle.finished or time.monotonic() > until:
                         break  # no yield after the cycle that finished it: on a busy core one costs a time slice
                     os.sched_yield()  # a peer rank or our own engine may be waiting for this core
-                    self._await_input(handle, until)
             return True
         finally:
             executor.on_waiter = False
