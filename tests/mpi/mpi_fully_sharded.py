@@ -105,15 +105,11 @@ def _assert_equal(full, ref, what):
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_bit_identical_to_one_process(kind):
-    lr = 2.0 ** -4
-    ref, model = _model(), _model()
-    ref_opt = _optimizer(ref, kind, lr)
-    fully_shard(model, units=[model.first, model.second, model.first.extra])
-    controller = FullyShardedModel.of(model)
-    assert [u.name for u in controller.units] == ["root", "first", "first.extra", "second"]
-    opt = _optimizer(model, kind, lr)
-    for step in range(STEPS):
+
+def _train_side_by_side(ref, ref_opt, model, opt, steps: int, what: str) -> None:
+    """``steps`` steps of the one-process reference and of the fully sharded model on this rank's part of the
+    same batches; the gathered parameters must equal the reference's bit for bit after each."""
+    for step in range(steps):
         x, targets = _data(step)
         ref_opt.zero_grad()
         ref.loss(x, targets, SCALE).backward()
@@ -122,7 +118,18 @@ def test_bit_identical_to_one_process(kind):
         xs, ts = _local(x, targets)
         model.loss(xs, ts, SCALE * hvd.size()).backward()
         opt.step()
-        _assert_equal(_full(model), ref, f"{kind}, step {step}")
+        _assert_equal(_full(model), ref, f"{what}, step {step}")
+
+
+def test_bit_identical_to_one_process(kind):
+    lr = 2.0 ** -4
+    ref, model = _model(), _model()
+    ref_opt = _optimizer(ref, kind, lr)
+    fully_shard(model, units=[model.first, model.second, model.first.extra])
+    controller = FullyShardedModel.of(model)
+    assert [u.name for u in controller.units] == ["root", "first", "first.extra", "second"]
+    opt = _optimizer(model, kind, lr)
+    _train_side_by_side(ref, ref_opt, model, opt, STEPS, kind)
     # outside forward and backward no rank holds a full parameter (they keep their shapes, not their storage)
     assert all(p.untyped_storage().nbytes() == 0 for u in controller.units for g in u.groups for p in g.full)
     assert [u.name for u in controller._forward_order] == ["root", "first", "first.extra", "second"]
@@ -396,16 +403,7 @@ def test_disk_tier_under_the_shards_optimizer_is_bit_identical():
     opt = _optimizer(model, "adam", lr)
     with tempfile.TemporaryDirectory() as directory:
         tier = hvd.DiskStateTier(opt, directory)
-        for step in range(3):
-            x, targets = _data(step)
-            ref_opt.zero_grad()
-            ref.loss(x, targets, SCALE).backward()
-            ref_opt.step()
-            opt.zero_grad()
-            xs, ts = _local(x, targets)
-            model.loss(xs, ts, SCALE * hvd.size()).backward()
-            opt.step()
-            _assert_equal(_full(model), ref, f"disk tier, step {step}")
+        _train_side_by_side(ref, ref_opt, model, opt, 3, "disk tier")
         state = [v for entry in opt.state.values() for v in entry.values() if v.dim() > 0 and v.numel() > 0]
         assert state and all(tier.holds(v) for v in state)
         tier.close()
