@@ -104,8 +104,6 @@ def _assert_equal(full, ref, what):
         assert torch.equal(full[name], b), f"{what}: {name} differs from the single-process run"
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adam"])
-
 def _train_side_by_side(ref, ref_opt, model, opt, steps: int, what: str) -> None:
     """``steps`` steps of the one-process reference and of the fully sharded model on this rank's part of the
     same batches; the gathered parameters must equal the reference's bit for bit after each."""
@@ -121,6 +119,7 @@ def _train_side_by_side(ref, ref_opt, model, opt, steps: int, what: str) -> None
         _assert_equal(_full(model), ref, f"{what}, step {step}")
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
 def test_bit_identical_to_one_process(kind):
     lr = 2.0 ** -4
     ref, model = _model(), _model()
