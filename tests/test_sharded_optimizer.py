@@ -52,6 +52,32 @@ def test_an_optimizer_with_state_is_refused():
         ShardedOptimizer(optimizer)
 
 
+def test_adagrad_state_from_construction_is_not_refused_and_steps_alike():
+    """Adagrad builds its accumulators at construction (step 0): no step is lost, so it is wrapped, and at one
+    rank the sharded steps are the plain optimizer's, bit for bit; once stepped it is refused."""
+    import hvps
+
+    torch.manual_seed(0)
+    ref, model = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+    model.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.1, initial_accumulator_value=0.25)
+    hvps.init()
+    try:
+        opt = ShardedOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.25))
+        for step in range(3):
+            x = torch.randn(4, 5)
+            for m, o in ((ref, ref_opt), (model, opt)):
+                o.zero_grad()
+                m(x).pow(2).sum().backward()
+                o.step()
+            for a, b in zip(ref.parameters(), model.parameters()):
+                assert torch.equal(a, b), step
+    finally:
+        hvps.shutdown()
+    with pytest.raises(ValueError, match="already has state"):
+        ShardedOptimizer(ref_opt)
+
+
 def test_not_an_optimizer():
     with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer"):
         ShardedOptimizer(torch.nn.Linear(3, 2))

@@ -63,7 +63,9 @@ copy of this rank's block) stay in memory: they are 1/N of the parameters, which
 
 Not supported (``ValueError`` at construction): ``op=Adasum``; compressions other than none, fp16 and
 bf16 (int8, top-k, DGC, PowerSGD, Horovod-style compressors); ``torch.optim.SparseAdam``; an optimizer
-that already has state. A sparse gradient met in backward raises ``ValueError`` unless
+that already has state from a step (state its class builds at construction, as Adagrad's accumulators,
+is rebuilt for the shards from the same hyper-parameters). A sparse gradient met in backward raises
+``ValueError`` unless
 ``sparse_as_dense=True``.
 
 Exactness: with element-wise kernels (``foreach=False``, the CPU default) the shard update computes each
@@ -101,6 +103,16 @@ __all__ = ["ShardedOptimizer"]
 DEFAULT_BUCKET_CAP_MB = 25.0
 #: buckets whose parameters' all-gather may be in flight at once in step() (one overlaps the next bucket's step)
 GATHERS_IN_FLIGHT = 2
+
+
+def _stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds state from a step, not only what its class builds at construction (Adagrad's
+    accumulators: every parameter's ``step`` still 0), which the shard optimizer rebuilds alike."""
+    for entry in optimizer.state.values():
+        step = entry.get("step")
+        if step is None or float(step) != 0:
+            return True
+    return False
 
 
 class _Bucket:
@@ -202,7 +214,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, torch.optim.SparseAdam):
             raise ValueError("SparseAdam (sparse gradients) with a sharded optimizer is not supported: "
                              "shards are dense")
-        if optimizer.state:
+        if _stepped(optimizer):
             raise ValueError("the optimizer already has state: wrap it before its first step and load "
                              "checkpoints with ShardedOptimizer.load_state_dict")
         if num_groups or groups is not None:
