@@ -29,8 +29,19 @@ from ..shm_segment import DONE, IN, RED, SHM_DIR, Segment, new_name, segment_byt
 from .base import Backend
 
 
-#: reduction layouts ``ShmBackend._plan`` keeps (all are dropped when one more is needed)
+#: reduction layouts and part views ``ShmBackend`` keeps (all are dropped when one more is needed)
 _PLANS_KEPT = 256
+
+
+def _kept(cache: dict, key: Any, make: Any) -> Any:
+    """``cache[key]``, made by ``make()`` the first time; at most ``_PLANS_KEPT`` entries (all dropped when full)."""
+    value = cache.get(key)
+    if value is None:
+        value = make()
+        if len(cache) >= _PLANS_KEPT:
+            cache.clear()
+        cache[key] = value
+    return value
 
 
 def _host_view(buffer: Any) -> np.ndarray:
@@ -101,29 +112,19 @@ class ShmBackend(Backend):
     def _parts(self, slots: np.ndarray, which: int, width: int) -> list:
         """Per rank, buffer ``which`` of its slot as ``[owner, element]`` rows of ``width`` (views kept per
         dtype, buffer and width, as the slots are)."""
-        key = (slots.dtype, which, width)
-        parts = self._part_views.get(key)
-        if parts is None:
-            size = self.size
-            parts = [slots[q, which, :size * width].reshape(size, width) for q in range(size)]
-            if len(self._part_views) >= _PLANS_KEPT:
-                self._part_views.clear()
-            self._part_views[key] = parts
-        return parts
+        size = self.size
+        return _kept(self._part_views, (slots.dtype, which, width),
+                     lambda: [slots[q, which, :size * width].reshape(size, width) for q in range(size)])
 
     def _plan(self, bounds: list, width: int) -> tuple:
         """The reduction's ``Schedule`` over ``bounds`` in windows of ``width``, its exchanges and gather order:
         made once per layout (a training loop reduces the same few sizes every step; making them cost a
         4 B allreduce ~4 us)."""
-        key = (tuple(bounds), width)
-        layout = self._plans.get(key)
-        if layout is None:
+        def make() -> tuple:
             plan = Schedule(self.rank, self.size, bounds, width)
-            layout = (plan, plan.exchanges(), _gather_order(plan))
-            if len(self._plans) >= _PLANS_KEPT:
-                self._plans.clear()
-            self._plans[key] = layout
-        return layout
+            return plan, plan.exchanges(), _gather_order(plan)
+
+        return _kept(self._plans, (tuple(bounds), width), make)
 
     def _rounds(self, body, rounds: int) -> None:
         """``body(which, round, mark)`` ``rounds`` times, each once the peers left that buffer (peers abort on
