@@ -149,8 +149,12 @@ def _assert_state(model, opt, expected):
 @pytest.fixture
 def two_versions(kind, tmp_path):
     """Epochs 0 and 1 of Adam in shards; the snapshot of each."""
-    model, opt = kind.build()
-    mgr = hvd.CheckpointManager(tmp_path / "run", fsync=False)
+    return _two_epochs(*kind.build(), tmp_path / "run")
+
+
+def _two_epochs(model, opt, directory):
+    """Epochs 0 and 1 (two steps each) saved in ``directory``: ``(manager, the snapshot of each)``."""
+    mgr = hvd.CheckpointManager(directory, fsync=False)
     states = []
     for epoch in range(2):
         _train(model, opt, 2, seed=epoch)
@@ -339,13 +343,7 @@ def dense_versions(one_rank, tmp_path):
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01, foreach=False),
                                    named_parameters=model.named_parameters())
-    mgr = hvd.CheckpointManager(tmp_path / "dense", fsync=False)
-    states = []
-    for epoch in range(2):
-        _train(model, opt, 2, seed=epoch)
-        mgr.save(epoch, model=model, optimizer=opt)
-        states.append(_snapshot(model, opt))
-    return mgr, states
+    return _two_epochs(model, opt, tmp_path / "dense")
 
 
 def _damage(path):

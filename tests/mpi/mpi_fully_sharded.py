@@ -413,21 +413,17 @@ def test_a_replicated_runs_checkpoint_loads_into_a_fully_sharded_model_and_conti
     """Issue 39 item 4, the migration from replication: a run with ``hvd.DistributedOptimizer`` saves a dense
     checkpoint; a fully sharded model and its optimizer load it, each rank taking its slices, and continue bit
     for bit as the uninterrupted replicated run. Emulated on every rank at 1 to 4 ranks: its staged slices."""
+    from hvps_testutil import replicated_checkpoint, shifted
+
     from hvps.adapters.torch import fully_sharded_checkpoint as fc
 
     size, rank = hvd.size(), hvd.rank()
     lr = 2.0 ** -4
     replicated = _model()
-    plain_opt = _optimizer(replicated, kind, lr)
-    replicated_opt = hvd.DistributedOptimizer(plain_opt, named_parameters=replicated.named_parameters())
-    _sharded_steps(replicated, replicated_opt, 0, 2, size, rank)
-    mgr = hvd.CheckpointManager(shared_dir / f"replicated-to-fully-sharded-{kind}", fsync=False)
-    mgr.save(1, model=replicated, optimizer=replicated_opt)
-
-    model = _model()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
+    replicated_opt, mgr = replicated_checkpoint(
+        replicated, _optimizer(replicated, kind, lr), lambda opt: _sharded_steps(replicated, opt, 0, 2, size, rank),
+        shared_dir / f"replicated-to-fully-sharded-{kind}")
+    model = shifted(_model())
     fully_shard(model, units=[model.first, model.second], broadcast_from=None)
     opt = _optimizer(model, kind, 1.0)
     assert mgr.load(model=model, optimizer=opt) == 2

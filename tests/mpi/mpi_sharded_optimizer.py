@@ -480,18 +480,18 @@ def test_a_replicated_runs_checkpoint_loads_into_a_sharded_optimizer_and_continu
     """Issue 39 item 4, the migration from replication: a run with ``hvd.DistributedOptimizer`` saves a dense
     checkpoint; a ShardedOptimizer (tiny buckets, uneven over 3 ranks) loads it, each rank keeping its slice of
     every bucket, and continues bit for bit as the uninterrupted replicated run."""
+    from hvps_testutil import replicated_checkpoint, shifted
+
     lr = 2.0 ** -4
     replicated = _model()
-    replicated_opt = hvd.DistributedOptimizer(_groups(replicated, kind, lr),
-                                              named_parameters=replicated.named_parameters())
-    for step in range(2):
-        _sharded_step(replicated, replicated_opt, step)
-    mgr = hvd.CheckpointManager(shared_dir / f"replicated-to-sharded-{kind}", fsync=False)
-    mgr.save(1, model=replicated, optimizer=replicated_opt)
-    model = _model()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
+
+    def two_steps(opt):
+        for step in range(2):
+            _sharded_step(replicated, opt, step)
+
+    replicated_opt, mgr = replicated_checkpoint(replicated, _groups(replicated, kind, lr), two_steps,
+                                                shared_dir / f"replicated-to-sharded-{kind}")
+    model = shifted(_model())
     opt = ShardedOptimizer(_groups(model, kind, 1.0), named_parameters=model.named_parameters(),
                            bucket_cap_mb=TINY_BUCKETS)
     assert mgr.load(model=model, optimizer=opt) == 2

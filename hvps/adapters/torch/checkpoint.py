@@ -23,7 +23,9 @@ their manifest; ``load`` re-shards it for any rank count, or consolidates it int
 optimizer (see :mod:`hvps.adapters.torch.sharded_checkpoint`). A model changed by ``hvd.fully_shard``
 (with its optimizer over the shards) is saved alike, parameters and optimizer state as per-rank
 shards (``model-epoch-NNNNNN/``), and loads into a fully sharded model at any rank count or into
-an unsharded model in one process (see :mod:`hvps.adapters.torch.fully_sharded_checkpoint`).
+an unsharded model in one process (see :mod:`hvps.adapters.torch.fully_sharded_checkpoint`). A dense
+version (a replicated run's) loads into a fully sharded model and its optimizer, or into a
+``ShardedOptimizer``, at any rank count: each rank keeps its slices.
 """
 
 from __future__ import annotations

@@ -31,6 +31,14 @@ tensors are assembled and loaded as a dense checkpoint would be. Shards that are
 disagree with the manifest or come from another model make the version fail on every rank, and
 ``load("latest")`` falls back to the previous version; a manifest of another model (other names, shapes
 or dtypes) or another optimizer raises CheckpointError.
+
+A dense checkpoint, written by a replicated run (``hvd.DistributedOptimizer``, DDP-style), loads into a
+``fully_shard`` model and its optimizer too, at any rank count (the usual migration from replication to
+sharding): every rank receives the dense file as for any load, and :func:`stage_dense` takes its block of
+every flat group from the whole parameters by name, and its slice of each element-wise optimizer state from
+torch's ``state_dict()`` layout (the optimizer's k-th parameter takes the saved k-th, as a plain optimizer
+does), through the same staging as a re-sharded checkpoint. The torch ``CheckpointManager`` checks the fit
+first (:func:`whole_parameters`): a dense file of another model raises CheckpointError naming what differs.
 """
 
 from __future__ import annotations
