@@ -149,8 +149,12 @@ def _assert_state(model, opt, expected):
 @pytest.fixture
 def two_versions(kind, tmp_path):
     """Epochs 0 and 1 of Adam in shards; the snapshot of each."""
-    model, opt = kind.build()
-    mgr = hvd.CheckpointManager(tmp_path / "run", fsync=False)
+    return _two_epochs(*kind.build(), tmp_path / "run")
+
+
+def _two_epochs(model, opt, directory):
+    """Epochs 0 and 1 (two steps each) saved in ``directory``: ``(manager, the snapshot of each)``."""
+    mgr = hvd.CheckpointManager(directory, fsync=False)
     states = []
     for epoch in range(2):
         _train(model, opt, 2, seed=epoch)
@@ -330,3 +334,55 @@ def test_fully_sharded_checkpoint_loads_in_a_process_without_hvps_init(one_rank,
         assert plain_model[0].weight.shape == (5, 4)
     finally:
         hvps.init()
+
+
+# ----------------------------------------------------------------------------- a replicated run's dense checkpoint
+@pytest.fixture
+def dense_versions(one_rank, tmp_path):
+    """Epochs 0 and 1 of a replicated model with Adam, saved dense; the snapshot of each."""
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01, foreach=False),
+                                   named_parameters=model.named_parameters())
+    return _two_epochs(model, opt, tmp_path / "dense")
+
+
+def _damage(path):
+    """Flip one byte of the first tensor's data in a dense checkpoint file."""
+    with h5py.File(path) as f:
+        offset = f["model"]["0.weight"].id.get_offset()
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 3)
+        byte = fh.read(1)
+        fh.seek(offset + 3)
+        fh.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_dense_checkpoint_loads_into_sharded_targets_and_a_damaged_one_falls_back(dense_versions, kind):
+    """Into a fully sharded model and its Adam, and into a ShardedOptimizer: the saved state exactly; a damaged
+    newest version is skipped with a warning, as for an unsharded target."""
+    mgr, states = dense_versions
+    model, opt = KINDS[kind].build(seed=7)
+    assert mgr.load(model=model, optimizer=opt) == 2
+    _assert_state(model, opt, states[1])
+    _damage(mgr.path_of(1))
+    model, opt = KINDS[kind].build(seed=7)
+    with pytest.warns(RuntimeWarning, match="skipping checkpoint"):
+        assert mgr.load(model=model, optimizer=opt) == 1
+    _assert_state(model, opt, states[0])
+
+
+def test_a_dense_checkpoint_of_another_model_is_refused_by_a_fully_sharded_one(dense_versions):
+    mgr, states = dense_versions
+    model, opt = StageThree().build(seed=7, width=6)
+    with pytest.raises(CheckpointError, match=r"does not fit the given fully sharded(.|\n)*model.0.weight: "
+                                              r"checkpoint \[5, 4\], model \[6, 4\]"):
+        mgr.load(model=model, optimizer=opt)
+    model, _ = StageThree().build(seed=7)
+    with pytest.raises(CheckpointError, match="not a shard of the fully sharded model"):
+        mgr.load(model=model, optimizer=torch.optim.Adam(_model().parameters()))
+    with pytest.raises(CheckpointError, match="optimizer class: checkpoint Adam, given SGD"):
+        mgr.load(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert mgr.load(model=model) == 2  # the parameters alone
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach().reshape(-1), states[1][0][name]), name

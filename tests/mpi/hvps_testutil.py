@@ -247,3 +247,25 @@ def shared_dir(name):
         path.mkdir(parents=True, exist_ok=True)
     hvps.barrier()
     return path
+
+
+def replicated_checkpoint(model, optimizer, train, directory):
+    """A replicated run (``hvd.DistributedOptimizer`` over ``optimizer``) trained by ``train(wrapped optimizer)``
+    and saved as dense epoch 1 in ``directory``: ``(the wrapped optimizer, its CheckpointManager)``. Collective."""
+    import hvps.adapters.torch as hvd
+
+    replicated = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    train(replicated)
+    manager = hvd.CheckpointManager(directory, fsync=False)
+    manager.save(1, model=model, optimizer=replicated)
+    return replicated, manager
+
+
+def shifted(model):
+    """``model`` with 1 added to every parameter (so that a load that leaves one out shows), returned."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    return model

@@ -406,3 +406,34 @@ def test_disk_tier_under_the_shards_optimizer_is_bit_identical():
         state = [v for entry in opt.state.values() for v in entry.values() if v.dim() > 0 and v.numel() > 0]
         assert state and all(tier.holds(v) for v in state)
         tier.close()
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_a_replicated_runs_checkpoint_loads_into_a_fully_sharded_model_and_continues_exactly(shared_dir, kind):
+    """Issue 39 item 4, the migration from replication: a run with ``hvd.DistributedOptimizer`` saves a dense
+    checkpoint; a fully sharded model and its optimizer load it, each rank taking its slices, and continue bit
+    for bit as the uninterrupted replicated run. Emulated on every rank at 1 to 4 ranks: its staged slices."""
+    from hvps_testutil import replicated_checkpoint, shifted
+
+    from hvps.adapters.torch import fully_sharded_checkpoint as fc
+
+    size, rank = hvd.size(), hvd.rank()
+    lr = 2.0 ** -4
+    replicated = _model()
+    replicated_opt, mgr = replicated_checkpoint(
+        replicated, _optimizer(replicated, kind, lr), lambda opt: _sharded_steps(replicated, opt, 0, 2, size, rank),
+        shared_dir / f"replicated-to-fully-sharded-{kind}")
+    model = shifted(_model())
+    fully_shard(model, units=[model.first, model.second], broadcast_from=None)
+    opt = _optimizer(model, kind, 1.0)
+    assert mgr.load(model=model, optimizer=opt) == 2
+    assert opt.param_groups[1]["lr"] == 2 * lr
+    if kind == "adam":
+        for m in range(1, 5):
+            for q in range(rank, m, size):
+                staged = fc.stage_dense(mgr.loaded, model, opt, world=(m, q))
+                _assert_staged_is_the_reference_slice(staged, model, opt, replicated, replicated_opt, m, q)
+    for step in range(2, 4):
+        _sharded_steps(replicated, replicated_opt, step, step + 1, size, rank)
+        _sharded_steps(model, opt, step, step + 1, size, rank)
+        _assert_equal(_full(model), replicated, f"replicated -> fully sharded at {size} ranks, {kind}, step {step}")

@@ -473,3 +473,31 @@ def test_elastic_state_restores_a_commit_and_rebuilds_a_rank_from_its_neighbours
         _sharded_step(model, opt, step)
         _assert_equal(model, ref, f"step {step} after the rebuild")
     _assert_same_state(opt.state_dict(), ref_opt.state_dict())
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_a_replicated_runs_checkpoint_loads_into_a_sharded_optimizer_and_continues_exactly(shared_dir, kind):
+    """Issue 39 item 4, the migration from replication: a run with ``hvd.DistributedOptimizer`` saves a dense
+    checkpoint; a ShardedOptimizer (tiny buckets, uneven over 3 ranks) loads it, each rank keeping its slice of
+    every bucket, and continues bit for bit as the uninterrupted replicated run."""
+    from hvps_testutil import replicated_checkpoint, shifted
+
+    lr = 2.0 ** -4
+    replicated = _model()
+
+    def two_steps(opt):
+        for step in range(2):
+            _sharded_step(replicated, opt, step)
+
+    replicated_opt, mgr = replicated_checkpoint(replicated, _groups(replicated, kind, lr), two_steps,
+                                                shared_dir / f"replicated-to-sharded-{kind}")
+    model = shifted(_model())
+    opt = ShardedOptimizer(_groups(model, kind, 1.0), named_parameters=model.named_parameters(),
+                           bucket_cap_mb=TINY_BUCKETS)
+    assert mgr.load(model=model, optimizer=opt) == 2
+    assert opt.param_groups[0]["lr"] == lr
+    for step in range(2, 4):
+        _sharded_step(replicated, replicated_opt, step)
+        _sharded_step(model, opt, step)
+        _assert_equal(model, replicated, f"replicated -> sharded at {hvd.size()} ranks, {kind}, step {step}")
+    _assert_same_state(opt.state_dict(), replicated_opt.state_dict())

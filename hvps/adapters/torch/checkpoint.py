@@ -23,7 +23,9 @@ their manifest; ``load`` re-shards it for any rank count, or consolidates it int
 optimizer (see :mod:`hvps.adapters.torch.sharded_checkpoint`). A model changed by ``hvd.fully_shard``
 (with its optimizer over the shards) is saved alike, parameters and optimizer state as per-rank
 shards (``model-epoch-NNNNNN/``), and loads into a fully sharded model at any rank count or into
-an unsharded model in one process (see :mod:`hvps.adapters.torch.fully_sharded_checkpoint`).
+an unsharded model in one process (see :mod:`hvps.adapters.torch.fully_sharded_checkpoint`). A dense
+version (a replicated run's) loads into a fully sharded model and its optimizer, or into a
+``ShardedOptimizer``, at any rank count: each rank keeps its slices.
 """
 
 from __future__ import annotations
@@ -166,7 +168,20 @@ def _int_key(k: str) -> Any:
     return int(k) if k.isdigit() else k
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping) -> list:
+def check_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping,
+                    whole: Optional[Mapping[int, torch.Tensor]] = None) -> list:
+    """Problems (class, parameter groups, state shapes) of loading the optimizer section ``saved``.
+
+    Args:
+        optimizer: the optimizer to load.
+        saved: the checkpoint's optimizer section (the adapter's neutral format).
+        whole: ``{id(parameter): tensor of the shape its saved state has}`` where that is not the parameter's
+            own (the shards of a fully sharded model: the whole parameter's).
+
+    Returns:
+        One line a problem.
+    """
+    whole = {} if whole is None else whole
     problems = []
     # a sharded optimizer loads a plain one's state (it keeps its shard): the class is the one it wraps
     inner = optimizer.shard_optimizer if isinstance(optimizer, ShardedOptimizer) else getattr(optimizer, "_inner",
@@ -191,10 +206,11 @@ def check_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping) -> list:
         if p is None:
             problems.append(f"optimizer state for parameter {key}, which is in no param_group")
             continue
+        shape = tuple(whole.get(id(p), p).shape)
         for name, v in st.items():
-            if isinstance(v, np.ndarray) and v.ndim and tuple(v.shape) != tuple(p.shape):
+            if isinstance(v, np.ndarray) and v.ndim and tuple(v.shape) != shape:
                 problems.append(f"shape mismatch: optimizer.state.{key}.{name}: checkpoint {list(v.shape)}, "
-                                f"parameter {list(p.shape)}")
+                                f"parameter {list(shape)}")
     return problems
 
 
@@ -352,7 +368,13 @@ class CheckpointManager(_core.CheckpointManager):
 
     def _shard_reader(self, ck: Any, model: Any, optimizer: Any) -> Optional[tuple]:
         """``(check the fit, stage, what)`` for a version whose state lies in per-rank shards that ``model`` or
-        ``optimizer`` load; None for a dense version (or nothing to load from the shards)."""
+        ``optimizer`` load, or for a dense version that a fully sharded ``model`` loads (each rank its slices);
+        None for a dense version loaded as it is (or nothing to load from the shards)."""
+        if (_fully.is_fully_sharded_model(model) and not _fully.is_fully_sharded(ck.model)
+                and not (optimizer is not None and _sharded.is_sharded_manifest(ck.optimizer))):
+            return (lambda: _dense_fits_fully_sharded(ck, model, optimizer),
+                    lambda: _fully.stage_dense(ck, model, optimizer),
+                    "the dense checkpoint does not fit the given fully sharded model/optimizer")
         if _fully.is_fully_sharded(ck.model) and (model is not None or optimizer is not None):
             return (lambda: _fully.check_fit(ck, model, optimizer),
                     lambda: _dense_or_staged(_fully.stage(self.directory, ck, model, optimizer)),
@@ -421,6 +443,25 @@ class CheckpointManager(_core.CheckpointManager):
             except CheckpointError as exc:  # raised on every rank alike
                 warnings.warn(f"skipping checkpoint: {exc}", RuntimeWarning, stacklevel=4)
         return 0
+
+
+def _dense_fits_fully_sharded(ck: Any, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list:
+    """Problems of loading the dense version ``ck`` into a fully sharded ``model`` and its ``optimizer``: its
+    parameters (missing, or of another shape or dtype than the whole parameter) and its optimizer state (as
+    :func:`check_optimizer`, over the whole parameters). Buffers are left to the caller (``strict``)."""
+    whole = _fully.whole_parameters(model)
+    problems = check_state(whole, {k: v for k, v in ck.model.items() if k in whole})
+    if optimizer is None:
+        return problems
+    if isinstance(optimizer, ShardedOptimizer):
+        return problems + ["a ShardedOptimizer over a fully sharded model is not supported"]
+    if not ck.optimizer:
+        return problems + ["the checkpoint holds no optimizer state"]
+    by_id = {id(p): whole[name] for name, p in model.named_parameters(remove_duplicate=False)}
+    if any(id(p) not in by_id for g in optimizer.param_groups for p in g["params"]):
+        return problems + ["the optimizer holds a parameter that is not a shard of the fully sharded model: build "
+                           "it over model.parameters() after hvd.fully_shard(model)"]
+    return problems + check_optimizer(optimizer, ck.optimizer, whole=by_id)
 
 
 def _dense_or_staged(staged: Any) -> Any:

@@ -31,6 +31,14 @@ tensors are assembled and loaded as a dense checkpoint would be. Shards that are
 disagree with the manifest or come from another model make the version fail on every rank, and
 ``load("latest")`` falls back to the previous version; a manifest of another model (other names, shapes
 or dtypes) or another optimizer raises CheckpointError.
+
+A dense checkpoint, written by a replicated run (``hvd.DistributedOptimizer``, DDP-style), loads into a
+``fully_shard`` model and its optimizer too, at any rank count (the usual migration from replication to
+sharding): every rank receives the dense file as for any load, and :func:`stage_dense` takes its block of
+every flat group from the whole parameters by name, and its slice of each element-wise optimizer state from
+torch's ``state_dict()`` layout (the optimizer's k-th parameter takes the saved k-th, as a plain optimizer
+does), through the same staging as a re-sharded checkpoint. The torch ``CheckpointManager`` checks the fit
+first (:func:`whole_parameters`): a dense file of another model raises CheckpointError naming what differs.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+import numpy as np
 import torch
 
 from hvps import api
@@ -52,7 +61,7 @@ from hvps.checkpoint.sharded_buffers import (STATE_KEY, SavedShards, check_flat_
                                              write_rank_shard)
 from hvps.checkpoint.shards import describe_problem, shard_folder, short, tidy_shard_folders
 from hvps.core.flat_shards import FlatLayout
-from hvps.core.views import as_array
+from hvps.core.views import as_array, as_tensor
 
 from .fully_sharded import FullyShardedModel
 from .sharded_checkpoint import decode_scalar, encode_scalar
@@ -67,7 +76,7 @@ SECTION = "fully_sharded"  # the manifest's key in the dense file's model sectio
 FOLDER_RE = re.compile(r"^model-epoch-(\d{6,})$")
 
 __all__ = ["is_fully_sharded", "is_fully_sharded_model", "buffers_of", "save_model_shards", "check_fit", "stage",
-           "Staged", "apply_staged", "tidy", "SECTION"]
+           "whole_parameters", "stage_dense", "Staged", "apply_staged", "tidy", "SECTION"]
 
 
 def is_fully_sharded_model(model: Any) -> bool:
@@ -396,13 +405,15 @@ def _open_shards(directory: os.PathLike, manifest: dict, epoch: int) -> SavedSha
 
 
 class _Reader:
-    """Reads any element range of a saved parameter, or of its element-wise state, by the parameter's name."""
+    """A fully sharded checkpoint's saved state, by parameter name: any element range of a parameter or of its
+    element-wise optimizer state, read from the shards that hold it."""
 
     def __init__(self, shards: SavedShards, manifest: dict) -> None:
         self.shards, self.manifest = shards, manifest
         self.index = {p[0]: i for i, p in enumerate(manifest["params"])}
         self.where = {index: (g, start) for g, group in enumerate(manifest["groups"])
                       for index, start, _ in group["params"]}
+        self.saved = _saved_state(manifest) if manifest["optimizer"] is not None else {}
 
     def read(self, name: str, key: Optional[str], offset: int, out: torch.Tensor) -> None:
         """Fill ``out`` (1-D) with elements ``[offset, offset + out.numel())`` of parameter ``name`` (``key``
@@ -411,6 +422,62 @@ class _Reader:
         dataset = _values(g) if key is None else _state(g, key)
         self.shards.read_flat(dataset, self.manifest["groups"][g]["numel"], start + offset, out.numel(),
                               as_array(out))
+
+    def state_of(self, name: str) -> Optional[tuple]:
+        """``(scalar state, {element-wise key: dtype})`` saved for parameter ``name``; None without state."""
+        index = self.index[name]
+        entry = self.saved.get(index)
+        if entry is None:
+            return None
+        keys = self.manifest["groups"][self.where[index][0]]["keys"]
+        return _scalars(entry), {key: getattr(torch, keys[key]) for key in entry["flat"]}
+
+    @property
+    def param_groups(self) -> list:
+        """The saved optimizer's parameter groups."""
+        return self.manifest["optimizer"]["param_groups"]
+
+
+class _DenseSource:
+    """A dense checkpoint (a replicated run's) as :class:`_Reader` offers a fully sharded one: whole parameters by
+    name, and the optimizer state of torch's ``state_dict()`` layout, matched to the parameters by position
+    (the target optimizer's k-th parameter takes the saved optimizer's k-th, as for a plain optimizer).
+
+    Args:
+        model_section: the checkpoint's model section (numpy arrays by ``state_dict()`` key).
+        optimizer_section: its optimizer section (the adapter's neutral optimizer format), or None.
+        model: the fully sharded target.
+        optimizer: its optimizer over the model's shards, or None.
+    """
+
+    def __init__(self, model_section: Mapping, optimizer_section: Optional[Mapping], model: torch.nn.Module,
+                 optimizer: Optional[torch.optim.Optimizer]) -> None:
+        self.model_section = model_section
+        names = {id(s): n for group in FullyShardedModel.of(model).flat_groups()
+                 for n, s in zip(group.names, group.shards)}
+        self.saved: dict = {}
+        if optimizer is not None and optimizer_section is not None:
+            state = optimizer_section.get("state", {})
+            for saved_group, group in zip(optimizer_section["param_groups"], optimizer.param_groups):
+                for saved_index, p in zip(saved_group["params"], group["params"]):
+                    self.saved[names[id(p)]] = state.get(str(saved_index))
+        self.param_groups = None if optimizer_section is None else optimizer_section["param_groups"]
+
+    def read(self, name: str, key: Optional[str], offset: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (1-D) with elements ``[offset, offset + out.numel())`` of parameter ``name`` (``key``
+        None) or of its optimizer state ``key``."""
+        array = self.model_section[name] if key is None else self.saved[name][key]
+        out.copy_(as_tensor(array).reshape(-1)[offset:offset + out.numel()])
+
+    def state_of(self, name: str) -> Optional[tuple]:
+        """``(scalar state, {element-wise key: dtype})`` saved for parameter ``name``; None without state."""
+        entry = self.saved.get(name)
+        if entry is None:
+            return None
+        flat = {k: as_tensor(v).dtype for k, v in entry.items() if isinstance(v, np.ndarray) and v.ndim}
+        scalars = {k: as_tensor(v).clone() if isinstance(v, np.ndarray) else v for k, v in entry.items()
+                   if k not in flat}
+        return scalars, flat
 
 
 def _saved_state(manifest: dict) -> dict:
@@ -424,26 +491,25 @@ def _scalars(entry: dict) -> dict:
     return {k: decode_scalar(v) for k, v in entry["scalars"].items()}
 
 
-def _stage_sharded(reader: _Reader, manifest: dict, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+def _stage_sharded(source: Any, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                    world: tuple) -> tuple:
-    """Rank ``world[1]`` of ``world[0]``'s blocks and its optimizer's ``state_dict()`` for a fully sharded target."""
+    """Rank ``world[1]`` of ``world[0]``'s blocks and its optimizer's ``state_dict()`` for a fully sharded target,
+    read from ``source`` (a :class:`_Reader` or a :class:`_DenseSource`)."""
     size, rank = world
     blocks, shard_state = [], {}
-    saved = _saved_state(manifest) if optimizer is not None else {}
     for group in FullyShardedModel.of(model).flat_groups():
         layout = FlatLayout(tuple(shape.numel() for shape in group.shapes), size)
         block = torch.zeros(layout.shard_numel, dtype=group.dtype)
         mine = {i: (offset, at, n) for i, offset, at, n in layout.pieces(rank)}
         for i, (name, shard) in enumerate(zip(group.names, group.shards)):
             offset, at, n = mine.get(i, (0, 0, 0))
-            reader.read(name, None, offset, block[at:at + n])
-            entry = saved.get(reader.index[name])
-            if entry is not None:
-                state = _scalars(entry)
-                for key in entry["flat"]:
-                    dtype = manifest["groups"][reader.where[reader.index[name]][0]]["keys"][key]
-                    state[key] = torch.zeros(n, dtype=getattr(torch, dtype))
-                    reader.read(name, key, offset, state[key])
+            source.read(name, None, offset, block[at:at + n])
+            saved = None if optimizer is None else source.state_of(name)
+            if saved is not None:
+                state, keys = saved
+                for key, dtype in keys.items():
+                    state[key] = torch.zeros(n, dtype=dtype)
+                    source.read(name, key, offset, state[key])
                 shard_state[id(shard)] = state
         blocks.append(block)
     if optimizer is None:
@@ -451,7 +517,7 @@ def _stage_sharded(reader: _Reader, manifest: dict, model: torch.nn.Module, opti
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = {k: shard_state[id(p)] for k, p in enumerate(params) if id(p) in shard_state}
     groups, at = [], 0
-    for saved_group in manifest["optimizer"]["param_groups"]:
+    for saved_group in source.param_groups:
         n = len(saved_group["params"])
         groups.append(dict(saved_group, params=list(range(at, at + n))))
         at += n
@@ -520,10 +586,48 @@ def stage(directory: os.PathLike, checkpoint: Any, model: Optional[torch.nn.Modu
         reader = _Reader(shards, manifest)
         if is_fully_sharded_model(model):
             world = FullyShardedModel.of(model).world() if world is None else world
-            blocks, state = _stage_sharded(reader, manifest, model, optimizer, world)
+            blocks, state = _stage_sharded(reader, model, optimizer, world)
             return Staged(blocks, state, dict(buffers))
         model_section, optimizer_section = _stage_dense(reader, manifest, model, optimizer is not None)
     return {**buffers, **model_section}, optimizer_section
+
+
+def whole_parameters(model: torch.nn.Module) -> dict:
+    """What a dense checkpoint holds of a fully sharded ``model``'s parameters: ``{state_dict() key: an empty
+    "meta" tensor of the whole parameter's shape and dtype}`` (every name of a tied parameter).
+
+    Args:
+        model: a model that ``hvd.fully_shard`` changed.
+
+    Returns:
+        The parameters' keys (its buffers left out), each with a tensor that holds no data.
+    """
+    whole = {id(shard): (shape, group.dtype) for group in FullyShardedModel.of(model).flat_groups()
+             for shape, shard in zip(group.shapes, group.shards)}
+    return {name: torch.empty(whole[id(p)][0], dtype=whole[id(p)][1], device="meta")
+            for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def stage_dense(checkpoint: Any, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                world: Optional[tuple] = None) -> Staged:
+    """This rank's slices of a dense checkpoint (a replicated run's) for a fully sharded ``model`` and its
+    optimizer; nothing is changed. The caller checked the fit (:func:`whole_parameters`).
+
+    Args:
+        checkpoint: the loaded :class:`hvps.checkpoint.Checkpoint` (dense model and optimizer sections).
+        model: a fully sharded model (any rank count).
+        optimizer: a torch optimizer over its shards, or None.
+        world: ``(size, rank)`` of the layout to stage for; default the model's own.
+
+    Returns:
+        A :class:`Staged` (give it to :func:`apply_staged`): the saved entries that are no parameters of
+        ``model`` are its ``buffers``.
+    """
+    source = _DenseSource(checkpoint.model, checkpoint.optimizer or None, model, optimizer)
+    world = FullyShardedModel.of(model).world() if world is None else world
+    blocks, state = _stage_sharded(source, model, optimizer, world)
+    params = whole_parameters(model)
+    return Staged(blocks, state, {k: v for k, v in checkpoint.model.items() if k not in params})
 
 
 def apply_staged(staged: Staged, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:

@@ -572,12 +572,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if torch.is_tensor(sample) and sample.dim() > 0 and all(
                         v is None or (torch.is_tensor(v) and v.numel() == p.numel())
                         for v, p in zip(values, bucket.params)):
-                    flat = torch.zeros(bucket.padded, dtype=sample.dtype, device=bucket.shard.device)
-                    for v, (start, n) in zip(values, bucket.slices):
-                        if v is not None:
-                            flat[start : start + n].copy_(v.reshape(-1))
-                    lo = self._rank * bucket.shard_numel
-                    merged[key] = flat[lo : lo + bucket.shard_numel].clone()
+                    # this rank's block only, piece by piece (the layout's one rule: FlatLayout.pieces)
+                    of_param = {id(p): v for p, v in zip(bucket.params, values)}
+                    block = torch.zeros(bucket.shard_numel, dtype=sample.dtype, device=bucket.shard.device)
+                    for p, p_offset, s_offset, n in bucket.pieces:
+                        if of_param[id(p)] is not None:
+                            block[s_offset : s_offset + n].copy_(of_param[id(p)].reshape(-1)[p_offset : p_offset + n])
+                    merged[key] = block
                 else:
                     distinct = [v for v in values if v is not None]
                     if any(not _same(v, sample) for v in distinct):
