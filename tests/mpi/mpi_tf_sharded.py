@@ -73,11 +73,11 @@ def _step(model, opt, xs, ts, factor):
     opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
 
 
-def _reference(kind):
+def _reference(kind, steps=STEPS):
     """The single-process run on the global batches, after each step."""
     ref, opt = _model(), _optimizer(kind)
     weights = []
-    for s in range(STEPS):
+    for s in range(steps):
         _step(ref, opt, *_data(s), SCALE)
         weights.append([v.numpy() for v in ref.weights])
     return weights
@@ -218,15 +218,76 @@ def test_unsupported_combinations_are_refused():
         opt.apply_gradients(zip(grads, embedding.trainable_variables))
 
 
-def test_checkpoints_and_elastic_state_refuse_the_sharded_state(tmp_path):
-    # they keep optimizer.variables, which leaves out each rank's shard of the moments: refused, not lost
+def test_elastic_state_refuses_the_sharded_state():
+    # it keeps optimizer.variables, which leaves out each rank's shard of the moments: refused, not lost
     model = _model()
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.1), shard=True), loss="mse")
-    callback = hvd.callbacks.CheckpointCallback(str(tmp_path / f"ckpt{hvd.rank()}"))
-    callback.set_model(model)
-    with pytest.raises(ValueError, match="CheckpointCallback cannot keep a sharded optimizer's state"):
-        callback.on_train_begin()
-    with pytest.raises(ValueError, match="CheckpointCallback.restore cannot keep a sharded optimizer's state"):
-        callback.restore(model)
     with pytest.raises(ValueError, match="TensorFlowKerasState cannot keep a sharded optimizer's state"):
         hvd.elastic.KerasState(model)
+
+
+def _local_step(model, opt, step, ranks):
+    """Step ``step`` of the dyadic loop on this rank's part of the global batch split over ``ranks`` ranks."""
+    per = GLOBAL_BATCH // ranks
+    rows = slice(hvd.rank() * per, (hvd.rank() + 1) * per)
+    xs, ts = _data(step)
+    _step(model, opt, [x[rows] for x in xs], [t[rows] for t in ts], SCALE * ranks)
+
+
+def test_checkpoint_callback_reshards_and_restores_into_one_process(shared_dir, monkeypatch):
+    """Issue 39, items 4 and 6: ``CheckpointCallback`` saves the sharded Adam state as per-rank shards (1/N of
+    the state per file); restored by a sharded optimizer over N - 1 ranks (another bucket layout: a real
+    re-shard, N -> N - 1) while the rank left out restores it into a plain Keras Adam (consolidated, as one
+    process would), both continue bit-identically to one process. Then a missing shard of the newest version:
+    ``restore("latest")`` warns and falls back to the previous one."""
+    import h5py
+
+    import hvps
+    from hvps.checkpoint.sharded_optimizer_state import shard_file_name
+
+    size, fewer = hvd.size(), hvd.size() - 1
+    directory = shared_dir / "keras-sharded-ckpt"
+    expected = _reference("adam", 4)
+    model = _model()
+    opt = hvd.DistributedOptimizer(_optimizer("adam"), shard=True, bucket_bytes=TINY_BUCKETS)
+    model.compile(optimizer=opt, loss="mse")
+    callback = hvd.callbacks.CheckpointCallback(directory, fsync=False)
+    callback.set_model(model)
+    for step in range(2):
+        _local_step(model, opt, step, size)
+        callback.on_epoch_end(step)
+    with h5py.File(directory / "optim-epoch-000001" / shard_file_name(hvd.rank(), size)) as f:
+        stored = sum(f["optimizer"][b][k].size for b in f["optimizer"] for k in f["optimizer"][b])
+    assert stored == 2 * sum(b.shard_numel for b in opt._buckets)
+
+    monkeypatch.setenv("HVPS_DYNAMIC_PROCESS_SETS", "1")  # read when a set is added or removed
+    subset = hvps.add_process_set(list(range(fewer)))
+    try:
+        inside = hvd.rank() < fewer
+        model2 = _model()
+        model2.set_weights([w + 1 for w in model2.get_weights()])
+        opt2 = (ShardedOptimizer(keras.optimizers.Adam(1.0), bucket_bytes=TINY_BUCKETS * 2, process_set=subset)
+                if inside else keras.optimizers.Adam(1.0))
+        model2.compile(optimizer=opt2, loss="mse")
+        opt2.build(model2.trainable_variables)
+        assert hvd.callbacks.CheckpointCallback(directory, fsync=False).restore(model2) == 2
+        assert float(opt2.learning_rate.numpy()) == 2.0 ** -4 and int(opt2.iterations.numpy()) == 2
+        for step in range(2, 4):
+            if inside:
+                _local_step(model2, opt2, step, fewer)
+            else:
+                _step(model2, opt2, *_data(step), SCALE)
+            _assert_equal(model2, expected[step], f"{size} -> {fewer if inside else 'one process'}, step {step}")
+    finally:
+        hvps.remove_process_set(subset)
+
+    if hvd.rank() == 0:
+        (directory / "optim-epoch-000001" / shard_file_name(size - 1, size)).unlink()
+    hvps.barrier()
+    model3 = _model()
+    opt3 = hvd.DistributedOptimizer(_optimizer("adam"), shard=True)
+    model3.compile(optimizer=opt3, loss="mse")
+    with pytest.warns(RuntimeWarning, match="skipping checkpoint epoch 1"):
+        assert hvd.callbacks.CheckpointCallback(directory, fsync=False).restore(model3) == 1
+    _local_step(model3, opt3, 1, size)
+    _assert_equal(model3, expected[1], "fallen back to epoch 0, step 1")

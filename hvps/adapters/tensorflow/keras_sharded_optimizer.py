@@ -249,6 +249,27 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         """This rank's flat shard of each bucket (the variables the inner optimizer steps)."""
         return [b.shard for b in self._buckets]
 
+    def shard_layout(self) -> dict:
+        """How the variables lie in the buckets and the buckets over the ranks (JSON-able), as the torch
+        ``ShardedOptimizer.shard_layout`` says it: what a sharded checkpoint records.
+
+        Returns:
+            ``{"world_size": N, "params": [[name, shape, dtype, True], ...], "buckets": [{"group": 0, "numel": L,
+            "shard_numel": s, "params": [[variable index, start, numel], ...]}, ...]}``; variables are numbered
+            in the order the optimizer was built with.
+
+        Raises:
+            ValueError: the optimizer is not built yet.
+        """
+        if not self.built:
+            raise ValueError("the sharded optimizer has no layout before it is built")
+        params = [[variable_name(v, f"variable{i}"), [int(d) for d in v.shape], str(v.dtype), True]
+                  for i, v in enumerate(self._trainable_variables)]
+        return {"world_size": self._size, "params": params,
+                "buckets": [{"group": 0, "numel": b.numel, "shard_numel": b.shard_numel,
+                             "params": [[self._position[_key(v)], start, n] for v, (start, n) in
+                                        zip(b.variables, b.slices)]} for b in self._buckets]}
+
     # -- the step -----------------------------------------------------------------------------------
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
         """Reduce-scatter ``grads``, step this rank's shards, all-gather the updated variables.
