@@ -10,6 +10,7 @@ multiple of N by N and yields the reference's gradient bit for bit. The model ha
 (padded at 2 ranks and at 3).
 """
 
+import functools
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -73,11 +74,13 @@ def _step(model, opt, xs, ts, factor):
     opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
 
 
-def _reference(kind, steps=STEPS):
-    """The single-process run on the global batches, after each step."""
+@functools.lru_cache(maxsize=None)
+def _reference(kind):
+    """The single-process run on the global batches, after each step (computed once per kind: the tests only
+    read it)."""
     ref, opt = _model(), _optimizer(kind)
     weights = []
-    for s in range(steps):
+    for s in range(STEPS):
         _step(ref, opt, *_data(s), SCALE)
         weights.append([v.numpy() for v in ref.weights])
     return weights
@@ -89,17 +92,39 @@ def _assert_equal(model, expected, what):
         assert np.array_equal(a, b), f"{what}: {v.path} differs from the single-process run by {np.abs(a - b).max()}"
 
 
+_RUNS: dict = {}
+
+
+def _sharded_tape_run(kind, shared_dir):
+    """Once per kind: ``STEPS`` eager steps of a sharded ``kind`` on this rank's part of the global batches,
+    Adam's saved by ``CheckpointCallback`` after each step (epoch = step) in ``shared_dir``:
+    ``(the weights after each step, the optimizer, the checkpoint directory)``."""
+    if kind not in _RUNS:
+        directory = shared_dir / f"keras-sharded-{kind}"
+        model = _model()
+        opt = hvd.DistributedOptimizer(_optimizer(kind), shard=True, bucket_bytes=TINY_BUCKETS)
+        model.compile(optimizer=opt, loss="mse")
+        callback = hvd.callbacks.CheckpointCallback(directory, fsync=False)
+        callback.set_model(model)
+        weights = []
+        for s in range(STEPS):
+            _local_step(model, opt, s, hvd.size())
+            weights.append([v.numpy() for v in model.weights])
+            if kind == "adam":
+                callback.on_epoch_end(s)
+        _RUNS[kind] = (weights, opt, directory)
+    return _RUNS[kind]
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_gradient_tape_loop_is_bit_identical_to_one_process(kind):
+def test_gradient_tape_loop_is_bit_identical_to_one_process(kind, shared_dir):
     """Eagerly (``model.fit`` below runs the step inside its compiled train function)."""
     expected = _reference(kind)
-    model = _model()
-    opt = hvd.DistributedOptimizer(_optimizer(kind), shard=True, bucket_bytes=TINY_BUCKETS)
+    weights, opt, _ = _sharded_tape_run(kind, shared_dir)
     assert isinstance(opt, ShardedOptimizer)
     for s in range(STEPS):
-        xs, ts = _data(s)
-        _step(model, opt, _local(xs), _local(ts), SCALE * hvd.size())
-        _assert_equal(model, expected[s], f"{kind}, step {s}")
+        for name, a, b in zip(range(len(weights[s])), weights[s], expected[s]):
+            assert np.array_equal(a, b), f"{kind}, step {s}: weight {name} differs from the single-process run"
     assert len(opt.shard_variables) == 4
     assert int(opt.iterations.numpy()) == STEPS
 
@@ -235,27 +260,19 @@ def _local_step(model, opt, step, ranks):
 
 
 def test_checkpoint_callback_reshards_and_restores_into_one_process(shared_dir, monkeypatch):
-    """Issue 39, items 4 and 6: ``CheckpointCallback`` saves the sharded Adam state as per-rank shards (1/N of
-    the state per file); restored by a sharded optimizer over N - 1 ranks (another bucket layout: a real
-    re-shard, N -> N - 1) while the rank left out restores it into a plain Keras Adam (consolidated, as one
-    process would), both continue bit-identically to one process. Then a missing shard of the newest version:
-    ``restore("latest")`` warns and falls back to the previous one."""
+    """Issue 39, items 4 and 6: ``CheckpointCallback`` saved the sharded Adam state of the eager run as per-rank
+    shards (1/N of the state per file); restored by a sharded optimizer over N - 1 ranks (another bucket layout:
+    a real re-shard, N -> N - 1) while the rank left out restores it into a plain Keras Adam (consolidated, as
+    one process would), both continue bit-identically to one process. Then a missing shard of the newest
+    version: ``restore("latest")`` warns and falls back to the previous one."""
     import h5py
 
     import hvps
     from hvps.checkpoint.sharded_optimizer_state import shard_file_name
 
     size, fewer = hvd.size(), hvd.size() - 1
-    directory = shared_dir / "keras-sharded-ckpt"
-    expected = _reference("adam", 4)
-    model = _model()
-    opt = hvd.DistributedOptimizer(_optimizer("adam"), shard=True, bucket_bytes=TINY_BUCKETS)
-    model.compile(optimizer=opt, loss="mse")
-    callback = hvd.callbacks.CheckpointCallback(directory, fsync=False)
-    callback.set_model(model)
-    for step in range(2):
-        _local_step(model, opt, step, size)
-        callback.on_epoch_end(step)
+    expected = _reference("adam")
+    _, opt, directory = _sharded_tape_run("adam", shared_dir)
     with h5py.File(directory / "optim-epoch-000001" / shard_file_name(hvd.rank(), size)) as f:
         stored = sum(f["optimizer"][b][k].size for b in f["optimizer"] for k in f["optimizer"][b])
     assert stored == 2 * sum(b.shard_numel for b in opt._buckets)
@@ -264,30 +281,27 @@ def test_checkpoint_callback_reshards_and_restores_into_one_process(shared_dir, 
     subset = hvps.add_process_set(list(range(fewer)))
     try:
         inside = hvd.rank() < fewer
-        model2 = _model()
-        model2.set_weights([w + 1 for w in model2.get_weights()])
+        model = _model()
+        model.set_weights([w + 1 for w in model.get_weights()])
         opt2 = (ShardedOptimizer(keras.optimizers.Adam(1.0), bucket_bytes=TINY_BUCKETS * 2, process_set=subset)
                 if inside else keras.optimizers.Adam(1.0))
-        model2.compile(optimizer=opt2, loss="mse")
-        opt2.build(model2.trainable_variables)
-        assert hvd.callbacks.CheckpointCallback(directory, fsync=False).restore(model2) == 2
+        model.compile(optimizer=opt2, loss="mse")
+        opt2.build(model.trainable_variables)
+        callback = hvd.callbacks.CheckpointCallback(directory, fsync=False)
+        assert callback.restore(model, version=1) == 2
         assert float(opt2.learning_rate.numpy()) == 2.0 ** -4 and int(opt2.iterations.numpy()) == 2
-        for step in range(2, 4):
-            if inside:
-                _local_step(model2, opt2, step, fewer)
-            else:
-                _step(model2, opt2, *_data(step), SCALE)
-            _assert_equal(model2, expected[step], f"{size} -> {fewer if inside else 'one process'}, step {step}")
+        if inside:
+            _local_step(model, opt2, 2, fewer)
+        else:
+            _step(model, opt2, *_data(2), SCALE)
+        _assert_equal(model, expected[2], f"{size} -> {fewer if inside else 'one process'}, step 2")
+
+        if hvd.rank() == 0:
+            (directory / "optim-epoch-000002" / shard_file_name(size - 1, size)).unlink()
+        hvps.barrier()
+        with pytest.warns(RuntimeWarning, match="skipping checkpoint epoch 2"):
+            assert callback.restore(model) == 2
+        _assert_equal(model, expected[1], "fallen back to epoch 1")
+        assert int(opt2.iterations.numpy()) == 2
     finally:
         hvps.remove_process_set(subset)
-
-    if hvd.rank() == 0:
-        (directory / "optim-epoch-000001" / shard_file_name(size - 1, size)).unlink()
-    hvps.barrier()
-    model3 = _model()
-    opt3 = hvd.DistributedOptimizer(_optimizer("adam"), shard=True)
-    model3.compile(optimizer=opt3, loss="mse")
-    with pytest.warns(RuntimeWarning, match="skipping checkpoint epoch 1"):
-        assert hvd.callbacks.CheckpointCallback(directory, fsync=False).restore(model3) == 1
-    _local_step(model3, opt3, 1, size)
-    _assert_equal(model3, expected[1], "fallen back to epoch 0, step 1")
