@@ -178,7 +178,8 @@ def misfit_params(saved: list, mine: list, same_names: Callable[[Any, Any], bool
         At most one problem per list (another model).
     """
     if len(saved) != len(mine):
-        return [f"the checkpoint is of a model with {len(saved)} parameters, the optimizer has {len(mine)}"]
+        return [f"the checkpoint is of a model with {len(saved)} parameters, the optimizer has {len(mine)} (a "
+                "checkpoint of another model)"]
     for i, (a, b) in enumerate(zip(saved, mine)):
         named = same_names(a[0], b[0])
         if (a if named else a[1:]) != (b if named else b[1:]):

@@ -247,8 +247,9 @@ def test_elastic_state_refuses_the_sharded_state():
     # it keeps optimizer.variables, which leaves out each rank's shard of the moments: refused, not lost
     model = _model()
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.1), shard=True), loss="mse")
-    with pytest.raises(ValueError, match="TensorFlowKerasState cannot keep a sharded optimizer's state"):
+    with pytest.raises(ValueError, match="TensorFlowKerasState cannot keep a sharded optimizer's state") as caught:
         hvd.elastic.KerasState(model)
+    assert "CheckpointCallback" in str(caught.value) and "shard=True" in str(caught.value)
 
 
 def _local_step(model, opt, step, ranks):
@@ -305,3 +306,24 @@ def test_checkpoint_callback_reshards_and_restores_into_one_process(shared_dir, 
         assert int(opt2.iterations.numpy()) == 2
     finally:
         hvps.remove_process_set(subset)
+
+
+def test_sharded_restore_refuses_another_model_and_a_replicated_optimizers_checkpoint(shared_dir):
+    """A sharded checkpoint of another model raises CheckpointError naming the misfit (no fallback: every version
+    is of that model); a replicated optimizer's checkpoint (variables by position) is refused by a sharded one."""
+    from hvps.checkpoint.format import CheckpointError
+
+    _, _, directory = _sharded_tape_run("adam", shared_dir)
+    other = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4)])
+    other.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.1), shard=True), loss="mse")
+    with pytest.raises(CheckpointError, match="does not fit this model's optimizer") as caught:
+        hvd.callbacks.CheckpointCallback(directory, fsync=False).restore(other)
+    assert "another model" in str(caught.value)
+    replicated = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4)])
+    replicated.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    replicated.optimizer.build(replicated.trainable_variables)
+    callback = hvd.callbacks.CheckpointCallback(shared_dir / "keras-replicated-ckpt", fsync=False)
+    callback.set_model(replicated)
+    callback.on_epoch_end(0)
+    with pytest.raises(ValueError, match="a sharded optimizer restores the state of a sharded one"):
+        callback.restore(other)
