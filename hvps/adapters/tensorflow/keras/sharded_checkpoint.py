@@ -27,6 +27,7 @@ count M, each rank reads only the ranges of the saved shards its new blocks need
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Mapping, Optional
 
 import keras
@@ -40,6 +41,8 @@ from ..gradients import variable_name
 from ..keras_sharded_optimizer import ShardedOptimizer
 
 FRAMEWORK = "hvps.keras_sharded_optimizer"  # the shards' root attribute "framework"
+#: the number Keras appends to the name of an unnamed variable (Nadam's ``variable_2``), different per process
+_AUTO_NUMBER = re.compile(r"_\d+$")
 
 __all__ = ["FRAMEWORK", "save_optimizer_shards", "shard_reader", "apply_staged", "state_slots"]
 
@@ -60,7 +63,9 @@ def state_slots(optimizer: keras.optimizers.Optimizer, references: list) -> tupl
         references: the variables it was built over, in order.
 
     Returns:
-        ``(per reference: [{key: state variable}], scalars: {name: variable of shape ()})``.
+        ``(per reference: [{key: state variable}], scalars: {key: variable of shape ()})``; a scalar's key is its
+        name without the number Keras may append (``variable_2`` -> ``variable``), made unique in the order of
+        ``optimizer.variables`` (``beta_1``, ``beta_2`` -> ``beta``, ``beta_1``).
 
     Raises:
         CheckpointError: a state variable that is neither a scalar nor named after one of ``references`` with
@@ -71,7 +76,8 @@ def state_slots(optimizer: keras.optimizers.Optimizer, references: list) -> tupl
     scalars: dict = {}
     for v in optimizer.variables:
         if len(v.shape) == 0:
-            scalars[v.name] = v
+            key = _AUTO_NUMBER.sub("", v.name)
+            scalars[_first_free(key, scalars)] = v
             continue
         for prefix, i in prefixes:
             if v.name.startswith(prefix) and tuple(v.shape) == tuple(references[i].shape):
@@ -81,6 +87,15 @@ def state_slots(optimizer: keras.optimizers.Optimizer, references: list) -> tupl
             raise CheckpointError(f"optimizer state {v.name!r} of shape {tuple(v.shape)} is neither a scalar nor "
                                   "named after one of the variables it updates: it cannot be checkpointed by key")
     return per, scalars
+
+
+def _first_free(key: str, taken: dict) -> str:
+    """``key``, or ``key_1``, ``key_2``, ... : the first not in ``taken``."""
+    n, found = 0, key
+    while found in taken:
+        n += 1
+        found = f"{key}_{n}"
+    return found
 
 
 def _encode(name: str, variable: Any) -> dict:
