@@ -35,6 +35,10 @@ model make the version fail on every rank: ``load("latest")`` warns and falls ba
 version, as it does for a damaged dense file; an explicit epoch raises CheckpointError. A manifest that
 does not fit the given optimizer (another model, another optimizer class) raises CheckpointError, as a
 dense optimizer state that does not fit does.
+
+The files, the manifest's schema and the reads are shared with the Keras sharded optimizer's checkpoints
+(:mod:`hvps.checkpoint.sharded_optimizer_state`, in numpy); this module turns torch's optimizer state into
+arrays and scalars and back.
 """
 
 from __future__ import annotations

@@ -177,8 +177,7 @@ def _check_fit(section: Mapping, model: keras.Model, optimizer: keras.optimizers
     return problems
 
 
-def _stage(directory: os.PathLike, checkpoint: Any, model: keras.Model, optimizer: keras.optimizers.Optimizer
-           ) -> tuple:
+def _stage(directory: os.PathLike, checkpoint: Any, optimizer: keras.optimizers.Optimizer) -> tuple:
     """Read (and verify) what ``optimizer`` needs of the version's shards; nothing is changed."""
     manifest = _state.manifest_of(checkpoint.optimizer, checkpoint.path)
     with _state.open_shards(directory, manifest, checkpoint.epoch, FRAMEWORK) as shards:
@@ -204,7 +203,7 @@ def shard_reader(directory: os.PathLike, checkpoint: Any, model: keras.Model,
     if not _state.is_sharded_manifest(checkpoint.optimizer):
         return None
     return (lambda: _check_fit(checkpoint.optimizer, model, optimizer, checkpoint.path),
-            lambda: _stage(directory, checkpoint, model, optimizer),
+            lambda: _stage(directory, checkpoint, optimizer),
             "the checkpoint's sharded optimizer state does not fit this model's optimizer")
 
 
