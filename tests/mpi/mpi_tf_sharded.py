@@ -260,6 +260,29 @@ def _local_step(model, opt, step, ranks):
     _step(model, opt, [x[rows] for x in xs], [t[rows] for t in ts], SCALE * ranks)
 
 
+def _assert_reads_at_any_rank_count(checkpoint, directory, layout):
+    """Emulated at 1 to 4 ranks: rank q of M reads exactly its slice of the consolidated state (zero padded)."""
+    from hvps.adapters.tensorflow.keras.sharded_checkpoint import FRAMEWORK, decode_scalar
+    from hvps.checkpoint import sharded_optimizer_state as saved
+    from hvps.checkpoint.resharding import shard_bounds
+
+    manifest = saved.manifest_of(checkpoint.optimizer, checkpoint.path)
+    with saved.open_shards(directory, manifest, checkpoint.epoch, FRAMEWORK) as shards:
+        whole = saved.stage_consolidated(shards, manifest, decode_scalar)
+        for size in range(1, 5):
+            other = saved.relayout(layout, size)
+            for q in range(hvd.rank(), size, hvd.size()):
+                staged = saved.stage_sharded(shards, manifest, other, q, decode_scalar)
+                for b, bucket in enumerate(other["buckets"]):
+                    lo, hi = shard_bounds(bucket["numel"], size, q)
+                    for key in ("momentum", "velocity"):
+                        flat = np.concatenate([whole[i][key].reshape(-1) for i, _, _ in bucket["params"]])
+                        expected = np.zeros(hi - lo, flat.dtype)
+                        expected[: max(0, min(hi, flat.size) - lo)] = flat[lo:hi]
+                        assert np.array_equal(staged[b][key], expected), (size, q, b, key)
+                    assert int(staged[b]["iteration"]) == checkpoint.epoch + 1
+
+
 def test_checkpoint_callback_reshards_and_restores_into_one_process(shared_dir, monkeypatch):
     """Issue 39, items 4 and 6: ``CheckpointCallback`` saved the sharded Adam state of the eager run as per-rank
     shards (1/N of the state per file); restored by a sharded optimizer over N - 1 ranks (another bucket layout:
@@ -296,6 +319,7 @@ def test_checkpoint_callback_reshards_and_restores_into_one_process(shared_dir, 
         else:
             _step(model, opt2, *_data(2), SCALE)
         _assert_equal(model, expected[2], f"{size} -> {fewer if inside else 'one process'}, step 2")
+        _assert_reads_at_any_rank_count(callback.manager.loaded, directory, opt.shard_layout())
 
         if hvd.rank() == 0:
             (directory / "optim-epoch-000002" / shard_file_name(size - 1, size)).unlink()

@@ -44,7 +44,7 @@ FRAMEWORK = "hvps.keras_sharded_optimizer"  # the shards' root attribute "framew
 #: the number Keras appends to the name of an unnamed variable (Nadam's ``variable_2``), different per process
 _AUTO_NUMBER = re.compile(r"_\d+$")
 
-__all__ = ["FRAMEWORK", "save_optimizer_shards", "shard_reader", "apply_staged", "state_slots"]
+__all__ = ["FRAMEWORK", "save_optimizer_shards", "shard_reader", "apply_staged", "state_slots", "decode_scalar"]
 
 
 def _prefix(reference: Any) -> str:
@@ -105,7 +105,8 @@ def _encode(name: str, variable: Any) -> dict:
     return {"tensor": dtype, "value": np.asarray(keras.ops.convert_to_numpy(variable)).item()}
 
 
-def _decode(encoded: dict) -> Any:
+def decode_scalar(encoded: dict) -> Any:
+    """A manifest's scalar state (``{"value": v}`` or ``{"tensor": dtype, "value": v}``) as a numpy value."""
     if "tensor" in encoded:
         return np.asarray(encoded["value"], dtype=logical_dtype(encoded["tensor"], "scalar state"))
     return encoded["value"]
@@ -183,8 +184,8 @@ def _stage(directory: os.PathLike, checkpoint: Any, optimizer: keras.optimizers.
     with _state.open_shards(directory, manifest, checkpoint.epoch, FRAMEWORK) as shards:
         if isinstance(optimizer, ShardedOptimizer):
             return "sharded", _state.stage_sharded(shards, manifest, optimizer.shard_layout(),
-                                                   optimizer.process_set.rank(), _decode)
-        return "plain", _state.stage_consolidated(shards, manifest, _decode)
+                                                   optimizer.process_set.rank(), decode_scalar)
+        return "plain", _state.stage_consolidated(shards, manifest, decode_scalar)
 
 
 def shard_reader(directory: os.PathLike, checkpoint: Any, model: keras.Model,
