@@ -52,7 +52,7 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import numpy as np
 
@@ -76,6 +76,7 @@ from .format import (
     write_file,
 )
 from .inspect import prestart, read_header
+from .shards import agree, describe_problem
 from .versions import FILE_RE, CheckpointVersions, Version, file_name
 
 TRASH_RE = re.compile(r"^\.trash-ckpt-epoch-\d{6,}\.h5-")  # versions retention dropped, not yet unlinked
@@ -515,6 +516,73 @@ class CheckpointManager:
         resume from: the saved epoch + 1, or 0 when ``version="latest"`` finds nothing."""
         self.loaded = self.read(version, drop_compression_state=drop_compression_state)
         return 0 if self.loaded is None else self.loaded.next_epoch
+
+    def stage_shards(self, version: Union[str, int], start: int, reader: Callable[[Checkpoint], Optional[tuple]],
+                      drop: bool) -> tuple:
+        """When the loaded version keeps state in per-rank shards (a sharded optimizer's, a fully sharded model's):
+        read (and verify) what the caller needs of them, falling back to older versions (``version="latest"``)
+        while shards are bad; collective. The framework adapters' ``load`` calls it after :meth:`load`.
+
+        Args:
+            version: as given to :meth:`load`.
+            start: what :meth:`load` returned.
+            reader: for a loaded version, ``(check the fit, stage, what a misfit is)``, or None when nothing is
+                to be read from its shards: ``check_fit()`` returns the problems of loading the manifest into
+                the caller's objects (raising CheckpointError for a malformed manifest, a defect of the
+                version), ``stage()`` reads and verifies the shards (nothing is changed) and returns what it read.
+            drop: ``drop_compression_state``, for the older versions.
+
+        Returns:
+            ``(epoch to resume from, staged)``; ``self.loaded`` is the version staged, ``staged`` what its
+            ``stage()`` returned (None for a version without shards to read).
+
+        Raises:
+            CheckpointError: on every rank, for an explicit ``version`` whose shards are bad, or when the
+                manifest does not fit (another model or optimizer class).
+        """
+        while self.loaded is not None:
+            ck = self.loaded
+            found = reader(ck)
+            if found is None:
+                return start, None
+            check_fit, stage, misfit = found
+            problems, staged = [], None
+            try:
+                fit = check_fit()
+            except CheckpointError as exc:  # a malformed manifest: a defect of this version
+                fit, problems = [], [describe_problem(exc)]
+            if fit:
+                raise CheckpointError(misfit, ck.path, fit)
+            if not problems:
+                try:
+                    staged = stage()
+                except Exception as exc:  # noqa: BLE001 - every rank learns every rank's problems below
+                    problems = [describe_problem(exc)]
+            everyone = agree(problems, f"ckpt.load.shards.{ck.epoch}")
+            if not everyone:
+                return start, staged
+            if version != "latest":
+                raise CheckpointError(f"the sharded state of epoch {ck.epoch} cannot be loaded", ck.path, everyone)
+            warnings.warn(f"skipping checkpoint epoch {ck.epoch}: {'; '.join(everyone)}", RuntimeWarning,
+                          stacklevel=3)
+            start = self._load_older(ck.epoch, drop)
+        return start, None
+
+    def _load_older(self, epoch: int, drop: bool) -> int:
+        """Load the newest version older than ``epoch`` that reads (skipping, with a warning, those that do
+        not), as ``load("latest")`` does; 0 and ``self.loaded = None`` when there is none."""
+        group = _Group(self.root_rank)
+        older = group.bcast_obj([v.epoch for v in reversed(self.list()) if v.epoch < epoch] if group.is_root
+                                else None, f"ckpt.load.older.{epoch}")
+        self.loaded = None
+        for candidate in older:
+            try:
+                return CheckpointManager.load(self, candidate, drop_compression_state=drop)
+            except IncompatibleCheckpointError:
+                raise
+            except CheckpointError as exc:  # raised on every rank alike
+                warnings.warn(f"skipping checkpoint: {exc}", RuntimeWarning, stacklevel=4)
+        return 0
 
     # ------------------------------------------------------------------ rollback (one process)
     @property

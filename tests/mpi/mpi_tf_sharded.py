@@ -10,6 +10,7 @@ multiple of N by N and yields the reference's gradient bit for bit. The model ha
 (padded at 2 ranks and at 3).
 """
 
+import functools
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -73,8 +74,10 @@ def _step(model, opt, xs, ts, factor):
     opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
 
 
+@functools.lru_cache(maxsize=None)
 def _reference(kind):
-    """The single-process run on the global batches, after each step."""
+    """The single-process run on the global batches, after each step (computed once per kind: the tests only
+    read it)."""
     ref, opt = _model(), _optimizer(kind)
     weights = []
     for s in range(STEPS):
@@ -89,17 +92,39 @@ def _assert_equal(model, expected, what):
         assert np.array_equal(a, b), f"{what}: {v.path} differs from the single-process run by {np.abs(a - b).max()}"
 
 
+_RUNS: dict = {}
+
+
+def _sharded_tape_run(kind, shared_dir):
+    """Once per kind: ``STEPS`` eager steps of a sharded ``kind`` on this rank's part of the global batches,
+    Adam's saved by ``CheckpointCallback`` after each step (epoch = step) in ``shared_dir``:
+    ``(the weights after each step, the optimizer, the checkpoint directory)``."""
+    if kind not in _RUNS:
+        directory = shared_dir / f"keras-sharded-{kind}"
+        model = _model()
+        opt = hvd.DistributedOptimizer(_optimizer(kind), shard=True, bucket_bytes=TINY_BUCKETS)
+        model.compile(optimizer=opt, loss="mse")
+        callback = hvd.callbacks.CheckpointCallback(directory, fsync=False)
+        callback.set_model(model)
+        weights = []
+        for s in range(STEPS):
+            _local_step(model, opt, s, hvd.size())
+            weights.append([v.numpy() for v in model.weights])
+            if kind == "adam":
+                callback.on_epoch_end(s)
+        _RUNS[kind] = (weights, opt, directory)
+    return _RUNS[kind]
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_gradient_tape_loop_is_bit_identical_to_one_process(kind):
+def test_gradient_tape_loop_is_bit_identical_to_one_process(kind, shared_dir):
     """Eagerly (``model.fit`` below runs the step inside its compiled train function)."""
     expected = _reference(kind)
-    model = _model()
-    opt = hvd.DistributedOptimizer(_optimizer(kind), shard=True, bucket_bytes=TINY_BUCKETS)
+    weights, opt, _ = _sharded_tape_run(kind, shared_dir)
     assert isinstance(opt, ShardedOptimizer)
     for s in range(STEPS):
-        xs, ts = _data(s)
-        _step(model, opt, _local(xs), _local(ts), SCALE * hvd.size())
-        _assert_equal(model, expected[s], f"{kind}, step {s}")
+        for name, a, b in zip(range(len(weights[s])), weights[s], expected[s]):
+            assert np.array_equal(a, b), f"{kind}, step {s}: weight {name} differs from the single-process run"
     assert len(opt.shard_variables) == 4
     assert int(opt.iterations.numpy()) == STEPS
 
@@ -218,15 +243,111 @@ def test_unsupported_combinations_are_refused():
         opt.apply_gradients(zip(grads, embedding.trainable_variables))
 
 
-def test_checkpoints_and_elastic_state_refuse_the_sharded_state(tmp_path):
-    # they keep optimizer.variables, which leaves out each rank's shard of the moments: refused, not lost
+def test_elastic_state_refuses_the_sharded_state():
+    # it keeps optimizer.variables, which leaves out each rank's shard of the moments: refused, not lost
     model = _model()
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.1), shard=True), loss="mse")
-    callback = hvd.callbacks.CheckpointCallback(str(tmp_path / f"ckpt{hvd.rank()}"))
-    callback.set_model(model)
-    with pytest.raises(ValueError, match="CheckpointCallback cannot keep a sharded optimizer's state"):
-        callback.on_train_begin()
-    with pytest.raises(ValueError, match="CheckpointCallback.restore cannot keep a sharded optimizer's state"):
-        callback.restore(model)
-    with pytest.raises(ValueError, match="TensorFlowKerasState cannot keep a sharded optimizer's state"):
+    with pytest.raises(ValueError, match="TensorFlowKerasState cannot keep a sharded optimizer's state") as caught:
         hvd.elastic.KerasState(model)
+    assert "CheckpointCallback" in str(caught.value) and "shard=True" in str(caught.value)
+
+
+def _local_step(model, opt, step, ranks):
+    """Step ``step`` of the dyadic loop on this rank's part of the global batch split over ``ranks`` ranks."""
+    per = GLOBAL_BATCH // ranks
+    rows = slice(hvd.rank() * per, (hvd.rank() + 1) * per)
+    xs, ts = _data(step)
+    _step(model, opt, [x[rows] for x in xs], [t[rows] for t in ts], SCALE * ranks)
+
+
+def _assert_reads_at_any_rank_count(checkpoint, directory, layout):
+    """Emulated at 1 to 4 ranks: rank q of M reads exactly its slice of the consolidated state (zero padded)."""
+    from hvps.adapters.tensorflow.keras.sharded_checkpoint import FRAMEWORK, decode_scalar
+    from hvps.checkpoint import sharded_optimizer_state as saved
+    from hvps.checkpoint.resharding import shard_bounds
+
+    manifest = saved.manifest_of(checkpoint.optimizer, checkpoint.path)
+    with saved.open_shards(directory, manifest, checkpoint.epoch, FRAMEWORK) as shards:
+        whole = saved.stage_consolidated(shards, manifest, decode_scalar)
+        for size in range(1, 5):
+            other = saved.relayout(layout, size)
+            for q in range(hvd.rank(), size, hvd.size()):
+                staged = saved.stage_sharded(shards, manifest, other, q, decode_scalar)
+                for b, bucket in enumerate(other["buckets"]):
+                    lo, hi = shard_bounds(bucket["numel"], size, q)
+                    for key in ("momentum", "velocity"):
+                        flat = np.concatenate([whole[i][key].reshape(-1) for i, _, _ in bucket["params"]])
+                        expected = np.zeros(hi - lo, flat.dtype)
+                        expected[: max(0, min(hi, flat.size) - lo)] = flat[lo:hi]
+                        assert np.array_equal(staged[b][key], expected), (size, q, b, key)
+                    assert int(staged[b]["iteration"]) == checkpoint.epoch + 1
+
+
+def test_checkpoint_callback_reshards_and_restores_into_one_process(shared_dir, monkeypatch):
+    """Issue 39, items 4 and 6: ``CheckpointCallback`` saved the sharded Adam state of the eager run as per-rank
+    shards (1/N of the state per file); restored by a sharded optimizer over N - 1 ranks (another bucket layout:
+    a real re-shard, N -> N - 1) while the rank left out restores it into a plain Keras Adam (consolidated, as
+    one process would), both continue bit-identically to one process. Then a missing shard of the newest
+    version: ``restore("latest")`` warns and falls back to the previous one."""
+    import h5py
+
+    import hvps
+    from hvps.checkpoint.sharded_optimizer_state import shard_file_name
+
+    size, fewer = hvd.size(), hvd.size() - 1
+    expected = _reference("adam")
+    _, opt, directory = _sharded_tape_run("adam", shared_dir)
+    with h5py.File(directory / "optim-epoch-000001" / shard_file_name(hvd.rank(), size)) as f:
+        stored = sum(f["optimizer"][b][k].size for b in f["optimizer"] for k in f["optimizer"][b])
+    assert stored == 2 * sum(b.shard_numel for b in opt._buckets)
+
+    monkeypatch.setenv("HVPS_DYNAMIC_PROCESS_SETS", "1")  # read when a set is added or removed
+    subset = hvps.add_process_set(list(range(fewer)))
+    try:
+        inside = hvd.rank() < fewer
+        model = _model()
+        model.set_weights([w + 1 for w in model.get_weights()])
+        opt2 = (ShardedOptimizer(keras.optimizers.Adam(1.0), bucket_bytes=TINY_BUCKETS * 2, process_set=subset)
+                if inside else keras.optimizers.Adam(1.0))
+        model.compile(optimizer=opt2, loss="mse")
+        opt2.build(model.trainable_variables)
+        callback = hvd.callbacks.CheckpointCallback(directory, fsync=False)
+        assert callback.restore(model, version=1) == 2
+        assert float(opt2.learning_rate.numpy()) == 2.0 ** -4 and int(opt2.iterations.numpy()) == 2
+        if inside:
+            _local_step(model, opt2, 2, fewer)
+        else:
+            _step(model, opt2, *_data(2), SCALE)
+        _assert_equal(model, expected[2], f"{size} -> {fewer if inside else 'one process'}, step 2")
+        _assert_reads_at_any_rank_count(callback.manager.loaded, directory, opt.shard_layout())
+
+        if hvd.rank() == 0:
+            (directory / "optim-epoch-000002" / shard_file_name(size - 1, size)).unlink()
+        hvps.barrier()
+        with pytest.warns(RuntimeWarning, match="skipping checkpoint epoch 2"):
+            assert callback.restore(model) == 2
+        _assert_equal(model, expected[1], "fallen back to epoch 1")
+        assert int(opt2.iterations.numpy()) == 2
+    finally:
+        hvps.remove_process_set(subset)
+
+
+def test_sharded_restore_refuses_another_model_and_a_replicated_optimizers_checkpoint(shared_dir):
+    """A sharded checkpoint of another model raises CheckpointError naming the misfit (no fallback: every version
+    is of that model); a replicated optimizer's checkpoint (variables by position) is refused by a sharded one."""
+    from hvps.checkpoint.format import CheckpointError
+
+    _, _, directory = _sharded_tape_run("adam", shared_dir)
+    other = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4)])
+    other.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.1), shard=True), loss="mse")
+    with pytest.raises(CheckpointError, match="does not fit this model's optimizer") as caught:
+        hvd.callbacks.CheckpointCallback(directory, fsync=False).restore(other)
+    assert "another model" in str(caught.value)
+    replicated = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4)])
+    replicated.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    replicated.optimizer.build(replicated.trainable_variables)
+    callback = hvd.callbacks.CheckpointCallback(shared_dir / "keras-replicated-ckpt", fsync=False)
+    callback.set_model(replicated)
+    callback.on_epoch_end(0)
+    with pytest.raises(ValueError, match="a sharded optimizer restores the state of a sharded one"):
+        callback.restore(other)

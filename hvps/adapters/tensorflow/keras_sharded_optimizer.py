@@ -23,7 +23,7 @@ with the same hyper-parameters, built over the shard variables, so its momentum 
 1/N of the elements. ``learning_rate`` and ``iterations`` are the inner optimizer's (learning-rate callbacks
 work). ``variables`` are only those that are the same on every rank (step counts, learning rates), so that
 ``BroadcastGlobalVariablesCallback`` (which, with ``model.fit``, broadcasts after the first batch, once the
-optimizer is built) and ``hvd.elastic.KerasState.sync`` never overwrite another rank's shard with the root's;
+optimizer is built) never overwrites another rank's shard with the root's;
 this rank's shard of the state is ``shard_state_variables``.
 
 Element-wise optimizers only (SGD, Adam, AdamW, RMSprop, Adagrad, ...): an update that couples the elements
@@ -43,9 +43,15 @@ TensorFlow collective), so ``model.fit`` works with its compiled train function 
 XLA cannot run them) as well as with ``run_eagerly=True``. Unlike the replicated optimizer, the
 reduce-scatter does not overlap the backward pass: it starts in ``apply``, once every gradient exists.
 
-Not done yet: checkpoints of the sharded state. Keras's checkpoints, ``CheckpointCallback`` and
-``hvd.elastic.KerasState`` save ``variables``, which leaves the shards out: a model restored from them
-continues with fresh moments. A consolidated, re-sharding checkpoint is issue 39's item 4.
+Checkpoints: ``hvd.callbacks.CheckpointCallback`` saves this rank's shard of the state as a file of its own
+beside each version, with a manifest in the version (:meth:`shard_layout` says how the variables lie in the
+buckets); its ``restore`` re-shards it for a ``ShardedOptimizer`` at any rank count, or consolidates it into a
+plain Keras optimizer (:mod:`hvps.adapters.tensorflow.keras.sharded_checkpoint`). Keras's own checkpoints
+(``model.save``, ``tf.train.Checkpoint``) save ``variables`` and leave the shards out.
+
+Not done yet: ``hvd.elastic.KerasState`` refuses a sharded optimizer (``ValueError`` naming what works
+instead): its commits keep ``variables``, and re-sharding a commit when the world changes size, as the torch
+elastic state does, is not written for Keras.
 """
 
 from __future__ import annotations
@@ -208,7 +214,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
     @property
     def variables(self) -> list:
         """The variables that are the same on every rank (the step count, the learning rate): what
-        ``BroadcastGlobalVariablesCallback``, ``hvd.elastic.KerasState`` and Keras's checkpoints see. The
+        ``BroadcastGlobalVariablesCallback`` and Keras's own checkpoints see. The
         state that differs per rank is :attr:`shard_state_variables`, kept out so that no broadcast from a
         root overwrites the other ranks' shards."""
         replicated = {id(v) for v in self._replicated_inner_variables()}
@@ -248,6 +254,27 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
     def shard_variables(self) -> list:
         """This rank's flat shard of each bucket (the variables the inner optimizer steps)."""
         return [b.shard for b in self._buckets]
+
+    def shard_layout(self) -> dict:
+        """How the variables lie in the buckets and the buckets over the ranks (JSON-able), as the torch
+        ``ShardedOptimizer.shard_layout`` says it: what a sharded checkpoint records.
+
+        Returns:
+            ``{"world_size": N, "params": [[name, shape, dtype, True], ...], "buckets": [{"group": 0, "numel": L,
+            "shard_numel": s, "params": [[variable index, start, numel], ...]}, ...]}``; variables are numbered
+            in the order the optimizer was built with.
+
+        Raises:
+            ValueError: the optimizer is not built yet.
+        """
+        if not self.built:
+            raise ValueError("the sharded optimizer has no layout before it is built")
+        params = [[variable_name(v, f"variable{i}"), [int(d) for d in v.shape], str(v.dtype), True]
+                  for i, v in enumerate(self._trainable_variables)]
+        return {"world_size": self._size, "params": params,
+                "buckets": [{"group": 0, "numel": b.numel, "shard_numel": b.shard_numel,
+                             "params": [[self._position[_key(v)], start, n] for v, (start, n) in
+                                        zip(b.variables, b.slices)]} for b in self._buckets]}
 
     # -- the step -----------------------------------------------------------------------------------
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:

@@ -39,8 +39,7 @@ import numpy as np
 import torch
 
 import hvps.checkpoint.manager as _core
-from hvps.checkpoint.format import CheckpointError, IncompatibleCheckpointError
-from hvps.checkpoint.shards import agree, describe_problem
+from hvps.checkpoint.format import CheckpointError
 from hvps.core.views import as_array, as_tensor
 
 from . import fully_sharded_checkpoint as _fully
@@ -330,7 +329,8 @@ class CheckpointManager(_core.CheckpointManager):
         compression state.  Returns the saved epoch + 1, or 0 when there is nothing to load.
         """
         start = super().load(version, drop_compression_state=drop_compression_state)
-        start, staged = self._stage_shards(version, start, model, optimizer, drop_compression_state)
+        start, staged = self.stage_shards(version, start, lambda ck: self._shard_reader(ck, model, optimizer),
+                                           drop_compression_state)
         ck = self.loaded
         if ck is None:
             return start
@@ -384,65 +384,6 @@ class CheckpointManager(_core.CheckpointManager):
                     lambda: _sharded_optimizer_staged(_sharded.stage_optimizer(self.directory, ck, optimizer)),
                     "the checkpoint's sharded optimizer state does not fit this optimizer")
         return None
-
-    def _stage_shards(self, version: Union[str, int], start: int, model: Any, optimizer: Any, drop: bool) -> tuple:
-        """When the loaded version keeps state in per-rank shards (a sharded optimizer's, a fully sharded model's):
-        read (and verify) what ``model`` and ``optimizer`` need of them, falling back to older versions
-        (``version="latest"``) while shards are bad.
-
-        Returns:
-            ``(epoch to resume from, staged)``; ``self.loaded`` is the version staged. ``staged`` is None for a
-            dense version, ``("sharded", state, groups)`` for a ``ShardedOptimizer``'s own shard, a
-            ``fully_sharded_checkpoint.Staged`` for a fully sharded model, or ``("dense", model section,
-            optimizer section)`` (None for a section to take as loaded) for state read whole from the shards.
-
-        Raises:
-            CheckpointError: on every rank, for an explicit ``version`` whose shards are bad, or when the
-                manifest does not fit ``model`` or ``optimizer`` (another model or optimizer class).
-        """
-        while self.loaded is not None:
-            ck = self.loaded
-            reader = self._shard_reader(ck, model, optimizer)
-            if reader is None:
-                return start, None
-            check_fit, stage, misfit = reader
-            problems, staged = [], None
-            try:
-                fit = check_fit()
-            except CheckpointError as exc:  # a malformed manifest: a defect of this version
-                fit, problems = [], [describe_problem(exc)]
-            if fit:
-                raise CheckpointError(misfit, ck.path, fit)
-            if not problems:
-                try:
-                    staged = stage()
-                except Exception as exc:  # noqa: BLE001 - every rank learns every rank's problems below
-                    problems = [describe_problem(exc)]
-            everyone = agree(problems, f"ckpt.load.shards.{ck.epoch}")
-            if not everyone:
-                return start, staged
-            if version != "latest":
-                raise CheckpointError(f"the sharded state of epoch {ck.epoch} cannot be loaded", ck.path, everyone)
-            warnings.warn(f"skipping checkpoint epoch {ck.epoch}: {'; '.join(everyone)}", RuntimeWarning,
-                          stacklevel=3)
-            start = self._load_older(ck.epoch, drop)
-        return start, None
-
-    def _load_older(self, epoch: int, drop: bool) -> int:
-        """Load the newest version older than ``epoch`` that reads (skipping, with a warning, those that do
-        not), as ``load("latest")`` does; 0 and ``self.loaded = None`` when there is none."""
-        group = _core._Group(self.root_rank)
-        older = group.bcast_obj([v.epoch for v in reversed(self.list()) if v.epoch < epoch] if group.is_root
-                                else None, f"ckpt.load.older.{epoch}")
-        self.loaded = None
-        for candidate in older:
-            try:
-                return _core.CheckpointManager.load(self, candidate, drop_compression_state=drop)
-            except IncompatibleCheckpointError:
-                raise
-            except CheckpointError as exc:  # raised on every rank alike
-                warnings.warn(f"skipping checkpoint: {exc}", RuntimeWarning, stacklevel=4)
-        return 0
 
 
 def _dense_fits_fully_sharded(ck: Any, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list:

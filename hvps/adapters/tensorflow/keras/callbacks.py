@@ -11,9 +11,11 @@ import keras
 import numpy as np
 
 import hvps
+from hvps.checkpoint import sharded_optimizer_state as _state
 
-from ..checks import refuse_sharded_state
 from ..functions import broadcast_variables
+from ..keras_sharded_optimizer import ShardedOptimizer
+from . import sharded_checkpoint as _sharded
 
 
 def _optimizer_variables(optimizer: Any) -> list:
@@ -179,6 +181,12 @@ class CheckpointCallback(keras.callbacks.Callback):
     ``extra``), with the epoch's logs. ``restore(model)`` loads the newest good
     version into a built model (and its optimizer) and returns the epoch to
     pass as ``initial_epoch``.
+
+    A sharded optimizer (``hvd.DistributedOptimizer(opt, shard=True)``) is never gathered: every rank writes
+    its own shard of the state beside the version and the version records their manifest (the directory must
+    be shared by all ranks; see :mod:`hvps.adapters.tensorflow.keras.sharded_checkpoint`). ``restore`` reads it
+    back into a sharded optimizer at any rank count, or into a plain Keras optimizer (consolidated), and falls
+    back to the previous version when a shard is missing, damaged or of another model.
     """
 
     def __init__(self, directory: Union[str, os.PathLike], every: int = 1, keep_last: Optional[int] = 3,
@@ -193,9 +201,6 @@ class CheckpointCallback(keras.callbacks.Callback):
         self.manager = CheckpointManager(directory, keep_last=keep_last, keep_every=keep_every, compress=compress,
                                          root_rank=root_rank, fsync=fsync)
 
-    def on_train_begin(self, logs=None):
-        refuse_sharded_state(getattr(self.model, "optimizer", None), "CheckpointCallback")
-
     @staticmethod
     def _arrays(variables: list) -> dict:
         return {f"{i:05d}": np.array(keras.ops.convert_to_numpy(v)) for i, v in enumerate(variables)}
@@ -204,26 +209,65 @@ class CheckpointCallback(keras.callbacks.Callback):
         if (epoch + 1) % self.every:
             return
         weights = list(self.model.weights)
-        opt_vars = _optimizer_variables(getattr(self.model, "optimizer", None))
+        optimizer = getattr(self.model, "optimizer", None)
+        if isinstance(optimizer, ShardedOptimizer):
+            _built(optimizer, self.model)
+            opt_vars, section = [], _sharded.save_optimizer_shards(self.manager, epoch, optimizer, None)
+        else:
+            opt_vars = _optimizer_variables(optimizer)
+            section = self._arrays(opt_vars)
         logs = {k: float(v) for k, v in (logs or {}).items()
                 if np.ndim(v) == 0 and isinstance(v, (int, float, np.number)) and math.isfinite(float(v))}
-        self.manager.save(epoch, model=self._arrays(weights), optimizer=self._arrays(opt_vars),
-                          extra={"weight_paths": [getattr(v, "path", v.name) for v in weights],
-                                 "optimizer_paths": [getattr(v, "path", v.name) for v in opt_vars], "logs": logs})
+        path = self.manager.save(epoch, model=self._arrays(weights), optimizer=section,
+                                 extra={"weight_paths": [getattr(v, "path", v.name) for v in weights],
+                                        "optimizer_paths": [getattr(v, "path", v.name) for v in opt_vars],
+                                        "logs": logs})
+        if path is not None:  # the root: drop the shard folders of versions retention removed
+            _state.tidy(self.manager, int(epoch))
 
     def restore(self, model: keras.Model, version: Union[str, int] = "latest") -> int:
-        """Load a saved version into ``model`` (and its built optimizer); return the epoch to resume at (0: none)."""
-        refuse_sharded_state(getattr(model, "optimizer", None), "CheckpointCallback.restore")
+        """Load a saved version into ``model`` (and its optimizer); return the epoch to resume at (0: none).
+
+        Collective. A sharded optimizer, and a plain one given a sharded checkpoint, are built over the model's
+        trainable variables first if they are not yet.
+
+        Raises:
+            CheckpointError: a version that cannot be read (an explicit ``version``), or a sharded optimizer
+                state that does not fit the model's optimizer.
+            ValueError: the checkpoint does not fit the model, or a sharded optimizer is given a checkpoint
+                of a replicated one (whose state is stored by position, not by key).
+        """
+        optimizer = getattr(model, "optimizer", None)
         start = self.manager.load(version)
-        if start == 0:
-            return 0
+        staged = None
+        if optimizer is not None and self.manager.loaded is not None and (
+                isinstance(optimizer, ShardedOptimizer) or _state.is_sharded_manifest(self.manager.loaded.optimizer)):
+            _built(optimizer, model)
+            start, staged = self.manager.stage_shards(
+                version, start, lambda ck: _sharded.shard_reader(self.manager.directory, ck, model, optimizer),
+                drop=False)
         ckpt = self.manager.loaded
-        for target, saved in ((list(model.weights), ckpt.model),
-                              (_optimizer_variables(getattr(model, "optimizer", None)), ckpt.optimizer)):
+        if ckpt is None:
+            return 0
+        if staged is None and isinstance(optimizer, ShardedOptimizer):
+            raise ValueError(f"checkpoint {ckpt.path} holds a replicated optimizer's variables (by position): a "
+                             "sharded optimizer restores the state of a sharded one (by key)")
+        targets = [(list(model.weights), ckpt.model)]
+        if staged is None:
+            targets.append((_optimizer_variables(optimizer), ckpt.optimizer))
+        for target, saved in targets:
             if not target:
                 continue
             if len(saved) != len(target):
                 raise ValueError(f"checkpoint {ckpt.path} holds {len(saved)} arrays where the model has {len(target)}")
             for i, v in enumerate(target):
                 v.assign(saved[f"{i:05d}"])
+        if staged is not None:
+            _sharded.apply_staged(staged, model, optimizer)
         return start
+
+
+def _built(optimizer: Any, model: keras.Model) -> None:
+    """Build ``optimizer`` over ``model``'s trainable variables unless it is (collective for a sharded one)."""
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
