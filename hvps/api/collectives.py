@@ -16,6 +16,7 @@ import itertools
 import math
 import pickle
 import threading
+import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -45,7 +46,10 @@ from ..runtime.process_sets import ProcessSet, global_process_set, resolve
 Average, Sum, Min, Max, Product, Adasum = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max,
                                            ReduceOp.Product, ReduceOp.Adasum)
 
-_counters: dict = defaultdict(itertools.count)
+#: the numbers of unnamed collectives, per scope (kind and set), for one engine: a job's life from ``init`` to
+#: ``shutdown``. A re-initialised job (shutdown and init; an elastic reset, which new ranks join numbering from 0)
+#: numbers from 0 again on every rank, and a set id that the new engine gives to other ranks starts afresh.
+_counters: dict = {"engine": None, "next": defaultdict(itertools.count)}
 #: the thread numbering unnamed ops, and its unnamed ops not yet finished: automatic
 #: names follow each rank's submission order, which is the same on every rank only while
 #: one thread at a time submits them
@@ -147,9 +151,18 @@ def _name(kind: str, name: Optional[str], set_id: int = GLOBAL_SET) -> str:
         label = f"{scope}.graph.{context[0]}.{next(context[1])}"
     else:
         _check_unnamed_thread(kind)
-        label = f"{scope}.noname.{next(_counters[scope])}"
+        label = f"{scope}.noname.{_unnamed_number(scope)}"
     _context.issued = getattr(_context, "issued", 0) + 1
     return label
+
+
+def _unnamed_number(scope: str) -> int:
+    """The next number of an unnamed collective in ``scope`` in this engine's life (see ``_counters``)."""
+    engine = runtime.engine()
+    known = _counters["engine"]
+    if known is None or known() is not engine:
+        _counters["engine"], _counters["next"] = weakref.ref(engine), defaultdict(itertools.count)
+    return next(_counters["next"][scope])
 
 
 def fails_everywhere(kind: str) -> Callable:

@@ -222,6 +222,30 @@ def _first_init_refuses(process_sets, match):
     assert not hvps.is_initialized()
 
 
+def test_unnamed_collectives_are_numbered_afresh_after_a_restart(request):
+    """Automatic names are numbered per job life: after shutdown and init (as in an elastic reset, where new ranks
+    start from nothing) every rank numbers from 0 again, whatever it ran before, and a set id that the restarted
+    engine gives to other ranks does not inherit the old set's numbers (which its new members never had)."""
+    size, me = hvps.size(), hvps.rank()
+    alone = hvps.add_process_set([0])
+    if me == 0:
+        for _ in range(3):
+            hvps.allreduce(np.ones(2), process_set=alone)
+    hvps.allreduce(np.ones(2))
+    assert hvps.remove_process_set(alone)
+    hvps.shutdown()
+    hvps.init()
+    xs = all_inputs(np.float64, (5,), request.node.name, size)
+    handle = hvps.allreduce_async(xs[me], op=hvps.Sum)
+    assert handle.name == "allreduce.noname.0"
+    check_allreduce_result(handle.wait(), xs, "Sum", size)
+    if size > 2:  # the restarted engine's first set again, now with rank 1 in it (at 2 ranks: the global set)
+        pair = hvps.add_process_set([0, 1])
+        if me < 2:
+            assert_exact(hvps.allreduce(xs[me], op=hvps.Sum, process_set=pair), xs[0] + xs[1])
+        assert hvps.remove_process_set(pair)
+
+
 def test_static_sets_given_to_init(request):
     """Last in this module: re-initialises hvps with sets registered at init (and refused ones)."""
     from hvps.runtime.basics import _get_process_set_ids_and_ranks as table
