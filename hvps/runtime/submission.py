@@ -148,10 +148,11 @@ class SubmissionQueue:
             # switch and the GIL (~150 us). Backward hooks submit in bursts, so while
             # the engine is active it polls its queue every cycle instead (as
             # Horovod's cycle does); after a quiet spell a collective wakes it at once.
-            # A gradient bucket wakes it once it is full, and when it starts (so that the
-            # engine sleeps until the bucket's deadline at the latest).
-            due = not held or first_held or self._bucket_full()
-            wake = self.claim_wake(self.sleeping and not synchronous and due)
+            # A gradient bucket wakes it once it is full, and when it starts, even an engine
+            # that is not asleep yet (it may have just decided to sleep with no deadline): the
+            # engine then sleeps until the bucket's deadline at the latest.
+            full = self._bucket_full()
+            wake = self.claim_wake(not synchronous and ((self.sleeping and (not held or full)) or (held and first_held)))
         if wake:
             self._wake()
         return handles
