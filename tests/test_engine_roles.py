@@ -145,6 +145,51 @@ def test_only_asynchronous_submissions_keep_the_engine_polling_its_queue():
     queue.take(cycle_s=0.001, on_waiter=False)
     assert queue.active_until > 0.0  # a burst (a backward pass) may be under way
 
+def gradient(name: str, count: int) -> Entry:
+    """A gradient as the optimizer's hook submits it: it may wait for the rest of its bucket."""
+    grad = entry(name, count=count)
+    grad.bucketed = True
+    return grad
+
+
+def test_gradients_wait_for_their_bucket_unless_full_wanted_taken_along_or_overdue(monkeypatch):
+    from hvps.runtime import submission
+
+    monkeypatch.setattr(submission, "GRADIENT_BUCKET_BYTES", 64)  # 16 float32
+    wake = Calls()
+    queue = SubmissionQueue(0, EngineStatus(), stall_seconds=60, wake=wake)
+    queue.sleeping = True
+    queue.submit_all([gradient("g.0", 4)])
+    queue.submit_all([gradient("g.1", 4)])
+    assert len(wake.calls) == 1  # the bucket's start only: the engine then sleeps until its deadline
+    queue.take(cycle_s=0.001, on_waiter=False)
+    assert queue.due_announcements(cycle_s=0.001) == [] and queue.active_until == 0.0  # held, no polling
+    assert queue.deadlines(time.monotonic(), 0.001) and not queue.has_due(time.monotonic())
+    assert queue.has_due(time.monotonic() + submission.GRADIENT_HOLD_SECONDS)  # overdue: it goes
+    queue.sleeping = True
+    queue.submit_all([gradient("g.2", 8)])  # 64 bytes: full
+    assert len(wake.calls) == 2
+    queue.take(cycle_s=0.001, on_waiter=False)
+    assert [r.name for r in queue.due_announcements(cycle_s=0.001)] == ["g.0", "g.1", "g.2"]
+    queue.take_pending(["g.0", "g.1", "g.2"])  # executed
+
+    queue.submit_all([gradient("g.3", 4)])
+    queue.wake_if_queued()  # a waiter wants it
+    queue.take(cycle_s=0.001, on_waiter=False)
+    assert [r.name for r in queue.due_announcements(cycle_s=0.001)] == ["g.3"]
+    queue.take_pending(["g.3"])
+    queue.submit_all([gradient("g.4", 4)])
+    queue.submit_all([entry("other")])  # another collective takes the bucket along
+    queue.take(cycle_s=0.001, on_waiter=False)
+    assert [r.name for r in queue.due_announcements(cycle_s=0.001)] == ["g.4", "other"]
+    assert not queue.has_due(time.monotonic())
+
+    small = SubmissionQueue(0, EngineStatus(), stall_seconds=60, wake=Calls(), fusion_threshold=lambda: 0)
+    small.submit_all([gradient("alone", 1)])  # no fusion: nothing waits
+    small.take(cycle_s=0.001, on_waiter=False)
+    assert [r.name for r in small.due_announcements(cycle_s=0.001)] == ["alone"]
+
+
 # -- the fast path ----------------------------------------------------------------------------
 class FakeExecutor:
     def __init__(self) -> None:

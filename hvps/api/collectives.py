@@ -381,7 +381,7 @@ def _allreduce_async(values, op, name, prescale_factor, postscale_factor, outs, 
 
 def allreduce_gradients_async(buffers: list, dtype: str, name: str, op: ReduceOp, prescale_factor: float,
                               postscale_factor: float, process_set: Optional[ProcessSet] = None,
-                              host_ready: tuple = ()) -> Handle:
+                              host_ready: tuple = (), bucketed: bool = False) -> Handle:
     """Start reducing ``buffers`` in place as one collective: the short path of a gradient hook.
 
     The caller has prepared them: C-contiguous, all of hvps dtype ``dtype`` on one device (numpy
@@ -389,6 +389,8 @@ def allreduce_gradients_async(buffers: list, dtype: str, name: str, op: ReduceOp
     (no Adasum), ``name`` given. The collective is named and scaled as ``grouped_allreduce_async``
     names and scales it; the handle yields the only buffer, or the list of them. ``host_ready``: events
     of asynchronous copies into host ``buffers`` (staged CUDA gradients) the engine waits for first.
+    ``bucketed``: a gradient submitted during backward, which may wait in the queue for more to fuse with
+    until its bucket is full or a ``wait()`` wants it (``runtime/submission.py``).
     """
     engine = runtime.engine()
     check_name(name)
@@ -405,7 +407,8 @@ def allreduce_gradients_async(buffers: list, dtype: str, name: str, op: ReduceOp
     request = Request(label, ALLREDUCE, dtype, shapes, op._value_, prescale=_scale(prescale_factor, "prescale_factor"),
                       postscale=_scale(postscale_factor, "postscale_factor"), device=device, process_set=set_id)
     entry = Entry(request, buffers, list(buffers), grouped=len(buffers) > 1,
-                  ready_event=None if device == "cpu" else arrays.ready_event(buffers), host_ready=tuple(host_ready))
+                  ready_event=None if device == "cpu" else arrays.ready_event(buffers), host_ready=tuple(host_ready),
+                  bucketed=bucketed)
     return engine.submit_all([entry])[0]
 
 

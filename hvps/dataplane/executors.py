@@ -38,6 +38,9 @@ class Entry:
     #: host inputs staged from CUDA memory by an asynchronous copy: events the engine synchronizes with
     #: before it reads them (the submitting thread, autograd's, never waits for the copy)
     host_ready: tuple = ()
+    #: a gradient submitted during backward: it may wait in the queue for the rest of its bucket
+    #: (``runtime/submission.py``, ``GRADIENT_BUCKET_BYTES``)
+    bucketed: bool = False
 
 
 class Context:

@@ -78,7 +78,7 @@ class Engine:
         self.cache = ResponseCache(settings.cache_capacity, self.size, self.rank,
                                    children={block.start: block for block in tree.blocks})
         self.queue = SubmissionQueue(self.rank, self.status, settings.stall_fail_seconds, self.control.wake,
-                                     expedite=self._expedite)
+                                     expedite=self._expedite, fusion_threshold=lambda: self.fusion_threshold)
         self.failures = EngineFailures(self.rank, self.status, self.control,
                                        lambda: self.queue.drain() + self.executor.running,
                                        lambda: threading.current_thread() is self._thread)
@@ -251,7 +251,7 @@ class Engine:
             while status.running:
                 timeout = self._timeout()
                 with status.lock:  # decided together with submit(), so no wake-up is lost
-                    if queue.has_queued() or self.executor.backlog:
+                    if queue.has_due(time.monotonic()) or self.executor.backlog:
                         timeout = 0.0
                     # "More than a cycle", with slack: (now + cycle) - now rounds to a hair above
                     # a cycle, which would make every submission pay for a wake-up while active.

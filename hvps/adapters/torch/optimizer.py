@@ -99,8 +99,10 @@ class GradientAllreduceOptimizer(DistributedOptimizer, reduces=(Average, Sum)):
             handle = self._start_unfused(members, install, name)
         else:
             plan = self._plan
+            # bucketed: it may wait for the next gradients, to travel with them (synchronize() sends it)
             handle = allreduce_gradients_async(install.views, install.dtype, name, plan.op, plan.prescale,
-                                               plan.postscale, self.process_set, install.ready).finish_with(install)
+                                               plan.postscale, self.process_set, install.ready,
+                                               True).finish_with(install)
         if group is None:
             self._handles[p] = handle
             return
