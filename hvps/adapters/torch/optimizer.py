@@ -102,7 +102,7 @@ class GradientAllreduceOptimizer(DistributedOptimizer, reduces=(Average, Sum)):
             # bucketed: it may wait for the next gradients, to travel with them (synchronize() sends it)
             handle = allreduce_gradients_async(install.views, install.dtype, name, plan.op, plan.prescale,
                                                plan.postscale, self.process_set, install.ready,
-                                               True).finish_with(install)
+                                               bucketed=True).finish_with(install)
         if group is None:
             self._handles[p] = handle
             return
