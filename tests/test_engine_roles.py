@@ -156,6 +156,8 @@ def test_gradients_wait_for_their_bucket_unless_full_wanted_taken_along_or_overd
     from hvps.runtime import submission
 
     monkeypatch.setattr(submission, "GRADIENT_BUCKET_BYTES", 64)  # 16 float32
+    # no deadline passes while the test runs, however loaded the machine: "overdue" is asked with a later now
+    monkeypatch.setattr(submission, "GRADIENT_HOLD_SECONDS", 3600.0)
     wake = Calls()
     queue = SubmissionQueue(0, EngineStatus(), stall_seconds=60, wake=wake)
     queue.sleeping = True
