@@ -25,7 +25,8 @@ optimizer (see :mod:`hvps.adapters.torch.sharded_checkpoint`). A model changed b
 shards (``model-epoch-NNNNNN/``), and loads into a fully sharded model at any rank count or into
 an unsharded model in one process (see :mod:`hvps.adapters.torch.fully_sharded_checkpoint`). A dense
 version (a replicated run's) loads into a fully sharded model and its optimizer, or into a
-``ShardedOptimizer``, at any rank count: each rank keeps its slices.
+``ShardedOptimizer``, at any rank count: each rank keeps its slices; so does a ``ShardedOptimizer`` run's version
+(dense model, sharded optimizer state) into a fully sharded model and its optimizer.
 """
 
 from __future__ import annotations
@@ -371,7 +372,11 @@ class CheckpointManager(_core.CheckpointManager):
         ``optimizer`` load, or for a dense version that a fully sharded ``model`` loads (each rank its slices);
         None for a dense version loaded as it is (or nothing to load from the shards)."""
         if (_fully.is_fully_sharded_model(model) and not _fully.is_fully_sharded(ck.model)
-                and not (optimizer is not None and _sharded.is_sharded_manifest(ck.optimizer))):
+                and optimizer is not None and _sharded.is_sharded_manifest(ck.optimizer)):
+            return (lambda: _stage12_fits_fully_sharded(ck, model, optimizer),
+                    lambda: _fully.stage_sharded_optimizer(self.directory, ck, model, optimizer),
+                    "the stage 1-2 checkpoint does not fit the given fully sharded model/optimizer")
+        if _fully.is_fully_sharded_model(model) and not _fully.is_fully_sharded(ck.model):
             return (lambda: _dense_fits_fully_sharded(ck, model, optimizer),
                     lambda: _fully.stage_dense(ck, model, optimizer),
                     "the dense checkpoint does not fit the given fully sharded model/optimizer")
@@ -403,6 +408,15 @@ def _dense_fits_fully_sharded(ck: Any, model: torch.nn.Module, optimizer: Option
         return problems + ["the optimizer holds a parameter that is not a shard of the fully sharded model: build "
                            "it over model.parameters() after hvd.fully_shard(model)"]
     return problems + check_optimizer(optimizer, ck.optimizer, whole=by_id)
+
+
+def _stage12_fits_fully_sharded(ck: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list:
+    """Problems of loading the stage 1-2 version ``ck`` (dense model, sharded optimizer manifest) into a fully
+    sharded ``model`` and its ``optimizer``: its parameters as :func:`_dense_fits_fully_sharded`, the manifest as
+    :func:`hvps.adapters.torch.fully_sharded_checkpoint.sharded_optimizer_misfit`."""
+    whole = _fully.whole_parameters(model)
+    problems = check_state(whole, {k: v for k, v in (ck.model or {}).items() if k in whole})
+    return problems + _fully.sharded_optimizer_misfit(ck, model, optimizer)
 
 
 def _dense_or_staged(staged: Any) -> Any:
