@@ -414,3 +414,23 @@ def test_a_stage_one_two_checkpoint_of_another_model_is_refused_by_a_fully_shard
     model, _ = StageThree().build(seed=7)
     with pytest.raises(CheckpointError, match="optimizer class: checkpoint Adam, given SGD"):
         mgr.load(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+# ----------------------------------------------------------------------------- an optimizer over the shards, alone
+@pytest.mark.parametrize("saved", ["dense", "stage1-2", "stage3"])
+def test_the_optimizer_of_a_fully_sharded_model_loads_alone(one_rank, tmp_path, saved):
+    """``load(optimizer=opt)`` without the model: the shards name their model (whole shapes, this rank's slices);
+    the optimizer takes the saved state exactly, the model's parameters are left as they are."""
+    if saved == "dense":
+        model = _model()
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01, foreach=False),
+                                       named_parameters=model.named_parameters())
+    else:
+        model, opt = KINDS[saved].build()
+    mgr, states = _two_epochs(model, opt, tmp_path / saved)
+    model, opt = StageThree().build(seed=7)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    assert mgr.load(optimizer=opt) == 2
+    _assert_state(model, opt, (params, *states[1][1:]))
+    with pytest.raises(CheckpointError, match="optimizer class: checkpoint Adam, given SGD"):
+        mgr.load(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

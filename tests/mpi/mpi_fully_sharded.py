@@ -325,6 +325,18 @@ def _assert_staged_is_the_reference_slice(staged, model, opt, ref, ref_opt, size
             assert torch.equal(entry["step"], reference["step"])
 
 
+def _assert_an_optimizer_alone_loads_the_same(mgr, model, opt, kind):
+    """``load(optimizer=...)`` without the model: another optimizer over the same shards gets ``opt``'s state."""
+    alone = _optimizer(model, kind, 1.0)
+    assert mgr.load(optimizer=alone) == 2
+    mine, theirs = alone.state_dict(), opt.state_dict()
+    assert mine["param_groups"] == theirs["param_groups"]
+    assert mine["state"].keys() == theirs["state"].keys()
+    for index, entry in theirs["state"].items():
+        assert mine["state"][index].keys() == entry.keys()
+        assert all(torch.equal(mine["state"][index][k], v) for k, v in entry.items()), index
+
+
 def test_checkpoint_reshards_to_fewer_and_more_ranks_and_into_one_process(shared_dir):
     """Issue 39 item 4 at stage 3: saved at N ranks as per-rank shards of the parameters and of Adam's state plus a
     manifest, then loaded at N ranks with other units, at N - 1 ranks (a process set) and into an unsharded model
@@ -358,6 +370,7 @@ def test_checkpoint_reshards_to_fewer_and_more_ranks_and_into_one_process(shared
     same_opt = _optimizer(same, "adam", 1.0)
     assert mgr.load(model=same, optimizer=same_opt) == 2
     assert same_opt.param_groups[0]["lr"] == lr
+    _assert_an_optimizer_alone_loads_the_same(mgr, same, same_opt, "adam")
     fewer = size - 1
     subset = hvps.add_process_set(list(range(fewer)))
     try:
@@ -461,6 +474,7 @@ def test_a_sharded_optimizer_runs_checkpoint_loads_into_a_fully_sharded_model_an
     opt = _optimizer(model, kind, 1.0)
     assert mgr.load(model=model, optimizer=opt) == 2
     assert opt.param_groups[1]["lr"] == 2 * lr
+    _assert_an_optimizer_alone_loads_the_same(mgr, model, opt, kind)
     if kind == "adam":
         plain = _model()
         plain_opt = _optimizer(plain, kind, 1.0)

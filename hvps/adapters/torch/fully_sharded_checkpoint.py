@@ -85,7 +85,7 @@ SECTION = "fully_sharded"  # the manifest's key in the dense file's model sectio
 FOLDER_RE = re.compile(r"^model-epoch-(\d{6,})$")
 
 __all__ = ["is_fully_sharded", "is_fully_sharded_model", "buffers_of", "save_model_shards", "check_fit", "stage",
-           "whole_parameters", "stage_dense", "stage_sharded_optimizer", "sharded_optimizer_misfit", "Staged", "apply_staged", "tidy", "SECTION"]
+           "whole_parameters", "stage_dense", "stage_sharded_optimizer", "sharded_optimizer_misfit", "model_of_optimizer", "Staged", "apply_staged", "tidy", "SECTION"]
 
 
 def is_fully_sharded_model(model: Any) -> bool:
@@ -392,11 +392,11 @@ def check_fit(checkpoint: Any, model: Optional[torch.nn.Module], optimizer: Opti
 class Staged:
     """What a fully sharded model loads on this rank, read and verified, nothing changed yet.
 
-    ``blocks``: this rank's block of each of its flat groups; ``optimizer``: a ``state_dict()`` for its
+    ``blocks``: this rank's block of each of its flat groups (None: the parameters are not loaded); ``optimizer``: a ``state_dict()`` for its
     optimizer (None without one); ``buffers``: the saved buffers (numpy).
     """
 
-    blocks: list
+    blocks: Optional[list]
     optimizer: Optional[dict]
     buffers: dict
 
@@ -546,9 +546,10 @@ def _scalars(entry: dict) -> dict:
 
 
 def _stage_sharded(source: Any, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                   world: tuple) -> tuple:
-    """Rank ``world[1]`` of ``world[0]``'s blocks and its optimizer's ``state_dict()`` for a fully sharded target,
-    read from ``source`` (a :class:`_Reader` or a :class:`_DenseSource`)."""
+                   world: tuple, parameters: bool = True) -> tuple:
+    """Rank ``world[1]`` of ``world[0]``'s blocks (None unless ``parameters``) and its optimizer's ``state_dict()``
+    for a fully sharded target, read from ``source`` (a :class:`_Reader`, :class:`_DenseSource` or
+    :class:`_ShardedOptimizerSource`)."""
     size, rank = world
     blocks, shard_state = [], {}
     for group in FullyShardedModel.of(model).flat_groups():
@@ -557,7 +558,8 @@ def _stage_sharded(source: Any, model: torch.nn.Module, optimizer: Optional[torc
         mine = {i: (offset, at, n) for i, offset, at, n in layout.pieces(rank)}
         for i, (name, shard) in enumerate(zip(group.names, group.shards)):
             offset, at, n = mine.get(i, (0, 0, 0))
-            source.read(name, None, offset, block[at:at + n])
+            if parameters:
+                source.read(name, None, offset, block[at:at + n])
             saved = None if optimizer is None else source.state_of(name)
             if saved is not None:
                 state, keys = saved
@@ -566,6 +568,7 @@ def _stage_sharded(source: Any, model: torch.nn.Module, optimizer: Optional[torc
                     source.read(name, key, offset, state[key])
                 shard_state[id(shard)] = state
         blocks.append(block)
+    blocks = blocks if parameters else None
     if optimizer is None:
         return blocks, None
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -615,7 +618,7 @@ def _stage_dense(reader: _Reader, manifest: dict, model: Optional[torch.nn.Modul
 
 
 def stage(directory: os.PathLike, checkpoint: Any, model: Optional[torch.nn.Module],
-          optimizer: Optional[torch.optim.Optimizer], world: Optional[tuple] = None) -> Any:
+          optimizer: Optional[torch.optim.Optimizer], world: Optional[tuple] = None, parameters: bool = True) -> Any:
     """Read (and verify) what ``model`` and ``optimizer`` need of the fully sharded ``checkpoint``; nothing is changed.
 
     Args:
@@ -625,6 +628,7 @@ def stage(directory: os.PathLike, checkpoint: Any, model: Optional[torch.nn.Modu
         optimizer: its optimizer, or None.
         world: ``(size, rank)`` of the layout to stage a fully sharded ``model``'s blocks for (another rank
             count's, to inspect one); default the model's own.
+        parameters: stage a fully sharded ``model``'s parameters (False: its optimizer's state alone).
 
     Returns:
         A :class:`Staged` for a fully sharded ``model`` (give it to :func:`apply_staged`); otherwise
@@ -640,7 +644,7 @@ def stage(directory: os.PathLike, checkpoint: Any, model: Optional[torch.nn.Modu
         reader = _Reader(shards, manifest)
         if is_fully_sharded_model(model):
             world = FullyShardedModel.of(model).world() if world is None else world
-            blocks, state = _stage_sharded(reader, model, optimizer, world)
+            blocks, state = _stage_sharded(reader, model, optimizer, world, parameters)
             return Staged(blocks, state, dict(buffers))
         model_section, optimizer_section = _stage_dense(reader, manifest, model, optimizer is not None)
     return {**buffers, **model_section}, optimizer_section
@@ -663,7 +667,7 @@ def whole_parameters(model: torch.nn.Module) -> dict:
 
 
 def stage_dense(checkpoint: Any, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                world: Optional[tuple] = None) -> Staged:
+                world: Optional[tuple] = None, parameters: bool = True) -> Staged:
     """This rank's slices of a dense checkpoint (a replicated run's) for a fully sharded ``model`` and its
     optimizer; nothing is changed. The caller checked the fit (:func:`whole_parameters`).
 
@@ -672,6 +676,7 @@ def stage_dense(checkpoint: Any, model: torch.nn.Module, optimizer: Optional[tor
         model: a fully sharded model (any rank count).
         optimizer: a torch optimizer over its shards, or None.
         world: ``(size, rank)`` of the layout to stage for; default the model's own.
+        parameters: stage the parameters (False: the optimizer's state alone).
 
     Returns:
         A :class:`Staged` (give it to :func:`apply_staged`): the saved entries that are no parameters of
@@ -679,13 +684,14 @@ def stage_dense(checkpoint: Any, model: torch.nn.Module, optimizer: Optional[tor
     """
     source = _DenseSource(checkpoint.model, checkpoint.optimizer or None, model, optimizer)
     world = FullyShardedModel.of(model).world() if world is None else world
-    blocks, state = _stage_sharded(source, model, optimizer, world)
+    blocks, state = _stage_sharded(source, model, optimizer, world, parameters)
     params = whole_parameters(model)
-    return Staged(blocks, state, {k: v for k, v in checkpoint.model.items() if k not in params})
+    return Staged(blocks, state, {k: v for k, v in (checkpoint.model or {}).items() if k not in params})
 
 
 def stage_sharded_optimizer(directory: os.PathLike, checkpoint: Any, model: torch.nn.Module,
-                            optimizer: torch.optim.Optimizer, world: Optional[tuple] = None) -> Staged:
+                            optimizer: torch.optim.Optimizer, world: Optional[tuple] = None,
+                            parameters: bool = True) -> Staged:
     """This rank's slices of a stage 1-2 checkpoint (a ``ShardedOptimizer`` run's: dense model, sharded optimizer
     state) for a fully sharded ``model`` and its optimizer, reading only the ranges of the saved optimizer shards
     that its blocks need; nothing is changed. The caller checked the fit (:func:`sharded_optimizer_misfit`).
@@ -696,6 +702,7 @@ def stage_sharded_optimizer(directory: os.PathLike, checkpoint: Any, model: torc
         model: a fully sharded model (any rank count).
         optimizer: a torch optimizer over its shards.
         world: ``(size, rank)`` of the layout to stage for; default the model's own.
+        parameters: stage the parameters (False: the optimizer's state alone).
 
     Returns:
         A :class:`Staged` (give it to :func:`apply_staged`): the saved entries that are no parameters of
@@ -708,9 +715,9 @@ def stage_sharded_optimizer(directory: os.PathLike, checkpoint: Any, model: torc
     world = FullyShardedModel.of(model).world() if world is None else world
     with _stage12.open_shards(directory, manifest, checkpoint.epoch, _STAGE12_FRAMEWORK) as shards:
         source = _ShardedOptimizerSource(checkpoint.model, manifest, shards, model, optimizer)
-        blocks, state = _stage_sharded(source, model, optimizer, world)
+        blocks, state = _stage_sharded(source, model, optimizer, world, parameters)
     params = whole_parameters(model)
-    return Staged(blocks, state, {k: v for k, v in checkpoint.model.items() if k not in params})
+    return Staged(blocks, state, {k: v for k, v in (checkpoint.model or {}).items() if k not in params})
 
 
 def sharded_optimizer_misfit(checkpoint: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list:
@@ -751,8 +758,8 @@ def sharded_optimizer_misfit(checkpoint: Any, model: torch.nn.Module, optimizer:
 
 
 def apply_staged(staged: Staged, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
-    """Install ``staged`` into the fully sharded ``model`` and its ``optimizer`` (local; the step in progress
-    and the shards' gradients are dropped).
+    """Install ``staged`` into the fully sharded ``model`` (unless its ``blocks`` are None) and its ``optimizer``
+    (local; the step in progress and the shards' gradients are dropped).
 
     Args:
         staged: from :func:`stage`, for this model at this rank count.
@@ -761,7 +768,29 @@ def apply_staged(staged: Staged, model: torch.nn.Module, optimizer: Optional[tor
     """
     controller = FullyShardedModel.of(model)
     size, rank = controller.world()
-    controller.relayout(staged.blocks, size, rank)
+    if staged.blocks is not None:
+        controller.relayout(staged.blocks, size, rank)
     if optimizer is not None and staged.optimizer is not None:
         optimizer.state.clear()
         optimizer.load_state_dict(staged.optimizer)
+
+
+def model_of_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> Optional[torch.nn.Module]:
+    """The fully sharded model whose shards ``optimizer`` is over (its first parameter's), for a load of the
+    optimizer alone: each shard knows its model (:meth:`FullyShardedModel.owning`), as an FSDP2 parameter knows its
+    whole shape and mesh.
+
+    Args:
+        optimizer: any torch optimizer, or None.
+
+    Returns:
+        The model, or None when the optimizer's first parameter is no shard of a fully sharded model (or there is
+        none); whether all of them are is the fit check's to say.
+    """
+    if optimizer is None or isinstance(optimizer, ShardedOptimizer):
+        return None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            controller = FullyShardedModel.owning(p)
+            return None if controller is None else controller.model
+    return None
