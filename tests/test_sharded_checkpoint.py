@@ -386,3 +386,51 @@ def test_a_dense_checkpoint_of_another_model_is_refused_by_a_fully_sharded_one(d
     assert mgr.load(model=model) == 2  # the parameters alone
     for name, p in model.named_parameters():
         assert torch.equal(p.detach().reshape(-1), states[1][0][name]), name
+
+
+# ----------------------------------------------------------------------------- a ShardedOptimizer run's checkpoint
+def test_a_stage_one_two_checkpoint_loads_into_a_fully_sharded_model_and_a_deleted_shard_falls_back(one_rank,
+                                                                                                     tmp_path):
+    """Dense model plus sharded optimizer state into a fully sharded model and its Adam: the saved state exactly;
+    with the newest version's optimizer shard deleted, ``load("latest")`` warns and loads the one before."""
+    mgr, states = _two_epochs(*StageOneTwo().build(), tmp_path / "stage12")
+    model, opt = StageThree().build(seed=7)
+    assert mgr.load(model=model, optimizer=opt) == 2
+    _assert_state(model, opt, states[1])
+    _shard(mgr, StageOneTwo(), 1).unlink()
+    model, opt = StageThree().build(seed=7)
+    with pytest.warns(RuntimeWarning, match="skipping checkpoint epoch 1(.|\n)*missing"):
+        assert mgr.load(model=model, optimizer=opt) == 1
+    _assert_state(model, opt, states[0])
+
+
+def test_a_stage_one_two_checkpoint_of_another_model_is_refused_by_a_fully_sharded_one(one_rank, tmp_path):
+    mgr, _ = _two_epochs(*StageOneTwo().build(), tmp_path / "stage12")
+    model, opt = StageThree().build(seed=7, width=6)
+    with pytest.raises(CheckpointError, match=r"stage 1-2 checkpoint does not fit(.|\n)*model.0.weight: "
+                                              r"checkpoint \[5, 4\], model \[6, 4\](.|\n)*parameter 0: checkpoint "
+                                              r"has '0.weight' \[5, 4\]"):
+        mgr.load(model=model, optimizer=opt)
+    model, _ = StageThree().build(seed=7)
+    with pytest.raises(CheckpointError, match="optimizer class: checkpoint Adam, given SGD"):
+        mgr.load(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+# ----------------------------------------------------------------------------- an optimizer over the shards, alone
+@pytest.mark.parametrize("saved", ["dense", "stage1-2", "stage3"])
+def test_the_optimizer_of_a_fully_sharded_model_loads_alone(one_rank, tmp_path, saved):
+    """``load(optimizer=opt)`` without the model: the shards name their model (whole shapes, this rank's slices);
+    the optimizer takes the saved state exactly, the model's parameters are left as they are."""
+    if saved == "dense":
+        model = _model()
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01, foreach=False),
+                                       named_parameters=model.named_parameters())
+    else:
+        model, opt = KINDS[saved].build()
+    mgr, states = _two_epochs(model, opt, tmp_path / saved)
+    model, opt = StageThree().build(seed=7)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    assert mgr.load(optimizer=opt) == 2
+    _assert_state(model, opt, (params, *states[1][1:]))
+    with pytest.raises(CheckpointError, match="optimizer class: checkpoint Adam, given SGD"):
+        mgr.load(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

@@ -43,7 +43,7 @@ SECTION = "sharded"  # the manifest's key in the dense file's optimizer section
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "PREFIX", "SECTION", "shard_file_name", "is_sharded_manifest", "save_shards",
            "tidy", "check_manifest", "manifest_of", "misfit_params", "open_shards", "relayout", "stage_sharded",
-           "stage_consolidated"]
+           "stage_consolidated", "read_parameter_state"]
 
 
 def shard_file_name(rank: int, size: int) -> str:
@@ -297,3 +297,20 @@ def stage_consolidated(shards: SavedShards, manifest: dict, decode: Callable[[di
                 state[index] = entry
     return state
 
+
+
+def read_parameter_state(shards: SavedShards, manifest: dict, index: int, key: str, offset: int,
+                         out: np.ndarray) -> None:
+    """Elements ``[offset, offset + out.size)`` of parameter ``index``'s element-wise state ``key`` (for a target
+    that holds its own slice of each parameter, such as a fully sharded model's optimizer).
+
+    Args:
+        shards: :func:`open_shards` of the version.
+        manifest: its checked manifest.
+        index: the parameter's index in the manifest (a trainable one; its bucket must hold ``key``).
+        key: the state's name.
+        offset: the first element wanted, in the parameter's flattened elements.
+        out: a 1-D array of the key's dtype, filled in place.
+    """
+    b, start = _locations(manifest)[index]
+    shards.read_flat(_dataset(b, key), manifest["buckets"][b]["numel"], start + offset, out.size, out)

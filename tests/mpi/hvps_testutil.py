@@ -249,12 +249,13 @@ def shared_dir(name):
     return path
 
 
-def replicated_checkpoint(model, optimizer, train, directory):
-    """A replicated run (``hvd.DistributedOptimizer`` over ``optimizer``) trained by ``train(wrapped optimizer)``
-    and saved as dense epoch 1 in ``directory``: ``(the wrapped optimizer, its CheckpointManager)``. Collective."""
+def replicated_checkpoint(model, optimizer, train, directory, **wrap):
+    """A replicated run (``hvd.DistributedOptimizer`` over ``optimizer``, with the keywords ``wrap``: ``shard=True``
+    for a ShardedOptimizer run) trained by ``train(wrapped optimizer)`` and saved as epoch 1 in ``directory`` (dense,
+    or the dense model plus the optimizer shards): ``(the wrapped optimizer, its CheckpointManager)``. Collective."""
     import hvps.adapters.torch as hvd
 
-    replicated = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    replicated = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), **wrap)
     train(replicated)
     manager = hvd.CheckpointManager(directory, fsync=False)
     manager.save(1, model=model, optimizer=replicated)

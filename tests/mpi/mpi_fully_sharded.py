@@ -325,6 +325,18 @@ def _assert_staged_is_the_reference_slice(staged, model, opt, ref, ref_opt, size
             assert torch.equal(entry["step"], reference["step"])
 
 
+def _assert_an_optimizer_alone_loads_the_same(mgr, model, opt, kind):
+    """``load(optimizer=...)`` without the model: another optimizer over the same shards gets ``opt``'s state."""
+    alone = _optimizer(model, kind, 1.0)
+    assert mgr.load(optimizer=alone) == 2
+    mine, theirs = alone.state_dict(), opt.state_dict()
+    assert mine["param_groups"] == theirs["param_groups"]
+    assert mine["state"].keys() == theirs["state"].keys()
+    for index, entry in theirs["state"].items():
+        assert mine["state"][index].keys() == entry.keys()
+        assert all(torch.equal(mine["state"][index][k], v) for k, v in entry.items()), index
+
+
 def test_checkpoint_reshards_to_fewer_and_more_ranks_and_into_one_process(shared_dir):
     """Issue 39 item 4 at stage 3: saved at N ranks as per-rank shards of the parameters and of Adam's state plus a
     manifest, then loaded at N ranks with other units, at N - 1 ranks (a process set) and into an unsharded model
@@ -358,6 +370,7 @@ def test_checkpoint_reshards_to_fewer_and_more_ranks_and_into_one_process(shared
     same_opt = _optimizer(same, "adam", 1.0)
     assert mgr.load(model=same, optimizer=same_opt) == 2
     assert same_opt.param_groups[0]["lr"] == lr
+    _assert_an_optimizer_alone_loads_the_same(mgr, same, same_opt, "adam")
     fewer = size - 1
     subset = hvps.add_process_set(list(range(fewer)))
     try:
@@ -437,3 +450,40 @@ def test_a_replicated_runs_checkpoint_loads_into_a_fully_sharded_model_and_conti
         _sharded_steps(replicated, replicated_opt, step, step + 1, size, rank)
         _sharded_steps(model, opt, step, step + 1, size, rank)
         _assert_equal(_full(model), replicated, f"replicated -> fully sharded at {size} ranks, {kind}, step {step}")
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_a_sharded_optimizer_runs_checkpoint_loads_into_a_fully_sharded_model_and_continues_exactly(shared_dir,
+                                                                                                    kind):
+    """Issue 39 item 4, from stage 1-2 to stage 3: a ShardedOptimizer run (20-element buckets, uneven over 3 ranks)
+    saves the dense model and its optimizer shards; a fully sharded model and its optimizer load it, each rank
+    reading its slices of the saved shards, and continue bit for bit as the uninterrupted ShardedOptimizer run.
+    Emulated on every rank at 1 to 4 ranks: its staged slices are those of the state consolidated in one process."""
+    from hvps_testutil import replicated_checkpoint, shifted
+
+    from hvps.adapters.torch import fully_sharded_checkpoint as fc
+
+    size, rank = hvd.size(), hvd.rank()
+    lr = 2.0 ** -4
+    replicated = _model()
+    sharded_opt, mgr = replicated_checkpoint(
+        replicated, _optimizer(replicated, kind, lr), lambda opt: _sharded_steps(replicated, opt, 0, 2, size, rank),
+        shared_dir / f"sharded-optimizer-to-fully-sharded-{kind}", shard=True, bucket_cap_mb=20 * 4 / 2**20)
+    model = shifted(_model())
+    fully_shard(model, units=[model.first, model.second], broadcast_from=None)
+    opt = _optimizer(model, kind, 1.0)
+    assert mgr.load(model=model, optimizer=opt) == 2
+    assert opt.param_groups[1]["lr"] == 2 * lr
+    _assert_an_optimizer_alone_loads_the_same(mgr, model, opt, kind)
+    if kind == "adam":
+        plain = _model()
+        plain_opt = _optimizer(plain, kind, 1.0)
+        assert mgr.load(model=plain, optimizer=plain_opt) == 2  # consolidated: the whole state in one process
+        for m in range(1, 5):
+            for q in range(rank, m, size):
+                staged = fc.stage_sharded_optimizer(mgr.directory, mgr.loaded, model, opt, world=(m, q))
+                _assert_staged_is_the_reference_slice(staged, model, opt, plain, plain_opt, m, q)
+    for step in range(2, 4):
+        _sharded_steps(replicated, sharded_opt, step, step + 1, size, rank)
+        _sharded_steps(model, opt, step, step + 1, size, rank)
+        _assert_equal(_full(model), replicated, f"ShardedOptimizer -> fully sharded at {size} ranks, {kind}, step {step}")

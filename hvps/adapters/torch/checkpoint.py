@@ -25,7 +25,9 @@ optimizer (see :mod:`hvps.adapters.torch.sharded_checkpoint`). A model changed b
 shards (``model-epoch-NNNNNN/``), and loads into a fully sharded model at any rank count or into
 an unsharded model in one process (see :mod:`hvps.adapters.torch.fully_sharded_checkpoint`). A dense
 version (a replicated run's) loads into a fully sharded model and its optimizer, or into a
-``ShardedOptimizer``, at any rank count: each rank keeps its slices.
+``ShardedOptimizer``, at any rank count: each rank keeps its slices; so does a ``ShardedOptimizer`` run's version
+(dense model, sharded optimizer state) into a fully sharded model and its optimizer. An optimizer over a fully
+sharded model's shards loads alone too (``load(optimizer=opt)``): its shards know their model.
 """
 
 from __future__ import annotations
@@ -327,10 +329,17 @@ class CheckpointManager(_core.CheckpointManager):
         CheckpointError listing them all (``strict=False`` loads what fits and warns).
         ``compression``, an object with ``load_state_dict``, receives this rank's saved
         compression state.  Returns the saved epoch + 1, or 0 when there is nothing to load.
+
+        ``optimizer`` alone (no ``model``) over a ``hvd.fully_shard`` model's shards loads its state from any
+        checkpoint a fully sharded model loads: its shards name their model (the whole shapes, names and this
+        rank's slices), whose parameters are left as they are.
         """
         start = super().load(version, drop_compression_state=drop_compression_state)
-        start, staged = self.stage_shards(version, start, lambda ck: self._shard_reader(ck, model, optimizer),
-                                           drop_compression_state)
+        # an optimizer over a fully sharded model's shards, given alone: its model says where its slices lie
+        owner = model if model is not None else _fully.model_of_optimizer(optimizer)
+        start, staged = self.stage_shards(
+            version, start, lambda ck: self._shard_reader(ck, owner, optimizer, parameters=model is not None),
+            drop_compression_state)
         ck = self.loaded
         if ck is None:
             return start
@@ -342,7 +351,7 @@ class CheckpointManager(_core.CheckpointManager):
             staged = None
         problems = []
         if isinstance(staged, _fully.Staged):  # the parameters are staged: the buffers are the model's rest
-            if strict:
+            if strict and model is not None:
                 problems += check_state(_fully.buffers_of(model), staged.buffers)
         elif model is not None and strict:
             problems += check_model(model, ck.model, ck.path)
@@ -352,8 +361,9 @@ class CheckpointManager(_core.CheckpointManager):
         if problems:
             raise CheckpointError("the checkpoint does not fit the given model/optimizer", ck.path, problems)
         if isinstance(staged, _fully.Staged):
-            _fully.apply_staged(staged, model, optimizer)
-            apply_model(model, staged.buffers, strict, ck.path, current=_fully.buffers_of(model))
+            _fully.apply_staged(staged, owner, optimizer)
+            if model is not None:
+                apply_model(model, staged.buffers, strict, ck.path, current=_fully.buffers_of(model))
         elif model is not None:
             apply_model(model, ck.model, strict, ck.path)
         if isinstance(staged, tuple):  # a ShardedOptimizer's own shard
@@ -366,18 +376,25 @@ class CheckpointManager(_core.CheckpointManager):
             set_rng_state(ck.rng)
         return start
 
-    def _shard_reader(self, ck: Any, model: Any, optimizer: Any) -> Optional[tuple]:
+    def _shard_reader(self, ck: Any, model: Any, optimizer: Any, parameters: bool = True) -> Optional[tuple]:
         """``(check the fit, stage, what)`` for a version whose state lies in per-rank shards that ``model`` or
         ``optimizer`` load, or for a dense version that a fully sharded ``model`` loads (each rank its slices);
-        None for a dense version loaded as it is (or nothing to load from the shards)."""
+        None for a dense version loaded as it is (or nothing to load from the shards). ``parameters`` False: a
+        fully sharded ``model`` only places its ``optimizer``'s slices (its own parameters are not loaded)."""
         if (_fully.is_fully_sharded_model(model) and not _fully.is_fully_sharded(ck.model)
-                and not (optimizer is not None and _sharded.is_sharded_manifest(ck.optimizer))):
-            return (lambda: _dense_fits_fully_sharded(ck, model, optimizer),
-                    lambda: _fully.stage_dense(ck, model, optimizer),
+                and optimizer is not None and _sharded.is_sharded_manifest(ck.optimizer)):
+            return (lambda: _stage12_fits_fully_sharded(ck, model, optimizer, parameters),
+                    lambda: _fully.stage_sharded_optimizer(self.directory, ck, model, optimizer,
+                                                           parameters=parameters),
+                    "the stage 1-2 checkpoint does not fit the given fully sharded model/optimizer")
+        if _fully.is_fully_sharded_model(model) and not _fully.is_fully_sharded(ck.model):
+            return (lambda: _dense_fits_fully_sharded(ck, model, optimizer, parameters),
+                    lambda: _fully.stage_dense(ck, model, optimizer, parameters=parameters),
                     "the dense checkpoint does not fit the given fully sharded model/optimizer")
         if _fully.is_fully_sharded(ck.model) and (model is not None or optimizer is not None):
             return (lambda: _fully.check_fit(ck, model, optimizer),
-                    lambda: _dense_or_staged(_fully.stage(self.directory, ck, model, optimizer)),
+                    lambda: _dense_or_staged(_fully.stage(self.directory, ck, model, optimizer,
+                                                          parameters=parameters)),
                     "the checkpoint's fully sharded model does not fit the given model/optimizer")
         if optimizer is not None and _sharded.is_sharded_manifest(ck.optimizer):
             return (lambda: _sharded.check_fit(ck.optimizer, optimizer, ck.path),
@@ -386,12 +403,14 @@ class CheckpointManager(_core.CheckpointManager):
         return None
 
 
-def _dense_fits_fully_sharded(ck: Any, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list:
+def _dense_fits_fully_sharded(ck: Any, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                              parameters: bool = True) -> list:
     """Problems of loading the dense version ``ck`` into a fully sharded ``model`` and its ``optimizer``: its
-    parameters (missing, or of another shape or dtype than the whole parameter) and its optimizer state (as
-    :func:`check_optimizer`, over the whole parameters). Buffers are left to the caller (``strict``)."""
+    parameters (missing, or of another shape or dtype than the whole parameter; unless not ``parameters``) and its
+    optimizer state (as :func:`check_optimizer`, over the whole parameters). Buffers are left to the caller
+    (``strict``)."""
     whole = _fully.whole_parameters(model)
-    problems = check_state(whole, {k: v for k, v in ck.model.items() if k in whole})
+    problems = check_state(whole, {k: v for k, v in (ck.model or {}).items() if k in whole}) if parameters else []
     if optimizer is None:
         return problems
     if isinstance(optimizer, ShardedOptimizer):
@@ -403,6 +422,17 @@ def _dense_fits_fully_sharded(ck: Any, model: torch.nn.Module, optimizer: Option
         return problems + ["the optimizer holds a parameter that is not a shard of the fully sharded model: build "
                            "it over model.parameters() after hvd.fully_shard(model)"]
     return problems + check_optimizer(optimizer, ck.optimizer, whole=by_id)
+
+
+def _stage12_fits_fully_sharded(ck: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                                parameters: bool) -> list:
+    """Problems of loading the stage 1-2 version ``ck`` (dense model, sharded optimizer manifest) into a fully
+    sharded ``model`` (its parameters unless not ``parameters``) and its ``optimizer``: the parameters as
+    :func:`_dense_fits_fully_sharded`, the manifest as
+    :func:`hvps.adapters.torch.fully_sharded_checkpoint.sharded_optimizer_misfit`."""
+    whole = _fully.whole_parameters(model)
+    problems = check_state(whole, {k: v for k, v in (ck.model or {}).items() if k in whole}) if parameters else []
+    return problems + _fully.sharded_optimizer_misfit(ck, model, optimizer)
 
 
 def _dense_or_staged(staged: Any) -> Any:

@@ -62,9 +62,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import weakref
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
+import torch.utils.weak
 
 import hvps
 from hvps import ProcessSet, global_process_set
@@ -82,6 +84,9 @@ from .mpi_ops import Average, Sum, allgather_async, allreduce_async, broadcast_a
 __all__ = ["fully_shard", "FullyShardedModel"]
 
 _CONTROLLER = "_hvps_fully_sharded"
+#: every shard parameter -> a weak reference to its model's controller (for a holder of the shards alone, such as
+#: an optimizer loaded from a checkpoint without its model); the shards stay the same objects through relayouts
+_OWNERS = torch.utils.weak.WeakIdKeyDictionary()
 
 
 class _FlatGroup:
@@ -304,6 +309,19 @@ class FullyShardedModel:
             raise ValueError("this model is not fully sharded: call hvd.fully_shard(model) first")
         return controller
 
+    @staticmethod
+    def owning(parameter: torch.Tensor) -> Optional["FullyShardedModel"]:
+        """The controller of the model whose shard ``parameter`` is.
+
+        Args:
+            parameter: any tensor (an optimizer's parameter).
+
+        Returns:
+            The ``FullyShardedModel``, or None when ``parameter`` is no shard of a live fully sharded model.
+        """
+        owner = _OWNERS.get(parameter)
+        return None if owner is None else owner()
+
     # -- setup -------------------------------------------------------------------------------------
     def _claim(self, model: torch.nn.Module, unit_modules: list) -> list:
         """The units, root first: every parameter registration goes to the innermost unit around it."""
@@ -361,6 +379,8 @@ class FullyShardedModel:
             group = _FlatGroup(f"fully_shard.{unit.name}.{gi}", [n for n, _ in entries], [p for _, p in entries],
                                self._size, self._rank)
             unit.groups.append(group)
+            for shard in group.shards:
+                _OWNERS[shard] = weakref.ref(self)
             unit.all_trainable &= len(group.trainable) == len(group.full)
             for pi, (_, p) in enumerate(entries):
                 where[p] = (gi, pi)

@@ -39,6 +39,13 @@ every flat group from the whole parameters by name, and its slice of each elemen
 torch's ``state_dict()`` layout (the optimizer's k-th parameter takes the saved k-th, as a plain optimizer
 does), through the same staging as a re-sharded checkpoint. The torch ``CheckpointManager`` checks the fit
 first (:func:`whole_parameters`): a dense file of another model raises CheckpointError naming what differs.
+
+A ``ShardedOptimizer`` run's checkpoint (stage 1-2: the dense model plus the sharded optimizer's manifest and
+per-rank shards, :mod:`hvps.adapters.torch.sharded_checkpoint`) loads alike (:func:`stage_sharded_optimizer`):
+the parameters from the dense model section, and each rank reads only the ranges of the saved optimizer shards
+that its blocks need, through the same staging; its manifest is checked first (:func:`sharded_optimizer_misfit`:
+the optimizer's class and groups, every parameter's name, whole shape and dtype at its position), and missing or
+damaged shards make ``load("latest")`` fall back to the previous version.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ import numpy as np
 import torch
 
 from hvps import api
+from hvps.checkpoint import sharded_optimizer_state as _stage12
 from hvps.checkpoint.format import CheckpointError, root_attributes
 from hvps.checkpoint.safety import is_int, need
 from hvps.checkpoint.sharded_buffers import (STATE_KEY, SavedShards, check_flat_buffer, check_manifest_head,
@@ -64,7 +72,8 @@ from hvps.core.flat_shards import FlatLayout
 from hvps.core.views import as_array, as_tensor
 
 from .fully_sharded import FullyShardedModel
-from .sharded_checkpoint import decode_scalar, encode_scalar
+from .sharded_checkpoint import FRAMEWORK as _STAGE12_FRAMEWORK
+from .sharded_checkpoint import comparable_names, decode_scalar, encode_scalar
 from .sharded_optimizer import ShardedOptimizer
 
 FORMAT = "hvps-fully-sharded"
@@ -76,7 +85,7 @@ SECTION = "fully_sharded"  # the manifest's key in the dense file's model sectio
 FOLDER_RE = re.compile(r"^model-epoch-(\d{6,})$")
 
 __all__ = ["is_fully_sharded", "is_fully_sharded_model", "buffers_of", "save_model_shards", "check_fit", "stage",
-           "whole_parameters", "stage_dense", "Staged", "apply_staged", "tidy", "SECTION"]
+           "whole_parameters", "stage_dense", "stage_sharded_optimizer", "sharded_optimizer_misfit", "model_of_optimizer", "Staged", "apply_staged", "tidy", "SECTION"]
 
 
 def is_fully_sharded_model(model: Any) -> bool:
@@ -383,11 +392,11 @@ def check_fit(checkpoint: Any, model: Optional[torch.nn.Module], optimizer: Opti
 class Staged:
     """What a fully sharded model loads on this rank, read and verified, nothing changed yet.
 
-    ``blocks``: this rank's block of each of its flat groups; ``optimizer``: a ``state_dict()`` for its
+    ``blocks``: this rank's block of each of its flat groups (None: the parameters are not loaded); ``optimizer``: a ``state_dict()`` for its
     optimizer (None without one); ``buffers``: the saved buffers (numpy).
     """
 
-    blocks: list
+    blocks: Optional[list]
     optimizer: Optional[dict]
     buffers: dict
 
@@ -480,6 +489,51 @@ class _DenseSource:
         return scalars, flat
 
 
+class _ShardedOptimizerSource:
+    """A stage 1-2 checkpoint (a ``ShardedOptimizer`` run's: the dense model plus the sharded optimizer's manifest)
+    as :class:`_Reader` offers a fully sharded one: whole parameters by name from the dense model section, and each
+    parameter's element-wise optimizer state read from the per-rank shards through the manifest, matched by
+    position (the target optimizer's k-th parameter takes the manifest's k-th, as the manifest numbers them).
+
+    Args:
+        model_section: the checkpoint's model section (numpy arrays by ``state_dict()`` key).
+        manifest: the checked manifest of its optimizer section.
+        shards: the opened shards of the version.
+        model: the fully sharded target.
+        optimizer: its optimizer over the model's shards.
+    """
+
+    def __init__(self, model_section: Mapping, manifest: dict, shards: SavedShards, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+        self.model_section, self.manifest, self.shards = model_section, manifest, shards
+        names = {id(s): n for group in FullyShardedModel.of(model).flat_groups()
+                 for n, s in zip(group.names, group.shards)}
+        bucket_of = {index: b for b, bucket in enumerate(manifest["buckets"]) for index, _, _ in bucket["params"]}
+        targets = [p for group in optimizer.param_groups for p in group["params"]]
+        #: parameter name -> (its index in the manifest, its saved bucket); frozen parameters have none
+        self.saved = {names[id(p)]: (k, bucket_of[k]) for k, p in enumerate(targets) if k in bucket_of}
+        self.param_groups = manifest["param_groups"]
+
+    def read(self, name: str, key: Optional[str], offset: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (1-D) with elements ``[offset, offset + out.numel())`` of parameter ``name`` (``key``
+        None) or of its optimizer state ``key``."""
+        if key is None:
+            out.copy_(as_tensor(self.model_section[name]).reshape(-1)[offset:offset + out.numel()])
+            return
+        _stage12.read_parameter_state(self.shards, self.manifest, self.saved[name][0], key, offset, as_array(out))
+
+    def state_of(self, name: str) -> Optional[tuple]:
+        """``(scalar state, {element-wise key: dtype})`` saved for parameter ``name`` (its bucket's); None without
+        state."""
+        if name not in self.saved:
+            return None
+        bucket = self.manifest["buckets"][self.saved[name][1]]
+        if not bucket["keys"] and not bucket["scalars"]:
+            return None
+        return ({k: decode_scalar(v) for k, v in bucket["scalars"].items()},
+                {k: getattr(torch, dtype) for k, dtype in bucket["keys"].items()})
+
+
 def _saved_state(manifest: dict) -> dict:
     """Parameter index -> its saved optimizer entry (or None)."""
     part = manifest["optimizer"]
@@ -492,9 +546,10 @@ def _scalars(entry: dict) -> dict:
 
 
 def _stage_sharded(source: Any, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                   world: tuple) -> tuple:
-    """Rank ``world[1]`` of ``world[0]``'s blocks and its optimizer's ``state_dict()`` for a fully sharded target,
-    read from ``source`` (a :class:`_Reader` or a :class:`_DenseSource`)."""
+                   world: tuple, parameters: bool = True) -> tuple:
+    """Rank ``world[1]`` of ``world[0]``'s blocks (None unless ``parameters``) and its optimizer's ``state_dict()``
+    for a fully sharded target, read from ``source`` (a :class:`_Reader`, :class:`_DenseSource` or
+    :class:`_ShardedOptimizerSource`)."""
     size, rank = world
     blocks, shard_state = [], {}
     for group in FullyShardedModel.of(model).flat_groups():
@@ -503,7 +558,8 @@ def _stage_sharded(source: Any, model: torch.nn.Module, optimizer: Optional[torc
         mine = {i: (offset, at, n) for i, offset, at, n in layout.pieces(rank)}
         for i, (name, shard) in enumerate(zip(group.names, group.shards)):
             offset, at, n = mine.get(i, (0, 0, 0))
-            source.read(name, None, offset, block[at:at + n])
+            if parameters:
+                source.read(name, None, offset, block[at:at + n])
             saved = None if optimizer is None else source.state_of(name)
             if saved is not None:
                 state, keys = saved
@@ -512,6 +568,7 @@ def _stage_sharded(source: Any, model: torch.nn.Module, optimizer: Optional[torc
                     source.read(name, key, offset, state[key])
                 shard_state[id(shard)] = state
         blocks.append(block)
+    blocks = blocks if parameters else None
     if optimizer is None:
         return blocks, None
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -561,7 +618,7 @@ def _stage_dense(reader: _Reader, manifest: dict, model: Optional[torch.nn.Modul
 
 
 def stage(directory: os.PathLike, checkpoint: Any, model: Optional[torch.nn.Module],
-          optimizer: Optional[torch.optim.Optimizer], world: Optional[tuple] = None) -> Any:
+          optimizer: Optional[torch.optim.Optimizer], world: Optional[tuple] = None, parameters: bool = True) -> Any:
     """Read (and verify) what ``model`` and ``optimizer`` need of the fully sharded ``checkpoint``; nothing is changed.
 
     Args:
@@ -571,6 +628,7 @@ def stage(directory: os.PathLike, checkpoint: Any, model: Optional[torch.nn.Modu
         optimizer: its optimizer, or None.
         world: ``(size, rank)`` of the layout to stage a fully sharded ``model``'s blocks for (another rank
             count's, to inspect one); default the model's own.
+        parameters: stage a fully sharded ``model``'s parameters (False: its optimizer's state alone).
 
     Returns:
         A :class:`Staged` for a fully sharded ``model`` (give it to :func:`apply_staged`); otherwise
@@ -586,7 +644,7 @@ def stage(directory: os.PathLike, checkpoint: Any, model: Optional[torch.nn.Modu
         reader = _Reader(shards, manifest)
         if is_fully_sharded_model(model):
             world = FullyShardedModel.of(model).world() if world is None else world
-            blocks, state = _stage_sharded(reader, model, optimizer, world)
+            blocks, state = _stage_sharded(reader, model, optimizer, world, parameters)
             return Staged(blocks, state, dict(buffers))
         model_section, optimizer_section = _stage_dense(reader, manifest, model, optimizer is not None)
     return {**buffers, **model_section}, optimizer_section
@@ -609,7 +667,7 @@ def whole_parameters(model: torch.nn.Module) -> dict:
 
 
 def stage_dense(checkpoint: Any, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                world: Optional[tuple] = None) -> Staged:
+                world: Optional[tuple] = None, parameters: bool = True) -> Staged:
     """This rank's slices of a dense checkpoint (a replicated run's) for a fully sharded ``model`` and its
     optimizer; nothing is changed. The caller checked the fit (:func:`whole_parameters`).
 
@@ -618,6 +676,7 @@ def stage_dense(checkpoint: Any, model: torch.nn.Module, optimizer: Optional[tor
         model: a fully sharded model (any rank count).
         optimizer: a torch optimizer over its shards, or None.
         world: ``(size, rank)`` of the layout to stage for; default the model's own.
+        parameters: stage the parameters (False: the optimizer's state alone).
 
     Returns:
         A :class:`Staged` (give it to :func:`apply_staged`): the saved entries that are no parameters of
@@ -625,14 +684,82 @@ def stage_dense(checkpoint: Any, model: torch.nn.Module, optimizer: Optional[tor
     """
     source = _DenseSource(checkpoint.model, checkpoint.optimizer or None, model, optimizer)
     world = FullyShardedModel.of(model).world() if world is None else world
-    blocks, state = _stage_sharded(source, model, optimizer, world)
+    blocks, state = _stage_sharded(source, model, optimizer, world, parameters)
     params = whole_parameters(model)
-    return Staged(blocks, state, {k: v for k, v in checkpoint.model.items() if k not in params})
+    return Staged(blocks, state, {k: v for k, v in (checkpoint.model or {}).items() if k not in params})
+
+
+def stage_sharded_optimizer(directory: os.PathLike, checkpoint: Any, model: torch.nn.Module,
+                            optimizer: torch.optim.Optimizer, world: Optional[tuple] = None,
+                            parameters: bool = True) -> Staged:
+    """This rank's slices of a stage 1-2 checkpoint (a ``ShardedOptimizer`` run's: dense model, sharded optimizer
+    state) for a fully sharded ``model`` and its optimizer, reading only the ranges of the saved optimizer shards
+    that its blocks need; nothing is changed. The caller checked the fit (:func:`sharded_optimizer_misfit`).
+
+    Args:
+        directory: the checkpoint directory.
+        checkpoint: the loaded :class:`hvps.checkpoint.Checkpoint` (dense model section, optimizer manifest).
+        model: a fully sharded model (any rank count).
+        optimizer: a torch optimizer over its shards.
+        world: ``(size, rank)`` of the layout to stage for; default the model's own.
+        parameters: stage the parameters (False: the optimizer's state alone).
+
+    Returns:
+        A :class:`Staged` (give it to :func:`apply_staged`): the saved entries that are no parameters of
+        ``model`` are its ``buffers``.
+
+    Raises:
+        CheckpointError: a shard is missing, unsafe, damaged, disagrees with the manifest or is of another model.
+    """
+    manifest = _stage12.manifest_of(checkpoint.optimizer, checkpoint.path)
+    world = FullyShardedModel.of(model).world() if world is None else world
+    with _stage12.open_shards(directory, manifest, checkpoint.epoch, _STAGE12_FRAMEWORK) as shards:
+        source = _ShardedOptimizerSource(checkpoint.model, manifest, shards, model, optimizer)
+        blocks, state = _stage_sharded(source, model, optimizer, world, parameters)
+    params = whole_parameters(model)
+    return Staged(blocks, state, {k: v for k, v in (checkpoint.model or {}).items() if k not in params})
+
+
+def sharded_optimizer_misfit(checkpoint: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list:
+    """Problems of loading the optimizer manifest of a stage 1-2 ``checkpoint`` into ``optimizer`` over the shards
+    of the fully sharded ``model``: its class, its parameter groups, and each of its parameters (the whole
+    parameter's name, shape, dtype and trainability) against the manifest's at the same position.
+
+    Args:
+        checkpoint: the loaded :class:`hvps.checkpoint.Checkpoint` (its optimizer section is a manifest).
+        model: a fully sharded model.
+        optimizer: a torch optimizer over its shards.
+
+    Returns:
+        A list of problems, empty when it fits.
+
+    Raises:
+        CheckpointError: the manifest itself is malformed (a defect of the version).
+    """
+    manifest = _stage12.manifest_of(checkpoint.optimizer, checkpoint.path)
+    if isinstance(optimizer, ShardedOptimizer):
+        return ["a ShardedOptimizer over a fully sharded model is not supported"]
+    whole = {id(shard): [name, list(shape), _dtype_name(group.dtype), shard.requires_grad]
+             for group in FullyShardedModel.of(model).flat_groups()
+             for name, shape, shard in zip(group.names, group.shapes, group.shards)}
+    targets = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(id(p) not in whole for p in targets):
+        return ["the optimizer holds a parameter that is not a shard of the fully sharded model: build it over "
+                "model.parameters() after hvd.fully_shard(model)"]
+    problems = []
+    inner = getattr(optimizer, "_inner", optimizer)
+    if manifest["class"] != type(inner).__name__:
+        problems.append(f"optimizer class: checkpoint {manifest['class'][:60]}, given {type(inner).__name__}")
+    saved_groups = [len(g["params"]) for g in manifest["param_groups"]]
+    if saved_groups != [len(g["params"]) for g in optimizer.param_groups]:
+        problems.append(f"optimizer param_groups: checkpoint has {saved_groups} parameters, optimizer "
+                        f"{[len(g['params']) for g in optimizer.param_groups]}")
+    return problems + _stage12.misfit_params(manifest["params"], [whole[id(p)] for p in targets], comparable_names)
 
 
 def apply_staged(staged: Staged, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
-    """Install ``staged`` into the fully sharded ``model`` and its ``optimizer`` (local; the step in progress
-    and the shards' gradients are dropped).
+    """Install ``staged`` into the fully sharded ``model`` (unless its ``blocks`` are None) and its ``optimizer``
+    (local; the step in progress and the shards' gradients are dropped).
 
     Args:
         staged: from :func:`stage`, for this model at this rank count.
@@ -641,7 +768,29 @@ def apply_staged(staged: Staged, model: torch.nn.Module, optimizer: Optional[tor
     """
     controller = FullyShardedModel.of(model)
     size, rank = controller.world()
-    controller.relayout(staged.blocks, size, rank)
+    if staged.blocks is not None:
+        controller.relayout(staged.blocks, size, rank)
     if optimizer is not None and staged.optimizer is not None:
         optimizer.state.clear()
         optimizer.load_state_dict(staged.optimizer)
+
+
+def model_of_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> Optional[torch.nn.Module]:
+    """The fully sharded model whose shards ``optimizer`` is over (its first parameter's), for a load of the
+    optimizer alone: each shard knows its model (:meth:`FullyShardedModel.owning`), as an FSDP2 parameter knows its
+    whole shape and mesh.
+
+    Args:
+        optimizer: any torch optimizer, or None.
+
+    Returns:
+        The model, or None when the optimizer's first parameter is no shard of a fully sharded model (or there is
+        none); whether all of them are is the fit check's to say.
+    """
+    if optimizer is None or isinstance(optimizer, ShardedOptimizer):
+        return None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            controller = FullyShardedModel.owning(p)
+            return None if controller is None else controller.model
+    return None

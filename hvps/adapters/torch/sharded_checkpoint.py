@@ -64,7 +64,7 @@ FRAMEWORK = "hvps.sharded_optimizer"  # the shards' root attribute "framework"
 _UNNAMED = re.compile(r"^param\.\d+$")  # ShardedOptimizer's names without named_parameters
 
 __all__ = ["save_optimizer_shards", "is_sharded_manifest", "check_fit", "stage_optimizer", "stage_shard", "relayout",
-           "model_fingerprint", "shard_file_name", "tidy", "encode_scalar", "decode_scalar"]
+           "model_fingerprint", "shard_file_name", "tidy", "encode_scalar", "decode_scalar", "comparable_names"]
 
 
 def model_fingerprint(params: list) -> str:
@@ -171,8 +171,9 @@ def _target_params(optimizer: torch.optim.Optimizer) -> list:
             for g in optimizer.param_groups for p in g["params"]]
 
 
-def _named(a: Any, b: Any) -> bool:
-    """Names count when both sides have them (model.named_parameters() given when saving and loading)."""
+def comparable_names(a: Any, b: Any) -> bool:
+    """Whether two parameter names are to be compared: both given and meaningful (``named_parameters`` given to
+    the ShardedOptimizer, not its ``param.N``)."""
     return not (a is None or b is None or _UNNAMED.match(a) or _UNNAMED.match(b))
 
 
@@ -204,7 +205,7 @@ def check_fit(section: Mapping, optimizer: torch.optim.Optimizer, path: Any) -> 
             if len(g["params"]) != len(mine["params"]):
                 problems.append(f"optimizer param_groups[{gi}]: checkpoint has {len(g['params'])} parameters, "
                                 f"optimizer {len(mine['params'])}")
-    return problems + _state.misfit_params(manifest["params"], _target_params(optimizer), _named)
+    return problems + _state.misfit_params(manifest["params"], _target_params(optimizer), comparable_names)
 
 
 # ----------------------------------------------------------------------------- reading
