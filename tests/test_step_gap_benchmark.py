@@ -17,7 +17,7 @@ def test_step_gap_benchmark_tiny_end_to_end(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMPI_MCA_mpi_yield_when_idle="1")
     env.pop("HVPS_METRICS_PORT", None)
     cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "step_gap.py"), "--np", "2", "--rounds", "1",
-           "--iters", "1", "--warmup", "1", "--image-size", "32", "--timeout", "150",
+           "--iters", "1", "--warmup", "1", "--image-size", "32", "--batch-size", "2", "--timeout", "150",
            "--mpirun", mpirun_path(), "--json", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
