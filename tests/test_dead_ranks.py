@@ -53,7 +53,9 @@ def _ranks_alive(session: int) -> list:
         except (OSError, ValueError):
             continue
         fields = stat.rsplit(")", 1)[-1].split()
-        if int(fields[3]) == session and str(SCRIPT).encode() in cmdline and fields[0] != "Z":
+        # the launcher leads the session and names the script too: it is not a rank
+        if (int(fields[3]) == session and int(entry.name) != session and str(SCRIPT).encode() in cmdline
+                and fields[0] != "Z"):
             alive.append(int(entry.name))
     return alive
 
