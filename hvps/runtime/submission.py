@@ -6,8 +6,8 @@ itself, polling the control plane instead of sleeping, for up to ``HVPS_SPIN_WAI
 (``FastPath.drive``). A synchronous small collective then costs no hand-over between threads and no wake-up of
 a sleeping thread on any rank: it is negotiated and executed by the callers. The negotiation is the same code,
 so the mismatch and stall checks hold. Only collectives the backend can abandon at once when a rank dies
-(``Backend.interruptible_bytes``) run on the caller; a larger one is left to the engine thread (the executor's
-backlog, ``execution.py``).
+(``Backend.interruptible_bytes_for``: on the node's shared-memory plane, any size) run on the caller; a larger one
+is left to the engine thread (the executor's backlog, ``execution.py``).
 """
 
 from __future__ import annotations
