@@ -352,11 +352,30 @@ class StallingBackend:
 
     interruptible_bytes = 64
 
+    def interruptible_bytes_for(self, method):
+        return self.interruptible_bytes
+
     def ordered(self, entries):
         return contextlib.nullcontext()
 
     def allreduce(self, sendbuf, recvbuf, op):
         raise DataPlaneStall("no data moved for 2 s")
+
+
+class SegmentLikeBackend:
+    """A data plane of one rank whose allreduce gives up at once on a lost rank whatever its size (as the node's
+    shared-memory plane's does), while its point-to-point transfers (Adasum's) only up to 64 bytes."""
+
+    interruptible_bytes = 64
+
+    def interruptible_bytes_for(self, method):
+        return 1 << 62 if method == "allreduce" else self.interruptible_bytes
+
+    def ordered(self, entries):
+        return contextlib.nullcontext()
+
+    def allreduce(self, sendbuf, recvbuf, op):
+        recvbuf[...] = sendbuf
 
 
 def executor_with(queue: SubmissionQueue, status: EngineStatus, find_the_lost, fail_all=None):
@@ -408,6 +427,22 @@ def test_a_waiter_leaves_a_collective_too_large_for_it_to_the_engine_thread():
     large = Response(ALLREDUCE, ["big"], requests=[Request("big", ALLREDUCE, "float32", ((1000,),), "sum")])
     executor.execute([large])
     assert list(executor.backlog) == [large] and queue.pending_entry("big") is not None
+
+
+def test_a_waiter_runs_a_large_collective_when_its_plane_abandons_it_at_once_but_leaves_adasum():
+    status = EngineStatus()
+    queue = SubmissionQueue(0, status, stall_seconds=60, wake=Calls())
+    executor = Executor(0, 1, SegmentLikeBackend(), status, queue, Calls(), Calls(), Calls(), lambda: 0)
+    (big,) = queue.submit_all([entry("big", count=1000)])
+    adasum = Entry(Request("mixed", ALLREDUCE, "float32", ((1000,),), "adasum"), [np.ones(1000, np.float32)],
+                   [np.empty(1000, np.float32)])
+    queue.submit_all([adasum])
+    queue.take(0.001, True)
+    executor.on_waiter = True
+    large = Response(ALLREDUCE, ["big"], requests=[Request("big", ALLREDUCE, "float32", ((1000,),), "sum")])
+    executor.execute([large, Response(ALLREDUCE, ["mixed"], requests=[adasum.request])])
+    assert big.finished and executor.driven_collectives == 1
+    assert [r.names for r in executor.backlog] == [["mixed"]], "Adasum's exchanges run on the flat plane: left"
 
 
 # -- losses and failure ------------------------------------------------------------------------

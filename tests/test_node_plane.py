@@ -91,3 +91,18 @@ def test_host_buffers_go_through_shared_memory_and_device_ones_stay_on_the_flat_
     assert plane.supports_process_sets and plane.subset((0,)) is flat
     plane.close()
     assert flat.closed == 1, "the shared-memory plane owns the flat one: closed once"
+
+
+def test_a_waiter_may_run_what_runs_on_the_segment_at_any_size_and_the_rest_up_to_the_flat_planes_limit():
+    segment, reason = open_segment(OneRank(), 4096, 5.0)
+    assert segment is not None, reason
+    flat = FlatPlane()
+    flat.interruptible_bytes = 1024
+    plane = ShmBackend(segment, flat)
+    try:
+        for method in ("allreduce", "allgatherv", "broadcast", "reducescatter"):
+            assert plane.interruptible_bytes_for(method) >= 1 << 40, method
+        assert plane.interruptible_bytes_for("alltoallv") == plane.interruptible_bytes_for("sendrecv") == 1024
+        assert ShmBackend(segment, None).interruptible_bytes_for("alltoallv") == 0
+    finally:
+        plane.close()

@@ -162,3 +162,20 @@ def test_a_relay_speaks_for_its_subtree_by_spans_and_only_for_it():
     assert root.resolve(3, {"whole": [0], "epoch": 1}) == [(range(3, 5), req)], "every rank of its subtree"
     with pytest.raises(HvpsError, match=r"rank 3 relayed announcements of ranks \[2, 4\], outside its subtree 3..4"):
         root.resolve(3, {"batch": [[0, [[2, 4]]]], "epoch": 1})
+
+
+def test_a_repeated_allreduce_reuses_its_request_object_and_the_cache_finds_it_by_identity():
+    from hvps.api import collectives
+
+    fields = ("allreduce.reused", "float32", ((4,),), "sum", 1.0, 0.5, "cpu", 0)
+    first = collectives._allreduce_request(*fields)
+    assert collectives._allreduce_request(*fields) is first
+    assert first == Request("allreduce.reused", ALLREDUCE, "float32", ((4,),), "sum", postscale=0.5)
+    other = collectives._allreduce_request("allreduce.reused", "float32", ((5,),), "sum", 1.0, 0.5, "cpu", 0)
+    assert other is not first and other.shapes == ((5,),)
+    negative_zero = collectives._allreduce_request("allreduce.zero", "float32", ((4,),), "sum", 1.0, -0.0, "cpu", 0)
+    zero = collectives._allreduce_request("allreduce.zero", "float32", ((4,),), "sum", 1.0, 0.0, "cpu", 0)
+    assert str(negative_zero.postscale) == "-0.0" and str(zero.postscale) == "0.0", "the zeros' signs are kept"
+    cache = ResponseCache(8, 2)
+    cache.encode_responses([Response(ALLREDUCE, [first.name], requests=[first])])
+    assert cache.announce([collectives._allreduce_request(*fields)])["requests"] == [0]

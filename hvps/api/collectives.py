@@ -136,6 +136,37 @@ def _scale(value: Any, what: str) -> float:
     return factor
 
 
+#: allreduce requests of recent calls, by their fields (at most ``_REQUESTS_KEPT``; all dropped when full): a
+#: training loop submits the same ones every step, and one object per request spares making it again (a frozen
+#: dataclass of 12 fields) and turns the response cache's look-ups of it into identity checks
+_recent_requests: dict = {}
+_REQUESTS_KEPT = 4096
+
+
+def _allreduce_request(label: str, dtype: str, shapes: tuple, op: str, prescale: float, postscale: float,
+                      device: str, set_id: int) -> Request:
+    """The allreduce request with these fields: the one a recent call made, or a new one.
+
+    Args:
+        label: the collective's full name; ``dtype``, ``shapes``, ``op`` (``ReduceOp``'s value), ``prescale``,
+            ``postscale``, ``device`` and ``set_id`` (the engine's process set id): the request's fields.
+
+    Returns:
+        A ``Request`` equal to ``Request(label, ALLREDUCE, dtype, shapes, op, ...)`` (requests are immutable).
+    """
+    if not prescale or not postscale:  # -0.0 == 0.0 as keys, but the sign of the zeros they give differs
+        return Request(label, ALLREDUCE, dtype, shapes, op, prescale=prescale, postscale=postscale, device=device,
+                       process_set=set_id)
+    key = (label, dtype, shapes, op, prescale, postscale, device, set_id)
+    request = _recent_requests.get(key)
+    if request is None:
+        if len(_recent_requests) >= _REQUESTS_KEPT:
+            _recent_requests.clear()
+        request = _recent_requests[key] = Request(label, ALLREDUCE, dtype, shapes, op, prescale=prescale,
+                                                  postscale=postscale, device=device, process_set=set_id)
+    return request
+
+
 def _name(kind: str, name: Optional[str], set_id: int = GLOBAL_SET) -> str:
     """User names are namespaced by kind (and set); unnamed ops are numbered per set and kind.
 
@@ -367,10 +398,9 @@ def _allreduce_async(values, op, name, prescale_factor, postscale_factor, outs, 
         for number, group in enumerate(groups):
             label = base if len(by_kind) == 1 else f"{base}.{suffix}"
             label = label if len(groups) == 1 else f"{label}.{number}"
-            request = Request(label, ALLREDUCE, dtype, tuple(tuple(inputs[i].shape) for i in group), op.value,
-                              prescale=_scale(prescale_factor, "prescale_factor"),
-                              postscale=_scale(postscale_factor, "postscale_factor"), device=device,
-                              process_set=set_id)
+            request = _allreduce_request(label, dtype, tuple(tuple(inputs[i].shape) for i in group), op.value,
+                                        _scale(prescale_factor, "prescale_factor"),
+                                        _scale(postscale_factor, "postscale_factor"), device, set_id)
             parts.append((request, [inputs[i] for i in group], [outputs[i] for i in group]))
             plan.append(group)
     handles = _submit_all(parts, grouped)
@@ -404,8 +434,8 @@ def allreduce_gradients_async(buffers: list, dtype: str, name: str, op: ReduceOp
     if device != "cpu":
         devices.check(label, buffers)
     shapes = (tuple(first.shape),) if len(buffers) == 1 else tuple(tuple(b.shape) for b in buffers)
-    request = Request(label, ALLREDUCE, dtype, shapes, op._value_, prescale=_scale(prescale_factor, "prescale_factor"),
-                      postscale=_scale(postscale_factor, "postscale_factor"), device=device, process_set=set_id)
+    request = _allreduce_request(label, dtype, shapes, op._value_, _scale(prescale_factor, "prescale_factor"),
+                                _scale(postscale_factor, "postscale_factor"), device, set_id)
     entry = Entry(request, buffers, list(buffers), grouped=len(buffers) > 1,
                   ready_event=None if device == "cpu" else arrays.ready_event(buffers), host_ready=tuple(host_ready),
                   bucketed=bucketed)

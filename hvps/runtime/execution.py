@@ -9,8 +9,10 @@ from collections import deque
 from typing import Callable, Optional, Protocol
 
 from .. import metrics as _metrics
-from ..control.negotiation import ADD_SET, ALLGATHER, GLOBAL_SET, JOIN, REMOVE_SET, SHUTDOWN
+from ..control.negotiation import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, GLOBAL_SET, JOIN, REDUCESCATTER,
+                                   REMOVE_SET, SHUTDOWN)
 from ..core import arrays
+from ..core.dtypes import ReduceOp
 from ..core.errors import DataPlaneStall, HvpsError
 from ..core.timeline import Timeline
 from ..dataplane.buffers import FusionBuffer
@@ -111,7 +113,7 @@ class Executor:
         context = self.contexts.get(response.requests[0].process_set)
         if context is None:
             return True
-        limit = context.backend.interruptible_bytes
+        limit = context.backend.interruptible_bytes_for(_backend_method(response))
         nbytes = 0
         for name in response.names:
             entry = self._entries.pending_entry(name)
@@ -187,6 +189,18 @@ class Executor:
             log.warning("rank %d: %s", self.rank, response.error)
         for entry in mine:
             entry.handle.set_error(HvpsError(response.error))
+
+
+#: the backend method each kind of collective calls (Adasum's allreduce exchanges halves point to point)
+_BACKEND_METHODS = {ALLREDUCE: "allreduce", ALLGATHER: "allgatherv", BROADCAST: "broadcast", ALLTOALL: "alltoallv",
+                    REDUCESCATTER: "reducescatter"}
+
+
+def _backend_method(response) -> str:
+    """The name of the ``Backend`` method that executing ``response`` calls (``""``: none)."""
+    if response.kind == ALLREDUCE and response.requests[0].op == ReduceOp.Adasum.value:
+        return "sendrecv"
+    return _BACKEND_METHODS.get(response.kind, "")
 
 
 def _trace(timeline: Timeline, response, entries: list, started: float) -> None:

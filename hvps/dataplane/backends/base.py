@@ -24,6 +24,19 @@ class Backend(abc.ABC):
     #: ``interrupt_on`` is set, so the engine may run them on a waiting user thread (0: none may)
     interruptible_bytes: int = 0
 
+    def interruptible_bytes_for(self, method: str) -> int:
+        """The most bytes per rank of a call of ``method`` (the name of one of this class's collectives:
+        ``"allreduce"``, ``"allgatherv"``, ``"sendrecv"``, ...) that returns (or raises) promptly once the event
+        given to ``interrupt_on`` is set.
+
+        Args:
+            method: the backend method the collective calls.
+
+        Returns:
+            ``interruptible_bytes`` here; a plane whose methods differ (``ShmBackend``) says per method.
+        """
+        return self.interruptible_bytes
+
     def interrupt_on(self, event) -> None:
         """From now on, give up a collective in flight once ``event`` (a ``threading.Event``) is set."""
 

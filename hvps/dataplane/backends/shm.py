@@ -18,6 +18,7 @@ its composition across nodes, is ``node_plane.py``'s.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Optional
 
 import numpy as np
@@ -28,6 +29,10 @@ from ..schedule import Schedule, bounds_of_counts, fold_in_rank_order, segments
 from ..shm_segment import DONE, IN, RED, SHM_DIR, Segment, new_name, segment_bytes
 from .base import Backend
 
+
+#: the methods that run on the segment itself, whose every wait gives up once ``interrupt_on``'s event is set,
+#: whatever the size (the others run on the flat plane)
+_ON_THE_SEGMENT = frozenset({"allreduce", "allgatherv", "broadcast", "reducescatter"})
 
 #: reduction layouts and part views ``ShmBackend`` keeps (all are dropped when one more is needed)
 _PLANS_KEPT = 256
@@ -90,6 +95,11 @@ class ShmBackend(Backend):
         """The flat plane's: a wait on the segment gives up once ``interrupt_on``'s event is set, so the
         collectives that might run on the flat plane decide."""
         return self.fallback.interruptible_bytes if self.fallback is not None else 0
+
+    def interruptible_bytes_for(self, method: str) -> int:
+        """Any size for what runs on the segment (a waiter then runs a 1 MiB allreduce itself, with no hand-over
+        to the engine thread and back); the flat plane's limit for the rest (alltoall, point-to-point)."""
+        return sys.maxsize if method in _ON_THE_SEGMENT else self.interruptible_bytes
 
     def interrupt_on(self, event):
         self.segment.lost = event
