@@ -43,7 +43,7 @@ SECTION = "sharded"  # the manifest's key in the dense file's optimizer section
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "PREFIX", "SECTION", "shard_file_name", "is_sharded_manifest", "save_shards",
            "tidy", "check_manifest", "manifest_of", "misfit_params", "open_shards", "relayout", "stage_sharded",
-           "stage_consolidated", "read_parameter_state"]
+           "stage_consolidated", "read_parameter_state", "parameter_locations"]
 
 
 def shard_file_name(rank: int, size: int) -> str:
@@ -220,8 +220,15 @@ def relayout(layout: dict, size: int) -> dict:
                 buckets=[dict(b, shard_numel=shard_numel(b["numel"], size)) for b in layout["buckets"]])
 
 
-def _locations(manifest: dict) -> dict:
-    """Parameter index -> (saved bucket, start in it)."""
+def parameter_locations(manifest: dict) -> dict:
+    """Where each trainable parameter's element-wise state lies in the saved buckets.
+
+    Args:
+        manifest: a checked manifest.
+
+    Returns:
+        Parameter index (in the manifest) -> ``(saved bucket, its first element in that bucket)``.
+    """
     return {index: (b, start) for b, bucket in enumerate(manifest["buckets"]) for index, start, _ in bucket["params"]}
 
 
@@ -248,7 +255,7 @@ def stage_sharded(shards: SavedShards, manifest: dict, layout: dict, rank: int,
     Raises:
         CheckpointError: the parameters of one new bucket were saved with different state, or a shard read fails.
     """
-    where = _locations(manifest)
+    where = parameter_locations(manifest)
     staged: dict = {}
     for nb, bucket in enumerate(layout["buckets"]):
         sources = sorted({where[index][0] for index, _, _ in bucket["params"]})
@@ -299,18 +306,19 @@ def stage_consolidated(shards: SavedShards, manifest: dict, decode: Callable[[di
 
 
 
-def read_parameter_state(shards: SavedShards, manifest: dict, index: int, key: str, offset: int,
+def read_parameter_state(shards: SavedShards, manifest: dict, location: tuple, key: str, offset: int,
                          out: np.ndarray) -> None:
-    """Elements ``[offset, offset + out.size)`` of parameter ``index``'s element-wise state ``key`` (for a target
+    """Elements ``[offset, offset + out.size)`` of one parameter's element-wise state ``key`` (for a target
     that holds its own slice of each parameter, such as a fully sharded model's optimizer).
 
     Args:
         shards: :func:`open_shards` of the version.
         manifest: its checked manifest.
-        index: the parameter's index in the manifest (a trainable one; its bucket must hold ``key``).
+        location: the parameter's ``(saved bucket, first element)``, from :func:`parameter_locations` (computed
+            once per load: a trainable parameter's; its bucket must hold ``key``).
         key: the state's name.
         offset: the first element wanted, in the parameter's flattened elements.
         out: a 1-D array of the key's dtype, filled in place.
     """
-    b, start = _locations(manifest)[index]
+    b, start = location
     shards.read_flat(_dataset(b, key), manifest["buckets"][b]["numel"], start + offset, out.size, out)

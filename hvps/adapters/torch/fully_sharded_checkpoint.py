@@ -508,10 +508,10 @@ class _ShardedOptimizerSource:
         self.model_section, self.manifest, self.shards = model_section, manifest, shards
         names = {id(s): n for group in FullyShardedModel.of(model).flat_groups()
                  for n, s in zip(group.names, group.shards)}
-        bucket_of = {index: b for b, bucket in enumerate(manifest["buckets"]) for index, _, _ in bucket["params"]}
+        located = _stage12.parameter_locations(manifest)
         targets = [p for group in optimizer.param_groups for p in group["params"]]
-        #: parameter name -> (its index in the manifest, its saved bucket); frozen parameters have none
-        self.saved = {names[id(p)]: (k, bucket_of[k]) for k, p in enumerate(targets) if k in bucket_of}
+        #: parameter name -> (its saved bucket, its first element there); frozen parameters have none
+        self.saved = {names[id(p)]: located[k] for k, p in enumerate(targets) if k in located}
         self.param_groups = manifest["param_groups"]
 
     def read(self, name: str, key: Optional[str], offset: int, out: torch.Tensor) -> None:
@@ -520,14 +520,14 @@ class _ShardedOptimizerSource:
         if key is None:
             out.copy_(as_tensor(self.model_section[name]).reshape(-1)[offset:offset + out.numel()])
             return
-        _stage12.read_parameter_state(self.shards, self.manifest, self.saved[name][0], key, offset, as_array(out))
+        _stage12.read_parameter_state(self.shards, self.manifest, self.saved[name], key, offset, as_array(out))
 
     def state_of(self, name: str) -> Optional[tuple]:
         """``(scalar state, {element-wise key: dtype})`` saved for parameter ``name`` (its bucket's); None without
         state."""
         if name not in self.saved:
             return None
-        bucket = self.manifest["buckets"][self.saved[name][1]]
+        bucket = self.manifest["buckets"][self.saved[name][0]]
         if not bucket["keys"] and not bucket["scalars"]:
             return None
         return ({k: decode_scalar(v) for k, v in bucket["scalars"].items()},
