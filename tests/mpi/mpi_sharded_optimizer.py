@@ -9,7 +9,9 @@ is its part of the global loss times N, so the Average reduce-scatter divides an
 kernels): the shard update then computes every element as the unsharded optimizer does.
 
 The model has 56 parameters (not a multiple of 3) in two parameter groups with different rates; with a
-bucket cap of 20 floats it has four buckets of 18, 28, 7 and 3 elements, two of them uneven at 3 ranks.
+bucket cap of 20 floats it has four buckets of 18, 28, 7 and 3 elements, two of them uneven at 3 ranks. The local
+optimizer steps each rank's block in chunks of 5 floats here (``STEP_CHUNK_BYTES``, 1 MiB in use), so that most
+blocks span several chunks and a chunk ends inside a parameter (the disk tier keeps one chunk per bucket).
 """
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 
 import hvps.adapters.torch as hvd
 from hvps import HvpsError
+from hvps.adapters.torch import sharded_optimizer
 from hvps.adapters.torch.sharded_optimizer import ShardedOptimizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,7 +35,9 @@ TINY_BUCKETS = 20 * 4 / 2**20  # 20 float32 elements
 def _init():
     hvd.init()
     torch.set_num_threads(1)
+    chunk, sharded_optimizer.STEP_CHUNK_BYTES = sharded_optimizer.STEP_CHUNK_BYTES, 5 * 4
     yield
+    sharded_optimizer.STEP_CHUNK_BYTES = chunk
 
 
 class Heads(torch.nn.Module):
@@ -173,7 +178,8 @@ def _state_bytes(optimizer):
     return sum(storages.values())
 
 
-def test_optimizer_state_is_one_nth():
+def test_optimizer_state_is_one_nth(monkeypatch):
+    monkeypatch.setattr(sharded_optimizer, "STEP_CHUNK_BYTES", 1 << 20)  # the default: one chunk per bucket here
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.Tanh(), torch.nn.Linear(97, 31))
     ref = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.Tanh(), torch.nn.Linear(97, 31))
@@ -188,7 +194,7 @@ def test_optimizer_state_is_one_nth():
     elements = sum(b.shard_numel for b in opt._buckets)
     assert elements * hvd.size() - numel < hvd.size() * len(opt._buckets)  # padding only
     mine, full = _state_bytes(opt.shard_optimizer), _state_bytes(replicated)
-    steps = 4 * len(opt._buckets)  # one float32 step count per bucket
+    steps = 4 * sum(len(b.chunks) for b in opt._buckets)  # one float32 step count per chunk
     assert mine == 2 * 4 * elements + steps
     assert mine <= full / hvd.size() * 1.02, (mine, full)
     # after the step no rank keeps a full gradient: only its shard of the averaged one, freed by the step
