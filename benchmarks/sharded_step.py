@@ -1,7 +1,7 @@
 """Stage 1-2 step time side by side (issue 39, "Speed"): sharded vs replicated hvps, and torch's ZeRO + DDP.
 
-Each contender trains the transformer block stack of ``benchmarks/fully_sharded.py`` with Adam
-(``foreach=False``) in its own ``mpirun`` job of ``--np`` ranks; the driver runs every contender once per round,
+Each contender trains the transformer block stack of ``benchmarks/fully_sharded.py`` (or, with ``--model
+resnet50``, ``benchmarks/resnet.py``'s ResNet-50 on ``--image``-pixel images) with Adam (``foreach=False``) in its own ``mpirun`` job of ``--np`` ranks; the driver runs every contender once per round,
 in the same order each round (A B C A B C ...), so a load that comes and goes falls on all of them alike, and
 records the load average before each job. Contenders:
 
@@ -33,12 +33,13 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from sharded_memory_cap import add_model_arguments, parse_contender_arguments  # noqa: E402
 CONTENDERS = ("replicated", "sharded", "baseline", "zero")
 
 
 def worker(args) -> None:
     """One rank of one contender's job: time ``args.steps`` steps; rank 0 prints ``RESULT {json}``."""
-    sys.path.insert(0, str(HERE))
     import torch
     from fully_sharded import BlockStack, step
 
@@ -66,7 +67,14 @@ def worker(args) -> None:
         def slowest(seconds: float) -> float:
             return float(hvd.allreduce(torch.tensor([seconds]), op=hvd.Max))
     torch.manual_seed(0)
-    model = BlockStack(args.width, args.depth, args.heads)
+    if args.model == "resnet50":
+        from resnet import resnet50
+
+        model = resnet50()
+        shape: tuple = (args.batch, 3, args.image, args.image)
+    else:
+        model = BlockStack(args.width, args.depth, args.heads)
+        shape = (args.batch, args.seq, args.width)
     if args.contender == "zero":
         model = DistributedDataParallel(model)
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, foreach=False)
@@ -74,7 +82,7 @@ def worker(args) -> None:
         optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), foreach=False),
                                              named_parameters=model.named_parameters(),
                                              shard=args.contender in ("sharded", "baseline"))
-    x = torch.randn(args.batch, args.seq, args.width, generator=torch.Generator().manual_seed(1 + rank))
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1 + rank))
     times = []
     for _ in range(args.steps + 1):
         barrier()
@@ -97,7 +105,7 @@ def run_job(args, contender: str) -> dict:
             s.bind(("127.0.0.1", 0))
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
     argv = [find_mpirun().path, "-np", str(args.np), "--oversubscribe", sys.executable, __file__, "--worker",
-            "--contender", contender, "--width", str(args.width), "--depth", str(args.depth), "--heads",
+            "--contender", contender, "--model", args.model, "--image", str(args.image), "--width", str(args.width), "--depth", str(args.depth), "--heads",
             str(args.heads), "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
     load = os.getloadavg()[0]
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -116,22 +124,15 @@ def main() -> None:
     p.add_argument("--baseline-tree", default="", help="the checkout the baseline contender imports hvps from")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=3, help="timed steps per job (after one untimed)")
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--depth", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--model", choices=("blocks", "resnet50"), default="blocks")
+    p.add_argument("--image", type=int, default=64, help="resnet50: image side in pixels")
+    add_model_arguments(p)
     p.add_argument("--timeout", type=float, default=900, help="seconds per job")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--contender", choices=CONTENDERS, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = parse_contender_arguments(p, CONTENDERS)
     if args.worker:
         worker(args)
         return
     contenders = args.contenders.split(",")
-    unknown = set(contenders) - set(CONTENDERS)
-    if unknown:
-        p.error(f"--contenders: unknown {sorted(unknown)}; choose from {', '.join(CONTENDERS)}")
     if "baseline" in contenders and not args.baseline_tree:
         p.error("the baseline contender needs --baseline-tree")
     sys.path.insert(0, str(HERE.parent))
@@ -141,7 +142,7 @@ def main() -> None:
         print(json.dumps({"round": r, "jobs": rounds[-1]}), file=sys.stderr, flush=True)
     medians = {c: statistics.median(job["step_s"] for jobs in rounds for job in jobs if job["contender"] == c)
                for c in contenders}
-    summary = {"np": args.np, "width": args.width, "depth": args.depth, "rounds": rounds,
+    summary = {"np": args.np, "model": args.model, "width": args.width, "depth": args.depth, "rounds": rounds,
                "median_step_s": {c: round(m, 4) for c, m in medians.items()}}
     if "replicated" in medians:
         summary["replicated_over"] = {c: round(medians["replicated"] / m, 3) for c, m in medians.items()}

@@ -29,7 +29,9 @@ What it does, per step:
    rank whose reductions lag its backward does not hold every bucket's full-size flat gradient at once.
 3. **step().** Waits for the reduce-scatters and decompresses this rank's gradient shard, copies this
    rank's block of the current parameters into the shard tensors, runs a torch optimizer over the shards
-   only (its momentum or Adam moments exist for 1/N of the elements), and all-gathers the updated shards
+   only (its momentum or Adam moments exist for 1/N of the elements; it steps each shard in chunks of
+   ``STEP_CHUNK_BYTES``, cache-sized tensors as a model's parameters are, since a step over a whole 12 MiB
+   shard at once runs twice as slow from memory), and all-gathers the updated shards
    back into the parameters. The parameters are the truth: they are read at every step, so
    ``hvd.broadcast_parameters`` or ``model.load_state_dict`` after wrapping is seen.
 
@@ -697,8 +699,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def local_state(self) -> dict:
         """This rank's shard of the optimizer state, not copied: ``{bucket index: {key: value}}``; element-wise
-        state is a 1-D tensor of the bucket's ``shard_numel`` elements, anything else (a step count) as the
-        local optimizer keeps it."""
+        state is a 1-D tensor of the bucket's ``shard_numel`` elements (once stepped, the chunks' states are views of it),
+        anything else (a step count) as the local optimizer keeps it for the bucket's first chunk."""
         state = self.shard_optimizer.state
         return {b.index: b.merged_state(state) for b in self._buckets if b.chunks[0] in state}
 
