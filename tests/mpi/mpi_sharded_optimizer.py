@@ -127,11 +127,17 @@ def test_bit_identical_to_one_process(kind, buckets):
     cap = TINY_BUCKETS if buckets == "tiny" else 25
     opt = ShardedOptimizer(_groups(model, kind, lr), named_parameters=model.named_parameters(), bucket_cap_mb=cap)
     assert len(opt._buckets) == (4 if buckets == "tiny" else 2)  # a bucket never spans two groups
+    assert max(len(b.chunks) for b in opt._buckets) > 1
     for step in range(STEPS):
         _reference_step(ref, ref_opt, step)
         _sharded_step(model, opt, step)
         _assert_equal(model, ref, f"{kind}, step {step}")
     _assert_same_state(opt.state_dict(), ref_opt.state_dict())
+    for b, entry in opt.local_state().items():  # a bucket's state is one tensor, its chunks' states views of it
+        last = opt.shard_optimizer.state[opt._buckets[b].chunks[-1]]
+        for key, value in entry.items():
+            if value.dim() > 0:
+                assert value.untyped_storage().data_ptr() == last[key].untyped_storage().data_ptr(), (b, key)
 
 
 def test_backward_passes_per_step_accumulates_locally():

@@ -699,8 +699,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def local_state(self) -> dict:
         """This rank's shard of the optimizer state, not copied: ``{bucket index: {key: value}}``; element-wise
-        state is a 1-D tensor of the bucket's ``shard_numel`` elements (once stepped, the chunks' states are views of it),
-        anything else (a step count) as the local optimizer keeps it for the bucket's first chunk."""
+        state is a 1-D tensor of the bucket's ``shard_numel`` elements (once stepped, the chunks' states are
+        views of it), anything else (a step count) as the local optimizer keeps it for the bucket's first chunk."""
         state = self.shard_optimizer.state
         return {b.index: b.merged_state(state) for b in self._buckets if b.chunks[0] in state}
 
