@@ -1,30 +1,33 @@
 """Stage 1-2 step time side by side (issue 39, "Speed"): sharded vs replicated hvps, and torch's ZeRO + DDP.
 
-Each contender trains the transformer block stack of ``benchmarks/fully_sharded.py`` (or, with ``--model
-resnet50``, ``benchmarks/resnet.py``'s ResNet-50 on ``--image``-pixel images) with Adam (``foreach=False``) in its own ``mpirun`` job of ``--np`` ranks; the driver runs every contender once per round,
-in the same order each round (A B C A B C ...), so a load that comes and goes falls on all of them alike, and
-records the load average before each job. Contenders:
+One ``mpirun`` job holds every contender, each on its own copy of the model, and runs them in turns: round after
+round, ``--steps`` steps of each in the same order (A B C A B C ...), so that the load of a shared machine, which
+comes and goes, falls on all of them alike. Every contender trains the transformer block stack of
+``benchmarks/fully_sharded.py`` (or, with ``--model resnet50``, ``benchmarks/resnet.py``'s ResNet-50 on
+``--image``-pixel images) with Adam (``foreach=False``). Contenders:
 
 * ``replicated``: ``hvd.DistributedOptimizer`` (every rank steps the whole model);
 * ``sharded``: ``hvd.DistributedOptimizer(..., shard=True)`` (ZeRO stage 2: reduce-scatter, a shard's step,
   all-gather);
-* ``baseline``: ``sharded`` with hvps imported from ``--baseline-tree`` (another checkout, e.g. ``git archive
-  main``), for before/after;
-* ``zero``: ``torch.distributed.optim.ZeroRedundancyOptimizer`` (stage 1) under ``DistributedDataParallel``, gloo.
+* ``baseline``: the same with the ``ShardedOptimizer`` of another file, ``--baseline-file`` (say, the tree before a
+  change: ``git show main:hvps/adapters/torch/sharded_optimizer.py > /tmp/before.py``), loaded in place of
+  ``hvps.adapters.torch.sharded_optimizer`` (its relative imports are this tree's);
+* ``zero``: ``torch.distributed.optim.ZeroRedundancyOptimizer`` (stage 1) under ``DistributedDataParallel`` on
+  gloo (rendezvous at ``MASTER_ADDR``/``MASTER_PORT``, which the driver sets).
 
-In a job each timed step starts after a barrier and counts the slowest rank's time; the job reports the median of
-its ``--steps`` timed steps (after one untimed). The summary gives each contender's median over the rounds and
-``replicated / contender`` (above 1: faster than replicated). JSON on stdout.
+Each timed step starts after a barrier and counts the slowest rank's time. The result: per round and contender
+the median step, the load average at the round's start, and over all rounds each contender's median of round
+medians and ``replicated / contender`` (above 1: faster than replicated). JSON on stdout.
 
-    python benchmarks/sharded_step.py --np 2 --rounds 3 --contenders replicated,sharded,baseline,zero \\
-        --baseline-tree /tmp/hvps-main
+    python benchmarks/sharded_step.py --np 2 --rounds 5 --steps 3 --width 512 --depth 8 \\
+        --contenders replicated,sharded,baseline,zero --baseline-file /tmp/before.py
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import shlex
 import socket
 import statistics
 import subprocess
@@ -34,86 +37,77 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 from sharded_memory_cap import add_model_arguments, parse_contender_arguments  # noqa: E402
+
 CONTENDERS = ("replicated", "sharded", "baseline", "zero")
 
 
+def _baseline_class(path: str) -> type:
+    """``ShardedOptimizer`` of the file at ``path``, loaded as a module of ``hvps.adapters.torch``."""
+    spec = importlib.util.spec_from_file_location("hvps.adapters.torch._baseline_sharded_optimizer", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.ShardedOptimizer
+
+
 def worker(args) -> None:
-    """One rank of one contender's job: time ``args.steps`` steps; rank 0 prints ``RESULT {json}``."""
+    """One rank: build every contender, run the rounds; rank 0 prints ``RESULT {json}``."""
     import torch
+
+    import hvps.adapters.torch as hvd
     from fully_sharded import BlockStack, step
 
     torch.set_num_threads(1)
-    if args.contender == "zero":
+    hvd.init()
+    contenders = args.contenders.split(",")
+    if "zero" in contenders:
         import torch.distributed as dist
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
 
-        dist.init_process_group("gloo", rank=int(os.environ["OMPI_COMM_WORLD_RANK"]),
-                                world_size=int(os.environ["OMPI_COMM_WORLD_SIZE"]))
-        rank = dist.get_rank()
-        barrier = dist.barrier
+        dist.init_process_group("gloo", rank=hvd.rank(), world_size=hvd.size())
 
-        def slowest(seconds: float) -> float:
-            t = torch.tensor([seconds])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return float(t)
-    else:
-        import hvps.adapters.torch as hvd
+    def build() -> tuple:
+        torch.manual_seed(0)
+        if args.model == "resnet50":
+            from resnet import resnet50
 
-        hvd.init()
-        rank, barrier = hvd.rank(), hvd.barrier
+            return resnet50(), (args.batch, 3, args.image, args.image)
+        return BlockStack(args.width, args.depth, args.heads), (args.batch, args.seq, args.width)
 
-        def slowest(seconds: float) -> float:
-            return float(hvd.allreduce(torch.tensor([seconds]), op=hvd.Max))
-    torch.manual_seed(0)
-    if args.model == "resnet50":
-        from resnet import resnet50
+    runs = {}
+    for name in contenders:
+        model, shape = build()
+        adam = torch.optim.Adam(model.parameters(), foreach=False)
+        if name == "zero":
+            model = DistributedDataParallel(model)
+            optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, foreach=False)
+        elif name == "baseline":
+            optimizer = _baseline_class(args.baseline_file)(adam, named_parameters=model.named_parameters())
+        else:
+            optimizer = hvd.DistributedOptimizer(adam, named_parameters=model.named_parameters(),
+                                                 shard=name == "sharded")
+        runs[name] = (model, optimizer)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1 + hvd.rank()))
 
-        model = resnet50()
-        shape: tuple = (args.batch, 3, args.image, args.image)
-    else:
-        model = BlockStack(args.width, args.depth, args.heads)
-        shape = (args.batch, args.seq, args.width)
-    if args.contender == "zero":
-        model = DistributedDataParallel(model)
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, foreach=False)
-    else:
-        optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), foreach=False),
-                                             named_parameters=model.named_parameters(),
-                                             shard=args.contender in ("sharded", "baseline"))
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1 + rank))
-    times = []
-    for _ in range(args.steps + 1):
-        barrier()
+    def timed(name: str) -> float:
+        hvd.barrier()
         start = time.perf_counter()
-        step(model, optimizer, x)
-        times.append(slowest(time.perf_counter() - start))
-    if rank == 0:
-        print("RESULT " + json.dumps({"step_s": statistics.median(times[1:]), "steps_s": times[1:]}), flush=True)
+        step(*runs[name], x)
+        return float(hvd.allreduce(torch.tensor([time.perf_counter() - start]), op=hvd.Max))
 
-
-def run_job(args, contender: str) -> dict:
-    """One ``mpirun`` job of ``contender``; what its rank 0 reported, with the load average before it."""
-    from hvps.runner.mpi_discovery import find_mpirun
-
-    tree = args.baseline_tree if contender == "baseline" else str(HERE.parent)
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]))
-    if contender == "zero":
-        with socket.socket() as s:  # a free port for torch.distributed's rendezvous
-            s.bind(("127.0.0.1", 0))
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    argv = [find_mpirun().path, "-np", str(args.np), "--oversubscribe", sys.executable, __file__, "--worker",
-            "--contender", contender, "--model", args.model, "--image", str(args.image), "--width", str(args.width), "--depth", str(args.depth), "--heads",
-            str(args.heads), "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
-    load = os.getloadavg()[0]
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.timeout)
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines() if "RESULT {" in line]
-    if done.returncode != 0 or not results:
-        raise RuntimeError(f"{contender}: {shlex.join(argv)} failed ({done.returncode}):\n"
-                           f"{(done.stdout + done.stderr)[-3000:]}")
-    return {"contender": contender, "load_before": round(load, 2), **results[0]}
+    for name in contenders:  # warm-up: state built, buffers allocated
+        timed(name)
+    rounds = []
+    for _ in range(args.rounds):
+        load = os.getloadavg()[0]
+        rounds.append({"load": round(load, 2), **{name: statistics.median(timed(name) for _ in range(args.steps))
+                                                  for name in contenders}})
+    if hvd.rank() == 0:
+        print("RESULT " + json.dumps(rounds), flush=True)
+    hvd.shutdown()
 
 
 def main() -> None:
@@ -121,28 +115,37 @@ def main() -> None:
     p.add_argument("--np", type=int, default=2, help="ranks")
     p.add_argument("--contenders", default="replicated,sharded,zero", help="comma-separated, from "
                    + ", ".join(CONTENDERS))
-    p.add_argument("--baseline-tree", default="", help="the checkout the baseline contender imports hvps from")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per job (after one untimed)")
+    p.add_argument("--baseline-file", default="", help="the sharded_optimizer.py the baseline contender uses")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3, help="timed steps of each contender per round")
     p.add_argument("--model", choices=("blocks", "resnet50"), default="blocks")
     p.add_argument("--image", type=int, default=64, help="resnet50: image side in pixels")
     add_model_arguments(p)
-    p.add_argument("--timeout", type=float, default=900, help="seconds per job")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds for the job")
     args = parse_contender_arguments(p, CONTENDERS)
     if args.worker:
         worker(args)
         return
     contenders = args.contenders.split(",")
-    if "baseline" in contenders and not args.baseline_tree:
-        p.error("the baseline contender needs --baseline-tree")
-    sys.path.insert(0, str(HERE.parent))
-    rounds = []
-    for r in range(args.rounds):
-        rounds.append([run_job(args, c) for c in contenders])
-        print(json.dumps({"round": r, "jobs": rounds[-1]}), file=sys.stderr, flush=True)
-    medians = {c: statistics.median(job["step_s"] for jobs in rounds for job in jobs if job["contender"] == c)
-               for c in contenders}
-    summary = {"np": args.np, "model": args.model, "width": args.width, "depth": args.depth, "rounds": rounds,
+    if "baseline" in contenders and not args.baseline_file:
+        p.error("the baseline contender needs --baseline-file")
+    from hvps.runner.mpi_discovery import find_mpirun
+
+    with socket.socket() as s:  # a free port for torch.distributed's rendezvous (the zero contender)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    argv = [find_mpirun().path, "-np", str(args.np), "--oversubscribe", sys.executable, __file__, "--worker",
+            *sys.argv[1:]]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.timeout)
+    results = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not results:
+        sys.exit(f"the job failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
+    rounds = json.loads(results[0])
+    medians = {c: statistics.median(r[c] for r in rounds) for c in contenders}
+    summary = {"np": args.np, "model": args.model, "width": args.width, "depth": args.depth,
+               "rounds": [{k: round(v, 4) for k, v in r.items()} for r in rounds],
                "median_step_s": {c: round(m, 4) for c, m in medians.items()}}
     if "replicated" in medians:
         summary["replicated_over"] = {c: round(medians["replicated"] / m, 3) for c, m in medians.items()}
