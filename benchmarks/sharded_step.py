@@ -17,7 +17,8 @@ comes and goes, falls on all of them alike. Every contender trains the transform
 
 Each timed step starts after a barrier and counts the slowest rank's time. The result: per round and contender
 the median step, the load average at the round's start, and over all rounds each contender's median of round
-medians and ``replicated / contender`` (above 1: faster than replicated). JSON on stdout.
+medians and ``replicated / contender`` (above 1: faster than replicated), as the ratio of those medians and as the
+median of each round's ratio (a round's contenders ran under the same load). JSON on stdout.
 
     python benchmarks/sharded_step.py --np 2 --rounds 5 --steps 3 --width 512 --depth 8 \\
         --contenders replicated,sharded,baseline,zero --baseline-file /tmp/before.py
@@ -147,8 +148,10 @@ def main() -> None:
     summary = {"np": args.np, "model": args.model, "width": args.width, "depth": args.depth,
                "rounds": [{k: round(v, 4) for k, v in r.items()} for r in rounds],
                "median_step_s": {c: round(m, 4) for c, m in medians.items()}}
-    if "replicated" in medians:
+    if "replicated" in medians:  # the ratio of medians, and the median of each round's ratio (its pairs share a load)
         summary["replicated_over"] = {c: round(medians["replicated"] / m, 3) for c, m in medians.items()}
+        summary["replicated_over_by_round"] = {
+            c: round(statistics.median(r["replicated"] / r[c] for r in rounds), 3) for c in contenders}
     print(json.dumps(summary, indent=1))
 
 
