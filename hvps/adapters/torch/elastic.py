@@ -294,6 +294,15 @@ class TorchState(ObjectState):
     so is a ``ShardedOptimizer``'s state: each commit also keeps a copy of the ring neighbour's shard, and
     after a rank is lost (or one joins) the survivors rebuild and re-shard in memory
     (:mod:`hvps.adapters.torch.elastic_sharding`).
+
+    Args:
+        model: the model (a ``torch.nn.Module``, fully sharded or not); ``state.model``.
+        optimizer: its optimizer (plain, ``DistributedOptimizer`` or ``ShardedOptimizer``); ``state.optimizer``.
+        **kwargs: more attributes: handled values (LR schedulers, ``ElasticSampler``) or picklable objects
+            (``epoch=0, batch=0``).
+
+    Raises:
+        ValueError: an attribute's name starts with ``_`` or is one of the state's methods.
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
