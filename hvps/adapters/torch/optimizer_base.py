@@ -97,7 +97,8 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
             sparse_as_dense: reduce sparse gradients as dense tensors.
             process_set: the ranks that reduce together.
             shard: ``True`` returns a :class:`~hvps.adapters.torch.sharded_optimizer.ShardedOptimizer` instead
-                (ZeRO stage 1-2: each rank keeps and steps 1/N of the optimizer state), with these arguments.
+                (ZeRO stage 1-2: each rank keeps and steps 1/N of the optimizer state), with these arguments and
+                any of its own (``state_tier="disk", disk_dir=...``: the disk tier).
 
         Raises:
             HvpsError: before ``hvps.init()``.
