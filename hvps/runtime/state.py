@@ -87,7 +87,15 @@ def step_done() -> None:
 
 
 def autotune_report() -> Optional[dict]:
-    """What ``HVPS_AUTOTUNE=1`` tried and chose, on rank 0 (None elsewhere, or when it is off)."""
+    """What ``HVPS_AUTOTUNE=1`` tried and chose, on rank 0.
+
+    Returns:
+        ``{"done", "chosen": {"fusion_threshold", "cycle_time_ms"} or None, "warmup_steps", "steps_per_sample",
+        "samples": [...]}`` (JSON-ready); None on the other ranks, or when autotuning is off.
+
+    Raises:
+        NotInitializedError: before ``init()`` (an ``HvpsError``).
+    """
     tuner = engine().autotuner
     return None if tuner is None else tuner.report()
 
