@@ -12,6 +12,8 @@ A block's kind comes from an HTML comment on the line before its fence (invisibl
 * ``<!-- snippet: not-run (reason) -->``: a reason is required; the block is still parsed (python:
   ``compile``; bash: ``bash -n``; yaml: ``yaml.safe_load``). The test reports how many there are.
 * ``<!-- snippet: layout -->`` (a ``text`` block): every directory it names exists.
+* ``<!-- snippet: file (NAME) -->`` (a ``python`` block): saved as ``NAME`` in its page's working directory,
+  for a shell block of the same page to launch (``hvpsrun -np 4 python NAME``); that block must exist.
 
 The python blocks run in two processes (PyTorch and numpy; TensorFlow), not one each, to keep the test
 cheap; the same processes check that every public function and class of the API reference's modules has a
@@ -35,7 +37,7 @@ from examples_commands import EXAMPLE_COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-ANNOTATION = re.compile(r"^<!-- snippet: (example|not-run|layout)(?: \((?P<reason>.+)\))? -->$")
+ANNOTATION = re.compile(r"^<!-- snippet: (example|not-run|layout|file)(?: \((?P<reason>.+)\))? -->$")
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)\s*$")
 RUNNABLE = {"python", "bash"}
 CHECKABLE = {"python", "bash", "yaml"}
@@ -51,8 +53,8 @@ class Block:
     line: int
     lang: str
     code: str
-    kind: str  # run, example, not-run, layout
-    reason: Optional[str]
+    kind: str  # run, example, not-run, layout, file
+    reason: Optional[str]  # not-run: why; file: the name it is saved as
 
     @property
     def where(self) -> str:
@@ -100,6 +102,8 @@ def test_every_block_has_a_language_and_a_known_kind():
             wrong.append(f"{b.where}: an example block is a bash block of command lines")
         elif b.kind == "layout" and b.lang != "text":
             wrong.append(f"{b.where}: a layout block is a text block")
+        elif b.kind == "file" and (b.lang != "python" or not b.reason or "/" in b.reason or b.reason == FIRST_JOB):
+            wrong.append(f"{b.where}: a file block is a python block with a plain file name other than {FIRST_JOB}")
     assert not wrong, "\n".join(wrong)
 
 
@@ -146,6 +150,15 @@ def test_a_layout_block_names_directories_that_exist(block):
         if not path.is_dir():
             missing.append(str(path.relative_to(ROOT)))
     assert not missing, f"{block.where}: the layout names directories that do not exist: {missing}"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.kind == "file"], ids=lambda b: b.where)
+def test_a_saved_program_is_launched_by_a_shell_block_of_its_page(block):
+    compile(block.code, block.where, "exec")
+    launched = [b for b in SHELL if b.document == block.document
+                and any(f"python {block.reason}" in line for line in command_lines(b.code))]
+    assert launched, f"{block.where}: no shell block of the page runs 'python {block.reason}'"
 
 
 #: executes the snippets given in a JSON file, each in fresh globals in its page's directory, and writes
@@ -201,6 +214,9 @@ def page_directories(tmp_path_factory) -> dict:
     for document in DOCUMENTS:
         folder = tmp_path_factory.mktemp(document.stem)
         (folder / FIRST_JOB).write_text(first_job.code)
+        for block in BLOCKS:
+            if block.kind == "file" and block.document == document:
+                (folder / block.reason).write_text(block.code)
         for name in ("benchmarks", "examples", "jobs"):
             (folder / name).symlink_to(ROOT / name)
         directories[document] = folder
@@ -250,9 +266,10 @@ def test_a_shell_block_runs(block, page_directories, python_results):
 
 
 def test_report_the_snippet_counts(capsys):
-    counts = {kind: sum(b.kind == kind for b in BLOCKS) for kind in ("run", "example", "not-run", "layout")}
+    counts = {kind: sum(b.kind == kind for b in BLOCKS) for kind in ("run", "file", "example", "not-run", "layout")}
     with capsys.disabled():
         print(f"\ndocs snippets: {counts['run']} executed ({len(PYTHON)} python, {len(SHELL)} bash), "
+              f"{counts['file']} saved and launched by one of them, "
               f"{counts['example']} example blocks checked against EXAMPLE_COMMANDS, {counts['not-run']} not run "
               f"(parsed only), {counts['layout']} layout blocks checked; {len(BLOCKS)} in all")
     assert counts["run"] >= 20, "the docs run fewer snippets than they did when this test was written"
