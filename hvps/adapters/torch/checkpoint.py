@@ -448,14 +448,20 @@ class CheckpointManager(_core.CheckpointManager):
         return None
 
 
+def _whole_parameter_problems(ck: Any, model: torch.nn.Module, parameters: bool) -> tuple:
+    """The whole parameters of the fully sharded ``model`` (meta tensors, by name) and the problems of loading the
+    version ``ck``'s dense parameters into them (none asked when not ``parameters``)."""
+    whole = _fully.whole_parameters(model)
+    return whole, check_state(whole, {k: v for k, v in (ck.model or {}).items() if k in whole}) if parameters else []
+
+
 def _dense_fits_fully_sharded(ck: Any, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                               parameters: bool = True) -> list:
     """Problems of loading the dense version ``ck`` into a fully sharded ``model`` and its ``optimizer``: its
     parameters (missing, or of another shape or dtype than the whole parameter; unless not ``parameters``) and its
     optimizer state (as :func:`check_optimizer`, over the whole parameters). Buffers are left to the caller
     (``strict``)."""
-    whole = _fully.whole_parameters(model)
-    problems = check_state(whole, {k: v for k, v in (ck.model or {}).items() if k in whole}) if parameters else []
+    whole, problems = _whole_parameter_problems(ck, model, parameters)
     if optimizer is None:
         return problems
     if isinstance(optimizer, ShardedOptimizer):
@@ -475,8 +481,7 @@ def _stage12_fits_fully_sharded(ck: Any, model: torch.nn.Module, optimizer: torc
     sharded ``model`` (its parameters unless not ``parameters``) and its ``optimizer``: the parameters as
     :func:`_dense_fits_fully_sharded`, the manifest as
     :func:`hvps.adapters.torch.fully_sharded_checkpoint.sharded_optimizer_misfit`."""
-    whole = _fully.whole_parameters(model)
-    problems = check_state(whole, {k: v for k, v in (ck.model or {}).items() if k in whole}) if parameters else []
+    _, problems = _whole_parameter_problems(ck, model, parameters)
     return problems + _fully.sharded_optimizer_misfit(ck, model, optimizer)
 
 
