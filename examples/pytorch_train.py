@@ -9,14 +9,15 @@ on any number of ranks.
 Launch it from the repository root with any of::
 
     hvpsrun -np 2 python examples/pytorch_train.py --epochs 2 --steps 8
-    hvpsrun -np 3 python examples/pytorch_train.py --epochs 3 --steps 8 --resume
+    hvpsrun -np 3 --max-restarts 3 --checkpoint-dir checkpoints/pytorch_train \
+        python examples/pytorch_train.py --epochs 3 --steps 8 --resume
     mpirun -np 2 python examples/pytorch_train.py
     torchrun --standalone --nproc-per-node=2 examples/pytorch_train.py
     python examples/pytorch_train.py            # one process
 
 ``--resume`` with nothing to load starts at epoch 0, so a launcher that restarts a failed job can always
-pass it: ``hvpsrun --max-restarts 2 --checkpoint-dir ckpt -np 2 python examples/pytorch_train.py --resume``
-(hvpsrun hands its ``--checkpoint-dir`` to the script), or ``torchrun --max-restarts=2 ... --resume``.
+pass it, as the second command above does (hvpsrun hands its ``--checkpoint-dir`` to the script as
+``HVPS_CHECKPOINT_DIR``), or ``torchrun --max-restarts=2 ... --resume``.
 The data is generated, so the script needs nothing but hvps and torch.
 """
 

@@ -8,7 +8,8 @@ shell blocks of the docs against this list.
 #: every command of examples/README.md, in the order tests/test_examples.py runs them
 EXAMPLE_COMMANDS = [
     "hvpsrun -np 2 python examples/pytorch_train.py --epochs 2 --steps 8",
-    "hvpsrun -np 3 python examples/pytorch_train.py --epochs 3 --steps 8 --resume",
+    "hvpsrun -np 3 --max-restarts 3 --checkpoint-dir checkpoints/pytorch_train "
+    "python examples/pytorch_train.py --epochs 3 --steps 8 --resume",
     "torchrun --standalone --nproc-per-node=2 examples/pytorch_train.py --epochs 1 --steps 8 "
     "--checkpoint-dir checkpoints/torchrun",
     "hvpsrun -np 2 python examples/keras_fit.py --epochs 2",

@@ -12,6 +12,10 @@ A block's kind comes from an HTML comment on the line before its fence (invisibl
 * ``<!-- snippet: not-run (reason) -->``: a reason is required; the block is still parsed (python:
   ``compile``; bash: ``bash -n``; yaml: ``yaml.safe_load``). The test reports how many there are.
 * ``<!-- snippet: layout -->`` (a ``text`` block): every directory it names exists.
+* ``<!-- snippet: slurm -->`` (a ``bash`` batch file with ``#SBATCH`` lines): parsed here (``bash -n``) and
+  submitted by tests/test_slurm.py to its real Slurm cluster (:func:`slurm_batch_files`), sized down to it.
+* ``<!-- snippet: file (NAME) -->`` (a ``python`` block): saved as ``NAME`` in its page's working directory,
+  for a shell block of the same page to launch (``hvpsrun -np 4 python NAME``); that block must exist.
 
 The python blocks run in two processes (PyTorch and numpy; TensorFlow), not one each, to keep the test
 cheap; the same processes check that every public function and class of the API reference's modules has a
@@ -35,7 +39,7 @@ from examples_commands import EXAMPLE_COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-ANNOTATION = re.compile(r"^<!-- snippet: (example|not-run|layout)(?: \((?P<reason>.+)\))? -->$")
+ANNOTATION = re.compile(r"^<!-- snippet: (example|not-run|layout|file|slurm)(?: \((?P<reason>.+)\))? -->$")
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)\s*$")
 RUNNABLE = {"python", "bash"}
 CHECKABLE = {"python", "bash", "yaml"}
@@ -51,8 +55,8 @@ class Block:
     line: int
     lang: str
     code: str
-    kind: str  # run, example, not-run, layout
-    reason: Optional[str]
+    kind: str  # run, example, not-run, layout, file, slurm
+    reason: Optional[str]  # not-run: why; file: the name it is saved as
 
     @property
     def where(self) -> str:
@@ -81,8 +85,25 @@ def read_blocks(document: Path) -> list:
 
 
 BLOCKS = [block for document in DOCUMENTS for block in read_blocks(document)]
+
+
 PYTHON = [b for b in BLOCKS if b.kind == "run" and b.lang == "python"]
 SHELL = [b for b in BLOCKS if b.kind == "run" and b.lang == "bash"]
+
+
+def first_job() -> Block:
+    """The README's first job, which the pages' shell blocks run as train.py: its first python block that
+    starts hvps (the one before it is a one-line import)."""
+    return next(b for b in PYTHON if b.document.name == "README.md" and "hvd.init()" in b.code)
+
+
+def slurm_batch_files() -> tuple:
+    """The docs' Slurm batch files (``slurm`` blocks), with the README's first job that they run as train.py.
+
+    Returns:
+        ``[(where, batch file text)]`` and the first job's code, for tests/test_slurm.py to submit.
+    """
+    return [(b.where, b.code) for b in BLOCKS if b.kind == "slurm"], first_job().code
 
 
 def needs_tensorflow(block: Block) -> bool:
@@ -100,6 +121,10 @@ def test_every_block_has_a_language_and_a_known_kind():
             wrong.append(f"{b.where}: an example block is a bash block of command lines")
         elif b.kind == "layout" and b.lang != "text":
             wrong.append(f"{b.where}: a layout block is a text block")
+        elif b.kind == "file" and (b.lang != "python" or not b.reason or "/" in b.reason or b.reason == FIRST_JOB):
+            wrong.append(f"{b.where}: a file block is a python block with a plain file name other than {FIRST_JOB}")
+        elif b.kind == "slurm" and (b.lang != "bash" or "#SBATCH" not in b.code):
+            wrong.append(f"{b.where}: a slurm block is a bash batch file with #SBATCH lines")
     assert not wrong, "\n".join(wrong)
 
 
@@ -119,7 +144,7 @@ def test_an_example_block_shows_only_commands_the_examples_test_runs(block):
         f"{block.where}: not in tests/examples_commands.py's EXAMPLE_COMMANDS: {unknown}")
 
 
-@pytest.mark.parametrize("block", [b for b in BLOCKS if b.kind == "not-run"], ids=lambda b: b.where)
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.kind in ("not-run", "slurm")], ids=lambda b: b.where)
 def test_a_block_that_cannot_run_still_parses(block):
     if block.lang == "python":
         compile(block.code, block.where, "exec")
@@ -146,6 +171,15 @@ def test_a_layout_block_names_directories_that_exist(block):
         if not path.is_dir():
             missing.append(str(path.relative_to(ROOT)))
     assert not missing, f"{block.where}: the layout names directories that do not exist: {missing}"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.kind == "file"], ids=lambda b: b.where)
+def test_a_saved_program_is_launched_by_a_shell_block_of_its_page(block):
+    compile(block.code, block.where, "exec")
+    launched = [b for b in SHELL if b.document == block.document
+                and any(f"python {block.reason}" in line for line in command_lines(b.code))]
+    assert launched, f"{block.where}: no shell block of the page runs 'python {block.reason}'"
 
 
 #: executes the snippets given in a JSON file, each in fresh globals in its page's directory, and writes
@@ -196,11 +230,14 @@ def environment() -> dict:
 @pytest.fixture(scope="module")
 def page_directories(tmp_path_factory) -> dict:
     """A working directory per page, holding the README's first job as train.py and links to the tree."""
-    first_job = next(b for b in PYTHON if b.document.name == "README.md")
+    job = first_job()
     directories = {}
     for document in DOCUMENTS:
         folder = tmp_path_factory.mktemp(document.stem)
-        (folder / FIRST_JOB).write_text(first_job.code)
+        (folder / FIRST_JOB).write_text(job.code)
+        for block in BLOCKS:
+            if block.kind == "file" and block.document == document:
+                (folder / block.reason).write_text(block.code)
         for name in ("benchmarks", "examples", "jobs"):
             (folder / name).symlink_to(ROOT / name)
         directories[document] = folder
@@ -247,12 +284,22 @@ def test_a_shell_block_runs(block, page_directories, python_results):
     proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.code], cwd=page_directories[block.document],
                           env=environment(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{block.where} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    # a launch of the first job (not a --dry-run) trains on every rank: each prints its loss
+    for line in command_lines(block.code):
+        launch = re.search(r"-np (\d+) .*python " + re.escape(FIRST_JOB) + "$", line)
+        if launch and "--dry-run" not in line:
+            ranks = int(launch.group(1))
+            found = sorted(map(int, re.findall(rf"rank (\d+) of {ranks}: loss", proc.stdout)))
+            assert found == list(range(ranks)), f"{block.where}: {line!r} did not train on every rank:\n{proc.stdout}"
 
 
 def test_report_the_snippet_counts(capsys):
-    counts = {kind: sum(b.kind == kind for b in BLOCKS) for kind in ("run", "example", "not-run", "layout")}
+    kinds = ("run", "file", "example", "slurm", "not-run", "layout")
+    counts = {kind: sum(b.kind == kind for b in BLOCKS) for kind in kinds}
     with capsys.disabled():
         print(f"\ndocs snippets: {counts['run']} executed ({len(PYTHON)} python, {len(SHELL)} bash), "
+              f"{counts['file']} saved and launched by one of them, "
+              f"{counts['slurm']} Slurm batch files submitted by tests/test_slurm.py, "
               f"{counts['example']} example blocks checked against EXAMPLE_COMMANDS, {counts['not-run']} not run "
               f"(parsed only), {counts['layout']} layout blocks checked; {len(BLOCKS)} in all")
     assert counts["run"] >= 20, "the docs run fewer snippets than they did when this test was written"

@@ -276,13 +276,44 @@ def test_deadline_closes_a_connection_that_never_completes(exporter_cleanup, cer
             if closed:
                 break
     assert closed, f"the server still held a {client} connection after 4 s (its deadline: 0.5 s)"
-    # The server still serves. A loaded CI machine may take over 0.5 s for a handshake and a scrape, and
-    # over the normal 5 s once the slow client has spent the server's CPU share (its loop then pauses
-    # until the share refills): the honest scrape gets a deadline (read at accept) that only a hang passes.
+    # The server still serves. A loaded CI machine may take over this test's 0.5 s for a handshake and a
+    # scrape: the honest scrape gets a deadline (read at accept) that only a hang passes.
     exporter.server.deadline = 120.0
     status, body = get(exporter.url, context=ssl.create_default_context(cafile=str(certificate[0]))
                        if transport == "tls" else None, timeout=120)
     assert status == 200 and "hvps_info{" in body
+
+
+def test_a_pause_for_the_cpu_share_does_not_count_against_a_deadline(exporter_cleanup):
+    """A connection open while the loop pauses for its CPU share (here: the share spent, 2 s to refill)
+    keeps its deadline's serving time: the pause moves the deadline back, and the request, finished after
+    the pause, is answered. Before, a lone honest scrape after a slow client could be closed unanswered."""
+    exporter = metrics.serve(0)
+    srv = exporter.server
+    with socket.create_connection(("127.0.0.1", exporter.port), timeout=60) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the head, all but its last line
+        conn = _wait_for(lambda: next(iter(list(srv._conns.values())), None))
+        accepted_deadline = conn.deadline
+        srv._budget.charge(server.CPU_BURST + 2 * server.CPU_SHARE)  # 2 s of the share's refill
+        srv._wake()
+        _wait_for(lambda: conn.deadline > accepted_deadline)
+        _wait_for(lambda: srv._budget.wait_seconds() == 0)
+        s.sendall(b"\r\n")
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.0 200 ") and b"hvps_info{" in reply, reply[:200]
+
+
+def _wait_for(found, seconds=60.0):
+    """``found()``'s first true value, polled for up to ``seconds`` (a guard against a hang)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        value = found()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"not found within {seconds} s")
 
 
 def test_oversized_request_head_gets_431(exporter_cleanup):

@@ -194,3 +194,26 @@ def test_restart_chain_resumes_from_latest_checkpoint(slurm, pmix, tmp_path):
     assert sorted(epochs) == [0, 1, 2, 3]
     assert [epochs[e]["restart"] for e in range(4)] == [0, 0, 1, 1]
     assert all(epochs[e]["sum"] == 2 * e + 1 for e in range(4))
+
+
+@pytest.mark.timeout(600)
+def test_the_docs_batch_files_run_as_printed(slurm, tmp_path):
+    """Every Slurm batch file of the docs (a ``slurm`` snippet, tests/test_docs_snippets.py), as printed, run by
+    a user whose venv is active, from a folder holding the README's train.py: sbatch's --nodes=1
+    --ntasks-per-node=2 override its #SBATCH sizes, as a user shrinks a job to try it on one node. Every rank
+    of the job trains and prints its loss."""
+    from test_docs_snippets import slurm_batch_files
+
+    batch_files, first_job = slurm_batch_files()
+    assert batch_files, "the docs show no Slurm batch file (a 'slurm' snippet): running.md had one"
+    (tmp_path / "train.py").write_text(first_job)
+    venv = str(Path(sys.executable).parent)
+    for i, (where, text) in enumerate(batch_files):
+        script = tmp_path / f"docs-{i}.sbatch"
+        script.write_text(text)
+        job, rc, out = slurm.sbatch(script, "--nodes=1", "--ntasks-per-node=2", f"--output={tmp_path}/docs-%j.out",
+                                    env=_env(tmp_path, PATH=f"{venv}:{os.environ.get('PATH', '')}"), cwd=tmp_path)
+        log = tmp_path / f"docs-{job}.out"
+        text = log.read_text() if log.exists() else ""
+        assert rc == 0, f"{where}: sbatch rc={rc}: {out}\n{text}\n{slurm.logs()}"
+        assert sorted(re.findall(r"rank (\d) of 2: loss", text)) == ["0", "1"], f"{where}:\n{text}\n{out}\n{sorted(tmp_path.iterdir())}"

@@ -363,7 +363,14 @@ def grouped_allreduce_async(
     outs: Optional[Sequence[Any]] = None,
     process_set: Optional[ProcessSet] = None,
 ) -> Handle:
-    """Reduce several arrays as one collective per dtype; the handle yields a list in input order."""
+    """Start reducing several arrays as one collective per dtype.
+
+    Args:
+        arrays: the arrays; the other arguments are :func:`grouped_allreduce`'s.
+
+    Returns:
+        A :class:`~hvps.Handle`; ``wait()`` returns the reductions, a list in input order.
+    """
     return _allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs, process_set, grouped=True)
 
 
@@ -445,7 +452,14 @@ def allreduce_gradients_async(buffers: list, dtype: str, name: str, op: ReduceOp
 def allreduce_async(array: Any, op: Any = Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, out: Optional[Any] = None,
                     process_set: Optional[ProcessSet] = None) -> Handle:
-    """Start reducing ``array`` over the set's ranks; pass ``out=array`` to reduce in place."""
+    """Start reducing ``array`` over the set's ranks; pass ``out=array`` to reduce in place.
+
+    Args:
+        array: a numpy array (or a buffer numpy takes); the other arguments are :func:`allreduce`'s.
+
+    Returns:
+        A :class:`~hvps.Handle`; ``wait()`` returns the reduction (``out`` when given).
+    """
     outs = None if out is None else [out]
     return _allreduce_async([array], op, name, prescale_factor, postscale_factor, outs, process_set, grouped=False)
 
@@ -454,7 +468,26 @@ def allreduce_async(array: Any, op: Any = Average, name: Optional[str] = None, p
 def allreduce(array: Any, op: Any = Average, name: Optional[str] = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, out: Optional[Any] = None,
               process_set: Optional[ProcessSet] = None) -> Any:
-    """Reduce ``array`` over the set's ranks: ``postscale * op(prescale * array)``."""
+    """Reduce ``array`` over the set's ranks: ``postscale * op(prescale * array)``.
+
+    Args:
+        array: a numpy array of the same shape and dtype on every rank.
+        op: ``Average`` (the default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``.
+        name: a name every rank gives this collective; unnamed ones are numbered in call order.
+        prescale_factor: ``prescale``, applied to each rank's array first.
+        postscale_factor: ``postscale``, applied to the result.
+        out: an array to write the result into (``out=array``: in place).
+        process_set: the ranks that take part; None: every rank.
+
+    Returns:
+        The reduction, a new array (or ``out``).
+
+    Raises:
+        ValueError: arguments this rank refuses (an unknown op, an op the dtype cannot take, a rank outside
+            ``process_set``); the ranks that submitted the collective fail at once with this reason.
+        HvpsError: the collective failed on every rank: the ranks disagree on it, a rank never submits it
+            (the stall check), or a rank is lost.
+    """
     return allreduce_async(array, op, name, prescale_factor, postscale_factor, out, process_set).wait()
 
 
@@ -462,7 +495,19 @@ def allreduce(array: Any, op: Any = Average, name: Optional[str] = None, prescal
 def grouped_allreduce(arrays: Sequence[Any], op: Any = Average, name: Optional[str] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       outs: Optional[Sequence[Any]] = None, process_set: Optional[ProcessSet] = None) -> list:
-    """Reduce several arrays in one fused collective."""
+    """Reduce several arrays in one fused collective.
+
+    Args:
+        arrays: the arrays (dtypes may differ); ``outs``: arrays to write the results into. The other
+            arguments are :func:`allreduce`'s.
+
+    Returns:
+        The reductions, a list in input order.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     return grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs, process_set).wait()
 
 
@@ -475,7 +520,17 @@ def _gather_source(array: Any) -> Any:
 @fails_everywhere(ALLGATHER)
 def grouped_allgather_async(values: Sequence[Any], name: Optional[str] = None,
                             process_set: Optional[ProcessSet] = None) -> Handle:
-    """Start allgathering several arrays together; the handle yields a list in input order."""
+    """Start allgathering several arrays together.
+
+    Args:
+        values: this rank's arrays; the other arguments are :func:`allgather`'s.
+
+    Returns:
+        A :class:`~hvps.Handle`; ``wait()`` returns the concatenations, a list in input order.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+    """
     runtime.engine()
     set_id, _ = resolve(process_set)
     sources = [_gather_source(a) for a in values]
@@ -489,7 +544,14 @@ def grouped_allgather_async(values: Sequence[Any], name: Optional[str] = None,
 
 @fails_everywhere(ALLGATHER)
 def allgather_async(array: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
-    """Start concatenating every member's ``array`` along dim 0 (dim 0 may differ by rank)."""
+    """Start concatenating every member's ``array`` along dim 0 (dim 0 may differ by rank).
+
+    Args:
+        array: this rank's rows; the other arguments are :func:`allgather`'s.
+
+    Returns:
+        A :class:`~hvps.Handle`; ``wait()`` returns the concatenation.
+    """
     runtime.engine()
     set_id, _ = resolve(process_set)
     src = _gather_source(array)
@@ -499,14 +561,38 @@ def allgather_async(array: Any, name: Optional[str] = None, process_set: Optiona
 
 @synchronous
 def allgather(array: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Any:
-    """Concatenate every member's ``array`` along dim 0."""
+    """Concatenate every member's ``array`` along dim 0.
+
+    Args:
+        array: this rank's rows (dim 0 may differ by rank; the other dimensions and the dtype may not).
+        name: a name every rank gives this collective; unnamed ones are numbered in call order.
+        process_set: the ranks that take part; None: every rank.
+
+    Returns:
+        The members' rows in rank order, a new array.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     return allgather_async(array, name, process_set).wait()
 
 
 @synchronous
 def grouped_allgather(values: Sequence[Any], name: Optional[str] = None,
                       process_set: Optional[ProcessSet] = None) -> list:
-    """Allgather several arrays together."""
+    """Allgather several arrays together.
+
+    Args:
+        values: this rank's arrays; the other arguments are :func:`allgather`'s.
+
+    Returns:
+        The concatenations, a list in input order.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     return grouped_allgather_async(values, name, process_set).wait()
 
 
@@ -515,7 +601,17 @@ def grouped_allgather(values: Sequence[Any], name: Optional[str] = None,
 def broadcast_async(array: Any, root_rank: int, name: Optional[str] = None, out: Optional[Any] = None,
                     process_set: Optional[ProcessSet] = None) -> Handle:
     """Start copying the root's ``array`` to every member; ``root_rank`` is a global rank; ``out=array``
-    for in place."""
+    for in place.
+
+    Args:
+        array: the root's data (elsewhere, its shape and dtype); the other arguments are :func:`broadcast`'s.
+
+    Returns:
+        A :class:`~hvps.Handle`; ``wait()`` returns the root's values.
+
+    Raises:
+        ValueError: ``root_rank`` is not in the set, or other refused arguments.
+    """
     runtime.engine()
     set_id, ranks = resolve(process_set)
     src = _prepare(array)
@@ -529,7 +625,22 @@ def broadcast_async(array: Any, root_rank: int, name: Optional[str] = None, out:
 @synchronous
 def broadcast(array: Any, root_rank: int, name: Optional[str] = None, out: Optional[Any] = None,
               process_set: Optional[ProcessSet] = None) -> Any:
-    """Copy the root's ``array`` to every member."""
+    """Copy the root's ``array`` to every member.
+
+    Args:
+        array: the root's data; on the other ranks, an array of the same shape and dtype.
+        root_rank: the global rank whose array every member receives.
+        name: a name every rank gives this collective; unnamed ones are numbered in call order.
+        out: an array to write the result into (``out=array``: in place).
+        process_set: the ranks that take part; None: every rank.
+
+    Returns:
+        The root's values, a new array (or ``out``).
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     return broadcast_async(array, root_rank, name, out, process_set).wait()
 
 
@@ -551,7 +662,17 @@ def _check_splits(splits: Any, rows: int, members: int) -> list:
 @fails_everywhere(ALLTOALL)
 def alltoall_async(array: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
                    process_set: Optional[ProcessSet] = None) -> Handle:
-    """Start sending ``splits[i]`` rows of ``array`` to the set's i-th rank; yields ``(output, received_splits)``."""
+    """Start sending ``splits[i]`` rows of ``array`` to the set's i-th rank.
+
+    Args:
+        array: this rank's rows; the other arguments are :func:`alltoall`'s.
+
+    Returns:
+        A :class:`~hvps.Handle`; ``wait()`` returns ``(output, received_splits)``.
+
+    Raises:
+        ValueError: ``splits`` does not fit ``array`` and the set (see :func:`alltoall`).
+    """
     runtime.engine()
     set_id, ranks = resolve(process_set)
     src = _prepare(array)
@@ -565,7 +686,22 @@ def alltoall_async(array: Any, splits: Optional[Sequence[int]] = None, name: Opt
 @synchronous
 def alltoall(array: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
              process_set: Optional[ProcessSet] = None) -> tuple:
-    """Scatter rows of ``array`` to the set's ranks and gather theirs: ``(output, received_splits)``."""
+    """Scatter rows of ``array`` to the set's ranks and gather theirs.
+
+    Args:
+        array: this rank's rows, sent in consecutive blocks to the set's ranks in order.
+        splits: rows for each rank, one non-negative int per member summing to dim 0; None: equal blocks
+            (dim 0 must divide by the set's size).
+        name: a name every rank gives this collective; unnamed ones are numbered in call order.
+        process_set: the ranks that take part; None: every rank.
+
+    Returns:
+        ``(output, received_splits)``: the rows received, in rank order, and how many came from each rank.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     return alltoall_async(array, splits, name, process_set).wait()
 
 
@@ -589,7 +725,17 @@ def _scatter_op(op: Any) -> ReduceOp:
 def grouped_reducescatter_async(values: Sequence[Any], op: Any = Average, name: Optional[str] = None,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                                 process_set: Optional[ProcessSet] = None) -> Handle:
-    """Start reducescattering several arrays together; the handle yields a list in input order."""
+    """Start reducescattering several arrays together.
+
+    Args:
+        values: the arrays to reduce; the other arguments are :func:`reducescatter`'s.
+
+    Returns:
+        A :class:`~hvps.Handle`; ``wait()`` returns this rank's blocks, a list in input order.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+    """
     op = _scatter_op(op)
     runtime.engine()
     set_id, _ = resolve(process_set)
@@ -608,7 +754,14 @@ def grouped_reducescatter_async(values: Sequence[Any], op: Any = Average, name: 
 def reducescatter_async(array: Any, op: Any = Average, name: Optional[str] = None,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         process_set: Optional[ProcessSet] = None) -> Handle:
-    """Start reducing ``array`` and keeping this rank's block of dim 0 (first ranks get the remainder)."""
+    """Start reducing ``array`` and keeping this rank's block of dim 0 (first ranks get the remainder).
+
+    Args:
+        array: the array to reduce; the other arguments are :func:`reducescatter`'s.
+
+    Returns:
+        A :class:`~hvps.Handle`; ``wait()`` returns this rank's block.
+    """
     op = _scatter_op(op)
     runtime.engine()
     set_id, _ = resolve(process_set)
@@ -622,7 +775,23 @@ def reducescatter_async(array: Any, op: Any = Average, name: Optional[str] = Non
 @synchronous
 def reducescatter(array: Any, op: Any = Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0, process_set: Optional[ProcessSet] = None) -> Any:
-    """Reduce ``array`` over the set's ranks and return this rank's block of dim 0."""
+    """Reduce ``array`` over the set's ranks and return this rank's block of dim 0.
+
+    Args:
+        array: a numpy array of the same shape and dtype on every rank.
+        op: ``Average`` (the default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        name: a name every rank gives this collective; unnamed ones are numbered in call order.
+        prescale_factor: applied to each rank's array first.
+        postscale_factor: applied to the result.
+        process_set: the ranks that take part; None: every rank.
+
+    Returns:
+        This rank's block of the reduction's dim 0 (the first ranks get the remainder rows).
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     return reducescatter_async(array, op, name, prescale_factor, postscale_factor, process_set).wait()
 
 
@@ -630,7 +799,18 @@ def reducescatter(array: Any, op: Any = Average, name: Optional[str] = None, pre
 def grouped_reducescatter(values: Sequence[Any], op: Any = Average, name: Optional[str] = None,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                           process_set: Optional[ProcessSet] = None) -> list:
-    """Reducescatter several arrays together."""
+    """Reducescatter several arrays together.
+
+    Args:
+        values: the arrays to reduce; the other arguments are :func:`reducescatter`'s.
+
+    Returns:
+        This rank's blocks, a list in input order.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     return grouped_reducescatter_async(values, op, name, prescale_factor, postscale_factor, process_set).wait()
 
 
@@ -643,7 +823,14 @@ def scattered_rows(rows: int, process_set: Optional[ProcessSet] = None) -> list:
 # -- synchronisation and objects -------------------------------------------------
 @synchronous
 def barrier(process_set: Optional[ProcessSet] = None) -> None:
-    """Return once every member of the set has called barrier()."""
+    """Return once every member of the set has called barrier().
+
+    Args:
+        process_set: the ranks that wait for each other; None: every rank.
+
+    Raises:
+        HvpsError: a rank is lost, or one never arrives (the stall check).
+    """
     runtime.engine()
     set_id, _ = resolve(process_set)
     _submit_all([(Request(_name(BARRIER, None, set_id), BARRIER, process_set=set_id), [], [])])[0].wait()
@@ -653,9 +840,16 @@ def barrier(process_set: Optional[ProcessSet] = None) -> None:
 def join(device: Optional[int] = None) -> int:
     """Stop contributing data: allreduces of other ranks proceed with zeros from this rank.
 
-    ``device``: the CUDA device index on which this rank makes those zeros for collectives on CUDA
-    tensors (Horovod's argument); by default the device of this rank's CUDA tensors, else the
-    local rank's GPU. Returns the rank that joined last, once every rank has joined.
+    Args:
+        device: the CUDA device index on which this rank makes those zeros for collectives on CUDA
+            tensors (Horovod's argument); by default the device of this rank's CUDA tensors, else the
+            local rank's GPU.
+
+    Returns:
+        The rank that joined last, once every rank has joined.
+
+    Raises:
+        HvpsError: the ranks still training submitted another collective than allreduce, or the job failed.
     """
     runtime.engine()
     devices.set_join_device(device)
@@ -665,7 +859,22 @@ def join(device: Optional[int] = None) -> int:
 @synchronous
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = None,
                      process_set: Optional[ProcessSet] = None) -> Any:
-    """Pickle ``obj`` on the root and return a copy of it on every member."""
+    """Pickle ``obj`` on the root and return a copy of it on every member.
+
+    Args:
+        obj: the root's object (ignored elsewhere).
+        root_rank: the global rank whose object every member receives.
+        name: a name every rank gives this collective; unnamed ones are numbered in call order.
+        process_set: the ranks that take part; None: every rank.
+
+    Returns:
+        ``obj`` on the root, an unpickled copy of it elsewhere.
+
+    Raises:
+        ValueError: ``root_rank`` is not in the set.
+        HvpsError: the collective failed; also, at once, on the other ranks when the root's object cannot be
+            pickled (the root raises pickle's own error).
+    """
     set_id, ranks = resolve(process_set)
     if root_rank not in ranks:
         raise ValueError(f"root_rank {root_rank} is not one of the ranks {list(ranks)} of the process set")
@@ -697,7 +906,20 @@ def _pickled(obj: Any, kind: str, first: str, set_id: int) -> np.ndarray:
 
 @synchronous
 def allgather_object(obj: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> list:
-    """Pickle ``obj`` on every member and return the list of all members' objects, in rank order."""
+    """Pickle ``obj`` on every member and return the list of all members' objects, in rank order.
+
+    Args:
+        obj: this rank's object.
+        name: a name every rank gives this collective; unnamed ones are numbered in call order.
+        process_set: the ranks that take part; None: every rank.
+
+    Returns:
+        The members' objects, a list in rank order.
+
+    Raises:
+        HvpsError: the collective failed; also, at once, on the other ranks when a rank's object cannot be
+            pickled (that rank raises pickle's own error).
+    """
     set_id, _ = resolve(process_set)
     name = _name("object", name, set_id)
     payload = _pickled(obj, ALLGATHER, f"{name}.len", set_id)

@@ -194,11 +194,18 @@ def _relayout(entries: list, keep) -> list:
 class CheckpointManager:
     """Saves and loads versioned checkpoints in ``directory`` (see the module docstring).
 
-    ``keep_last``: how many of the newest versions retention keeps (None: all).
-    ``keep_every``: also keep every version whose epoch is a multiple of it (e.g. 10:
-    epochs 0, 10, 20, ...).  Other versions are deleted after each successful save.
-    ``compress``: lzf-compressed chunked datasets (smaller, slower); default off.
-    ``fsync``: fsync files and the directory (turn off only for tests on tmpfs).
+    Args:
+        directory: where the versions live (created by the first save); every rank that writes shards
+            must see it.
+        keep_last: how many of the newest versions retention keeps (None: all).
+        keep_every: also keep every version whose epoch is a multiple of it (e.g. 10: epochs 0, 10, 20,
+            ...). Other versions are deleted after each successful save.
+        compress: lzf-compressed chunked datasets (smaller, slower); default off.
+        root_rank: the rank that writes and reads the dense file.
+        fsync: fsync files and the directory (turn off only for tests on tmpfs).
+
+    Raises:
+        ValueError: ``keep_last`` or ``keep_every`` is below 1.
     """
 
     framework = "numpy"
@@ -228,6 +235,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ framework hooks
     def framework_version(self) -> str:
+        """The version of the framework whose state is saved, recorded in each checkpoint.
+
+        Returns:
+            numpy's version here; each framework's manager gives its own.
+        """
         return np.__version__
 
     # ------------------------------------------------------------------ save
@@ -239,9 +251,24 @@ class CheckpointManager:
 
         ``model``, ``optimizer`` and ``extra`` are taken from the root rank (they are the
         same on every rank in data-parallel training); ``compression_state`` and ``rng``
-        are gathered from every rank.  Returns the file's path on the root, None elsewhere.
-        Raises CheckpointError on every rank if the root could not write (previous versions
-        stay intact).
+        are gathered from every rank.
+
+        Args:
+            epoch: the epoch just finished (>= 0).
+            model: the model's state, a mapping name -> array (the root's).
+            optimizer: the optimizer's state, a nested mapping (the root's).
+            extra: more values to keep (the root's).
+            compression_state: this rank's compression state, a mapping (every rank's is kept).
+            step: the global step, kept beside the epoch.
+            rng: this rank's RNG states, a mapping (every rank's is kept).
+
+        Returns:
+            The file's path on the root, None elsewhere.
+
+        Raises:
+            ValueError: ``epoch`` is negative.
+            CheckpointError: on every rank, if the root could not write (previous versions stay intact), or
+                the ranks disagree on whether compression or RNG state is given.
         """
         if int(epoch) < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
@@ -365,10 +392,17 @@ class CheckpointManager:
     def read(self, version: Union[str, int] = "latest", drop_compression_state: bool = False) -> Optional[Checkpoint]:
         """Read one version on the root, verify it and hand every rank its view; collective.
 
-        ``version``: "latest" (the newest version that verifies; None when there is none)
-        or an epoch number (CheckpointError if it is missing or broken).  Per-rank
-        compression state saved by a different number of ranks raises CheckpointError
-        unless ``drop_compression_state`` is true (then it is left out).
+        Args:
+            version: ``"latest"`` (the newest version that verifies) or an epoch number.
+            drop_compression_state: leave out per-rank compression state saved by another number of ranks.
+
+        Returns:
+            The version's :class:`Checkpoint`; None when ``"latest"`` finds none.
+
+        Raises:
+            ValueError: ``version`` is neither ``"latest"`` nor an epoch number.
+            CheckpointError: an epoch given is missing or broken, or per-rank compression state was saved by
+                another number of ranks (without ``drop_compression_state``).
         """
         group = _Group(self.root_rank)
         latest = version == "latest"
@@ -512,8 +546,18 @@ class CheckpointManager:
             compression_state=compression, rng=rng, extra=trees.get("extra", {}))
 
     def load(self, version: Union[str, int] = "latest", drop_compression_state: bool = False) -> int:
-        """Read a version (see :meth:`read`) into ``self.loaded`` and return the epoch to
-        resume from: the saved epoch + 1, or 0 when ``version="latest"`` finds nothing."""
+        """Read a version (see :meth:`read`) into ``self.loaded``; collective.
+
+        Args:
+            version: as :meth:`read`.
+            drop_compression_state: as :meth:`read`.
+
+        Returns:
+            The epoch to resume from: the saved epoch + 1, or 0 when ``version="latest"`` finds nothing.
+
+        Raises:
+            CheckpointError: as :meth:`read`.
+        """
         self.loaded = self.read(version, drop_compression_state=drop_compression_state)
         return 0 if self.loaded is None else self.loaded.next_epoch
 

@@ -18,7 +18,17 @@ _SETTING = _thread.allocate_lock()
 
 
 class Handle:
-    """An in-flight collective; owns its input and output buffers until it completes."""
+    """An in-flight collective; owns its input and output buffers until it completes.
+
+    The ``*_async`` functions return one; users call :meth:`wait` and :meth:`poll`.
+
+    Args:
+        name: the collective's full name.
+        buffers: the input and output buffers it keeps alive until it completes.
+        stall_seconds: the stall time; a waiter's watchdog fails the handle 1.5 times it (plus 1 s) after
+            submission without an answer from rank 0, or after its start without an end.
+        expedite: called with the handle by the first :meth:`wait` that would block (the engine's fast path).
+    """
 
     __slots__ = ("name", "_done", "_gate", "_result", "_error", "_buffers", "_submitted", "_started", "_limit",
                  "event", "_expedite", "_source", "_finish", "__weakref__")
@@ -51,20 +61,38 @@ class Handle:
 
     def finish_with(self, finish: Callable[[Any], Any]) -> "Handle":
         """Make this handle's result ``finish(result)``, computed once, by the first ``wait()`` that
-        succeeds (a gradient's one finisher, without a second handle). Returns the handle."""
+        succeeds (a gradient's one finisher, without a second handle).
+
+        Args:
+            finish: turns the collective's result into the handle's.
+
+        Returns:
+            This handle.
+        """
         self._finish = finish
         return self
 
     def then(self, finish: Callable[[Any], Any]) -> "Handle":
         """A handle on the same collective whose result is ``finish(this handle's result)``, computed once,
-        by the first ``wait()`` (adapters turn core arrays into framework tensors this way)."""
+        by the first ``wait()`` (adapters turn core arrays into framework tensors this way).
+
+        Args:
+            finish: turns this handle's result into the new handle's.
+
+        Returns:
+            The new handle.
+        """
         derived = Handle(self.name)
         derived._source, derived._finish = self, finish
         return derived
 
     def poll(self) -> bool:
         """Whether the collective has finished (successfully or not); never blocks. On CUDA tensors,
-        once the GPU has finished it, as in Horovod (not once the engine has enqueued it)."""
+        once the GPU has finished it, as in Horovod (not once the engine has enqueued it).
+
+        Returns:
+            True once :meth:`wait` would return (or raise) at once.
+        """
         if self._source is not None:
             return self._done or self._source.poll()
         return self._done and (self.event is None or self._error is not None or self.event.query())
@@ -84,7 +112,18 @@ class Handle:
         return not self._buffers
 
     def wait(self, timeout: Optional[float] = None) -> Any:
-        """Block until the collective finishes and return its result; raise HvpsError if it failed."""
+        """Block until the collective finishes and return its result.
+
+        Args:
+            timeout: seconds to wait at most (None: until it finishes or fails).
+
+        Returns:
+            The collective's result.
+
+        Raises:
+            HvpsError: the collective failed (on every rank that submitted it), the watchdog gave up on it, or
+                ``timeout`` passed.
+        """
         if self._source is not None:
             if not self._done:
                 self._result = self._finish(self._source.wait(timeout))
@@ -136,7 +175,11 @@ class Handle:
         self._started = time.monotonic()
 
     def set_result(self, result: Any) -> None:
-        """Finish with ``result`` (the first finish counts)."""
+        """Finish with ``result`` (the first finish counts).
+
+        Args:
+            result: what :meth:`wait` returns.
+        """
         with _SETTING:
             if self._done:
                 return
@@ -144,7 +187,11 @@ class Handle:
             self._open()
 
     def set_error(self, error: BaseException) -> None:
-        """Finish with ``error`` (as HvpsError; the first finish counts)."""
+        """Finish with ``error`` (as HvpsError; the first finish counts).
+
+        Args:
+            error: what :meth:`wait` raises (wrapped in an HvpsError naming the collective if it is none).
+        """
         if not isinstance(error, HvpsError):
             wrapped = HvpsError(f"'{self.name}' failed: {error}")
             wrapped.__cause__ = error

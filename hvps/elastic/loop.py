@@ -90,8 +90,20 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None] = reset,
            translate: Optional[Callable[[BaseException], Optional[HvpsError]]] = None) -> Callable[..., Any]:
     """``func(state, *args, **kwargs)`` wrapped in the elastic retry loop; ``reset`` re-initializes.
 
-    ``translate(error)`` may turn a framework's error into the HvpsError it stands for (TensorFlow wraps
-    a failed collective inside a graph in its own error type), or return None to leave it alone.
+    Args:
+        func: the training function, taking the state first.
+        reset: re-initializes hvps after a failure or a change of hosts (default: ``shutdown()``, ``init()``).
+        translate: ``translate(error)`` may turn a framework's error into the HvpsError it stands for
+            (TensorFlow wraps a failed collective inside a graph in its own error type), or return None to
+            leave it alone.
+
+    Returns:
+        ``wrapper(state, *args, **kwargs)``, which returns what ``func`` returns once it completes, and raises
+        HvpsError for a failed collective outside elastic mode, or after ``HVPS_ELASTIC_RESETS_WITHOUT_COMMIT``
+        resets in a row without a completed commit.
+
+    Raises:
+        TypeError: ``func`` is not callable.
     """
     if not callable(func):
         raise TypeError(f"hvd.elastic.run wraps a function taking the state first, not {func!r}")

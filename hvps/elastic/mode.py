@@ -25,7 +25,11 @@ CHECKPOINT_ALTERNATIVE = ("or save checkpoints (hvd.CheckpointManager) and resta
 
 
 def elastic_mode() -> bool:
-    """Whether an elastic launcher started this job (``HVPS_ELASTIC=1``; ``0`` or unset: no)."""
+    """Whether an elastic launcher started this job.
+
+    Returns:
+        True for ``HVPS_ELASTIC=1``; False for ``0`` or unset.
+    """
     return env_choice("HVPS_ELASTIC", "0", ("0", "1")) == "1"
 
 
@@ -33,7 +37,11 @@ def joins_a_running_job() -> bool:
     """Whether this worker joined an elastic job in progress: the first membership it joined was not the
     job's first, and it had no slot in the one before (a worker added or brought back, not one of the first
     workers whose first membership failed to form). Its state then comes from the others' (``hvd.elastic``'s
-    sync), so wrap-time collectives that the running workers already did are left out."""
+    sync), so wrap-time collectives that the running workers already did are left out.
+
+    Returns:
+        True for such a worker of an elastic job; False otherwise (and outside elastic mode).
+    """
     return elastic_mode() and elastic_session.joined_late
 
 
@@ -48,7 +56,14 @@ def torchrun_restarts(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """Why torchrun would restart this worker from scratch (its ``--max-restarts`` > 0, or this is
     already a restarted worker), or None. torchrun's ``--nnodes MIN:MAX`` leaves no trace in the
     workers' environment, so an elastic torchrun job with ``--max-restarts 0`` cannot be told apart
-    from a static one here (its first membership change restarts every worker all the same)."""
+    from a static one here (its first membership change restarts every worker all the same).
+
+    Args:
+        env: the environment to read (default: ``os.environ``).
+
+    Returns:
+        The reason, or None when torchrun (if it launched this worker) will not restart it.
+    """
     env = os.environ if env is None else env
     if not env.get("TORCHELASTIC_RUN_ID"):
         return None
@@ -60,7 +75,14 @@ def torchrun_restarts(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
 
 
 def refuse_torchrun_restarts(env: Optional[Mapping[str, str]] = None) -> None:
-    """Raise HvpsError when torchrun would restart the workers (see :func:`torchrun_restarts`)."""
+    """Refuse ``hvd.elastic.run`` when torchrun would restart the workers (see :func:`torchrun_restarts`).
+
+    Args:
+        env: the environment to read (default: ``os.environ``).
+
+    Raises:
+        HvpsError: torchrun would restart the workers; the message names the alternatives.
+    """
     why = torchrun_restarts(env)
     if why is not None:
         raise HvpsError(f"hvd.elastic.run refuses to run under torchrun with restarts ({why}): torchrun restarts "

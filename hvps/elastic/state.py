@@ -47,8 +47,11 @@ class SavedValue:
 class State(SavedValue):
     """Base of every elastic state.
 
-    ``bcast_object(obj) -> obj`` broadcasts a picklable object from rank 0 and ``get_rank()`` gives this
-    rank (defaults: hvps's); subclasses implement :meth:`save`, :meth:`restore` and :meth:`sync`.
+    Subclasses implement :meth:`save`, :meth:`restore` and :meth:`sync`.
+
+    Args:
+        bcast_object: ``bcast_object(obj) -> obj`` broadcasts a picklable object from rank 0 (default: hvps's).
+        get_rank: gives this rank (default: hvps's ``rank``).
     """
 
     def __init__(self, bcast_object: Optional[Callable[[Any], Any]] = None,
@@ -69,7 +72,14 @@ class State(SavedValue):
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], Any]]) -> None:
         """Run each of ``callbacks`` (no arguments) after every reset, before the state is synced:
-        e.g. to scale the learning rate to the new ``hvd.size()``."""
+        e.g. to scale the learning rate to the new ``hvd.size()``.
+
+        Args:
+            callbacks: functions taking no arguments, run in order (after those registered before).
+
+        Raises:
+            TypeError: one of them is not callable.
+        """
         callbacks = list(callbacks)
         for callback in callbacks:
             if not callable(callback):
@@ -83,7 +93,12 @@ class State(SavedValue):
             callback()
 
     def on_hosts_updated(self, timestamp: float, update_res: HostUpdateResult = HostUpdateResult.mixed) -> None:
-        """A host-update notice (from the notification manager; any thread)."""
+        """A host-update notice (from the notification manager; any thread).
+
+        Args:
+            timestamp: when the hosts changed; a notice no newer than the last one acted on is ignored.
+            update_res: what changed: hosts ``added``, ``removed`` or ``mixed``.
+        """
         self._host_messages.put((timestamp, HostUpdateResult(update_res)))
 
     def commit(self) -> None:
@@ -91,14 +106,22 @@ class State(SavedValue):
         raises HostsUpdatedInterrupt on every rank when rank 0 was notified of a change).
 
         A commit copies the state (from the GPU, for tensors there): commit every few batches, trading
-        the lost work after a failure against the copy's cost."""
+        the lost work after a failure against the copy's cost.
+
+        Raises:
+            HostsUpdatedInterrupt: on every rank, when the hosts changed (``hvd.elastic.run`` handles it).
+        """
         self.save()
         self.check_host_updates()
         self._commits += 1  # completed: a commit that a host update interrupts is no progress (issue 38)
 
     def check_host_updates(self) -> None:
         """Raise HostsUpdatedInterrupt, on every rank at once, when rank 0 has a host-update notice
-        newer than the last one acted on (a collective: rank 0's view is broadcast)."""
+        newer than the last one acted on (a collective: rank 0's view is broadcast).
+
+        Raises:
+            HostsUpdatedInterrupt: the hosts changed (``skip_sync`` when hosts were only removed).
+        """
         prev = last = self._last_updated_timestamp
         kind = HostUpdateResult.no_update
         driver_notice = elastic_session.pending_notice()  # hvpsrun's elastic driver tells rank 0 only
@@ -125,6 +148,14 @@ class ObjectState(State):
     ``ObjectState(epoch=0, batch=0)``: ``state.epoch`` is saved by ``commit()``, put back by ``restore()``
     and broadcast from rank 0 by ``sync()``. Saves and restores copy the objects (deep copies), so that
     changing a list in place after a commit cannot change what ``restore()`` returns to.
+
+    Args:
+        bcast_object: as :class:`State`'s.
+        get_rank: as :class:`State`'s.
+        **kwargs: the objects, by attribute name.
+
+    Raises:
+        ValueError: a name starts with ``_`` or is one of the state's methods.
     """
 
     def __init__(self, bcast_object: Optional[Callable[[Any], Any]] = None,

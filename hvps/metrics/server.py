@@ -12,7 +12,9 @@ response with the standard library's ``wsgiref`` handler and prometheus-client's
   one has (a flood of real requests), the server stops accepting until one is answered, and
   new connections wait in the kernel's listen queue (:data:`BACKLOG`);
 - every connection has one deadline, :data:`REQUEST_DEADLINE` seconds from ``accept``, for
-  its TLS handshake, its request and the response; then it is closed, however it trickles;
+  its TLS handshake, its request and the response; then it is closed, however it trickles. The
+  loop's pauses for its CPU share (below) are the server's, not the client's: they move every
+  open connection's deadline back by their length, so that a lone scrape after a flood is served;
 - a request's head may hold :data:`MAX_REQUEST_BYTES` (431 beyond); a body is not read;
 - the loop and the workers together use at most :data:`CPU_SHARE` of one core on average
   (bursts up to :data:`CPU_BURST` CPU-seconds): past that the loop pauses, so a flood of
@@ -264,6 +266,7 @@ class MetricsServer:
                 pause = self._budget.wait_seconds()
                 if pause > 0:  # over its CPU share: let the training have the core
                     self._stop.wait(min(pause, 0.1))
+                    self._postpone_deadlines(time.monotonic() - now)
                     continue
                 self._finish_responses()
                 self._dispatch()
@@ -337,6 +340,11 @@ class MetricsServer:
             return False
         self._drop(min(waiting, key=lambda c: c.accepted))
         return True
+
+    def _postpone_deadlines(self, seconds: float) -> None:
+        """The loop paused ``seconds`` for its CPU share: no connection's deadline counts them."""
+        for conn in self._conns.values():
+            conn.deadline += seconds
 
     def _expire(self, now: float) -> None:
         for conn in [c for c in self._conns.values() if c.deadline <= now]:

@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reduce within each node, then across nodes, then within the node again "
                         "(sets HVPS_HIERARCHICAL_ALLREDUCE=1)")
     p.add_argument("--backend", choices=BACKENDS,
-                   help="data plane: mpi, tdist (torch.distributed: gloo on CPU, NCCL on CUDA), horovod, or auto "
+                   help="data plane: mpi, tdist (torch.distributed: gloo on CPU, NCCL on CUDA) or auto "
                         "(NCCL for CUDA tensors when available, MPI otherwise) (sets HVPS_BACKEND; default auto)")
     p.add_argument("--check-build", action="store_true",
                    help="list the frameworks, controllers and tensor operations available here, then exit")

@@ -20,35 +20,59 @@ def _torch_distributed():
 
 
 def mpi_built() -> bool:
-    """Always True: MPI (mpi4py) is hvps's bootstrap and control plane."""
+    """Whether hvps was built with MPI (Horovod's query).
+
+    Returns:
+        Always True: MPI (mpi4py) is hvps's bootstrap and control plane.
+    """
     return True
 
 
 def mpi_enabled() -> bool:
-    """Whether collectives may run over MPI (every backend but tdist and horovod)."""
+    """Whether collectives may run over MPI.
+
+    Returns:
+        True for ``HVPS_BACKEND`` ``mpi`` and ``auto``, False for ``tdist``.
+    """
     return runtime.settings().backend in ("mpi", "auto")
 
 
 def mpi_threads_supported() -> bool:
-    """Whether MPI runs with MPI_THREAD_MULTIPLE."""
+    """Whether MPI runs with MPI_THREAD_MULTIPLE.
+
+    Returns:
+        True when ``MPI.Query_thread()`` is ``MPI_THREAD_MULTIPLE``.
+    """
     from mpi4py import MPI
 
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 def gloo_built() -> bool:
-    """Whether torch.distributed's gloo is available (for ``HVPS_BACKEND=tdist``)."""
+    """Whether torch.distributed's gloo is available (for ``HVPS_BACKEND=tdist``).
+
+    Returns:
+        True when torch is installed and its gloo backend is available.
+    """
     dist = _torch_distributed()
     return bool(dist and dist.is_gloo_available())
 
 
 def gloo_enabled() -> bool:
-    """Whether host buffers go over gloo (``HVPS_BACKEND=tdist``)."""
+    """Whether host buffers go over gloo.
+
+    Returns:
+        True for ``HVPS_BACKEND=tdist``.
+    """
     return runtime.settings().backend == "tdist"
 
 
 def nccl_built() -> int:
-    """NCCL's version as Horovod reports it (e.g. 22703 for 2.27.3), or 0 without CUDA and NCCL."""
+    """NCCL's version, as Horovod reports it.
+
+    Returns:
+        e.g. 22703 for 2.27.3; 0 without CUDA and NCCL.
+    """
     dist = _torch_distributed()
     if not dist or not dist.is_nccl_available():
         return 0
@@ -61,7 +85,11 @@ def nccl_built() -> int:
 
 
 def cuda_built() -> bool:
-    """Whether the loaded PyTorch has CUDA and sees a GPU."""
+    """Whether the loaded PyTorch has CUDA and sees a GPU.
+
+    Returns:
+        False when torch is not imported, has no CUDA, or sees no GPU.
+    """
     torch = sys.modules.get("torch")
     return bool(torch is not None and torch.cuda.is_available())
 
@@ -74,6 +102,9 @@ def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
     Args:
         ext_base_name: the framework, as Horovod names its extension.
         verbose: ignored (Horovod prints why an extension is missing).
+
+    Returns:
+        Whether that framework sees a GPU.
     """
     if ext_base_name == "tensorflow" and "tensorflow" in sys.modules:
         return bool(sys.modules["tensorflow"].config.list_physical_devices("GPU"))

@@ -74,12 +74,21 @@ class ProcessSet:
         return None if self._ranks is None else list(self._ranks)
 
     def size(self) -> Optional[int]:
-        """The number of ranks in the set (None for a communicator's set before ``init``)."""
+        """The number of ranks in the set.
+
+        Returns:
+            The count, or None for a communicator's set before ``init``.
+        """
         ranks = self.ranks
         return None if ranks is None else len(ranks)
 
     def rank(self) -> Optional[int]:
-        """This process's index within the set (-1 when it is not a member; None when not known yet)."""
+        """This process's index within the set.
+
+        Returns:
+            Its index among the set's ranks (ascending), -1 when it is not a member, None when not known yet
+            (a communicator's set before ``init``).
+        """
         ranks = self.ranks
         if ranks is None:
             return None
@@ -87,7 +96,11 @@ class ProcessSet:
         return ranks.index(me) if me in ranks else -1
 
     def included(self) -> Optional[bool]:
-        """Whether this process belongs to the set (None for a communicator's set before ``init``)."""
+        """Whether this process belongs to the set.
+
+        Returns:
+            True or False; None for a communicator's set before ``init``.
+        """
         ranks = self.ranks
         return None if ranks is None else runtime.rank() in ranks
 

@@ -60,7 +60,11 @@ def forked_error() -> HvpsError:
 
 
 def is_initialized() -> bool:
-    """Whether ``init`` has run and ``shutdown`` has not."""
+    """Whether ``init`` has run and ``shutdown`` has not.
+
+    Returns:
+        True between ``init()`` and ``shutdown()``.
+    """
     return _state.engine is not None
 
 
@@ -83,7 +87,15 @@ def step_done() -> None:
 
 
 def autotune_report() -> Optional[dict]:
-    """What ``HVPS_AUTOTUNE=1`` tried and chose, on rank 0 (None elsewhere, or when it is off)."""
+    """What ``HVPS_AUTOTUNE=1`` tried and chose, on rank 0.
+
+    Returns:
+        ``{"done", "chosen": {"fusion_threshold", "cycle_time_ms"} or None, "warmup_steps", "steps_per_sample",
+        "samples": [...]}`` (JSON-ready); None on the other ranks, or when autotuning is off.
+
+    Raises:
+        NotInitializedError: before ``init()`` (an ``HvpsError``).
+    """
     tuner = engine().autotuner
     return None if tuner is None else tuner.report()
 
@@ -102,37 +114,87 @@ def settings() -> Settings:
 
 
 def rank() -> int:
-    """This process's rank in the job."""
+    """This process's rank in the job.
+
+    Returns:
+        0 to ``size() - 1``.
+
+    Raises:
+        NotInitializedError: before ``init()`` (an ``HvpsError``).
+    """
     return topology().rank
 
 
 def size() -> int:
-    """The number of processes in the job."""
+    """The number of processes in the job.
+
+    Returns:
+        The job's rank count (1 for a script run alone).
+
+    Raises:
+        NotInitializedError: before ``init()`` (an ``HvpsError``).
+    """
     return topology().size
 
 
 def local_rank() -> int:
-    """This process's rank among the processes on its node."""
+    """This process's rank among the processes on its node.
+
+    Returns:
+        0 to ``local_size() - 1`` (the GPU to pin, one per process).
+
+    Raises:
+        NotInitializedError: before ``init()`` (an ``HvpsError``).
+    """
     return topology().local_rank
 
 
 def local_size() -> int:
-    """The number of processes on this node."""
+    """The number of processes on this node.
+
+    Returns:
+        This node's rank count (``HVPS_LOCAL_SIZE`` overrides discovery).
+
+    Raises:
+        NotInitializedError: before ``init()`` (an ``HvpsError``).
+    """
     return topology().local_size
 
 
 def cross_rank() -> int:
-    """The index of this node among nodes (this process's rank among same-local-rank peers)."""
+    """The index of this node among nodes (this process's rank among same-local-rank peers).
+
+    Returns:
+        0 to ``cross_size() - 1``.
+
+    Raises:
+        NotInitializedError: before ``init()`` (an ``HvpsError``).
+    """
     return topology().cross_rank
 
 
 def cross_size() -> int:
-    """The number of nodes (processes that share this local rank)."""
+    """The number of nodes (processes that share this local rank).
+
+    Returns:
+        The count of processes whose ``local_rank()`` is this one's.
+
+    Raises:
+        NotInitializedError: before ``init()`` (an ``HvpsError``).
+    """
     return topology().cross_size
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start writing a Chrome-trace timeline to ``file_path`` (rank 0 writes it; Horovod's API)."""
+    """Start writing a Chrome-trace timeline to ``file_path`` (rank 0 writes it; Horovod's API).
+
+    Args:
+        file_path: the JSON file rank 0 writes (open it in ``chrome://tracing`` or Perfetto).
+        mark_cycles: also mark each engine cycle with an instant ``CYCLE_START`` event.
+
+    Raises:
+        NotInitializedError: before ``init()`` (an ``HvpsError``).
+    """
     engine().start_timeline(file_path, mark_cycles)
 
 
@@ -142,6 +204,13 @@ def stop_timeline() -> None:
 
 
 def is_homogeneous() -> bool:
-    """Whether every node runs the same number of ranks (judged from this rank's view of the topology)."""
+    """Whether every node runs the same number of ranks (judged from this rank's view of the topology).
+
+    Returns:
+        True when ``local_size() * cross_size() == size()``.
+
+    Raises:
+        NotInitializedError: before ``init()`` (an ``HvpsError``).
+    """
     current = topology()
     return current.local_size * current.cross_size == current.size

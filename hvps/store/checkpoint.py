@@ -113,8 +113,20 @@ def _modules(stores: Any) -> list:
 def save_stores(manager: Any, epoch: int, stores: Any, extra: Optional[Mapping] = None, **dense: Any) -> Any:
     """Save every member's shards of ``stores``, then the dense checkpoint of ``epoch`` (collective).
 
-    ``manager`` is an ``hvps.checkpoint.CheckpointManager`` (or the torch adapter's); ``dense``
-    and ``extra`` are passed to its ``save``.  Returns what ``save`` returns.
+    Args:
+        manager: an ``hvps.checkpoint.CheckpointManager`` (or the torch adapter's).
+        epoch: the epoch just finished.
+        stores: the sharded modules (``ShardedEmbeddingBag``, ``ShardedEmbedding``), as a list or a mapping
+            whose values they are; each table needs a distinct name.
+        extra: passed to the manager's ``save``.
+        **dense: passed to the manager's ``save`` (e.g. ``model=``, ``optimizer=``).
+
+    Returns:
+        What the manager's ``save`` returns (the dense file's path on rank 0).
+
+    Raises:
+        ValueError: two tables share a name, or a name cannot name a file.
+        CheckpointError: the manager's ``save`` failed (see ``CheckpointManager.save``).
     """
     modules = _modules(stores)
     for m in modules:
@@ -388,11 +400,21 @@ def _check_dense(manager: Any, epoch: int) -> tuple:
 def load_stores(manager: Any, stores: Any, version: Union[str, int] = "latest", **dense: Any) -> int:
     """Load the newest complete version into ``stores`` and ``manager`` (collective).
 
-    Returns the epoch to resume from (0 when no complete version exists); ``dense`` goes to
-    ``manager.load`` (e.g. ``model=``, ``optimizer=`` for the torch adapter's manager).
-    ``version``: "latest" skips (with a warning on every rank) each version with a defect;
-    an epoch number raises CheckpointError on every rank instead.  Either way a table changes
-    only when a whole version has been checked.
+    A table changes only when a whole version has been checked.
+
+    Args:
+        manager: the ``CheckpointManager`` the stores were saved with.
+        stores: as :func:`save_stores`, at any number of ranks (the rows are re-sharded).
+        version: ``"latest"`` skips (with a warning on every rank) each version with a defect; an epoch
+            number raises CheckpointError on every rank instead.
+        **dense: passed to ``manager.load`` (e.g. ``model=``, ``optimizer=`` for the torch adapter's manager).
+
+    Returns:
+        The epoch to resume from (0 when no complete version exists).
+
+    Raises:
+        ValueError: ``version`` is neither ``"latest"`` nor an epoch number.
+        CheckpointError: the epoch given is missing or defective (on every rank).
     """
     modules = _modules(stores)
     latest = version == "latest"

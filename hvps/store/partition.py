@@ -110,7 +110,19 @@ PARTITIONS = {"hash": HashPartition, "range": RangePartition}
 
 
 def make_partition(kind: str, num_rows: int, parts: int) -> Partition:
-    """The partition named ``kind`` ("hash" or "range")."""
+    """The partition named ``kind`` ("hash" or "range").
+
+    Args:
+        kind: ``"hash"`` (:class:`HashPartition`) or ``"range"`` (:class:`RangePartition`).
+        num_rows: the table's rows.
+        parts: the members the rows are split over.
+
+    Returns:
+        The partition.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
     try:
         return PARTITIONS[kind](num_rows, parts)
     except KeyError:

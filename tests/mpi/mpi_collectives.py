@@ -405,8 +405,9 @@ def test_synchronous_calls_take_the_fast_path_and_large_ones_the_engine_thread(r
     from hvps.runtime import state
 
     engine = state.engine()
-    limit = (min(engine.backend.interruptible_bytes_for(method) for method in ("allreduce", "allgatherv", "broadcast"))
-             if engine.spin_seconds > 0 else 0)  # 0: a data plane with no fast path (the node's segment: no limit)
+    # 0: a data plane with no fast path (the node's segment: no limit); the spin below holds whatever
+    # HVPS_SPIN_WAIT_MICROSECONDS says
+    limit = min(engine.backend.interruptible_bytes_for(method) for method in ("allreduce", "allgatherv", "broadcast"))
     size, rank = hvps.size(), hvps.rank()
     spin, engine.spin_seconds = engine.spin_seconds, 5.0  # an oversubscribed, loaded box: never hand back early
     request.addfinalizer(lambda: setattr(engine, "spin_seconds", spin))

@@ -124,6 +124,28 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
 
     ``tf.IndexedSlices`` are allgathered (values and indices) instead; Average then divides the
     values by the set size.
+
+    Args:
+        tensor: a tensor (the same shape and dtype on every rank), or ``tf.IndexedSlices``.
+        average: Horovod's deprecated flag: False means ``op=Sum``; give ``op`` instead.
+        device_dense: Horovod's placement argument, accepted and ignored.
+        device_sparse: Horovod's placement argument, accepted and ignored.
+        compression: ``Compression.none``, ``fp16``, ``bf16`` or a compressor, applied on the wire.
+        op: ``Average`` (the default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``.
+        prescale_factor: each rank's tensor is multiplied by it before the reduction.
+        postscale_factor: the result is multiplied by it.
+        name: the collective's name, the same on every rank (default: numbered in call order).
+        process_set: the ranks that reduce together (default: all).
+        ignore_name_scope: Horovod's argument, accepted and ignored.
+
+    Returns:
+        The reduction (``tf.IndexedSlices`` for ``tf.IndexedSlices``).
+
+    Raises:
+        ValueError: arguments this rank refuses (``average`` with ``op``, a rank outside ``process_set``);
+            the ranks that submitted the collective fail at once with this reason.
+        NotImplementedError: ``tf.IndexedSlices`` with an op other than Sum and Average, or with scaling.
+        HvpsError: the collective failed on every rank (disagreeing ranks, the stall check, a lost rank).
     """
     op = resolve_op(average, op)
     if isinstance(tensor, tf.IndexedSlices):
@@ -140,7 +162,18 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None, de
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
                       name: Optional[str] = None) -> list:
-    """Reduce several tensors as one fused collective (per dtype); IndexedSlices are allgathered."""
+    """Reduce several tensors as one fused collective (per dtype); IndexedSlices are allgathered.
+
+    Args:
+        tensors: the tensors (dtypes may differ); the other arguments are :func:`allreduce`'s, applied to each.
+
+    Returns:
+        The reductions, a list in input order.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     op = resolve_op(average, op)
     name = check_name(name)  # before it is built into the sparse tensors' names
     if not tensors:
@@ -181,7 +214,18 @@ def _own_rows(dys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], process_set: Op
 @fails_everywhere(ALLGATHER)
 def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore_name_scope: bool = False,
                       process_set: ProcessSet = global_process_set) -> list:
-    """Concatenate every member's tensors along dim 0, all submitted together (differentiable)."""
+    """Concatenate every member's tensors along dim 0, all submitted together (differentiable).
+
+    Args:
+        tensors: this rank's tensors (at least one); the other arguments are :func:`allgather`'s.
+
+    Returns:
+        One concatenation per tensor, in input order.
+
+    Raises:
+        ValueError: no tensors are given, or arguments this rank refuses (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     tensors = [as_tensor(t) for t in tensors]
     if not tensors:
         raise ValueError("grouped_allgather needs at least one tensor")
@@ -206,7 +250,21 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None, ignore
 @fails_everywhere(ALLGATHER)
 def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
-    """Concatenate every member's tensor along dim 0 (which may differ by rank); differentiable."""
+    """Concatenate every member's tensor along dim 0 (which may differ by rank); differentiable.
+
+    Args:
+        tensor: this rank's rows (the other dimensions and the dtype equal on every rank).
+        name: the collective's name, the same on every rank (default: numbered in call order).
+        ignore_name_scope: Horovod's argument, accepted and ignored.
+        process_set: the ranks that gather (default: all).
+
+    Returns:
+        The members' rows in rank order.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     return grouped_allgather([tensor], name=name, process_set=process_set)[0]
 
 
@@ -239,7 +297,22 @@ def _broadcast_raw(tensors: Sequence[tf.Tensor], root_rank: int, names: Sequence
 @fails_everywhere(BROADCAST)
 def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
-    """Return the root's tensor on every member; the gradient is the members' averaged dy on the root."""
+    """Return the root's tensor on every member; the gradient is the members' averaged dy on the root.
+
+    Args:
+        tensor: the root's data; on the other ranks, a tensor of the same shape and dtype.
+        root_rank: the global rank whose tensor every member receives (a member of ``process_set``).
+        name: the collective's name, the same on every rank (default: numbered in call order).
+        ignore_name_scope: Horovod's argument, accepted and ignored.
+        process_set: the ranks that take part (default: all).
+
+    Returns:
+        The root's values.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     tensor = as_tensor(tensor)
 
     @tf.custom_gradient
@@ -261,7 +334,21 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None, ignore_na
 
 def broadcast_(variables: Any, root_rank: int, name: Optional[str] = None,
                process_set: ProcessSet = global_process_set) -> Any:
-    """Overwrite variables in place with the root's values; returns their new values (a list for a list)."""
+    """Overwrite variables in place with the root's values.
+
+    Args:
+        variables: a variable or a list of them (the same shapes and dtypes on every rank).
+        root_rank: the global rank whose values every member receives.
+        name: the collectives' name prefix, the same on every rank.
+        process_set: the ranks that take part (default: all).
+
+    Returns:
+        Their new values (a list for a list).
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     single = not isinstance(variables, (list, tuple))
     var_list = [variables] if single else list(variables)
     if not var_list:
@@ -275,12 +362,22 @@ def broadcast_(variables: Any, root_rank: int, name: Optional[str] = None,
 
 # -- control ---------------------------------------------------------------------------------
 def join() -> int:
-    """Stop contributing; other ranks' allreduces proceed with zeros. Returns the last rank to join."""
+    """Stop contributing; other ranks' allreduces proceed with zeros until every rank has joined.
+
+    Returns:
+        The last rank to join.
+
+    Raises:
+        HvpsError: the ranks still training submitted another collective than allreduce, or the job failed.
+    """
     return hvps.join()
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every member of the set has called barrier().
+
+    Args:
+        process_set: the ranks that wait for each other (default: all).
 
     Raises:
         ArgumentError: the set is not registered, or this rank is not a member.

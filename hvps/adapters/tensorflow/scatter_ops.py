@@ -56,7 +56,19 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None, ignore
              process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[i]`` rows to the set's i-th rank (equal blocks without splits); differentiable.
 
-    Returns the gathered tensor, or ``(tensor, received_splits)`` (int32) when ``splits`` is given.
+    Args:
+        tensor: this rank's rows, sent in consecutive blocks to the set's ranks in order.
+        splits: rows for each rank (one int per member, summing to dim 0); None: equal blocks.
+        name: the collective's name, the same on every rank (default: numbered in call order).
+        ignore_name_scope: Horovod's argument, accepted and ignored.
+        process_set: the ranks that exchange (default: all).
+
+    Returns:
+        The rows received, in rank order; with ``splits``, ``(tensor, received_splits)`` (int32).
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
     """
     tensor = as_tensor(tensor)
     check_rows(tensor, "alltoall")
@@ -111,7 +123,26 @@ def reducescatter(tensor: Any, device_dense: str = "", compression=Compression.n
                   ignore_name_scope: bool = False, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce ``tensor`` over the set's ranks and return this rank's block of dim 0 (first ranks get the
-    remainder); differentiable."""
+    remainder); differentiable.
+
+    Args:
+        tensor: the tensor to reduce (the same shape and dtype on every rank).
+        device_dense: Horovod's placement argument, accepted and ignored.
+        compression: ``Compression.none``, ``fp16``, ``bf16`` or a summable compressor, applied on the wire.
+        op: ``Average`` (the default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        name: the collective's name, the same on every rank (default: numbered in call order).
+        process_set: the ranks that reduce together (default: all).
+        ignore_name_scope: Horovod's argument, accepted and ignored.
+        prescale_factor: each rank's tensor is multiplied by it before the reduction.
+        postscale_factor: the result is multiplied by it.
+
+    Returns:
+        This rank's block of the reduction's dim 0.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     (compressed,), ctxs, plan = compress_for_sum(compression, [as_tensor(tensor)], op, lambda: members(process_set)[0],
                                                  prescale_factor, postscale_factor)
     outs = _grouped_reducescatter([compressed], plan.op, name, plan.prescale, plan.postscale, process_set)
@@ -122,7 +153,18 @@ def reducescatter(tensor: Any, device_dense: str = "", compression=Compression.n
 def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compression=Compression.none,
                           op: ReduceOp = Average, process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
-    """Reducescatter several tensors together (differentiable)."""
+    """Reducescatter several tensors together (differentiable).
+
+    Args:
+        tensors: the tensors to reduce; the other arguments are :func:`reducescatter`'s, applied to each.
+
+    Returns:
+        This rank's blocks, a list in input order.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     if not tensors:
         return list(tensors)
     payloads, ctxs, plan = compress_for_sum(compression, [as_tensor(t) for t in tensors], op,

@@ -280,13 +280,40 @@ class CheckpointManager(_core.CheckpointManager):
     framework = "torch"
 
     def framework_version(self) -> str:
+        """The version of torch, recorded in each checkpoint.
+
+        Returns:
+            ``torch.__version__``.
+        """
         return torch.__version__
 
     def save(self, epoch: int, model: Any = None, optimizer: Any = None, extra: Optional[Mapping] = None,
              compression_state: Any = None, step: Optional[int] = None, rng: Any = True):
-        """Save ``epoch`` on rank 0 (collective). ``rng=True`` captures this rank's RNG
-        states, ``False`` none, a mapping is stored as given.  ``compression_state`` is a
-        mapping name -> tensor, or an object with ``state_dict()``."""
+        """Save ``epoch`` (a finished epoch) as a new version; collective.
+
+        The model and a replicated optimizer are written by rank 0; a ``ShardedOptimizer``'s state and a
+        ``hvd.fully_shard`` model's parameters and optimizer state are written by every rank, its own shard,
+        before rank 0's dense file commits the version.
+
+        Args:
+            epoch: the epoch just finished (>= 0); ``load`` returns it + 1.
+            model: a ``torch.nn.Module`` (fully sharded or not), or None.
+            optimizer: its optimizer (plain, ``DistributedOptimizer``, ``ShardedOptimizer``, or the optimizer
+                over a fully sharded model's shards), or None.
+            extra: more values to keep (tensors become arrays, also inside nested mappings), from rank 0.
+            compression_state: a mapping name -> tensor, or an object with ``state_dict()`` (PowerSGD's
+                factors, error feedback); each rank's is kept.
+            step: the global step, kept beside the epoch.
+            rng: True captures this rank's RNG states, False none; a mapping is stored as given.
+
+        Returns:
+            The version's path on rank 0, None on the other ranks.
+
+        Raises:
+            ValueError: ``epoch`` is negative.
+            CheckpointError: on every rank, when the version could not be written (the previous versions stay
+                intact).
+        """
         if compression_state is not None and hasattr(compression_state, "state_dict"):
             compression_state = compression_state.state_dict()
         if rng is True:
@@ -327,12 +354,30 @@ class CheckpointManager(_core.CheckpointManager):
         Before anything is changed, the checkpoint is compared with the model and the
         optimizer: missing or unexpected keys and shape or dtype mismatches raise one
         CheckpointError listing them all (``strict=False`` loads what fits and warns).
-        ``compression``, an object with ``load_state_dict``, receives this rank's saved
-        compression state.  Returns the saved epoch + 1, or 0 when there is nothing to load.
+        Sharded state (stage 1–2 or ``fully_shard``) is re-sharded to this job's rank count.
 
         ``optimizer`` alone (no ``model``) over a ``hvd.fully_shard`` model's shards loads its state from any
         checkpoint a fully sharded model loads: its shards name their model (the whole shapes, names and this
         rank's slices), whose parameters are left as they are.
+
+        Args:
+            version: ``"latest"`` (the newest valid version; a damaged one is skipped for the one before it)
+                or an epoch.
+            drop_compression_state: ignore the saved compression state.
+            model: the model to restore (fully sharded or not), or None.
+            optimizer: the optimizer to restore, or None.
+            compression: an object with ``load_state_dict``; it receives this rank's saved compression state.
+            restore_rng: restore this rank's RNG states.
+            strict: False loads what fits and warns about the rest.
+
+        Returns:
+            The saved epoch + 1, or 0 when ``version="latest"`` finds nothing to load.
+
+        Raises:
+            ValueError: ``version`` is neither ``"latest"`` nor an epoch number.
+            CheckpointError: on every rank: the version does not fit the model or optimizer (all problems
+                listed); an explicit ``version`` is missing or damaged; per-rank compression state saved by
+                another number of ranks (unless ``drop_compression_state``).
         """
         start = super().load(version, drop_compression_state=drop_compression_state)
         # an optimizer over a fully sharded model's shards, given alone: its model says where its slices lie
@@ -403,14 +448,20 @@ class CheckpointManager(_core.CheckpointManager):
         return None
 
 
+def _whole_parameter_problems(ck: Any, model: torch.nn.Module, parameters: bool) -> tuple:
+    """The whole parameters of the fully sharded ``model`` (meta tensors, by name) and the problems of loading the
+    version ``ck``'s dense parameters into them (none asked when not ``parameters``)."""
+    whole = _fully.whole_parameters(model)
+    return whole, check_state(whole, {k: v for k, v in (ck.model or {}).items() if k in whole}) if parameters else []
+
+
 def _dense_fits_fully_sharded(ck: Any, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                               parameters: bool = True) -> list:
     """Problems of loading the dense version ``ck`` into a fully sharded ``model`` and its ``optimizer``: its
     parameters (missing, or of another shape or dtype than the whole parameter; unless not ``parameters``) and its
     optimizer state (as :func:`check_optimizer`, over the whole parameters). Buffers are left to the caller
     (``strict``)."""
-    whole = _fully.whole_parameters(model)
-    problems = check_state(whole, {k: v for k, v in (ck.model or {}).items() if k in whole}) if parameters else []
+    whole, problems = _whole_parameter_problems(ck, model, parameters)
     if optimizer is None:
         return problems
     if isinstance(optimizer, ShardedOptimizer):
@@ -430,8 +481,7 @@ def _stage12_fits_fully_sharded(ck: Any, model: torch.nn.Module, optimizer: torc
     sharded ``model`` (its parameters unless not ``parameters``) and its ``optimizer``: the parameters as
     :func:`_dense_fits_fully_sharded`, the manifest as
     :func:`hvps.adapters.torch.fully_sharded_checkpoint.sharded_optimizer_misfit`."""
-    whole = _fully.whole_parameters(model)
-    problems = check_state(whole, {k: v for k, v in (ck.model or {}).items() if k in whole}) if parameters else []
+    _, problems = _whole_parameter_problems(ck, model, parameters)
     return problems + _fully.sharded_optimizer_misfit(ck, model, optimizer)
 
 

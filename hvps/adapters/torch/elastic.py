@@ -35,7 +35,14 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``func(state, *args, **kwargs)`` elastically: sync the state from rank 0 first, and on a host
     update (or, in elastic mode, a failed collective, after ``state.restore()``) re-initialize, run the
     state's reset callbacks, sync again and call ``func`` again. ``func`` must not start with a
-    collective of its own (new workers would meet it while the others sync)."""
+    collective of its own (new workers would meet it while the others sync).
+
+    Args:
+        func: the training function, taking the state (a ``TorchState``) first.
+
+    Returns:
+        The wrapped function; see :func:`hvps.elastic.run_fn` for what it returns and raises.
+    """
     return run_fn(func, _reset)
 
 
@@ -100,7 +107,14 @@ class ElasticSampler(torch.utils.data.Sampler):
         return len(self.processed_indices)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch``: forget the processed indices and shuffle anew."""
+        """Start ``epoch``: forget the processed indices and shuffle anew.
+
+        Args:
+            epoch: the epoch (an int >= 0; it seeds the shuffle with ``seed``).
+
+        Raises:
+            ValueError: ``epoch`` is not an int >= 0.
+        """
         if not isinstance(epoch, numbers.Integral) or isinstance(epoch, bool) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, not {epoch!r}")
         self.epoch = int(epoch)
@@ -109,7 +123,18 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def get_indices(self, batch_idx: int, batch_size: int) -> list:
         """The indices of batch ``batch_idx`` (of ``batch_size``) of the share being iterated (the one the
-        last ``iter()`` took; a reset re-splits for the next iteration, as in Horovod)."""
+        last ``iter()`` took; a reset re-splits for the next iteration, as in Horovod).
+
+        Args:
+            batch_idx: the batch's index in this epoch's share (>= 0).
+            batch_size: samples per batch (>= 1).
+
+        Returns:
+            The dataset indices of that batch (fewer for the last one).
+
+        Raises:
+            ValueError: ``batch_idx`` or ``batch_size`` is not an int in range.
+        """
         for name, value in (("batch_idx", batch_idx), ("batch_size", batch_size)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < (name == "batch_size"):
                 raise ValueError(f"{name} must be an int >= {int(name == 'batch_size')}, not {value!r}")
@@ -117,18 +142,39 @@ class ElasticSampler(torch.utils.data.Sampler):
         return self.indices[start:min(start + batch_size, len(self.indices))]
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
-        """Record batch ``batch_idx`` (of ``batch_size``) of this rank's share as processed."""
+        """Record batch ``batch_idx`` (of ``batch_size``) of this rank's share as processed.
+
+        Args:
+            batch_idx: as :meth:`get_indices`.
+            batch_size: as :meth:`get_indices`.
+        """
         self.record_indices(self.get_indices(batch_idx, batch_size))
 
     def record_indices(self, indices: Iterable[int]) -> None:
-        """Record dataset ``indices`` as processed."""
+        """Record dataset ``indices`` as processed.
+
+        Args:
+            indices: indices into the dataset.
+        """
         self.processed_indices.update(int(index) for index in indices)
 
     def state_dict(self) -> dict:
+        """What a commit keeps of the sampler.
+
+        Returns:
+            ``{"epoch": ..., "processed_indices": {...}}`` (a copy of the set).
+        """
         return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Take ``state_dict``'s epoch and processed indices (copied) and split the rest anew."""
+        """Take ``state_dict``'s epoch and processed indices (copied) and split the rest anew.
+
+        Args:
+            state_dict: what :meth:`state_dict` returned.
+
+        Raises:
+            KeyError: ``state_dict`` lacks ``epoch`` or ``processed_indices``.
+        """
         missing = {"epoch", "processed_indices"} - set(state_dict)
         if missing:
             raise KeyError(f"ElasticSampler state dict lacks {sorted(missing)}; give the dict state_dict() returned")
@@ -294,6 +340,15 @@ class TorchState(ObjectState):
     so is a ``ShardedOptimizer``'s state: each commit also keeps a copy of the ring neighbour's shard, and
     after a rank is lost (or one joins) the survivors rebuild and re-shard in memory
     (:mod:`hvps.adapters.torch.elastic_sharding`).
+
+    Args:
+        model: the model (a ``torch.nn.Module``, fully sharded or not); ``state.model``.
+        optimizer: its optimizer (plain, ``DistributedOptimizer`` or ``ShardedOptimizer``); ``state.optimizer``.
+        **kwargs: more attributes: handled values (LR schedulers, ``ElasticSampler``) or picklable objects
+            (``epoch=0, batch=0``).
+
+    Raises:
+        ValueError: an attribute's name starts with ``_`` or is one of the state's methods.
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,

@@ -666,6 +666,13 @@ def whole_parameters(model: torch.nn.Module) -> dict:
             for name, p in model.named_parameters(remove_duplicate=False)}
 
 
+def _staged(checkpoint: Any, model: torch.nn.Module, blocks: Any, state: Any) -> Staged:
+    """``blocks`` and ``state`` staged for ``model``, with the saved entries that are none of its parameters (its
+    buffers)."""
+    params = whole_parameters(model)
+    return Staged(blocks, state, {k: v for k, v in (checkpoint.model or {}).items() if k not in params})
+
+
 def stage_dense(checkpoint: Any, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                 world: Optional[tuple] = None, parameters: bool = True) -> Staged:
     """This rank's slices of a dense checkpoint (a replicated run's) for a fully sharded ``model`` and its
@@ -685,8 +692,7 @@ def stage_dense(checkpoint: Any, model: torch.nn.Module, optimizer: Optional[tor
     source = _DenseSource(checkpoint.model, checkpoint.optimizer or None, model, optimizer)
     world = FullyShardedModel.of(model).world() if world is None else world
     blocks, state = _stage_sharded(source, model, optimizer, world, parameters)
-    params = whole_parameters(model)
-    return Staged(blocks, state, {k: v for k, v in (checkpoint.model or {}).items() if k not in params})
+    return _staged(checkpoint, model, blocks, state)
 
 
 def stage_sharded_optimizer(directory: os.PathLike, checkpoint: Any, model: torch.nn.Module,
@@ -716,8 +722,7 @@ def stage_sharded_optimizer(directory: os.PathLike, checkpoint: Any, model: torc
     with _stage12.open_shards(directory, manifest, checkpoint.epoch, _STAGE12_FRAMEWORK) as shards:
         source = _ShardedOptimizerSource(checkpoint.model, manifest, shards, model, optimizer)
         blocks, state = _stage_sharded(source, model, optimizer, world, parameters)
-    params = whole_parameters(model)
-    return Staged(blocks, state, {k: v for k, v in (checkpoint.model or {}).items() if k not in params})
+    return _staged(checkpoint, model, blocks, state)
 
 
 def sharded_optimizer_misfit(checkpoint: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list:

@@ -53,7 +53,21 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = 
     """Pickle ``obj`` on the root and return a copy of it on every member of the set.
 
     Tensors the root had on a GPU arrive on this rank's GPU (``map_location``: ``"cpu"`` or
-    ``"cuda:<index>"`` instead), not on the root's device (issue 43, finding 8)."""
+    ``"cuda:<index>"`` instead), not on the root's device (issue 43, finding 8).
+
+    Args:
+        obj: the object to send (the root's; ignored elsewhere).
+        root_rank: the rank whose object every member receives.
+        name: the collective's name, the same on every rank (default: numbered in call order).
+        process_set: the ranks that take part (default: all).
+        map_location: where received tensors go: ``"cpu"`` or ``"cuda:<index>"`` (default: this rank's device).
+
+    Returns:
+        ``obj`` on the root; an unpickled copy of the root's object on the other members.
+
+    Raises:
+        HvpsError: the collective failed (a rank lost, or one that never calls it).
+    """
     root = hvps.rank() == root_rank
     data = hvps.broadcast_object(_dumps(obj) if root else None, root_rank, name, process_set)
     return obj if root else _loads(data, map_location or rank_device())
@@ -61,14 +75,36 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: Optional[str] = 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> list:
     """Pickle ``obj`` on every member and return all members' objects, in rank order (CUDA tensors on
-    this rank's GPU, as ``broadcast_object``)."""
+    this rank's GPU, as ``broadcast_object``).
+
+    Args:
+        obj: this rank's object.
+        name: the collective's name, the same on every rank (default: numbered in call order).
+        process_set: the ranks that take part (default: all).
+
+    Returns:
+        A list of the members' objects, in rank order.
+
+    Raises:
+        HvpsError: the collective failed (a rank lost, or one that never calls it).
+    """
     target = rank_device()
     return [_loads(data, target) for data in hvps.allgather_object(_dumps(obj), name, process_set)]
 
 
 def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable], root_rank: int = 0,
                          process_set: ProcessSet = global_process_set) -> None:
-    """Overwrite ``params`` (a ``state_dict()`` or ``named_parameters()``) in place with the root's."""
+    """Overwrite ``params`` (a ``state_dict()`` or ``named_parameters()``) in place with the root's.
+
+    Args:
+        params: a ``state_dict()`` or ``(name, tensor)`` pairs such as ``model.named_parameters()``.
+        root_rank: the rank whose values every member receives.
+        process_set: the ranks that take part (default: all).
+
+    Raises:
+        ValueError: ``params`` is neither a mapping nor ``(name, tensor)`` pairs.
+        HvpsError: the broadcasts failed (the ranks' tensors differ in shape or dtype, or a rank is lost).
+    """
     items = sorted(params.items()) if isinstance(params, Mapping) else list(params)
     if items and not isinstance(items[0], tuple):
         raise ValueError("params must be a state_dict() or a list of (name, tensor) pairs, as named_parameters()")
@@ -99,6 +135,14 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     The root's whole ``state_dict()`` travels, so ranks whose state differs in shape or presence
     end up with the root's. As in Horovod, when this rank's optimizer has no state yet, every
     parameter that takes gradients and has none gets a zero gradient.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` (``DistributedOptimizer`` and ``ShardedOptimizer`` included).
+        root_rank: the rank whose state every member receives.
+        process_set: the ranks that take part (default: all).
+
+    Raises:
+        HvpsError: the broadcast failed (a rank lost, or one that never calls it).
     """
     own = optimizer.state_dict()  # on every rank: a ShardedOptimizer's state_dict() is collective
     if not own["state"]:

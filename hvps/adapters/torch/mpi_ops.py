@@ -26,12 +26,29 @@ Average, Sum, Min, Max, Product, Adasum = hvps.Average, hvps.Sum, hvps.Min, hvps
 
 
 def synchronize(handle: hvps.Handle) -> Any:
-    """Wait for an asynchronous collective and return its output."""
+    """Wait for an asynchronous collective and return its output.
+
+    Args:
+        handle: what an ``*_async`` function returned.
+
+    Returns:
+        The collective's output (a tensor, a list of them, or what the function says).
+
+    Raises:
+        HvpsError: the collective failed (on every rank that submitted it).
+    """
     return handle.wait()
 
 
 def poll(handle: hvps.Handle) -> bool:
-    """Whether an asynchronous collective has completed; ``synchronize`` then returns at once."""
+    """Whether an asynchronous collective has completed; ``synchronize`` then returns at once.
+
+    Args:
+        handle: what an ``*_async`` function returned.
+
+    Returns:
+        True once it has completed (or failed).
+    """
     return handle.poll()
 
 
@@ -59,7 +76,15 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
                              name: Optional[str] = None, op: Optional[ReduceOp] = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> hvps.Handle:
-    """Reduce ``tensors`` in place as one fused collective."""
+    """Start reducing ``tensors`` in place as one fused collective.
+
+    Args:
+        tensors: the tensors, each overwritten with its reduction; the other arguments are
+            :func:`grouped_allreduce`'s.
+
+    Returns:
+        A handle: :func:`synchronize` waits for it and returns the tensors; :func:`poll` says whether it is done.
+    """
     pairs = [core_buffer(t) for t in tensors]
     arrays = [array for array, _ in pairs]
     core = hvps.grouped_allreduce_async(arrays, resolve_op(average, op), name, prescale_factor,
@@ -72,7 +97,14 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
                             name: Optional[str] = None, op: Optional[ReduceOp] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> hvps.Handle:
-    """Reduce ``tensors`` as one fused collective into new tensors."""
+    """Start reducing ``tensors`` as one fused collective into new tensors.
+
+    Args:
+        tensors: the tensors to reduce; the other arguments are :func:`grouped_allreduce`'s.
+
+    Returns:
+        A handle: :func:`synchronize` waits for it and returns the reduced tensors; :func:`poll` says whether it is done.
+    """
     core = hvps.grouped_allreduce_async([core_input(t) for t in tensors], resolve_op(average, op), name,
                                         prescale_factor, postscale_factor, process_set=process_set)
     return core.then(_outputs(tensors))
@@ -81,7 +113,14 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> hvps.Handle:
-    """Start reducing ``tensor`` in place over the set's ranks."""
+    """Start reducing ``tensor`` in place over the set's ranks.
+
+    Args:
+        tensor: overwritten with the reduction; the other arguments are :func:`allreduce`'s.
+
+    Returns:
+        A handle: :func:`synchronize` waits for it and returns ``tensor``; :func:`poll` says whether it is done.
+    """
     return grouped_allreduce_async_([tensor], average, name, op, prescale_factor, postscale_factor,
                                     process_set).then(lambda outs: outs[0])
 
@@ -90,7 +129,14 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> hvps.Handle:
-    """Start reducing ``tensor`` over the set's ranks into a new tensor."""
+    """Start reducing ``tensor`` over the set's ranks into a new tensor.
+
+    Args:
+        tensor: the tensor to reduce; the other arguments are :func:`allreduce`'s.
+
+    Returns:
+        A handle: :func:`synchronize` waits for it and returns the reduced tensor; :func:`poll` says whether it is done.
+    """
     core = hvps.allreduce_async(core_input(tensor), resolve_op(average, op), name, prescale_factor,
                                 postscale_factor, process_set=process_set)
     return core.then(lambda out: from_core(out, tensor.device))
@@ -115,7 +161,27 @@ class _Allreduce(torch.autograd.Function):
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
               compression=Compression.none, op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Reduce ``tensor`` over the set's ranks (differentiable); ``compression`` applies on the wire."""
+    """Reduce ``tensor`` over the set's ranks (differentiable); ``compression`` applies on the wire.
+
+    Args:
+        tensor: the tensor to reduce (same shape and dtype on every rank).
+        average: Horovod's deprecated flag: False means ``op=Sum``; give ``op`` instead.
+        name: the collective's name, the same on every rank (default: numbered in call order).
+        compression: ``Compression.none``, ``fp16``, ``bf16``, ``int8`` or a compressor, applied on the wire.
+        op: ``Average`` (the default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``.
+        prescale_factor: each rank's tensor is multiplied by it before the reduction.
+        postscale_factor: the result is multiplied by it.
+        process_set: the ranks that reduce together (default: all).
+
+    Returns:
+        A new tensor holding the reduction, on ``tensor``'s device.
+
+    Raises:
+        ValueError: arguments this rank refuses (``average`` with ``op``, an unknown op, a rank outside
+            ``process_set``); the ranks that submitted the collective fail at once with this reason.
+        HvpsError: the collective failed on every rank: the ranks disagree on it, a rank never submits it
+            (the stall check), or a rank is lost.
+    """
     op = resolve_op(average, op)
     (compressed,), ctxs, plan = compress_for_sum(compression, [tensor], op, lambda: _set_size(process_set), prescale_factor,
                                                  postscale_factor)
@@ -127,7 +193,18 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Reduce ``tensor`` in place over the set's ranks."""
+    """Reduce ``tensor`` in place over the set's ranks.
+
+    Args:
+        tensor: overwritten with the reduction; the other arguments are :func:`allreduce`'s.
+
+    Returns:
+        ``tensor``.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set).wait()
 
 
@@ -150,7 +227,19 @@ class _GroupedAllreduce(torch.autograd.Function):
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                       compression=Compression.none, op: Optional[ReduceOp] = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> list:
-    """Reduce several tensors as one fused collective (differentiable)."""
+    """Reduce several tensors as one fused collective (differentiable).
+
+    Args:
+        tensors: the tensors to reduce (dtypes may differ); the other arguments are :func:`allreduce`'s,
+            applied to each.
+
+    Returns:
+        A list of new tensors, the reductions of ``tensors`` in order.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     op = resolve_op(average, op)
     payloads, ctxs, plan = compress_for_sum(compression, list(tensors), op, lambda: _set_size(process_set), prescale_factor,
                                             postscale_factor)
@@ -162,7 +251,18 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                        op: Optional[ReduceOp] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list:
-    """Reduce several tensors in place as one fused collective."""
+    """Reduce several tensors in place as one fused collective.
+
+    Args:
+        tensors: each overwritten with its reduction; the other arguments are :func:`allreduce`'s.
+
+    Returns:
+        ``tensors``, as a list.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     return grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
                                     process_set).wait()
 
@@ -187,8 +287,22 @@ def sparse_allreduce_handle(tensor: torch.Tensor, name: str, op: ReduceOp,
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp,
                            process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:
-    """Start reducing a sparse COO tensor; returns a function that waits and yields the reduced
-    sparse tensor (Horovod's interface)."""
+    """Start reducing a sparse COO tensor (Horovod's interface): every rank's indices and values are
+    allgathered, and the result is their sum (or average) as a sparse tensor.
+
+    Args:
+        tensor: a sparse COO tensor of the same dense shape on every rank.
+        name: the collective's name, the same on every rank.
+        op: ``Average`` or ``Sum``.
+        process_set: the ranks that reduce together.
+
+    Returns:
+        A function that waits and returns the reduced sparse tensor.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     return sparse_allreduce_handle(tensor, name, op, process_set).wait
 
 
@@ -196,7 +310,14 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp,
 @fails_everywhere(ALLGATHER)
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> hvps.Handle:
-    """Start concatenating every member's tensor along dim 0."""
+    """Start concatenating every member's tensor along dim 0.
+
+    Args:
+        tensor: this rank's rows; the other arguments are :func:`allgather`'s.
+
+    Returns:
+        A handle: :func:`synchronize` waits for it and returns the concatenation; :func:`poll` says whether it is done.
+    """
     core = hvps.allgather_async(core_input(tensor), name, process_set)
     return core.then(lambda out: from_core(out, tensor.device))
 
@@ -204,7 +325,14 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
 @fails_everywhere(ALLGATHER)
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                             process_set: ProcessSet = global_process_set) -> hvps.Handle:
-    """Start allgathering several tensors together."""
+    """Start allgathering several tensors together.
+
+    Args:
+        tensors: this rank's tensors; the other arguments are :func:`allgather`'s.
+
+    Returns:
+        A handle: :func:`synchronize` waits for it and returns a list of the concatenations; :func:`poll` says whether it is done.
+    """
     core = hvps.grouped_allgather_async([core_input(t) for t in tensors], name, process_set)
     return core.then(_outputs(tensors))
 
@@ -232,14 +360,38 @@ class _Allgather(torch.autograd.Function):
 @synchronous
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Concatenate every member's tensor along dim 0 (differentiable)."""
+    """Concatenate every member's tensor along dim 0 (differentiable).
+
+    Args:
+        tensor: this rank's rows: the same shape past dim 0 and dtype on every rank; dim 0 may differ.
+        name: the collective's name, the same on every rank (default: numbered in call order).
+        process_set: the ranks that gather (default: all).
+
+    Returns:
+        A new tensor: the members' tensors in rank order, along dim 0.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     return _Allgather.apply(name, process_set, tensor)[0]
 
 
 @synchronous
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                       process_set: ProcessSet = global_process_set) -> list:
-    """Allgather several tensors together (differentiable)."""
+    """Allgather several tensors together (differentiable).
+
+    Args:
+        tensors: this rank's tensors; the other arguments are :func:`allgather`'s.
+
+    Returns:
+        A list of new tensors, one concatenation per tensor.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     return list(_Allgather.apply(name, process_set, *tensors))
 
 
@@ -247,14 +399,28 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = Non
 @fails_everywhere(BROADCAST)
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> hvps.Handle:
-    """Start copying the root's tensor to a new tensor on every member."""
+    """Start copying the root's tensor to a new tensor on every member.
+
+    Args:
+        tensor: the root's data (elsewhere: its shape and dtype); the other arguments are :func:`broadcast`'s.
+
+    Returns:
+        A handle: :func:`synchronize` waits for it and returns the root's tensor; :func:`poll` says whether it is done.
+    """
     core = hvps.broadcast_async(core_input(tensor), root_rank, name, process_set=process_set)
     return core.then(lambda out: from_core(out, tensor.device))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> hvps.Handle:
-    """Start overwriting ``tensor`` in place with the root's."""
+    """Start overwriting ``tensor`` in place with the root's.
+
+    Args:
+        tensor: the root's data, overwritten elsewhere; the other arguments are :func:`broadcast`'s.
+
+    Returns:
+        A handle: :func:`synchronize` waits for it and returns ``tensor``; :func:`poll` says whether it is done.
+    """
     array, buffer = core_buffer(tensor)
     core = hvps.broadcast_async(array, root_rank, name, out=array, process_set=process_set)
     return core.then(lambda _: _writeback(tensor, buffer))
@@ -277,14 +443,39 @@ class _Broadcast(torch.autograd.Function):
 @synchronous
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Return the root's tensor on every member (differentiable)."""
+    """Return the root's tensor on every member (differentiable).
+
+    Args:
+        tensor: the root's data; on the other ranks, a tensor of the same shape and dtype.
+        root_rank: the rank whose tensor every member receives (a rank of ``process_set``).
+        name: the collective's name, the same on every rank (default: numbered in call order).
+        process_set: the ranks that take part (default: all).
+
+    Returns:
+        A new tensor holding the root's values.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
 @synchronous
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Overwrite ``tensor`` in place with the root's."""
+    """Overwrite ``tensor`` in place with the root's.
+
+    Args:
+        tensor: the root's data, overwritten elsewhere; the other arguments are :func:`broadcast`'s.
+
+    Returns:
+        ``tensor``.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     return broadcast_async_(tensor, root_rank, name, process_set).wait()
 
 
@@ -300,7 +491,14 @@ def _splits_list(splits: Any) -> Any:
 @fails_everywhere(ALLTOALL)
 def alltoall_async(tensor: torch.Tensor, splits: Optional[Any] = None, name: Optional[str] = None,
                    process_set: ProcessSet = global_process_set) -> hvps.Handle:
-    """Start sending ``splits[i]`` rows to the set's i-th rank; yields ``(output, received_splits)``."""
+    """Start sending ``splits[i]`` rows to the set's i-th rank.
+
+    Args:
+        tensor: this rank's rows; the other arguments are :func:`alltoall`'s.
+
+    Returns:
+        A handle: :func:`synchronize` waits for it and returns ``(output, received_splits)``; :func:`poll` says whether it is done.
+    """
     core = hvps.alltoall_async(core_input(tensor), _splits_list(splits), name, process_set)
     splits_device = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
     return core.then(lambda res: (from_core(res[0], tensor.device),
@@ -326,7 +524,19 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Any] = None, name: Optional[
              process_set: ProcessSet = global_process_set) -> Any:
     """Exchange rows with every member (differentiable).
 
-    Returns the gathered tensor, or ``(tensor, received_splits)`` when ``splits`` is given.
+    Args:
+        tensor: this rank's rows, sent in consecutive blocks to the set's ranks in order.
+        splits: how many rows go to each rank (a list or an int tensor of the set's size); default: equal
+            blocks (dim 0 must then divide by the set's size).
+        name: the collective's name, the same on every rank (default: numbered in call order).
+        process_set: the ranks that exchange (default: all).
+
+    Returns:
+        The rows received from every rank, in rank order; with ``splits``, ``(tensor, received_splits)``.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
     """
     output, received = _Alltoall.apply(tensor, splits, name, process_set)
     return output if splits is None else (output, received)
@@ -337,7 +547,14 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Any] = None, name: Optional[
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: ReduceOp = Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         process_set: ProcessSet = global_process_set) -> hvps.Handle:
-    """Start reducing ``tensor`` and keeping this rank's block of dim 0."""
+    """Start reducing ``tensor`` and keeping this rank's block of dim 0.
+
+    Args:
+        tensor: the tensor to reduce; the other arguments are :func:`reducescatter`'s.
+
+    Returns:
+        A handle: :func:`synchronize` waits for it and returns this rank's block; :func:`poll` says whether it is done.
+    """
     core = hvps.reducescatter_async(core_input(tensor), op, name, prescale_factor, postscale_factor, process_set)
     return core.then(lambda out: from_core(out, tensor.device))
 
@@ -346,7 +563,14 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Re
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None, op: ReduceOp = Average,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                                 process_set: ProcessSet = global_process_set) -> hvps.Handle:
-    """Start reducescattering several tensors together."""
+    """Start reducescattering several tensors together.
+
+    Args:
+        tensors: the tensors to reduce; the other arguments are :func:`reducescatter`'s.
+
+    Returns:
+        A handle: :func:`synchronize` waits for it and returns a list of this rank's blocks; :func:`poll` says whether it is done.
+    """
     core = hvps.grouped_reducescatter_async([core_input(t) for t in tensors], op, name, prescale_factor,
                                             postscale_factor, process_set)
     return core.then(_outputs(tensors))
@@ -372,7 +596,25 @@ class _Reducescatter(torch.autograd.Function):
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=Compression.none,
                   op: ReduceOp = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                   process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Reduce ``tensor`` over the set's ranks and return this rank's block of dim 0 (differentiable)."""
+    """Reduce ``tensor`` over the set's ranks and return this rank's block of dim 0 (differentiable).
+
+    Args:
+        tensor: the tensor to reduce (same shape and dtype on every rank).
+        name: the collective's name, the same on every rank (default: numbered in call order).
+        compression: ``Compression.none``, ``fp16``, ``bf16`` or a summable compressor, applied on the wire.
+        op: ``Average`` (the default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: each rank's tensor is multiplied by it before the reduction.
+        postscale_factor: the result is multiplied by it.
+        process_set: the ranks that reduce together (default: all).
+
+    Returns:
+        This rank's block of the reduction's dim 0 (blocks as even as possible; the first ranks get the
+        remainder).
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     (compressed,), ctxs, plan = compress_for_sum(compression, [tensor], op, lambda: _set_size(process_set), prescale_factor,
                                                  postscale_factor)
     out = _Reducescatter.apply(name, plan.op, plan.prescale, plan.postscale, process_set, compressed)[0]
@@ -383,7 +625,18 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None, compression=Compression.none,
                           op: ReduceOp = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                           process_set: ProcessSet = global_process_set) -> list:
-    """Reducescatter several tensors together (differentiable)."""
+    """Reducescatter several tensors together (differentiable).
+
+    Args:
+        tensors: the tensors to reduce; the other arguments are :func:`reducescatter`'s.
+
+    Returns:
+        A list of this rank's blocks, one per tensor.
+
+    Raises:
+        ValueError: refused arguments (see :func:`allreduce`).
+        HvpsError: the collective failed (see :func:`allreduce`).
+    """
     payloads, ctxs, plan = compress_for_sum(compression, list(tensors), op, lambda: _set_size(process_set), prescale_factor,
                                             postscale_factor)
     outs = _Reducescatter.apply(name, plan.op, plan.prescale, plan.postscale, process_set, *payloads)
@@ -393,16 +646,31 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
 # -- synchronisation --------------------------------------------------------------------
 @synchronous
 def join(device: int = -1) -> int:
-    """Stop contributing; other ranks' allreduces proceed with zeros. Returns the last rank to join.
+    """Stop contributing; other ranks' allreduces proceed with zeros until every rank has joined.
 
-    ``device``: the GPU index on which this rank makes the zeros it contributes to collectives on CUDA
-    tensors (Horovod's argument); -1, the default, means the device of this rank's CUDA tensors, else its
-    local rank's GPU.
+    Args:
+        device: the GPU index on which this rank makes the zeros it contributes to collectives on CUDA
+            tensors (Horovod's argument); -1, the default, means the device of this rank's CUDA tensors, else
+            its local rank's GPU.
+
+    Returns:
+        The last rank to join.
+
+    Raises:
+        HvpsError: a collective other than allreduce was submitted by the ranks still training, or the job
+            failed meanwhile.
     """
     return hvps.join(device)
 
 
 @synchronous
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Return once every member of the set has called barrier()."""
+    """Return once every member of the set has called barrier().
+
+    Args:
+        process_set: the ranks that wait for each other (default: all).
+
+    Raises:
+        HvpsError: a rank is lost or never arrives (the stall check).
+    """
     hvps.barrier(process_set)

@@ -97,7 +97,8 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
             sparse_as_dense: reduce sparse gradients as dense tensors.
             process_set: the ranks that reduce together.
             shard: ``True`` returns a :class:`~hvps.adapters.torch.sharded_optimizer.ShardedOptimizer` instead
-                (ZeRO stage 1-2: each rank keeps and steps 1/N of the optimizer state), with these arguments.
+                (ZeRO stage 1-2: each rank keeps and steps 1/N of the optimizer state), with these arguments and
+                any of its own (``state_tier="disk", disk_dir=...``: the disk tier).
 
         Raises:
             HvpsError: before ``hvps.init()``.
@@ -178,7 +179,11 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
 
     # -- what each kind does ------------------------------------------------------------
     def synchronize(self) -> None:
-        """Finish this step's communication of gradients (each kind says what that is)."""
+        """Finish this step's communication of gradients (each kind says what that is).
+
+        Raises:
+            HvpsError: a gradient's collective failed (on every rank that submitted it).
+        """
         raise NotImplementedError
 
     def _update(self, closure: Any = None) -> Any:
@@ -188,7 +193,12 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
     # -- the step -------------------------------------------------------------------------
     @contextlib.contextmanager
     def skip_synchronize(self):
-        """Inside, ``step()`` does not synchronize: call ``synchronize()`` yourself first."""
+        """Inside, ``step()`` does not synchronize: call ``synchronize()`` yourself first (to clip the
+        averaged gradients, say).
+
+        Returns:
+            A context manager: ``with opt.skip_synchronize(): opt.step()``.
+        """
         self._should_synchronize = False
         try:
             yield
@@ -196,7 +206,17 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
-        """Synchronize gradients (unless already done or skipped), then step the wrapped optimizer."""
+        """Synchronize gradients (unless already done or skipped), then step the wrapped optimizer.
+
+        Args:
+            closure: re-evaluates the model and returns the loss, passed to the wrapped optimizer.
+
+        Returns:
+            What the wrapped optimizer's ``step`` returns (the loss with a closure).
+
+        Raises:
+            HvpsError: the gradients' collectives failed.
+        """
         _metrics.on_step()
         if self._should_synchronize:
             if self._synchronized:
@@ -211,12 +231,20 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
         return self._update(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the wrapped optimizer's gradients."""
+        """Clear the wrapped optimizer's gradients.
+
+        Args:
+            set_to_none: set each ``p.grad`` to ``None`` (the default, as torch's) instead of zeroing it.
+        """
         self._inner.zero_grad(set_to_none=set_to_none)
 
     # -- delegate state to the wrapped optimizer -------------------------------------
     def state_dict(self) -> dict:
-        """The wrapped optimizer's ``state_dict()`` (torch's integer keys, nothing of the wrapper's)."""
+        """The wrapped optimizer's state.
+
+        Returns:
+            The wrapped optimizer's ``state_dict()`` (torch's integer keys, nothing of the wrapper's).
+        """
         return self._inner.state_dict()
 
     def reset_step(self) -> None:
@@ -225,14 +253,22 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load into the wrapped optimizer and share its new groups and state again; the step in
-        progress, if any, is forgotten (:meth:`reset_step`)."""
+        progress, if any, is forgotten (:meth:`reset_step`).
+
+        Args:
+            state_dict: a ``state_dict()`` of this optimizer or of the plain optimizer it wraps.
+        """
         self.reset_step()
         self._inner.load_state_dict(state_dict)
         self.param_groups = self._inner.param_groups
         self.state = self._inner.state
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add ``param_group`` to the wrapped optimizer and name its parameters."""
+        """Add ``param_group`` to the wrapped optimizer and name its parameters.
+
+        Args:
+            param_group: a torch parameter group (``{"params": [...], "lr": ...}``).
+        """
         if not hasattr(self, "_inner"):  # called by Optimizer.__init__ for the shared groups
             return torch.optim.Optimizer.add_param_group(self, param_group)
         self._inner.add_param_group(param_group)

@@ -361,7 +361,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                                                         self.shard_optimizer.param_groups)]
 
     def world(self) -> tuple:
-        """``(size, rank)`` of the layout the buckets are in."""
+        """The world the buckets are laid out for.
+
+        Returns:
+            ``(size, rank)``: its number of ranks and this rank in it.
+        """
         return self._size, self._rank
 
     def relayout(self, size: int, rank: int) -> None:
@@ -511,7 +515,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def skip_synchronize(self):
-        """Inside, ``step()`` does not synchronize: call ``synchronize()`` yourself first."""
+        """Inside, ``step()`` does not synchronize: call ``synchronize()`` yourself first.
+
+        Returns:
+            A context manager (``with opt.skip_synchronize(): opt.step()``).
+        """
         self._should_synchronize = False
         try:
             yield
@@ -566,6 +574,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' gradients; refused while reduce-scatters are in flight.
+
+        Args:
+            set_to_none: set each ``p.grad`` to ``None`` (the default, as torch's) instead of zeroing it.
 
         Raises:
             HvpsError: called between ``backward()`` and ``step()``.
@@ -700,9 +711,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                             for b in self._buckets]}
 
     def local_state(self) -> dict:
-        """This rank's shard of the optimizer state, not copied: ``{bucket index: {key: value}}``; element-wise
-        state is a 1-D tensor of the bucket's ``shard_numel`` elements (once stepped, the chunks' states are
-        views of it), anything else (a step count) as the local optimizer keeps it for the bucket's first chunk."""
+        """This rank's shard of the optimizer state, not copied.
+
+        Returns:
+            ``{bucket index: {key: value}}``; element-wise state is a 1-D tensor of the bucket's ``shard_numel``
+            elements (once stepped, the chunks' states are views of it), anything else (a step count) as the
+            local optimizer keeps it for the bucket's first chunk.
+        """
         state = self.shard_optimizer.state
         return {b.index: b.merged_state(state) for b in self._buckets if b.chunks[0] in state}
 
@@ -744,6 +759,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """Refused after construction: the layout is fixed (Optimizer.__init__'s own calls pass).
+
+        Args:
+            param_group: the group torch's ``Optimizer.__init__`` adds.
 
         Raises:
             ValueError: called on a constructed ShardedOptimizer.

@@ -169,7 +169,14 @@ class DiskStateTier:
         return sum(f.nbytes for f in self._files)
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s storage is one of the tier's mappings."""
+        """Whether ``tensor``'s storage is one of the tier's mappings.
+
+        Args:
+            tensor: a state tensor (e.g. ``optimizer.state[p]["exp_avg"]``).
+
+        Returns:
+            True when the tier holds it (it lives in the scratch file).
+        """
         return any(self._slot_tensor_is(tensor, slot) for slots in self._slots.values() for slot in slots.values())
 
     def adopt(self) -> None:
@@ -217,13 +224,21 @@ class DiskStateTier:
                 yield scratch, at, numel * dtype.itemsize
 
     def prefetch(self, params: Iterable[torch.Tensor]) -> None:
-        """Read ahead: ask the kernel to start reading these parameters' state (``MADV_WILLNEED``)."""
+        """Read ahead: ask the kernel to start reading these parameters' state (``MADV_WILLNEED``).
+
+        Args:
+            params: parameters of the optimizer whose state the next step reads.
+        """
         if not self._closed:
             for scratch, at, nbytes in self._ranges(params):
                 scratch.advise(_WILLNEED, at, nbytes)
 
     def write_behind(self, params: Iterable[torch.Tensor]) -> None:
-        """Write behind: start writing these parameters' state to the disk and unmap it from the process."""
+        """Write behind: start writing these parameters' state to the disk and unmap it from the process.
+
+        Args:
+            params: parameters of the optimizer whose state a step has just written.
+        """
         if not self._closed:
             for scratch, at, nbytes in self._ranges(params):
                 scratch.write_behind(at, nbytes)

@@ -135,6 +135,14 @@ class SyncBatchNorm(_BatchNorm):
     """Batch normalisation whose statistics span every rank of ``process_set`` (Horovod's ``SyncBatchNorm``).
 
     Takes ``BatchNorm``'s arguments; inputs are ``(N, C, ...)``.
+
+    Args:
+        num_features: C, the channels.
+        eps: added to the variance.
+        momentum: of the running statistics (None: a cumulative average).
+        affine: learn a weight and a bias per channel.
+        track_running_stats: keep running statistics for evaluation.
+        process_set: the ranks whose batches the statistics span (default: all).
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
@@ -147,6 +155,17 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (N, C, ...), got {input.dim()}D")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Normalise ``input`` with the statistics of every member's batch (training) or the running ones.
+
+        Args:
+            input: ``(N, C, ...)``; N may differ across ranks.
+
+        Returns:
+            The normalised tensor, of ``input``'s shape.
+
+        Raises:
+            ValueError: ``input`` has fewer than 2 dimensions.
+        """
         self._check_input_dim(input)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:

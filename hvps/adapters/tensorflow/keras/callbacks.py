@@ -187,6 +187,18 @@ class CheckpointCallback(keras.callbacks.Callback):
     be shared by all ranks; see :mod:`hvps.adapters.tensorflow.keras.sharded_checkpoint`). ``restore`` reads it
     back into a sharded optimizer at any rank count, or into a plain Keras optimizer (consolidated), and falls
     back to the previous version when a shard is missing, damaged or of another model.
+
+    Args:
+        directory: where the versions live (shared by every rank for a sharded optimizer).
+        every: save after every ``every``-th epoch.
+        keep_last: as :class:`hvps.checkpoint.CheckpointManager`'s.
+        keep_every: as :class:`hvps.checkpoint.CheckpointManager`'s.
+        compress: as :class:`hvps.checkpoint.CheckpointManager`'s.
+        root_rank: the rank that writes the dense file.
+        fsync: as :class:`hvps.checkpoint.CheckpointManager`'s.
+
+    Raises:
+        ValueError: ``every`` is below 1 (or ``keep_last``, ``keep_every`` are).
     """
 
     def __init__(self, directory: Union[str, os.PathLike], every: int = 1, keep_last: Optional[int] = 3,
@@ -230,6 +242,13 @@ class CheckpointCallback(keras.callbacks.Callback):
 
         Collective. A sharded optimizer, and a plain one given a sharded checkpoint, are built over the model's
         trainable variables first if they are not yet.
+
+        Args:
+            model: a built Keras model (with its optimizer, if the optimizer's state is to be restored).
+            version: ``"latest"`` (the newest good version) or an epoch.
+
+        Returns:
+            The epoch to pass as ``initial_epoch``: the saved epoch + 1, or 0 when there is none.
 
         Raises:
             CheckpointError: a version that cannot be read (an explicit ``version``), or a sharded optimizer
