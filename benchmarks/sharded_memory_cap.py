@@ -201,16 +201,33 @@ def run_contender(args, contender: str) -> dict:
                 pass
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The transformer block stack's options (``--width --depth --heads --batch --seq``), as these benchmarks
+    default them: 101M parameters (``benchmarks/sharded_step.py`` uses them too)."""
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--batch", type=int, default=4, help="sequences (resnet50: images) per rank")
+    p.add_argument("--seq", type=int, default=32)
+
+
+def parse_contender_arguments(p: argparse.ArgumentParser, contenders: tuple) -> argparse.Namespace:
+    """The arguments, with the worker's own (``--worker --contender``); ``--contenders`` checked (the driver's)."""
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--contender", choices=contenders, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    unknown = set(args.contenders.split(",")) - set(contenders)
+    if unknown and not args.worker:
+        p.error(f"--contenders: unknown {sorted(unknown)}; choose from {', '.join(contenders)}")
+    return args
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, default=2, help="ranks")
     p.add_argument("--cap-mib", type=int, default=0, help="memory cap per rank in MiB (0: uncapped)")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, from " + ", ".join(CONTENDERS))
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--depth", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    p.add_argument("--seq", type=int, default=32)
+    add_model_arguments(p)
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one untimed)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per contender's job")
     p.add_argument("--tier", choices=("host", "disk"), default="host",
@@ -221,15 +238,10 @@ def main() -> None:
                    help="the ranks' MALLOC_MMAP_THRESHOLD_ (0: glibc's own, which rises after each large free "
                         "up to 32 MiB, so freed gradient buckets stay in the heap and the peak RSS grows)")
     p.add_argument("--phases", action="store_true", help="record RSS after forward, backward and step")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--contender", choices=CONTENDERS, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = parse_contender_arguments(p, CONTENDERS)
     if args.worker:
         worker(args)
         return
-    unknown = set(args.contenders.split(",")) - set(CONTENDERS)
-    if unknown:
-        p.error(f"--contenders: unknown {sorted(unknown)}; choose from {', '.join(CONTENDERS)}")
     results = [run_contender(args, c) for c in args.contenders.split(",")]
     print(json.dumps({"np": args.np, "cap_mib": args.cap_mib, "tier": args.tier,
                       "malloc_mmap_threshold": args.malloc_mmap_threshold, "width": args.width,

@@ -9,7 +9,9 @@ is its part of the global loss times N, so the Average reduce-scatter divides an
 kernels): the shard update then computes every element as the unsharded optimizer does.
 
 The model has 56 parameters (not a multiple of 3) in two parameter groups with different rates; with a
-bucket cap of 20 floats it has four buckets of 18, 28, 7 and 3 elements, two of them uneven at 3 ranks.
+bucket cap of 20 floats it has four buckets of 18, 28, 7 and 3 elements, two of them uneven at 3 ranks. The local
+optimizer steps each rank's block in chunks of 5 floats here (``STEP_CHUNK_BYTES``, 1 MiB in use), so that most
+blocks span several chunks and a chunk ends inside a parameter (the disk tier keeps one chunk per bucket).
 """
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 
 import hvps.adapters.torch as hvd
 from hvps import HvpsError
+from hvps.adapters.torch import sharded_optimizer
 from hvps.adapters.torch.sharded_optimizer import ShardedOptimizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,7 +35,9 @@ TINY_BUCKETS = 20 * 4 / 2**20  # 20 float32 elements
 def _init():
     hvd.init()
     torch.set_num_threads(1)
+    chunk, sharded_optimizer.STEP_CHUNK_BYTES = sharded_optimizer.STEP_CHUNK_BYTES, 5 * 4
     yield
+    sharded_optimizer.STEP_CHUNK_BYTES = chunk
 
 
 class Heads(torch.nn.Module):
@@ -122,11 +127,17 @@ def test_bit_identical_to_one_process(kind, buckets):
     cap = TINY_BUCKETS if buckets == "tiny" else 25
     opt = ShardedOptimizer(_groups(model, kind, lr), named_parameters=model.named_parameters(), bucket_cap_mb=cap)
     assert len(opt._buckets) == (4 if buckets == "tiny" else 2)  # a bucket never spans two groups
+    assert max(len(b.chunks) for b in opt._buckets) > 1
     for step in range(STEPS):
         _reference_step(ref, ref_opt, step)
         _sharded_step(model, opt, step)
         _assert_equal(model, ref, f"{kind}, step {step}")
     _assert_same_state(opt.state_dict(), ref_opt.state_dict())
+    for b, entry in opt.local_state().items():  # a bucket's state is one tensor, its chunks' states views of it
+        last = opt.shard_optimizer.state[opt._buckets[b].chunks[-1]]
+        for key, value in entry.items():
+            if value.dim() > 0:
+                assert value.untyped_storage().data_ptr() == last[key].untyped_storage().data_ptr(), (b, key)
 
 
 def test_backward_passes_per_step_accumulates_locally():
@@ -173,7 +184,8 @@ def _state_bytes(optimizer):
     return sum(storages.values())
 
 
-def test_optimizer_state_is_one_nth():
+def test_optimizer_state_is_one_nth(monkeypatch):
+    monkeypatch.setattr(sharded_optimizer, "STEP_CHUNK_BYTES", 1 << 20)  # the default: one chunk per bucket here
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.Tanh(), torch.nn.Linear(97, 31))
     ref = torch.nn.Sequential(torch.nn.Linear(64, 97), torch.nn.Tanh(), torch.nn.Linear(97, 31))
@@ -188,7 +200,7 @@ def test_optimizer_state_is_one_nth():
     elements = sum(b.shard_numel for b in opt._buckets)
     assert elements * hvd.size() - numel < hvd.size() * len(opt._buckets)  # padding only
     mine, full = _state_bytes(opt.shard_optimizer), _state_bytes(replicated)
-    steps = 4 * len(opt._buckets)  # one float32 step count per bucket
+    steps = 4 * sum(len(b.chunks) for b in opt._buckets)  # one float32 step count per chunk
     assert mine == 2 * 4 * elements + steps
     assert mine <= full / hvd.size() * 1.02, (mine, full)
     # after the step no rank keeps a full gradient: only its shard of the averaged one, freed by the step
