@@ -49,6 +49,8 @@ class RingSave:
     neighbour: Optional[list]
     #: what the subclass needs besides the blocks to install them (state keys, step counts, hyper-parameters)
     structure: Any
+    #: what every rank holds alike, restored locally and synced from the first rank (a model's buffers)
+    replicated: Any = None
 
     def claim(self) -> tuple:
         """What the ranks compare to know who holds the same save: ``(round, version, size, stride, rank, copy
@@ -60,7 +62,8 @@ class RingShardsHandler(SavedValue):
     """Saves, restores and syncs a sharded state over the ranks of ``process_set`` (every rank by default).
 
     A subclass provides :meth:`_layout`, :meth:`_world`, :meth:`_capture`, :meth:`_row_bytes`,
-    :meth:`_install` and :meth:`_apply_hyperparameters`, and calls :meth:`_start` once it can capture.
+    :meth:`_install` and :meth:`_apply_hyperparameters` (and, for what every rank holds alike,
+    :meth:`_restore_replicated` and :meth:`_sync_replicated`), and calls :meth:`_start` once it can capture.
     """
 
     #: names the collectives and the errors
@@ -81,7 +84,7 @@ class RingShardsHandler(SavedValue):
         raise NotImplementedError
 
     def _capture(self) -> tuple:
-        """``(blocks as bytes, structure)`` of the live state."""
+        """``(blocks as bytes, structure, replicated)`` of the live state."""
         raise NotImplementedError
 
     def _row_bytes(self, structure: Any) -> list:
@@ -96,18 +99,24 @@ class RingShardsHandler(SavedValue):
         """Take ``structure``'s (the first rank's) hyper-parameters."""
         raise NotImplementedError
 
+    def _restore_replicated(self, replicated: Any) -> None:
+        """Put back what every rank holds alike."""
+
+    def _sync_replicated(self) -> None:
+        """Make what every rank holds alike the first rank's (a collective)."""
+
     # -- save, restore, sync ------------------------------------------------------------------------------
     def _members(self) -> tuple:
         """``(size, rank, first global rank)`` of the process set now."""
         return self.process_set.size(), self.process_set.rank(), self.process_set.ranks[0]
 
     def _snapshot(self, version: int) -> RingSave:
-        blocks, structure = self._capture()
+        blocks, structure, replicated = self._capture()
         size, rank = self._world()
         stride = 1
         if api.is_initialized():
             stride = copy_stride(self.process_set.size(), api.local_size(), api.cross_size())
-        return RingSave(size, rank, elastic_session.round, version, stride, blocks, None, structure)
+        return RingSave(size, rank, elastic_session.round, version, stride, blocks, None, structure, replicated)
 
     def save(self) -> None:
         """Keep this rank's blocks, and a copy of rank ``rank - stride``'s (one alltoall: a collective)."""
@@ -135,6 +144,7 @@ class RingShardsHandler(SavedValue):
         """Return to the last save: this rank's own blocks, in the layout they were saved in (local)."""
         saved = self._saved
         self._install(saved.blocks, saved.size, saved.rank, saved.structure)
+        self._restore_replicated(saved.replicated)
 
     def sync(self) -> None:
         """Rebuild every rank's blocks of the new world from the survivors' saves and re-shard (a collective
@@ -169,11 +179,12 @@ class RingShardsHandler(SavedValue):
         old_size, stride = reference[2], reference[3]
         if old_size == size and all(held is not None and held[0] == j for j, held in enumerate(holders)):
             self._apply_hyperparameters(structure)
-            return
-        blocks = self._rebuild(holders, old_size, stride, size, rank, row_bytes)
-        self._install(blocks, size, rank, structure)
-        log.info("hvps: rebuilt the %s from %d rank(s)' saves for %d rank(s) in %.3f s", self.what,
-                 sum(held is not None for held in holders), size, time.monotonic() - began)
+        else:
+            blocks = self._rebuild(holders, old_size, stride, size, rank, row_bytes)
+            self._install(blocks, size, rank, structure)
+            log.info("hvps: rebuilt the %s from %d rank(s)' saves for %d rank(s) in %.3f s", self.what,
+                     sum(held is not None for held in holders), size, time.monotonic() - began)
+        self._sync_replicated()
 
     def _rebuild(self, holders: list, old_size: int, stride: int, size: int, rank: int, row_bytes: list) -> list:
         """This rank's blocks (bytes, one per flat group) of the ``size``-rank layout, from the holders' saves."""

@@ -146,7 +146,7 @@ class KerasShardsHandler(RingShardsHandler):
             columns = [values[key].reshape(-1, 1).view(np.uint8) for key, _ in keys]
             rows = self.value.shard_variables[len(blocks)].shape[0]
             blocks.append(np.concatenate(columns, axis=1) if columns else np.zeros((rows, 0), np.uint8))
-        return blocks, structure
+        return blocks, structure, None  # the replicated variables are the state's
 
     def _row_bytes(self, structure: list) -> list:
         return [sum(np.dtype(dtype).itemsize for _, dtype in keys) for keys in structure]
