@@ -243,13 +243,54 @@ def test_unsupported_combinations_are_refused():
         opt.apply_gradients(zip(grads, embedding.trainable_variables))
 
 
-def test_elastic_state_refuses_the_sharded_state():
-    # it keeps optimizer.variables, which leaves out each rank's shard of the moments: refused, not lost
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_elastic_state_restores_rebuilds_a_lost_shard_and_reshards_to_fewer_ranks(kind, monkeypatch):
+    """Issue 39 items 5-6 on real ranks, without killing one: KerasState over a sharded optimizer. A restore
+    undoes an uncommitted step; rank 1 then forgets its shard of the state and its save no longer matches the
+    others' (a worker that replaced a dead one): the sync rebuilds it from its ring neighbour's copy. Then the
+    last rank stops, as if dead, and the others re-shard to one rank fewer (a process set of the survivors
+    stands for the smaller world), its block coming from a neighbour's copy. Each step is bit-exact the
+    one-process run's."""
+    import hvps
+    from hvps.adapters.tensorflow.elastic import KerasShardsHandler
+
+    expected = _reference(kind)
     model = _model()
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.1), shard=True), loss="mse")
-    with pytest.raises(ValueError, match="TensorFlowKerasState cannot keep a sharded optimizer's state") as caught:
-        hvd.elastic.KerasState(model)
-    assert "CheckpointCallback" in str(caught.value) and "shard=True" in str(caught.value)
+    opt = hvd.DistributedOptimizer(_optimizer(kind), shard=True, bucket_bytes=TINY_BUCKETS)
+    model.compile(optimizer=opt, loss="mse")
+    state = hvd.elastic.KerasState(model, batch=0)
+    assert isinstance(state._shards, KerasShardsHandler) and not state.same_on_every_rank
+    state.sync()  # builds the optimizer; the same world as the save: nothing moves
+    _local_step(model, opt, 0, hvd.size())
+    state.batch = 1
+    state.commit()
+    _local_step(model, opt, 1, hvd.size())  # lost: not committed
+    state.restore()
+    _assert_equal(model, expected[0], f"{kind}: after a restore")
+    saved, version = state._shards._saved, state._shards._saved.version
+    if hvd.rank() == 1:
+        saved.version = -1  # not the save the others hold: rank 1 contributes nothing
+        saved.blocks = [block * 0 for block in saved.blocks]
+        opt.load_shard_state([{key: value * 0 for key, value in entry.items()} for entry in opt.shard_state()])
+    state.sync()
+    saved.version = version  # the versions that a reset's new round would align
+    assert state.batch == 1
+    _local_step(model, opt, 1, hvd.size())
+    _assert_equal(model, expected[1], f"{kind}: a step after the rebuild from a neighbour's copy")
+    state.commit()
+    fewer = hvd.size() - 1
+    monkeypatch.setenv("HVPS_DYNAMIC_PROCESS_SETS", "1")  # read when a set is added or removed
+    survivors = hvps.add_process_set(list(range(fewer)))
+    try:
+        if hvd.rank() < fewer:
+            opt.process_set = survivors
+            state._shards.sync()  # the survivors' part of state.sync(): the replicated variables are alike
+            assert opt.world() == (fewer, hvd.rank())
+            _local_step(model, opt, 2, fewer)
+            _assert_equal(model, expected[2], f"{kind}: a step at {fewer} rank(s) after the re-shard")
+    finally:
+        opt.process_set = hvps.global_process_set
+        hvps.remove_process_set(survivors)
 
 
 def _local_step(model, opt, step, ranks):

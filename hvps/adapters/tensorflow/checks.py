@@ -56,22 +56,3 @@ def check_rows(tensor: tf.Tensor, what: str) -> None:
     check_dtype(tensor)
     if tensor.shape.rank == 0:
         raise ValueError(f"{what} needs a tensor with at least one dimension")
-
-
-def refuse_sharded_state(optimizer: Any, who: str) -> None:
-    """Raise ValueError when ``optimizer`` holds a sharded state (``hvd.DistributedOptimizer(..., shard=True)``):
-    each rank then holds 1/N of it, outside ``optimizer.variables``, and ``who`` (an elastic state) would commit,
-    restore and broadcast the replicated variables only, losing the moments without a word.
-
-    Args:
-        optimizer: the optimizer about to be kept (None: nothing to check).
-        who: what refuses it, for the message.
-
-    Raises:
-        ValueError: for a sharded optimizer, saying what keeps its state instead.
-    """
-    if optimizer is not None and hasattr(optimizer, "shard_state_variables"):
-        raise ValueError(f"{who} cannot keep a sharded optimizer's state (each rank holds 1/N of it, outside "
-                         "optimizer.variables, and a commit would lose it): keep it with "
-                         "hvd.callbacks.CheckpointCallback (per-rank shards; restore() re-shards them for any rank "
-                         "count), or use hvd.DistributedOptimizer without shard=True in an elastic state")

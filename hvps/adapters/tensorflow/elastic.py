@@ -8,6 +8,13 @@ rank 0 on ``sync()``; ``@hvd.elastic.run`` wraps the training function in the re
 ``UpdateEpochStateCallback``) drive a state from ``model.fit``; they are built on first use, so that
 importing the TensorFlow adapter does not import Keras. Only eager TensorFlow 2 is supported (no TF1
 sessions). What works without an elastic launcher is in the README's "Elastic training".
+
+A sharded Keras optimizer (``hvd.DistributedOptimizer(opt, shard=True)``) holds 1/N of its state on each rank,
+outside ``optimizer.variables``: the state keeps it with :class:`KerasShardsHandler`, which at each commit keeps
+this rank's shard and a copy of a neighbour's in host memory and, when ranks are lost or join, rebuilds every
+lost shard from those copies and re-shards for the new size (:mod:`hvps.elastic.ring_shards`), reading no
+checkpoint. A shard whose owner and copy's keeper are both lost between two commits is gone: ``sync()`` raises
+``HvpsError`` (restart from a checkpoint).
 """
 
 from __future__ import annotations
@@ -23,8 +30,8 @@ from hvps import HvpsError
 from hvps.adapters.common.controls import compression_of
 from hvps.elastic import HostsUpdatedInterrupt, HostUpdateResult, ObjectState, State, notify_hosts_updated, run_fn
 from hvps.elastic import reset as _reset
+from hvps.elastic.ring_shards import RingShardsHandler
 
-from .checks import refuse_sharded_state
 from .functions import broadcast_variables
 
 #: how a failed hvps collective inside a graph shows in TensorFlow's error (the numpy_function's traceback)
@@ -97,6 +104,69 @@ class TensorFlowState(ObjectState):
 
 
 
+def _is_sharded(optimizer: Any) -> bool:
+    return optimizer is not None and hasattr(optimizer, "shard_state_variables")
+
+
+class KerasShardsHandler(RingShardsHandler):
+    """Saves, restores and syncs a Keras ``ShardedOptimizer``'s shard of the state (its buckets are the flat
+    groups, each element-wise state a channel); its replicated variables (step count, learning rate) and the
+    model's are the :class:`TensorFlowKerasState`'s.
+
+    Args:
+        optimizer: the sharded optimizer (built or not: a joiner's is built by the state's sync).
+    """
+
+    what = "keras_sharded_optimizer"
+
+    def __init__(self, optimizer: Any) -> None:
+        self.value = optimizer
+        self._start()
+
+    @property
+    def process_set(self) -> Any:
+        """The optimizer's process set: the ranks that share its shards."""
+        return self.value.process_set
+
+    def _layout(self) -> list:
+        if not self.value.built:
+            return []
+        layout = self.value.shard_layout()
+        return [(f"bucket{b}", tuple(n for _, _, n in bucket["params"]), layout["params"][bucket["params"][0][0]][2])
+                for b, bucket in enumerate(layout["buckets"])]
+
+    def _world(self) -> tuple:
+        return self.value.world()
+
+    def _capture(self) -> tuple:
+        state = self.value.shard_state() if self.value.built else []
+        structure = [[(key, str(values[key].dtype)) for key in sorted(values)] for values in state]
+        blocks = []
+        for values, keys in zip(state, structure):
+            columns = [values[key].reshape(-1, 1).view(np.uint8) for key, _ in keys]
+            rows = self.value.shard_variables[len(blocks)].shape[0]
+            blocks.append(np.concatenate(columns, axis=1) if columns else np.zeros((rows, 0), np.uint8))
+        return blocks, structure, None  # the replicated variables are the state's
+
+    def _row_bytes(self, structure: list) -> list:
+        return [sum(np.dtype(dtype).itemsize for _, dtype in keys) for keys in structure]
+
+    def _install(self, blocks: list, size: int, rank: int, structure: list) -> None:
+        self.value.relayout(size, rank)
+        state = []
+        for block, keys in zip(blocks, structure):
+            block, at, entry = np.ascontiguousarray(block), 0, {}
+            for key, dtype in keys:
+                width = np.dtype(dtype).itemsize
+                entry[key] = np.ascontiguousarray(block[:, at : at + width]).view(dtype).reshape(-1)
+                at += width
+            state.append(entry)
+        self.value.load_shard_state(state)
+
+    def _apply_hyperparameters(self, structure: list) -> None:
+        """Nothing: a Keras optimizer's hyper-parameters are its replicated variables, which the state syncs."""
+
+
 def _optimizer_variables(optimizer: Any) -> list:
     if optimizer is None:
         return []
@@ -120,14 +190,22 @@ class TensorFlowKerasState(ObjectState):
             raise ValueError("the model must be built first: call model.build(input_shape) or run it on a batch")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        refuse_sharded_state(self.optimizer, "TensorFlowKerasState")
         self.backend = backend
+        self._shards = KerasShardsHandler(self.optimizer) if _is_sharded(self.optimizer) else None
         self._save_model()
         super().__init__(bcast_object=None, get_rank=None, **kwargs)
 
+    @property
+    def same_on_every_rank(self) -> bool:
+        """False with a sharded optimizer (each rank holds its own shard of the state), else True."""
+        return self._shards is None
+
     def _build_optimizer(self) -> None:
         if self.optimizer is not None and not getattr(self.optimizer, "built", True):
-            self.optimizer.build(self.model.trainable_variables)
+            if self._shards is not None:  # a joiner's: the sync compares the layouts across ranks
+                self.optimizer.build_locally(self.model.trainable_variables)
+            else:
+                self.optimizer.build(self.model.trainable_variables)
 
     def _save_model(self) -> None:
         self._saved_model_state = _host_copies(self.model.variables)
@@ -153,14 +231,20 @@ class TensorFlowKerasState(ObjectState):
 
     def save(self) -> None:
         self._save_model()
+        if self._shards is not None:
+            self._shards.save()
         super().save()
 
     def restore(self) -> None:
+        if self._shards is not None:  # first: a re-layout builds the inner optimizer afresh
+            self._shards.restore()
         self._load_model()
         super().restore()
 
     def sync(self) -> None:
         self._build_optimizer()
+        if self._shards is not None:
+            self._shards.sync()
         broadcast_variables(list(self.model.variables) + _optimizer_variables(self.optimizer), root_rank=0)
         self._save_model()
         super().sync()

@@ -49,9 +49,9 @@ buckets); its ``restore`` re-shards it for a ``ShardedOptimizer`` at any rank co
 plain Keras optimizer (:mod:`hvps.adapters.tensorflow.keras.sharded_checkpoint`). Keras's own checkpoints
 (``model.save``, ``tf.train.Checkpoint``) save ``variables`` and leave the shards out.
 
-Not done yet: ``hvd.elastic.KerasState`` refuses a sharded optimizer (``ValueError`` naming what works
-instead): its commits keep ``variables``, and re-sharding a commit when the world changes size, as the torch
-elastic state does, is not written for Keras.
+Elastic: ``hvd.elastic.KerasState(model, optimizer)`` keeps this rank's shard of the state and a copy of a
+neighbour's at each commit, and re-shards it when the world changes size (:meth:`world`, :meth:`relayout`,
+:meth:`shard_state`, :meth:`load_shard_state`; ``hvps.adapters.tensorflow.elastic``).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ import numpy as np
 import tensorflow as tf
 
 import hvps
-from hvps import global_process_set
+from hvps import HvpsError, global_process_set
 from hvps.adapters.common import options
 from hvps.adapters.common.sharding import Signature, check_same_everywhere, sharded_op
 from hvps.compression import CastCompressor
@@ -181,12 +181,27 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         Raises:
             HvpsError: the variables differ across ranks (count, shape or dtype).
         """
+        self.build_locally(var_list, check=True)
+
+    def build_locally(self, var_list: Any, check: bool = False) -> None:
+        """:meth:`build`, by default without its cross-rank check (a collective): for a worker that joins an
+        elastic job, whose sync compares the layouts itself.
+
+        Args:
+            var_list: the trainable variables, in the order every rank gives them.
+            check: also check the variables across ranks (what :meth:`build` does).
+
+        Raises:
+            ValueError: ``var_list`` is empty.
+            HvpsError: ``check`` and the variables differ across ranks (count, shape or dtype).
+        """
         if self.built:
             return
         var_list = list(var_list)
         if not var_list:
             raise ValueError("the sharded optimizer has no trainable variable to shard")
-        self._check_same_variables_everywhere(var_list)
+        if check:
+            self._check_same_variables_everywhere(var_list)
         self._position = {_key(v): i for i, v in enumerate(var_list)}
         buckets, current, nbytes = [], [], 0
         for v in var_list:
@@ -254,6 +269,78 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
     def shard_variables(self) -> list:
         """This rank's flat shard of each bucket (the variables the inner optimizer steps)."""
         return [b.shard for b in self._buckets]
+
+    def world(self) -> tuple:
+        """The world the buckets are laid out for.
+
+        Returns:
+            ``(size, rank)``: its number of ranks and this rank in it.
+        """
+        return self._size, self._rank
+
+    def relayout(self, size: int, rank: int) -> None:
+        """Lay the buckets out for a world of ``size`` ranks in which this one is ``rank`` (elastic re-sharding;
+        local). The inner optimizer is built afresh over the new shards, keeping its step count and learning
+        rate; its shard state starts at zero: install it with :meth:`load_shard_state`.
+
+        Args:
+            size: the new number of ranks.
+            rank: this rank in the new world.
+        """
+        if (size, rank) == (self._size, self._rank) or not self.built:
+            self._size, self._rank = size, rank
+            return
+        kept = [np.array(v.numpy()) for v in self._replicated_inner_variables()]
+        self._size, self._rank = size, rank
+        with keras.name_scope(self.name, caller=self):
+            self._buckets = [_Bucket(b.index, b.variables, size, rank) for b in self._buckets]
+        self.inner_optimizer = type(self.inner_optimizer).from_config(self.inner_optimizer.get_config())
+        self.inner_optimizer.build(self.shard_variables)
+        for variable, value in zip(self._replicated_inner_variables(), kept):
+            variable.assign(value)
+
+    def shard_state(self) -> list:
+        """This rank's shard of the optimizer state, copied to host memory.
+
+        Returns:
+            Per bucket, ``{key: 1-D numpy array of the bucket's shard elements}``: the inner optimizer's state
+            for that shard (``"momentum"``, ``"velocity"``, ...), keyed by the name Keras gave it after the
+            shard's.
+
+        Raises:
+            HvpsError: a state variable belongs to no shard (an optimizer that names its state otherwise).
+        """
+        return [{key: np.array(v.numpy()) for key, v in entry.items()} for entry in self._state_by_bucket()]
+
+    def load_shard_state(self, state: list) -> None:
+        """Install this rank's shard of the optimizer state (no communication).
+
+        Args:
+            state: :meth:`shard_state`'s form, for this optimizer's buckets in the current layout.
+
+        Raises:
+            HvpsError: the buckets or keys differ from the optimizer's.
+        """
+        mine = self._state_by_bucket()
+        if [sorted(entry) for entry in state] != [sorted(entry) for entry in mine]:
+            raise HvpsError(f"the shard state has keys {[sorted(e) for e in state]}, the optimizer "
+                            f"{[sorted(e) for e in mine]}")
+        for entry, values in zip(mine, state):
+            for key, variable in entry.items():
+                variable.assign(np.asarray(values[key]).reshape(variable.shape))
+
+    def _state_by_bucket(self) -> list:
+        """Per bucket, ``{key: state variable}`` of :attr:`shard_state_variables` (Keras names a variable's state
+        ``<its path with _ for />_<key>``)."""
+        entries: list = [{} for _ in self._buckets]
+        prefixes = [bucket.shard.path.replace("/", "_") + "_" for bucket in self._buckets]
+        for variable in self.shard_state_variables:
+            found = [b for b, prefix in enumerate(prefixes) if variable.name.startswith(prefix)]
+            if len(found) != 1 or tuple(variable.shape) != (self._buckets[found[0]].shard_numel,):
+                raise HvpsError(f"cannot tell which shard the optimizer state {variable.name!r} (shape "
+                                f"{tuple(variable.shape)}) belongs to: Keras names a shard's state after the shard")
+            entries[found[0]][variable.name[len(prefixes[found[0]]):]] = variable
+        return entries
 
     def shard_layout(self) -> dict:
         """How the variables lie in the buckets and the buckets over the ranks (JSON-able), as the torch
