@@ -36,18 +36,14 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
-import hvps
 from hvps.core.errors import HvpsError
-from hvps.elastic.shard_recovery import block_providers, copy_stride, transfers
+from hvps.elastic.ring_shards import RingShardsHandler
 from hvps.elastic.state import SavedValue
-from hvps.runtime.bootstrap import elastic_session
 
 from .fully_sharded import FullyShardedModel
 from .functions import broadcast_parameters
@@ -58,183 +54,11 @@ __all__ = ["FullyShardedStateHandler", "ShardedOptimizerStateHandler", "AdoptedO
 log = logging.getLogger("hvps")
 
 
-@dataclass
-class _Save:
-    """One saved commit of a fully sharded model and its optimizers (see the module's docstring)."""
-
-    size: int
-    rank: int
-    round: int
-    version: int
-    #: how far from each block its copy is kept (:func:`copy_stride`)
-    stride: int
-    #: per flat group, this rank's block as bytes: ``[shard elements, channels * itemsize]``
-    blocks: list
-    #: the blocks of rank ``rank - stride`` (same shapes), or None before the first exchange
-    neighbour: Optional[list]
-    #: the optimizers' state other than the element-wise tensors, and the channels of each group
-    structure: dict
-    #: what every rank holds alike (a model's buffers)
-    replicated: Any
-
-    def claim(self) -> tuple:
-        """What the ranks compare to know who holds the same save: ``(round, version, size, stride, rank, copy
-        valid)``."""
-        return self.round, self.version, self.size, self.stride, self.rank, self.neighbour is not None
-
-
 def _element_wise(value: Any, shard: torch.Tensor) -> bool:
     return torch.is_tensor(value) and value.dim() >= 1 and value.shape == shard.shape
 
 
-class _RingShardsHandler(SavedValue):
-    """What the sharded handlers share: each commit keeps this rank's blocks and a copy of another rank's (host
-    memory), a restore puts its own back, a sync rebuilds and re-shards for the new world. A subclass says what
-    its flat groups are (:meth:`_layout`), captures its blocks (:meth:`_capture`), installs blocks
-    (:meth:`_install`), and keeps what every rank holds alike (:meth:`_restore_replicated`,
-    :meth:`_sync_replicated`)."""
-
-    #: names the collectives and the errors
-    what = "sharded state"
-
-    def _start(self) -> None:
-        self._saved = self._snapshot(version=0)
-
-    # -- what a subclass provides ---------------------------------------------------------------------------
-    def _layout(self) -> list:
-        """``[(name, element counts, dtype)]`` per flat group, the same on every rank."""
-        raise NotImplementedError
-
-    def _world(self) -> tuple:
-        """``(size, rank)`` of the layout the live blocks are in."""
-        raise NotImplementedError
-
-    def _capture(self) -> tuple:
-        """``(blocks as bytes, structure, replicated)`` of the live state."""
-        raise NotImplementedError
-
-    def _row_bytes(self, structure: dict) -> list:
-        """The bytes per element of each group's block under ``structure``."""
-        raise NotImplementedError
-
-    def _install(self, blocks: list, size: int, rank: int, structure: dict) -> None:
-        """Make ``blocks`` (bytes) this rank's blocks of a ``size``-rank layout, with ``structure``."""
-        raise NotImplementedError
-
-    def _apply_hyperparameters(self, structure: dict) -> None:
-        """Take ``structure``'s (rank 0's) optimizer hyper-parameters."""
-        raise NotImplementedError
-
-    def _restore_replicated(self, replicated: Any) -> None:
-        """Put back what every rank holds alike."""
-
-    def _sync_replicated(self) -> None:
-        """Make what every rank holds alike rank 0's (a collective)."""
-
-    # -- save, restore, sync ------------------------------------------------------------------------------
-    def _snapshot(self, version: int) -> _Save:
-        blocks, structure, replicated = self._capture()
-        size, rank = self._world()
-        stride = copy_stride(hvps.size(), hvps.local_size(), hvps.cross_size()) if hvps.is_initialized() else 1
-        return _Save(size, rank, elastic_session.round, version, stride, blocks, None, structure, replicated)
-
-    def save(self) -> None:
-        """Keep this rank's blocks, and a copy of rank ``rank - stride``'s (one alltoall: a collective)."""
-        saved = self._saved
-        version = saved.version + 1 if saved.round == elastic_session.round else 1
-        snapshot = self._snapshot(version)
-        snapshot.neighbour = self._exchange(snapshot.blocks, snapshot.stride)
-        self._saved = snapshot
-
-    def _exchange(self, blocks: list, stride: int) -> list:
-        """Send this rank's blocks to rank ``rank + stride`` and receive those of ``rank - stride`` (same shapes)."""
-        size, rank = hvps.size(), hvps.rank()
-        payload = np.concatenate([b.reshape(-1) for b in blocks]) if blocks else np.zeros(0, np.uint8)
-        splits = [0] * size
-        splits[(rank + stride) % size] = payload.size
-        received, _ = hvps.alltoall(payload, splits, name=f"elastic.{self.what}.neighbour_copy")
-        copies, at = [], 0
-        for block in blocks:
-            copies.append(np.array(received[at : at + block.size]).reshape(block.shape))
-            at += block.size
-        return copies
-
-    def restore(self) -> None:
-        """Return to the last save: this rank's own blocks, in the layout they were saved in (local)."""
-        saved = self._saved
-        self._install(saved.blocks, saved.size, saved.rank, saved.structure)
-        self._restore_replicated(saved.replicated)
-
-    def sync(self) -> None:
-        """Rebuild every rank's blocks of the new world from the survivors' saves and re-shard (a collective;
-        see the module). Nothing moves when the world and its ranks are those of the save.
-
-        Raises:
-            HvpsError: a shard is lost (its owner and its copy's keeper died), or the ranks' saves or layouts
-                disagree (raised on every rank).
-        """
-        began = time.monotonic()
-        size, rank = hvps.size(), hvps.rank()
-        saved = self._saved
-        layout = self._layout()
-        widths = [block.shape[1] for block in saved.blocks]
-        gathered = hvps.allgather_object((saved.claim(), layout, widths), name=f"elastic.{self.what}.claims")
-        for other, (_, theirs, _) in enumerate(gathered):
-            if theirs != layout:
-                raise HvpsError(f"elastic {self.what}: rank {other}'s layout differs from rank {rank}'s ({theirs} vs "
-                                f"{layout}): every rank must wrap the same model the same way")
-        structure = hvps.broadcast_object(saved.structure if rank == 0 else None, 0,
-                                          name=f"elastic.{self.what}.structure")
-        claims = [claim for claim, _, _ in gathered]
-        reference = claims[0]
-        holders = [(claim[4], claim[5]) if claim[:4] == reference[:4] else None for claim in claims]
-        row_bytes = self._row_bytes(structure)
-        for other, (held, (_, _, theirs)) in enumerate(zip(holders, gathered)):
-            if held is not None and theirs != row_bytes:  # every rank sees it: all raise, none waits in the alltoall
-                raise HvpsError(f"elastic {self.what}: rank {other}'s save has other optimizer state than rank 0's "
-                                f"(bytes per element of each group: {theirs} vs {row_bytes}); the ranks must step the "
-                                "same optimizers")
-        old_size, stride = reference[2], reference[3]
-        if old_size == size and all(held is not None and held[0] == j for j, held in enumerate(holders)):
-            self._apply_hyperparameters(structure)
-        else:
-            blocks = self._rebuild(holders, old_size, stride, size, rank, structure)
-            self._install(blocks, size, rank, structure)
-            log.info("hvps: rebuilt the %s from %d rank(s)' saves for %d rank(s) in %.3f s", self.what,
-                     sum(held is not None for held in holders), size, time.monotonic() - began)
-        self._sync_replicated()
-
-    def _rebuild(self, holders: list, old_size: int, stride: int, size: int, rank: int, structure: dict) -> list:
-        """This rank's blocks (bytes, one per flat group) of the ``size``-rank layout, from the holders' saves."""
-        providers = block_providers(holders, old_size, stride)
-        numels = [sum(sizes) for _, sizes, _ in self._layout()]
-        row_bytes = self._row_bytes(structure)
-        plans = [transfers(numel, old_size, size, providers) for numel in numels]
-        saved = self._saved
-        parts, splits = [], [0] * size
-        for dest in range(size):
-            for g, plan in enumerate(plans):
-                for move in plan:
-                    if move.source == rank and move.dest == dest:
-                        source = saved.neighbour[g] if move.from_copy else saved.blocks[g]
-                        parts.append(source[move.offset : move.offset + move.length].reshape(-1))
-                        splits[dest] += parts[-1].size
-        payload = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
-        received, _ = hvps.alltoall(payload, splits, name=f"elastic.{self.what}.rebuild")
-        received = np.asarray(received)
-        blocks = [np.zeros((-(-numel // size), width), np.uint8) for numel, width in zip(numels, row_bytes)]
-        at = 0
-        for source in range(size):
-            for g, plan in enumerate(plans):
-                for move in plan:
-                    if move.source == source and move.dest == rank:
-                        n = move.length * row_bytes[g]
-                        blocks[g][move.at : move.at + move.length] = received[at : at + n].reshape(move.length, -1)
-                        at += n
-        return blocks
-
-
-class FullyShardedStateHandler(_RingShardsHandler):
+class FullyShardedStateHandler(RingShardsHandler):
     """Saves, restores and syncs a fully sharded model and the optimizers it adopted (see the module).
 
     Args:
@@ -399,7 +223,7 @@ class FullyShardedStateHandler(_RingShardsHandler):
         broadcast_parameters(dict(self.value.named_buffers()), root_rank=0)
 
 
-class ShardedOptimizerStateHandler(_RingShardsHandler):
+class ShardedOptimizerStateHandler(RingShardsHandler):
     """Saves, restores and syncs a ``ShardedOptimizer`` (ZeRO stage 1-2, ``hvd.DistributedOptimizer(...,
     shard=True)``): its optimizer state is sharded by bucket, one channel per element-wise state (momentum,
     ``exp_avg``, ...); the parameters are replicated, so the model's own handler keeps them.
