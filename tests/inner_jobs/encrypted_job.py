@@ -49,3 +49,9 @@ try:
 except hvps.HvpsError as exc:
     with open(f"{out}/err.{rank}", "w") as f:
         f.write(f"{time.monotonic() - began}\n{exc}")
+    # the first rank to exit ends the job (MPI's abort at exit, hvps/runtime/lifecycle.py): wait until every
+    # rank has written what it raised, so that a slower rank's record is not cut off (a hang guard, not a limit)
+    waited = time.monotonic()
+    while (time.monotonic() - waited < 60
+           and not all(os.path.exists(f"{out}/err.{other}") for other in range(size))):
+        time.sleep(0.05)
