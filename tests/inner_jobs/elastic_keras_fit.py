@@ -3,8 +3,9 @@
 ``model.fit`` inside ``@hvd.elastic.run``, driven by ``KerasState`` and Horovod's three callbacks,
 on a small separable classification task (each rank its shard of every epoch, a learning rate scaled
 by ``hvd.size()`` in a reset callback). ``VICTIM=r KILL_AT=epoch,batch``: rank r kills itself
-(SIGKILL) at that batch, once per job. Rank 0 prints the final accuracy on the whole dataset as
-JSON, with the sizes the job trained at.
+(SIGKILL) at that batch, once per job. ``SHARD=1``: the optimizer is sharded (``shard=True``), so a
+lost rank's shard of the momentum is rebuilt from a neighbour's copy and the survivors re-shard. Rank 0
+prints the final accuracy on the whole dataset as JSON, with the sizes the job trained at.
 """
 
 import json
@@ -16,7 +17,7 @@ import numpy as np
 
 import hvps.adapters.tensorflow.keras as hvd
 
-EPOCHS, BATCH, SAMPLES, LR = 5, 16, 768, 0.05
+EPOCHS, BATCH, SAMPLES, LR, MOMENTUM = 5, 16, 768, 0.05, 0.5
 
 
 def dataset():
@@ -47,7 +48,8 @@ def main():
     x, y = dataset()
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(2)])
-    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(LR * hvd.size()))
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(LR * hvd.size(), momentum=MOMENTUM),
+                                         shard=os.environ.get("SHARD") == "1")
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     state = hvd.elastic.KerasState(model, batch=0, epoch=0)
@@ -65,8 +67,8 @@ def main():
     def train(state):
         sizes.append(hvd.size())
         shard = slice(hvd.rank(), None, hvd.size())
-        model.fit(x[shard], y[shard], batch_size=BATCH, initial_epoch=state.epoch, epochs=EPOCHS, shuffle=False,
-                  verbose=0, callbacks=callbacks)
+        model.fit(x[shard], y[shard], batch_size=BATCH, epochs=EPOCHS - state.epoch, shuffle=False, verbose=0,
+                  callbacks=callbacks)  # Horovod's pattern: Keras counts from 0, the callback from state.epoch
 
     train(state)
     _, accuracy = model.evaluate(x, y, verbose=0)

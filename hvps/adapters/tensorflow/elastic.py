@@ -19,6 +19,7 @@ checkpoint. A shard whose owner and copy's keeper are both lost between two comm
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 from typing import Any, Callable, Iterable, Optional
@@ -200,6 +201,16 @@ class TensorFlowKerasState(ObjectState):
         """False with a sharded optimizer (each rank holds its own shard of the state), else True."""
         return self._shards is None
 
+    @contextlib.contextmanager
+    def _retrace_if_resharded(self):
+        """Around a restore or sync of the optimizer's shards: if they were laid out anew (another size), drop
+        the model's compiled train step, which holds the old shard variables, so that ``model.fit`` traces it
+        again (Keras keeps ``model.train_function`` until then)."""
+        before = self.optimizer.layout_generation
+        yield
+        if self.optimizer.layout_generation != before and hasattr(self.model, "train_function"):
+            self.model.train_function = None
+
     def _build_optimizer(self) -> None:
         if self.optimizer is not None and not getattr(self.optimizer, "built", True):
             if self._shards is not None:  # a joiner's: the sync compares the layouts across ranks
@@ -237,14 +248,16 @@ class TensorFlowKerasState(ObjectState):
 
     def restore(self) -> None:
         if self._shards is not None:  # first: a re-layout builds the inner optimizer afresh
-            self._shards.restore()
+            with self._retrace_if_resharded():
+                self._shards.restore()
         self._load_model()
         super().restore()
 
     def sync(self) -> None:
         self._build_optimizer()
         if self._shards is not None:
-            self._shards.sync()
+            with self._retrace_if_resharded():
+                self._shards.sync()
         broadcast_variables(list(self.model.variables) + _optimizer_variables(self.optimizer), root_rank=0)
         self._save_model()
         super().sync()

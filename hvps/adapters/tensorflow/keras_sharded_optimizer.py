@@ -173,6 +173,9 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         self._size, self._rank = process_set.size(), process_set.rank()
         self._buckets: list = []
         self._position: dict = {}
+        #: how many times :meth:`relayout` laid the buckets out anew (elastic re-sharding): a step traced before
+        #: then holds the old shard variables (``model.fit``'s is dropped by the elastic Keras state)
+        self.layout_generation = 0
 
     # -- layout ------------------------------------------------------------------------------
     def build(self, var_list: Any) -> None:
@@ -292,6 +295,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
             return
         kept = [np.array(v.numpy()) for v in self._replicated_inner_variables()]
         self._size, self._rank = size, rank
+        self.layout_generation += 1
         with keras.name_scope(self.name, caller=self):
             self._buckets = [_Bucket(b.index, b.variables, size, rank) for b in self._buckets]
         self.inner_optimizer = type(self.inner_optimizer).from_config(self.inner_optimizer.get_config())
@@ -398,6 +402,8 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
             flats.append(bucket.flat_gradient(
                 [g if g is not None else tf.zeros(v.shape, dtype=v.dtype)
                  for g, v in zip(by_position[first : first + len(bucket.variables)], bucket.variables)]))
+        if not tf.executing_eagerly():
+            flats = self._behind_layout_check(flats)
         shards = grouped_reducescatter(flats, compression=self.compression, op=self.op,
                                        process_set=self.process_set, prescale_factor=self._prescale,
                                        postscale_factor=self._postscale)
@@ -409,6 +415,28 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
                                      process_set=self.process_set)
         for bucket, flat in zip(self._buckets, gathered):
             bucket.write_variables(flat)
+
+    def _behind_layout_check(self, tensors: list) -> list:
+        """``tensors``, in a step being traced, behind a check that runs with every step: the buckets are still
+        laid out as they were when the step was traced. Past an elastic re-sharding the traced step would step
+        the old shard variables (or fail reshaping a shard of the new size): it fails naming the cause instead,
+        with no collective started. A ``RuntimeError``, not an ``HvpsError``: the elastic loop must not retry
+        it, since the same traced step would fail again."""
+        traced, world = self.layout_generation, self.world()
+
+        def check() -> np.int64:
+            if self.layout_generation != traced:
+                raise RuntimeError(
+                    f"hvps: this training step was traced (tf.function) while the sharded optimizer's buckets were "
+                    f"laid out for {world[0]} ranks; an elastic reset has re-sharded them for {self._size} since, "
+                    "and the traced step still holds the old shards. Trace the step again after a reset: "
+                    "model.fit does (hvd.elastic.KerasState drops its compiled step); a tf.function of your own "
+                    "must be created inside the function that hvd.elastic.run wraps")
+            return np.int64(traced)
+
+        checked = tf.numpy_function(check, [], tf.int64, stateful=True, name="hvps_sharded_layout_check")
+        with tf.control_dependencies([checked]):
+            return [tf.identity(t) for t in tensors]
 
     def _dense(self, grad: Any, variable: Any) -> Any:
         if isinstance(grad, tf.IndexedSlices):
