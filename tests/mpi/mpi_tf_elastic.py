@@ -111,6 +111,12 @@ def test_keras_callbacks_keep_the_state_up_to_date_during_fit():
     assert (state.epoch, state.batch) == (2, 0)
     for a, b in zip(at_the_end, _values(state)):
         np.testing.assert_array_equal(a, b)
+    # resumed at the committed epoch, both ways, for 4 in all: each epoch counted once
+    model.fit(x, y, batch_size=8, epochs=4 - state.epoch, verbose=0, callbacks=callbacks)  # Horovod's
+    assert state.epoch == 4
+    state.epoch = 2
+    model.fit(x, y, batch_size=8, initial_epoch=state.epoch, epochs=4, verbose=0, callbacks=callbacks)  # Keras's
+    assert state.epoch == 4
 
 
 def test_tensorflow_state_syncs_and_restores_plain_variables():

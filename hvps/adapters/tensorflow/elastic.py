@@ -332,20 +332,31 @@ def _make_callbacks() -> dict:
             self.state.batch = 0
 
     class UpdateEpochStateCallback(keras.callbacks.Callback):
-        """Keep ``state.epoch`` at the number of epochs finished, across resets (Keras counts each
-        ``fit`` from 0): ``fit(..., epochs=epochs - state.epoch)`` resumes where the commit left off."""
+        """Keep ``state.epoch`` at the number of epochs finished, across resets. Both ways of resuming
+        count each epoch once: Horovod's ``fit(..., epochs=epochs - state.epoch)`` (Keras counts that
+        ``fit``'s epochs from 0, and the callback adds the epochs committed before it) and Keras's own
+        ``fit(..., initial_epoch=state.epoch, epochs=epochs)`` (Keras counts from ``state.epoch``; Horovod's
+        callback added it a second time)."""
 
         def __init__(self, state: State) -> None:
             super().__init__()
             _check_state(state, ("epoch",))
             self.state = state
             self.initial_epoch = state.epoch
+            #: what this ``fit``'s epoch numbers lack of the epochs finished (None: its first epoch not begun)
+            self._offset: Optional[int] = None
 
         def on_train_begin(self, logs=None):
             self.initial_epoch = self.state.epoch
+            self._offset = None
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if self._offset is None:  # fit's first epoch: numbered from 0, or from initial_epoch=state.epoch
+                self._offset = 0 if epoch == self.initial_epoch else self.initial_epoch
 
         def on_epoch_end(self, epoch, logs=None):
-            self.state.epoch = self.initial_epoch + epoch + 1
+            offset = self.initial_epoch if self._offset is None else self._offset
+            self.state.epoch = offset + epoch + 1
 
     return {cls.__name__: cls for cls in (CommitStateCallback, UpdateBatchStateCallback, UpdateEpochStateCallback)}
 
