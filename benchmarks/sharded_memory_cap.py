@@ -133,6 +133,8 @@ def worker(args) -> None:
         from hvps.adapters.torch.fully_sharded import FullyShardedModel
 
         extra = [p for u in FullyShardedModel.of(model).units for g in u.groups for p in g.full]
+    elif args.contender == "stage2":  # its Adam state lives in the shards' buckets, not in optimizer.state
+        extra = [v for entry in optimizer.local_state().values() for v in entry.values()]
     counted = held(model, optimizer, extra)
     print("RANK " + json.dumps({"rank": hvd.rank(), "step_s": statistics.median(times[1:]),
                                 "counted_bytes": counted,
