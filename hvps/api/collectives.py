@@ -276,12 +276,15 @@ def _contiguous_writable(array: Any) -> bool:
     return array.is_contiguous()
 
 
-def _check_out(out: Any, like: Any) -> Any:
+def _check_out(out: Any, like: Any, shape: Optional[tuple] = None) -> Any:
+    """``out`` if it is a writable C-contiguous array of ``like``'s kind, device and dtype and of ``shape``
+    (default ``like``'s); ValueError saying what it must be otherwise."""
+    shape = tuple(like.shape) if shape is None else shape
     same_kind = arrays.is_numpy(out) == arrays.is_numpy(like) and arrays.device_of(out) == arrays.device_of(like)
-    if (not same_kind or tuple(out.shape) != tuple(like.shape) or out.dtype != like.dtype
+    if (not same_kind or tuple(out.shape) != shape or out.dtype != like.dtype
             or not _contiguous_writable(out)):
         raise ValueError(
-            f"out must be a writable C-contiguous array of shape {tuple(like.shape)} and dtype {like.dtype} "
+            f"out must be a writable C-contiguous array of shape {shape} and dtype {like.dtype} "
             f"on {arrays.device_of(like)}; got shape {tuple(out.shape)}, dtype {out.dtype} on {arrays.device_of(out)}"
         )
     return out
@@ -543,39 +546,61 @@ def grouped_allgather_async(values: Sequence[Any], name: Optional[str] = None,
 
 
 @fails_everywhere(ALLGATHER)
-def allgather_async(array: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
+def allgather_async(array: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None,
+                    out: Optional[Any] = None) -> Handle:
     """Start concatenating every member's ``array`` along dim 0 (dim 0 may differ by rank).
 
     Args:
         array: this rank's rows; the other arguments are :func:`allgather`'s.
 
     Returns:
-        A :class:`~hvps.Handle`; ``wait()`` returns the concatenation.
+        A :class:`~hvps.Handle`; ``wait()`` returns the concatenation (``out``, when given).
+
+    Raises:
+        ValueError: refused arguments, ``out`` among them (see :func:`allgather`).
     """
     runtime.engine()
     set_id, _ = resolve(process_set)
     src = _gather_source(array)
-    request = Request(_name(ALLGATHER, name, set_id), ALLGATHER, **_describe(src, set_id))
-    return _submit_all([(request, [src], [])])[0]
+    outputs, rows = [], ()
+    if out is not None:
+        outputs, rows = [_check_gather_out(out, src)], (int(out.shape[0]),)
+    request = Request(_name(ALLGATHER, name, set_id), ALLGATHER, splits=rows, **_describe(src, set_id))
+    return _submit_all([(request, [src], outputs)])[0]
+
+
+def _check_gather_out(out: Any, src: Any) -> Any:
+    """``out`` if it can take an allgather of ``src``: its rows are checked against every member's once all
+    have submitted (the request carries them; ``Coordinator``), the rest here."""
+    trailing = tuple(src.shape[1:])
+    if getattr(out, "ndim", 0) != src.ndim or tuple(out.shape[1:]) != trailing:
+        shape = ", ".join(["rows", *map(str, trailing)])
+        raise ValueError(f"out must have the shape ({shape}) of the concatenation of every member's rows; got "
+                         f"shape {tuple(getattr(out, 'shape', ()))}")
+    return _check_out(out, src, (int(out.shape[0]),) + trailing)
 
 
 @synchronous
-def allgather(array: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Any:
+def allgather(array: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None,
+              out: Optional[Any] = None) -> Any:
     """Concatenate every member's ``array`` along dim 0.
 
     Args:
         array: this rank's rows (dim 0 may differ by rank; the other dimensions and the dtype may not).
         name: a name every rank gives this collective; unnamed ones are numbered in call order.
         process_set: the ranks that take part; None: every rank.
+        out: an array to write the concatenation into: writable, C-contiguous, of ``array``'s dtype and
+            kind, its dim 0 the members' rows added up. A wrong dim 0 on any rank fails the collective on
+            every member, naming the ranks, before anything moves.
 
     Returns:
-        The members' rows in rank order, a new array.
+        The members' rows in rank order: a new array, or ``out``.
 
     Raises:
-        ValueError: refused arguments (see :func:`allreduce`).
-        HvpsError: the collective failed (see :func:`allreduce`).
+        ValueError: refused arguments (see :func:`allreduce`), or an ``out`` of another dtype, kind or shape.
+        HvpsError: the collective failed (see :func:`allreduce`), or ``out``'s rows differ from the members'.
     """
-    return allgather_async(array, name, process_set).wait()
+    return allgather_async(array, name, process_set, out).wait()
 
 
 @synchronous

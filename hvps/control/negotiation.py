@@ -45,6 +45,7 @@ class Request:
     root: int = -1
     prescale: float = 1.0
     postscale: float = 1.0
+    #: alltoall: the rows this rank sends to each member; allgather: ``(rows,)`` of the ``out`` it writes into
     splits: tuple = ()
     #: where the data lives: "cpu" (numpy arrays, CPU tensors) or "cuda"
     device: str = "cpu"
@@ -415,6 +416,12 @@ class Coordinator:
         per_rank: list = []  # in the set's rank order
         if reference.kind == ALLGATHER:
             per_rank = [by_rank[r].shapes[0][0] for r in members]
+            rows = sum(per_rank)
+            short = {r: by_rank[r].splits[0] for r in members if by_rank[r].splits and by_rank[r].splits[0] != rows}
+            if short:  # an ``out`` of the wrong size (its rows travel in ``splits``)
+                return Response(ALLGATHER, [name], error=(
+                    f"hvps: allgather '{name}': ranks {sorted(short)} gave an output of "
+                    f"{sorted(set(short.values()))} rows, but the members' rows add up to {rows} ({per_rank} by rank)"))
         elif reference.kind == ALLTOALL:
             per_rank = [list(by_rank[r].splits) for r in members]
         return Response(reference.kind, [name], requests=[reference], per_rank=per_rank)

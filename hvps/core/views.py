@@ -74,3 +74,37 @@ def as_array(tensor: Any) -> np.ndarray:
         return tensor.numpy()
     numpy_dtype, carrier = carried
     return tensor.view(carrier).numpy().view(numpy_dtype)
+
+
+class _Memory:
+    """A CPU tensor's memory as numpy sees it (``__array_interface__``); holding it keeps the tensor alive."""
+
+    def __init__(self, tensor: Any, dtype: np.dtype) -> None:
+        self.tensor = tensor
+        self.__array_interface__ = {"data": (tensor.data_ptr(), False), "shape": tuple(tensor.shape),
+                                    "typestr": dtype.str, "version": 3}
+
+
+def resizable_view(tensor: Any) -> np.ndarray:
+    """:func:`as_array` for a contiguous CPU tensor whose storage is resized later (freed and allocated
+    again): torch's ``numpy()`` marks a storage fixed-size for good, this view does not. The array keeps the
+    tensor alive; resizing the storage while the array is in use leaves it pointing at freed memory.
+
+    Raises:
+        ValueError: the tensor is not contiguous or not on the CPU.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("resizable_view takes a contiguous CPU tensor")
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name in _CARRIED:
+        ml_name, carrier = _CARRIED[name]
+        return np.asarray(_Memory(tensor, np.dtype(carrier))).view(getattr(ml_dtypes, ml_name))
+    return np.asarray(_Memory(tensor, _numpy_dtype(tensor.dtype)))
+
+
+@functools.lru_cache(maxsize=None)
+def _numpy_dtype(kind: Any) -> np.dtype:
+    import torch
+
+    return torch.empty(0, dtype=kind).numpy().dtype

@@ -172,7 +172,8 @@ def run_allgather(ctx: Context, response, entries: list) -> list:
     (entry,) = entries
     src = entry.inputs[0]
     row = math.prod(src.shape[1:])
-    out = arrays.empty(src, (sum(response.per_rank),) + tuple(src.shape[1:]))
+    # the caller's ``out``, its rows checked by the coordinator, or a new array
+    out = entry.outputs[0] if entry.outputs else arrays.empty(src, (sum(response.per_rank),) + tuple(src.shape[1:]))
     ctx.backend.allgatherv(src.reshape(-1), out.reshape(-1), [rows * row for rows in response.per_rank])
     return [out]
 

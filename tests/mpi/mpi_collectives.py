@@ -427,3 +427,35 @@ def test_synchronous_calls_take_the_fast_path_and_large_ones_the_engine_thread(r
             assert driven >= 1, f"{count} float64: none of 9 collectives ran on the caller's thread"
         else:  # too large, or a data plane that cannot abandon a transfer (gloo, the sealed one): never
             assert driven == 0, f"{count} float64: {driven} collectives ran on the caller ({engine.backend.name})"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", "bfloat16"])
+def test_allgather_into_out(dtype, request):
+    """``out=``: the concatenation lands in the caller's array, which is what wait() returns; uneven rows, a
+    rank with none."""
+    dt = DTYPES[dtype]
+    size, rank = hvps.size(), hvps.rank()
+    key = request.node.name
+    xs = [random_array(dt, (r % 3, 5), key, r) for r in range(size)]
+    out = np.full((sum(x.shape[0] for x in xs), 5), 7, dtype=dt)
+    res = hvps.allgather(xs[rank].copy(), name=key, out=out)
+    assert res is out
+    assert_exact(out, np.concatenate(xs), key)
+
+
+def test_allgather_into_an_out_of_the_wrong_size_fails_on_every_rank_naming_it():
+    """One rank's ``out`` is a row short: every member gets the same HvpsError, naming that rank, and nothing
+    was written; the next collective runs."""
+    size, rank = hvps.size(), hvps.rank()
+    rows = size * 2 - (1 if rank == size - 1 else 0)
+    out = np.zeros((rows, 3), dtype=np.float32)
+    with pytest.raises(hvps.HvpsError, match=rf"ranks \[{size - 1}\] gave an output of \[{size * 2 - 1}\] rows, "
+                                             rf"but the members' rows add up to {size * 2}"):
+        hvps.allgather(np.ones((2, 3), dtype=np.float32), name="wrong-out", out=out)
+    assert not out.any()
+    with pytest.raises(ValueError, match=r"shape \(rows, 3\)"):
+        hvps.allgather(np.ones((2, 3), dtype=np.float32), name="wrong-out-2", out=np.zeros((2 * size, 4), np.float32))
+    with pytest.raises(ValueError, match="dtype float32"):
+        hvps.allgather(np.ones((2, 3), dtype=np.float32), name="wrong-out-3", out=np.zeros((2 * size, 3), np.int32))
+    assert_exact(hvps.allreduce(np.ones(2, np.float32), op=hvps.Sum, name="after-wrong-out"),
+                 np.full(2, size, np.float32))

@@ -76,10 +76,12 @@ from hvps.adapters.common.sharding import (REDUCE_SCATTERS_IN_FLIGHT, Signature,
 from hvps.compression import summable
 from hvps.compression.compressors import CastCompressor, NoneCompressor
 from hvps.core.flat_shards import FlatLayout
+from hvps.core.views import as_array, resizable_view
 from hvps.elastic.mode import joins_a_running_job
 
 from .compression import OPS, as_gradient_compression
-from .mpi_ops import Average, Sum, allgather_async, allreduce_async, broadcast_async_, reducescatter_async
+from .mpi_ops import Average, Sum, allreduce_async, broadcast_async_, reducescatter_async
+from .tensors import core_input, from_core, takes_tensor
 
 __all__ = ["fully_shard", "FullyShardedModel"]
 
@@ -159,22 +161,46 @@ class _FlatGroup:
         self.full_flat.untyped_storage().resize_(0)
 
     def start_gather(self, process_set: ProcessSet) -> None:
-        """Start all-gathering the shards of every rank (a no-op while one is in flight)."""
-        if self.gather_handle is None:
-            self.gather_handle = allgather_async(self.shard_flat, name=f"{self.name}.gather",
-                                                 process_set=process_set)
-
-    def finish_gather(self) -> None:
-        """Wait for the all-gather and copy its output into ``full_flat`` (allocated again if freed). The
-        copy keeps the version counter: autograd's saved views of the full parameters see the same values
-        they were saved with, not an in-place change."""
-        flat = self.gather_handle.wait()
-        self.gather_handle = None
+        """Start all-gathering the shards of every rank into ``full_flat``, allocated again (a no-op while one
+        is in flight). The data plane writes into it directly wherever it can reach its memory (CPU tensors;
+        device tensors on a backend that moves them); elsewhere :meth:`finish_gather` copies its output in."""
+        if self.gather_handle is not None:
+            return
         storage = self.full_flat.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.padded * self.full_flat.element_size())
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full_flat):
-            self.full_flat.copy_(flat)
+        # autograd's saved views of the full parameters must see the values they were saved with, not a change
+        self._kept_version = torch.autograd._unsafe_preserve_version_counter(self.full_flat)
+        if self.device.type == "cpu":  # a numpy view of full_flat would make its storage fixed-size: not this one
+            source, out = as_array(self.shard_flat), resizable_view(self.full_flat)
+        elif takes_tensor(self.full_flat):  # a device tensor the backend moves itself (NCCL)
+            source, out = self.shard_flat, self.full_flat
+        else:  # staged through host memory
+            source, out = core_input(self.shard_flat), None
+        self._gathers_in_place = out is not None
+        self.gather_handle = hvps.allgather_async(source, f"{self.name}.gather", process_set, out=out)
+
+    def finish_gather(self) -> None:
+        """Wait for the all-gather (and copy its output into ``full_flat`` where it could not write there)."""
+        flat = self.gather_handle.wait()
+        self.gather_handle = None
+        if not self._gathers_in_place:
+            with torch.no_grad():
+                self.full_flat.copy_(from_core(flat, self.device))
+        self._kept_version.__exit__(None, None, None)
+
+    def drop_gather(self) -> None:
+        """Wait for the gather in flight, if any, and free ``full_flat``. After a failed gather a new buffer takes
+        its place (the failed transfer may still hold the old one) and the error goes on up."""
+        handle, self.gather_handle = self.gather_handle, None
+        if handle is None:
+            return
+        try:
+            handle.wait()
+        except BaseException:
+            self._new_full_buffer()
+            raise
+        self.free()
 
     def pack_gradients(self) -> torch.Tensor:
         """The full gradients as one flat padded tensor (zeros where there is none); the full ``.grad``
@@ -404,9 +430,7 @@ class FullyShardedModel:
     def _free(self, unit: _Unit) -> None:
         if unit.gathering:  # a prefetch nobody used: its output is dropped
             for group in unit.groups:
-                if group.gather_handle is not None:
-                    group.gather_handle.wait()
-                    group.gather_handle = None
+                group.drop_gather()
         if unit.gathered:
             for group in unit.groups:
                 group.free()
@@ -594,11 +618,12 @@ class FullyShardedModel:
         flight, gathered parameters, full gradients, the shown full parameters. For an elastic restore."""
         for unit in self.units:
             for group in unit.groups:
-                for handle in (group.gather_handle, group.reduce_handle):
-                    if handle is not None:
-                        with contextlib.suppress(Exception):
-                            handle.wait()
-                group.gather_handle = group.reduce_handle = group.reduce_ctx = None
+                with contextlib.suppress(Exception):
+                    group.drop_gather()
+                if group.reduce_handle is not None:
+                    with contextlib.suppress(Exception):
+                        group.reduce_handle.wait()
+                group.reduce_handle = group.reduce_ctx = None
                 group.grads_in, group.reduce_started = 0, False
                 for p in group.full:
                     p.grad = None
