@@ -44,21 +44,18 @@ LR = 2.0 ** -4
 BUCKET_CAP_MB = 20 * 4 / 2**20  # 20 float32 elements
 
 
-def stage_one_two(lr: float, world: tuple):
-    model = _model() if world[0] == SAVED_SIZE else shifted(_model())
+def build(name: str, mode: str, world: tuple) -> tuple:
+    """``(model, optimizer)`` of run ``name`` ("stage1-2" or "stage3") for ``mode``; a loading one starts shifted, at
+    a learning rate of 1 (the load must set both)."""
+    model = _model() if mode == "save" else shifted(_model())
+    lr = LR if mode == "save" else 1.0
+    if mode == "plain":
+        return model, _optimizer(model, "adam", lr)
+    if name == "stage3":
+        fully_shard(model, units=[model.first, model.second], broadcast_from=None)
+        return model, _optimizer(model, "adam", lr)
     return model, hvd.DistributedOptimizer(_optimizer(model, "adam", lr), named_parameters=model.named_parameters(),
                                            shard=True, bucket_cap_mb=BUCKET_CAP_MB)
-
-
-def stage_three(lr: float, world: tuple):
-    model = _model() if world[0] == SAVED_SIZE else shifted(_model())
-    fully_shard(model, units=[model.first, model.second], broadcast_from=None)
-    return model, _optimizer(model, "adam", lr)
-
-
-def unsharded(lr: float, world: tuple):
-    model = shifted(_model())
-    return model, _optimizer(model, "adam", lr)
 
 
 def main(mode: str, directory: Path) -> None:
@@ -66,38 +63,34 @@ def main(mode: str, directory: Path) -> None:
     if mode != "plain":
         hvd.init()
     world = (hvd.size(), hvd.rank()) if mode != "plain" else (1, 0)
-    if mode == "save":
-        assert world[0] == SAVED_SIZE, f"the save job runs at {SAVED_SIZE} ranks, not {world[0]}"
-    build = {"stage1-2": stage_one_two, "stage3": stage_three}
-    if mode == "plain":
-        build = {"stage1-2": unsharded, "stage3": unsharded}
+    assert mode != "save" or world[0] == SAVED_SIZE, f"the save job runs at {SAVED_SIZE} ranks, not {world[0]}"
     ref = _model()
     ref_opt = _optimizer(ref, "adam", LR)
-    first = 0
-    runs = {name: make(LR, world) for name, make in build.items()}
+    runs = {name: build(name, mode, world) for name in ("stage1-2", "stage3")}
+    first, last = 0, SAVED_STEPS
     if mode != "save":
         _sharded_steps(ref, ref_opt, 0, SAVED_STEPS, 1, 0)
-        first = SAVED_STEPS
-        runs = {name: make(1.0, world) for name, make in build.items()}
+        first, last = SAVED_STEPS, SAVED_STEPS + MORE_STEPS
         for name, (model, opt) in runs.items():
             loaded = hvd.CheckpointManager(directory / name).load(model=model, optimizer=opt)
             assert loaded == SAVED_STEPS, f"{name}: load gave epoch {loaded}"
-    for step in range(first, first + (SAVED_STEPS if mode == "save" else MORE_STEPS)):
+    fully_sharded = {name for name in runs if name == "stage3" and mode != "plain"}
+    for step in range(first, last):
         _sharded_steps(ref, ref_opt, step, step + 1, 1, 0)
         for name, (model, opt) in runs.items():
             _sharded_steps(model, opt, step, step + 1, *world)
-            full = _full(model) if name == "stage3" and mode != "plain" else model.state_dict()
+            full = _full(model) if name in fully_sharded else model.state_dict()
             _assert_equal(full, ref, f"{name}, {SAVED_SIZE} -> {world[0]} ranks ({mode}), step {step}")
     for name, (model, opt) in runs.items():
-        if name == "stage1-2" or mode == "plain":
-            _assert_same_state(opt.state_dict(), ref_opt.state_dict())
-        else:
+        if name in fully_sharded:  # each rank's blocks and Adam state: its slices of the reference's
             groups = FullyShardedModel.of(model).flat_groups()
             live = Staged([g.shard_flat for g in groups], opt.state_dict(), {})
             _assert_staged_is_the_reference_slice(live, model, opt, ref, ref_opt, *world)
-            if world[0] > SAVED_SIZE:  # some rank's blocks straddle two saved shards
+            if mode == "load":  # the test reads across saved shards: some rank's block straddles two
                 assert any(len(source_pieces(*shard_bounds(g.numel, world[0], q), g.numel, SAVED_SIZE)) > 1
                            for g in groups for q in range(world[0]))
+        else:
+            _assert_same_state(opt.state_dict(), ref_opt.state_dict())  # consolidated (collective at stage 1-2)
         if mode == "save":
             hvd.CheckpointManager(directory / name, fsync=False).save(SAVED_STEPS - 1, model=model, optimizer=opt)
     assert hvps.is_initialized() == (mode != "plain")
