@@ -1,4 +1,4 @@
-"""Re-sharding between real jobs (issue 39, item 4), for tests/test_checkpoint_multirank.py (not collected by pytest).
+"""Re-sharding between real jobs (issue 39, item 4), for tests/test_sharded_checkpoint.py (not collected by pytest).
 
 ``python reshard_job.py MODE DIR``, on the dyadic model of tests/mpi/mpi_fully_sharded.py (its loss is linear in the
 outputs, so every gradient and every Adam step is exact: see that module), with Adam over two parameter groups:
