@@ -2,19 +2,26 @@
 in one process: the re-sharding arithmetic (N -> M for N, M in 1..4, uneven sizes), and, for both stages, the
 refusal of shards that are missing, damaged, of another checkpoint or of another model, with ``load("latest")``
 falling back to the previous version; a stage 3 checkpoint loaded in a process without ``hvps.init()``.
+And issue 39's re-sharding target between real jobs (tests/inner_jobs/reshard_job.py): saved by a 3-rank job,
+loaded by a 4-rank job, a 2-rank job and one process that never starts hvps.
 
-The multi-rank saves and loads (at 2 and 3 ranks, at one rank fewer, into one process, emulated at 1..4 ranks)
-are in tests/mpi/mpi_sharded_optimizer.py and tests/mpi/mpi_fully_sharded.py, inside the shared jobs of
+The multi-rank saves and loads inside one job (at 2 and 3 ranks, at one rank fewer, into one process, emulated at
+1..4 ranks) are in tests/mpi/mpi_sharded_optimizer.py and tests/mpi/mpi_fully_sharded.py, inside the shared jobs of
 tests/test_multirank.py.
 """
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import warnings
 
 import h5py
 import numpy as np
 import pytest
 import torch
+from conftest import REPO_ROOT, _base_env, mpirun_argv
 
 import hvps
 import hvps.adapters.torch as hvd
@@ -26,6 +33,7 @@ from hvps.checkpoint.resharding import param_pieces, shard_bounds, shard_numel, 
 from hvps.checkpoint.shards import block_digests
 
 SIZES = range(1, 5)
+RESHARD_JOB = REPO_ROOT / "tests" / "inner_jobs" / "reshard_job.py"
 NUMELS = [1, 2, 5, 7, 13, 56]
 
 
@@ -434,3 +442,25 @@ def test_the_optimizer_of_a_fully_sharded_model_loads_alone(one_rank, tmp_path, 
     _assert_state(model, opt, (params, *states[1][1:]))
     with pytest.raises(CheckpointError, match="optimizer class: checkpoint Adam, given SGD"):
         mgr.load(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+# ----------------------------------------------------------------------------- N -> M between real jobs
+@pytest.mark.timeout(900)
+def test_checkpoints_saved_at_three_ranks_continue_bit_identically_at_four_two_and_one(tmp_path):
+    """Stage 1-2 and stage 3 Adam runs saved by a real 3-rank job load in a real 4-rank job (blocks that straddle
+    the saved shards), a real 2-rank job and one process that never starts hvps (an unsharded model and a plain
+    Adam), and each continues bit for bit as the uninterrupted one-process run (every rank of each job checks)."""
+    for mode, np_ in (("save", 3), ("load", 4), ("load", 2), ("plain", 1)):
+        argv = [sys.executable, str(RESHARD_JOB), mode, str(tmp_path)]
+        cmd, env = (argv, _base_env(None)) if mode == "plain" else mpirun_argv(np_, argv, _base_env(None))
+        proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            out = proc.communicate(timeout=200)[0].decode(errors="replace")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert proc.returncode == 0, f"the {mode} job at {np_} ranks failed:\n{out}"
+        for rank in range(np_):
+            assert f"RESHARD OK {mode} rank {rank} of {np_}" in out, out
