@@ -499,6 +499,8 @@ class FullyShardedModel:
         return hook
 
     def _start_reduce(self, group: _FlatGroup) -> None:
+        if len(self._reducing) >= REDUCE_SCATTERS_IN_FLIGHT:  # the oldest's flat gradient goes before this one comes
+            self._finish_reduce(self._reducing.popleft())
         flat = group.pack_gradients()
         plan = self._plan
         scaled = flat if plan.before == 1.0 else OPS.scale(flat, plan.before)
@@ -509,8 +511,6 @@ class FullyShardedModel:
                                                   process_set=self.process_set)
         group.reduce_started = True
         self._reducing.append(group)
-        if len(self._reducing) > REDUCE_SCATTERS_IN_FLIGHT:  # its flat full-size gradient goes now
-            self._finish_reduce(self._reducing.popleft())
 
     def _finish_reduce(self, group: _FlatGroup) -> None:
         """Wait for ``group``'s reduce-scatter and give its shards their gradients."""
