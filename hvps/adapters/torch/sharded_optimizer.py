@@ -434,7 +434,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._start(bucket)
 
     def _start(self, bucket: _Bucket) -> None:
-        """Pack, compress and start reduce-scattering ``bucket``'s gradients."""
+        """Pack, compress and start reduce-scattering ``bucket``'s gradients (the oldest in flight first finishes,
+        when as many travel as may: its flat gradient goes before this one's comes)."""
+        if len(self._in_flight) >= REDUCE_SCATTERS_IN_FLIGHT:
+            self._finish(self._in_flight.popleft())
         flat = bucket.pack_gradients(self._sparse_as_dense)
         plan = self._plan
         scaled = flat if plan.before == 1.0 else OPS.scale(flat, plan.before)
@@ -443,8 +446,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bucket.handle = reducescatter_async(payload, name=bucket.name, op=plan.op, prescale_factor=plan.prescale,
                                             postscale_factor=plan.postscale, process_set=self.process_set)
         self._in_flight.append(bucket)
-        if len(self._in_flight) > REDUCE_SCATTERS_IN_FLIGHT:  # the oldest (see REDUCE_SCATTERS_IN_FLIGHT)
-            self._finish(self._in_flight.popleft())
 
     def _finish(self, bucket: _Bucket) -> None:
         """Wait for ``bucket``'s reduce-scatter and keep this rank's averaged block (the flat input goes)."""
