@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="store gradient combining: per member first (local) or in global batch order")
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                    help="store variants: prefetch the next batch's lookup during each step")
+    p.add_argument("--exchange", default="auto", choices=("auto", "alltoall", "gather"),
+                   help="store variants: push by alltoall or gather every step instead of choosing by bytes")
     p.add_argument("--disk-dir", default="/tmp/hvps-recsys", help="where store-disk keeps its shard files")
     p.add_argument("--warmup", type=int, default=40, help="untimed steps (store variants: cache warm-up)")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
@@ -131,6 +133,10 @@ def worker(args) -> None:
     hvd.init()
     torch.set_num_threads(1)
     variant = args.worker
+    if args.exchange != "auto":  # force one way (hvps/store/exchange.py: gather_pays)
+        from hvps.store import exchange
+
+        exchange.GATHER_EXTRA_BYTES = float("inf") if args.exchange == "gather" else -1
     t0 = time.perf_counter()
     bottom, top, tables = _model(args, variant, hvd)
     build_s = time.perf_counter() - t0
@@ -246,6 +252,7 @@ def _summarize(variant, args, ranks) -> dict:
         total = sum(r["access"][1] for r in ranks)
         out["hit_rate_access"] = resident / total if total else None  # None: not measured (--prefetch)
         out["evictions"] = sum(s.get("evictions", 0) for s in stats)
+        out["gathers"] = sum(s.get("gathers", 0) for s in stats) / len(stats)
         out["cache_bytes_per_rank"] = stats[0].get("cache_bytes", 0)
         out["shard_bytes_per_rank"] = stats[0].get("tier_bytes", 0)
         if variant == "store-stale":
@@ -277,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"wire {res['wire_bytes_per_step'] / 1e6:10.3f} MB/step  "
                   f"rss {max(res['rss_bytes']) / 2**20:8.0f} MiB  loss {res['final_loss']:.4f}"
                   + (f"  hit(distinct) {res['hit_rate_distinct']:.3f} hit(access) {_rate(res['hit_rate_access'])}"
+                     f"  gathers {res['gathers']:.0f}"
                      if "hit_rate_distinct" in res else ""), flush=True)
     summary = {v: {key: median([r[key] for r in rs]) for key in rs[0] if isinstance(rs[0][key], (int, float))}
                for v, rs in results.items()}
