@@ -154,7 +154,7 @@ def worker(args) -> None:
     loss_fn = torch.nn.BCEWithLogitsLoss()
     timed = args.dense_steps if variant == "dense" else args.steps
     warmup = min(args.warmup, 3) if variant == "dense" else args.warmup
-    times, losses, distinct, wire, access = [], [], [], [], [0, 0]
+    times, cpu, losses, distinct, wire, access = [], [], [], [], [], [0, 0]
     prefetch = store and args.prefetch
     zeros = torch.zeros(args.batch, args.dim * args.tables)  # mlp: no tables
 
@@ -175,7 +175,7 @@ def worker(args) -> None:
         if step >= warmup and store and not prefetch:  # prefetched rows are cached before the step starts
             _count_resident(tables, ids, access, hvd)
         hvd.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         pooled = [table(i) for table, i in zip(tables, ids)] if variant != "mlp" else [zeros]
         if prefetch and step + 1 < warmup + timed:
             for table, i in zip(tables, following[0]):
@@ -185,16 +185,17 @@ def worker(args) -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        elapsed = time.perf_counter() - start
+        elapsed, used = time.perf_counter() - start, time.process_time() - start_cpu
         if step >= warmup:
             times.append(elapsed)
+            cpu.append(used)
             losses.append(float(loss.detach()))
             distinct.append(sum(int(torch.unique(i).numel()) for i in ids))
             wire.append(_wire_bytes(variant, args, ids, hvd))
         if variant == "store-disk":
             for t in tables:
                 t.table.tier.trim()
-    per_rank = {"times": times, "losses": losses, "distinct": distinct, "rss": _rss(), "build_s": build_s,
+    per_rank = {"times": times, "cpu": cpu, "losses": losses, "distinct": distinct, "rss": _rss(), "build_s": build_s,
                 "wire": wire}
     if store:
         per_rank["sent"] = sum(t.exchange.bytes_sent for t in tables) - sent0
@@ -237,7 +238,7 @@ def _summarize(variant, args, ranks) -> dict:
     slowest = [max(r["times"][s] for r in ranks) for s in range(steps)]
     step_s = median(slowest)
     out = {"variant": variant, "np": len(ranks), "rows": args.rows, "dim": args.dim, "tables": args.tables,
-           "batch": args.batch, "step_s": step_s, "samples_per_s_per_rank": args.batch / step_s,
+           "batch": args.batch, "step_s": step_s, "cpu_s": median([np.mean(r["cpu"]) for r in ranks]), "samples_per_s_per_rank": args.batch / step_s,
            "distinct_ids_per_step": median([np.mean([r["distinct"][s] for r in ranks]) for s in range(steps)]),
            "rss_bytes": [r["rss"].get("VmRSS", 0) for r in ranks], "hwm_bytes": [r["rss"].get("VmHWM", 0) for r in ranks],
            "rss_anon_bytes": [r["rss"].get("RssAnon", 0) for r in ranks],
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         for v in variants:
             res = run_mpi_worker(args.np, __file__, [*passthrough, "--worker", v], timeout=1800)
             results[v].append(res)
-            print(f"round {round_ + 1} {v:12s} step {res['step_s'] * 1e3:9.2f} ms  "
+            print(f"round {round_ + 1} {v:12s} step {res['step_s'] * 1e3:9.2f} ms  cpu {res['cpu_s'] * 1e3:7.2f} ms  "
                   f"wire {res['wire_bytes_per_step'] / 1e6:10.3f} MB/step  "
                   f"rss {max(res['rss_bytes']) / 2**20:8.0f} MiB  loss {res['final_loss']:.4f}"
                   + (f"  hit(distinct) {res['hit_rate_distinct']:.3f} hit(access) {_rate(res['hit_rate_access'])}"
