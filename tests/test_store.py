@@ -7,6 +7,7 @@ import torch
 from conftest import SHARED_JOBS, case
 
 from hvps.store import HashPartition, RangePartition, RowAdagrad, RowAdam, RowCache, RowSGD
+from hvps.store.exchange import gather_pays
 from hvps.store.init import hash_uniform
 from hvps.store.optim import make_optimizer
 from hvps.store.tiers import DiskTier, HostTier
@@ -144,6 +145,15 @@ def test_optimizer_arguments_are_checked():
         RowAdam(betas=(1.0, 0.9))
     assert isinstance(make_optimizer(RowAdagrad(lr=1.0)), RowAdagrad)
     assert math.isclose(make_optimizer("adam", lr=0.2).lr, 0.2)
+
+
+@pytest.mark.unit
+def test_gather_pays_at_small_member_counts_only():
+    """recsys.py's sizes: ~1,200 distinct ids a member, 64 floats a row, 66 a gradient row."""
+    assert gather_pays([1200] * 2, [1200] * 2, 64, 64, 66)
+    assert gather_pays([1200, 0, 900, 1500], [1200, 0, 0, 1300], 64, 64, 66)
+    assert not gather_pays([1200] * 8, [1200] * 8, 64, 64, 66)
+    assert not gather_pays([1200] * 2, [20000] * 2, 64, 3 * 64, 66)  # Adam's records: 3x the rows back
 
 
 def _store_case(np_, backend):

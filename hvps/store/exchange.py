@@ -19,15 +19,17 @@ prefetched pull, read before the update; owners apply the rows they own and ever
 the records it pulled up to date with the same combined gradient and optimizer step, so both
 ways give the same bits.
 
-Every id message starts each destination's segment with a status word, so when one member's
-input is invalid all members learn it from the same collective and raise together instead of
-leaving the others blocked in the next alltoall.
+Every id message starts each destination's segment with a header: a status word, so when one
+member's input is invalid all members learn it from the same collective and raise together
+instead of leaving the others blocked in the next alltoall, and the counts :func:`gather_pays`
+decides from, so every member knows every member's.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -56,18 +58,6 @@ class PendingPull:
     sent: torch.Tensor  # the ids in owner-grouped order
     splits: list  # how many of them each member owns
     rows: Optional[Callable[[], tuple]] = None  # wait for the rows (or records) sent back
-
-
-def _once(wait: Callable[[], Any]) -> Callable[[], Any]:
-    """``wait`` run at most once; later calls return its first result."""
-    done: list = []
-
-    def call() -> Any:
-        if not done:
-            done.append(wait())
-        return done[0]
-
-    return call
 
 
 def gather_pays(push_rows: list, pull_rows: list, dim: int, width: int, grad_width: int) -> bool:
@@ -165,7 +155,7 @@ class Exchange:
             keep[starts.view(-1, 1) + torch.arange(HEADER)] = False
             return received[keep], [c - HEADER for c in counts], heads[:, 1:].tolist()
 
-        return _once(wait)
+        return functools.cache(wait)  # the first result, to every later call
 
     def request(self, ids: torch.Tensor, error: Optional[str] = None, push_rows: int = 0) -> "PendingPull":
         """Start sending distinct ``ids`` to their owners (the first half of a pull); ``push_rows``:
@@ -224,7 +214,7 @@ class Exchange:
         wait = self._alltoall_async(torch.cat([t for part in answers for t in (part, flat)]),
                                     [c * width + flat.numel() for c in counts], "push.answer")
 
-        @_once
+        @functools.cache  # whichever of the module and the pull calls it first
         def finish() -> tuple:
             received, sizes = wait()
             asked = [c * width for c in pending.splits]

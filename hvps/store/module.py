@@ -175,9 +175,12 @@ class _ShardedBase(nn.Module):
 
         TorchRec's pipelined input distribution: call it with the next batch after the current
         forward; the next forward must then be given the same batch (ValueError otherwise).
-        Synchronous tables: the next forward of any table finishes this step's updates of
-        every table and has the owners answer all prefetched lookups at once, so the tables'
-        exchanges overlap instead of waiting one after another; the rows are exact.  With
+        Synchronous tables, where :func:`~hvps.store.exchange.gather_pays`: this step's backward
+        sends its gradients to every member with the owners' answer, and every member brings
+        the rows it pulled up to date itself, so the next forward waits for nothing.  Otherwise
+        the next forward of any table finishes this step's updates of every table and has the
+        owners answer all prefetched lookups at once, so the tables' exchanges overlap instead
+        of waiting one after another.  Either way the rows are exact.  With
         ``staleness >= 1`` the owners answer during this step's backward, before its update, so
         nothing waits: the rows then miss that one update, within the bound (and rows this
         member keeps are reused for one step less).  Collective, like a forward.
