@@ -167,4 +167,4 @@ def test_store_multirank(np_, backend, inner_results):
     """tests/mpi/mpi_store.py: bit-exact SGD vs nn.EmbeddingBag/nn.Embedding on the global batch,
     Adagrad/Adam vs torch, prefetch (synchronous and with staleness), staleness, bad input, config mismatch, checkpoint re-sharding and fallback
     (and once on the torch.distributed data plane: the store only uses hvps's alltoall)."""
-    inner_results[f"store-{backend}"].assert_all_passed(min_passed=21)
+    inner_results[f"store-{backend}"].assert_all_passed(min_passed=23)
