@@ -9,6 +9,7 @@ MLPs go through ``hvd.DistributedOptimizer`` (ring allreduce) in every variant; 
   of the rows, SGD applied by the owners); ``store-stale`` the same with ``--staleness``;
   ``store-disk`` the same on the memory-mapped disk tier; with ``--prefetch`` (the default) each
   step prefetches the next batch's lookup (``store-stale``: the whole lookup overlaps the step);
+  ``--exchange alltoall|gather`` forces the push the store otherwise chooses by bytes;
 * ``dense``   a replicated ``nn.EmbeddingBag`` whose gradient is allreduced whole
   (Horovod's ``sparse_as_dense``);
 * ``sparse``  a replicated ``nn.EmbeddingBag(sparse=True)``: hvps's sparse allgather path;
@@ -16,7 +17,8 @@ MLPs go through ``hvd.DistributedOptimizer`` (ring allreduce) in every variant; 
   variant's embedding cost is its step time minus this one.
 
 Every variant runs in its own ``mpirun`` job, variants alternating round by round; rank 0
-reports step time (slowest rank), samples/s per rank, embedding bytes on the wire per step
+reports step time (slowest rank), CPU time per step (the process's, all threads; median over
+ranks), samples/s per rank, embedding bytes on the wire per step
 (store: payload it sent; dense: ring allreduce 2(n-1)/n of the table; sparse: (n-1) x its
 indices + values), cache hit rates, distinct ids per step, RSS per rank and the final loss.
 

@@ -45,8 +45,9 @@ OK, BAD = 0, 1
 #: request, the gradient rows it will push for this batch (so every member knows every member's)
 HEADER = 3
 #: extra bytes per member that sending gradients to every member may cost to save the next
-#: forward's round trip (about what a negotiated collective's latency moves on shared memory)
-GATHER_EXTRA_BYTES = 1 << 20
+#: forward's round trip; measured with benchmarks/recsys.py (benchmarks/notes-store42.md): no
+#: slower at 2 members (~160 KB more), slower at 4 (~710 KB) and 8 (~1.9 MB)
+GATHER_EXTRA_BYTES = 256 << 10
 
 
 @dataclass
