@@ -148,13 +148,13 @@ def test_optimizer_arguments_are_checked():
 
 
 @pytest.mark.unit
-def test_gather_pays_at_small_member_counts_only():
-    """recsys.py's sizes: ~1,200 distinct ids a member, 64 floats a row, 66 a gradient row."""
-    assert gather_pays([1200] * 2, [1200] * 2, 64, 64, 66)
-    assert gather_pays([1500, 0], [0, 1300], 64, 64, 66)  # a member with no ids
-    assert not gather_pays([1200] * 4, [1200] * 4, 64, 64, 66)
-    assert not gather_pays([1200] * 8, [1200] * 8, 64, 64, 66)
-    assert not gather_pays([1200] * 2, [20000] * 2, 64, 3 * 64, 66)  # Adam's records: 3x the rows back
+def test_gather_pays_for_small_steps_at_small_member_counts_only():
+    """recsys.py's sizes: 64 floats a row, 66 a gradient row; ~190 or ~1,200 distinct ids a member."""
+    assert gather_pays([190] * 2, [190] * 2, 64, 64, 66)
+    assert gather_pays([400, 0], [0, 300], 64, 64, 66)  # a member with no ids
+    assert not gather_pays([1200] * 2, [1200] * 2, 64, 64, 66)
+    assert not gather_pays([190] * 8, [190] * 8, 64, 64, 66)
+    assert not gather_pays([190] * 2, [3000] * 2, 64, 3 * 64, 66)  # Adam's records: 3x the rows back
 
 
 def _store_case(np_, backend):

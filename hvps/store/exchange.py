@@ -12,8 +12,8 @@ input and output distribution), without a server: every member is the owner of o
   previous step unless the table allows staleness).
 
 A prefetched pull of a synchronous table costs the next forward a round trip (owners answer
-only after the update).  :meth:`Exchange.push_and_answer` removes it where that pays, at small
-member counts (:func:`gather_pays`): every member sends its gradient rows to *every* member
+only after the update).  :meth:`Exchange.push_and_answer` removes it where that pays, for small
+steps at small member counts (:func:`gather_pays`): every member sends its gradient rows to *every* member
 (the sparse allgather of a replicated table) in the same message as its answer to the
 prefetched pull, read before the update; owners apply the rows they own and every member brings
 the records it pulled up to date with the same combined gradient and optimizer step, so both
@@ -45,9 +45,10 @@ OK, BAD = 0, 1
 #: request, the gradient rows it will push for this batch (so every member knows every member's)
 HEADER = 3
 #: extra bytes per member that sending gradients to every member may cost to save the next
-#: forward's round trip; measured with benchmarks/recsys.py (benchmarks/notes-store42.md): no
-#: slower at 2 members (~160 KB more), slower at 4 (~710 KB) and 8 (~1.9 MB)
-GATHER_EXTRA_BYTES = 256 << 10
+#: forward's round trip; measured with benchmarks/recsys.py at 2 members (benchmarks/notes-store42.md):
+#: faster at ~190 distinct ids a member (~25 KB more), no faster at ~1,200 (~160 KB), slower at 4
+#: and 8 members
+GATHER_EXTRA_BYTES = 64 << 10
 
 
 @dataclass
