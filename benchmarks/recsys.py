@@ -9,6 +9,7 @@ MLPs go through ``hvd.DistributedOptimizer`` (ring allreduce) in every variant; 
   of the rows, SGD applied by the owners); ``store-stale`` the same with ``--staleness``;
   ``store-disk`` the same on the memory-mapped disk tier; with ``--prefetch`` (the default) each
   step prefetches the next batch's lookup (``store-stale``: the whole lookup overlaps the step);
+  ``--exchange alltoall|gather`` forces the push the store otherwise chooses by bytes;
 * ``dense``   a replicated ``nn.EmbeddingBag`` whose gradient is allreduced whole
   (Horovod's ``sparse_as_dense``);
 * ``sparse``  a replicated ``nn.EmbeddingBag(sparse=True)``: hvps's sparse allgather path;
@@ -16,7 +17,8 @@ MLPs go through ``hvd.DistributedOptimizer`` (ring allreduce) in every variant; 
   variant's embedding cost is its step time minus this one.
 
 Every variant runs in its own ``mpirun`` job, variants alternating round by round; rank 0
-reports step time (slowest rank), samples/s per rank, embedding bytes on the wire per step
+reports step time (slowest rank), CPU time per step (the process's, all threads; median over
+ranks), samples/s per rank, embedding bytes on the wire per step
 (store: payload it sent; dense: ring allreduce 2(n-1)/n of the table; sparse: (n-1) x its
 indices + values), cache hit rates, distinct ids per step, RSS per rank and the final loss.
 
@@ -55,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="store gradient combining: per member first (local) or in global batch order")
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                    help="store variants: prefetch the next batch's lookup during each step")
+    p.add_argument("--exchange", default="auto", choices=("auto", "alltoall", "gather"),
+                   help="store variants: push by alltoall or gather every step instead of choosing by bytes")
     p.add_argument("--disk-dir", default="/tmp/hvps-recsys", help="where store-disk keeps its shard files")
     p.add_argument("--warmup", type=int, default=40, help="untimed steps (store variants: cache warm-up)")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
@@ -131,6 +135,10 @@ def worker(args) -> None:
     hvd.init()
     torch.set_num_threads(1)
     variant = args.worker
+    if args.exchange != "auto":  # force one way (hvps/store/exchange.py: gather_pays)
+        from hvps.store import exchange
+
+        exchange.GATHER_EXTRA_BYTES = float("inf") if args.exchange == "gather" else -1
     t0 = time.perf_counter()
     bottom, top, tables = _model(args, variant, hvd)
     build_s = time.perf_counter() - t0
@@ -148,7 +156,7 @@ def worker(args) -> None:
     loss_fn = torch.nn.BCEWithLogitsLoss()
     timed = args.dense_steps if variant == "dense" else args.steps
     warmup = min(args.warmup, 3) if variant == "dense" else args.warmup
-    times, losses, distinct, wire, access = [], [], [], [], [0, 0]
+    times, cpu, losses, distinct, wire, access = [], [], [], [], [], [0, 0]
     prefetch = store and args.prefetch
     zeros = torch.zeros(args.batch, args.dim * args.tables)  # mlp: no tables
 
@@ -169,7 +177,7 @@ def worker(args) -> None:
         if step >= warmup and store and not prefetch:  # prefetched rows are cached before the step starts
             _count_resident(tables, ids, access, hvd)
         hvd.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         pooled = [table(i) for table, i in zip(tables, ids)] if variant != "mlp" else [zeros]
         if prefetch and step + 1 < warmup + timed:
             for table, i in zip(tables, following[0]):
@@ -179,16 +187,17 @@ def worker(args) -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        elapsed = time.perf_counter() - start
+        elapsed, used = time.perf_counter() - start, time.process_time() - start_cpu
         if step >= warmup:
             times.append(elapsed)
+            cpu.append(used)
             losses.append(float(loss.detach()))
             distinct.append(sum(int(torch.unique(i).numel()) for i in ids))
             wire.append(_wire_bytes(variant, args, ids, hvd))
         if variant == "store-disk":
             for t in tables:
                 t.table.tier.trim()
-    per_rank = {"times": times, "losses": losses, "distinct": distinct, "rss": _rss(), "build_s": build_s,
+    per_rank = {"times": times, "cpu": cpu, "losses": losses, "distinct": distinct, "rss": _rss(), "build_s": build_s,
                 "wire": wire}
     if store:
         per_rank["sent"] = sum(t.exchange.bytes_sent for t in tables) - sent0
@@ -231,7 +240,7 @@ def _summarize(variant, args, ranks) -> dict:
     slowest = [max(r["times"][s] for r in ranks) for s in range(steps)]
     step_s = median(slowest)
     out = {"variant": variant, "np": len(ranks), "rows": args.rows, "dim": args.dim, "tables": args.tables,
-           "batch": args.batch, "step_s": step_s, "samples_per_s_per_rank": args.batch / step_s,
+           "batch": args.batch, "step_s": step_s, "cpu_s": median([np.mean(r["cpu"]) for r in ranks]), "samples_per_s_per_rank": args.batch / step_s,
            "distinct_ids_per_step": median([np.mean([r["distinct"][s] for r in ranks]) for s in range(steps)]),
            "rss_bytes": [r["rss"].get("VmRSS", 0) for r in ranks], "hwm_bytes": [r["rss"].get("VmHWM", 0) for r in ranks],
            "rss_anon_bytes": [r["rss"].get("RssAnon", 0) for r in ranks],
@@ -246,6 +255,7 @@ def _summarize(variant, args, ranks) -> dict:
         total = sum(r["access"][1] for r in ranks)
         out["hit_rate_access"] = resident / total if total else None  # None: not measured (--prefetch)
         out["evictions"] = sum(s.get("evictions", 0) for s in stats)
+        out["gathers"] = sum(s.get("gathers", 0) for s in stats) / len(stats)
         out["cache_bytes_per_rank"] = stats[0].get("cache_bytes", 0)
         out["shard_bytes_per_rank"] = stats[0].get("tier_bytes", 0)
         if variant == "store-stale":
@@ -273,10 +283,11 @@ def main(argv: list[str] | None = None) -> None:
         for v in variants:
             res = run_mpi_worker(args.np, __file__, [*passthrough, "--worker", v], timeout=1800)
             results[v].append(res)
-            print(f"round {round_ + 1} {v:12s} step {res['step_s'] * 1e3:9.2f} ms  "
+            print(f"round {round_ + 1} {v:12s} step {res['step_s'] * 1e3:9.2f} ms  cpu {res['cpu_s'] * 1e3:7.2f} ms  "
                   f"wire {res['wire_bytes_per_step'] / 1e6:10.3f} MB/step  "
                   f"rss {max(res['rss_bytes']) / 2**20:8.0f} MiB  loss {res['final_loss']:.4f}"
                   + (f"  hit(distinct) {res['hit_rate_distinct']:.3f} hit(access) {_rate(res['hit_rate_access'])}"
+                     f"  gathers {res['gathers']:.0f}"
                      if "hit_rate_distinct" in res else ""), flush=True)
     summary = {v: {key: median([r[key] for r in rs]) for key in rs[0] if isinstance(rs[0][key], (int, float))}
                for v, rs in results.items()}

@@ -11,13 +11,23 @@ input and output distribution), without a server: every member is the owner of o
   finished before the owners answer the next pull (so lookups see every update of the
   previous step unless the table allows staleness).
 
-Every id message starts each destination's segment with a status word, so when one member's
-input is invalid all members learn it from the same collective and raise together instead of
-leaving the others blocked in the next alltoall.
+A prefetched pull of a synchronous table costs the next forward a round trip (owners answer
+only after the update).  :meth:`Exchange.push_and_answer` removes it where that pays, for small
+steps at small member counts (:func:`gather_pays`): every member sends its gradient rows to *every* member
+(the sparse allgather of a replicated table) in the same message as its answer to the
+prefetched pull, read before the update; owners apply the rows they own and every member brings
+the records it pulled up to date with the same combined gradient and optimizer step, so both
+ways give the same bits.
+
+Every id message starts each destination's segment with a header: a status word, so when one
+member's input is invalid all members learn it from the same collective and raise together
+instead of leaving the others blocked in the next alltoall, and the counts :func:`gather_pays`
+decides from, so every member knows every member's.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -31,6 +41,14 @@ from hvps.runtime.process_sets import ProcessSet
 from .table import ShardedTable
 
 OK, BAD = 0, 1
+#: words leading each destination's segment of an id message: status, the sender's ids in this
+#: request, the gradient rows it will push for this batch (so every member knows every member's)
+HEADER = 3
+#: extra bytes per member that sending gradients to every member may cost to save the next
+#: forward's round trip; measured with benchmarks/recsys.py at 2 members (benchmarks/notes-store42.md):
+#: faster at ~190 distinct ids a member (~25 KB more), no faster at ~1,200 (~160 KB), slower at 4
+#: and 8 members
+GATHER_EXTRA_BYTES = 64 << 10
 
 
 @dataclass
@@ -38,8 +56,31 @@ class PendingPull:
     """A pull under way: ids sent to their owners; ``rows`` is set once the owners answered."""
 
     order: torch.Tensor  # position of each id in the owner-grouped message
-    ids: Callable[[], tuple]  # wait for the ids that reached this member
-    rows: Optional[Callable[[], tuple]] = None  # wait for the rows sent back
+    ids: Callable[[], tuple]  # wait for the ids that reached this member (and the headers)
+    sent: torch.Tensor  # the ids in owner-grouped order
+    splits: list  # how many of them each member owns
+    rows: Optional[Callable[[], tuple]] = None  # wait for the rows (or records) sent back
+
+
+def gather_pays(push_rows: list, pull_rows: list, dim: int, width: int, grad_width: int) -> bool:
+    """Whether sending gradients to every member beats sending them to their owners.
+
+    Args:
+        push_rows: gradient rows each member pushes this step (the same list on every member).
+        pull_rows: ids each member's prefetched pull asks for.
+        dim: embedding values per row (what the owners send back otherwise).
+        width: values per record (embedding and optimizer state: what they send back instead).
+        grad_width: values per gradient row (with its id and weight).
+
+    Returns:
+        True when the bytes the gather adds per member, against sending gradient rows to their
+        owners only, stay within :data:`GATHER_EXTRA_BYTES`: the price of the round trip it saves.
+        A rule of quantities every member knows, so every member takes the same way.
+    """
+    n = len(push_rows)
+    away = (n - 1) / n  # the share of rows another member owns
+    extra = (sum(push_rows) * grad_width * (n - 1 - away) + sum(pull_rows) * (width - dim) * away) * 4 / n
+    return extra <= GATHER_EXTRA_BYTES
 
 
 def combine(inverse: torch.Tensor, grads: torch.Tensor, count: int,
@@ -63,6 +104,7 @@ class Exchange:
         self.process_set = process_set
         self.members = table.partition.parts
         self.bytes_sent = 0  # payload bytes this member put on the wire
+        self.gathers = 0  # steps whose gradients went to every member (push_and_answer)
 
     def _alltoall_async(self, tensor: torch.Tensor, splits: list, tag: str) -> Callable[[], tuple]:
         self.bytes_sent += tensor.numel() * tensor.element_size() - self._own_bytes(tensor, splits)
@@ -86,43 +128,48 @@ class Exchange:
         splits = torch.bincount(owners, minlength=self.members).tolist()
         return order, splits
 
-    def _send_ids(self, ids: torch.Tensor, splits: list, tag: str, error: Optional[str]) -> Callable[[], tuple]:
-        """Start an alltoall of ids grouped by owner, each segment led by a status word.
+    def _send_ids(self, ids: torch.Tensor, splits: list, tag: str, error: Optional[str],
+                  push_rows: int) -> Callable[[], tuple]:
+        """Start an alltoall of ids grouped by owner, each segment led by :data:`HEADER` words.
 
-        Returns ``wait() -> (received ids, counts per member)``, which raises ValueError on every
-        member when any member's status says its input was invalid.
+        Returns ``wait() -> (received ids, counts per member, [[ids asked, rows to push]] per
+        member)``, which raises ValueError on every member when any member's status says its
+        input was invalid; later calls return the first result.
         """
-        status = torch.tensor([BAD if error else OK], dtype=torch.int64)
         if error:
             ids, splits = ids[:0], [0] * self.members
+        header = torch.tensor([BAD if error else OK, ids.numel(), push_rows], dtype=torch.int64)
         parts = torch.split(ids.to(torch.int64).cpu(), splits)
-        message = torch.cat([t for part in parts for t in (status, part)])
-        pending = self._alltoall_async(message, [s + 1 for s in splits], tag)
+        message = torch.cat([t for part in parts for t in (header, part)])
+        pending = self._alltoall_async(message, [s + HEADER for s in splits], tag)
 
         def wait() -> tuple:
             received, counts = pending()
             starts = torch.tensor([0] + counts[:-1]).cumsum(0)
-            bad = [m for m, start in enumerate(starts.tolist()) if int(received[start]) != OK]
+            heads = received[starts.view(-1, 1) + torch.arange(HEADER)]
+            bad = (heads[:, 0] != OK).nonzero().view(-1).tolist()
             if error:
                 raise ValueError(error)
             if bad:
                 raise ValueError(f"table {self.table.name!r}: member(s) {bad} of the process set passed invalid "
                                  "ids (their error says which)")
             keep = torch.ones(received.numel(), dtype=torch.bool)
-            keep[starts] = False
-            return received[keep], [c - 1 for c in counts]
+            keep[starts.view(-1, 1) + torch.arange(HEADER)] = False
+            return received[keep], [c - HEADER for c in counts], heads[:, 1:].tolist()
 
-        return wait
+        return functools.cache(wait)  # the first result, to every later call
 
-    def request(self, ids: torch.Tensor, error: Optional[str] = None) -> "PendingPull":
-        """Start sending distinct ``ids`` to their owners (the first half of a pull)."""
+    def request(self, ids: torch.Tensor, error: Optional[str] = None, push_rows: int = 0) -> "PendingPull":
+        """Start sending distinct ``ids`` to their owners (the first half of a pull); ``push_rows``:
+        the gradient rows this member will push for the batch (told to every member)."""
         order, splits = self._route(ids)
-        return PendingPull(order, self._send_ids(ids[order], splits, "pull.ids", error))
+        sent = ids[order]
+        return PendingPull(order, self._send_ids(sent, splits, "pull.ids", error, push_rows), sent, splits)
 
     def answer(self, pending: "PendingPull") -> None:
         """Owner side: wait for the ids sent to this member, read their rows now and start
         sending them back (every member calls it at the same point)."""
-        wanted, counts = pending.ids()
+        wanted, counts, _ = pending.ids()
         rows = self.table.lookup(self.table.partition.slot(wanted))
         pending.rows = self._alltoall_async(rows, counts, "pull.rows")
 
@@ -131,8 +178,8 @@ class Exchange:
         if pending.rows is None:
             self.answer(pending)
         back, _ = pending.rows()
-        out = torch.empty_like(back)
-        out[pending.order] = back
+        out = torch.empty(back.shape[0], self.table.dim, dtype=back.dtype, device=back.device)
+        out[pending.order] = back[:, : self.table.dim]
         return out
 
     def push(self, ids: torch.Tensor, grads: torch.Tensor,
@@ -145,20 +192,69 @@ class Exchange:
         same message as the gradients, their int64 bits carried in two float32 columns.
         """
         order, splits = self._route(ids)
-        columns = [grads[order].cpu(), ids[order].to(torch.int64).cpu().view(torch.float32).view(-1, 2)]
-        if weights is not None:
-            columns.append(weights[order].cpu().view(-1, 1))
-        wait = self._alltoall_async(torch.cat(columns, dim=1), splits, "push")
-        dim = self.table.dim
+        wait = self._alltoall_async(self._gradient_rows(ids, grads, weights, order), splits, "push")
 
         def finish() -> None:
-            received, _ = wait()
-            received_ids = received[:, dim: dim + 2].reshape(-1).clone().view(torch.int64)
-            scale = received[:, dim + 2].contiguous() if weights is not None else None
-            distinct, inverse = torch.unique(self.table.partition.slot(received_ids), return_inverse=True)
-            self.table.apply(distinct, combine(inverse, received[:, :dim], distinct.numel(), scale))
+            self._apply(wait()[0], weights is not None)
 
         return finish
+
+    def push_and_answer(self, ids: torch.Tensor, grads: torch.Tensor, weights: Optional[torch.Tensor],
+                        pending: "PendingPull") -> Callable[[], tuple]:
+        """:meth:`push` to every member, in one message with this owner's answer to ``pending``
+        (a prefetched pull), its records read before this step's update.
+
+        Sets ``pending.rows`` to the records it pulled, brought up to date with the update that
+        the returned ``finish()`` applies (whichever is called first waits and applies it).
+        """
+        self.gathers += 1
+        wanted, counts, _ = pending.ids()
+        records = self.table.records_of(self.table.partition.slot(wanted))
+        gradient = self._gradient_rows(ids, grads, weights)
+        flat, width = gradient.reshape(-1), self.table.width
+        answers = torch.split(records.reshape(-1), [c * width for c in counts])
+        wait = self._alltoall_async(torch.cat([t for part in answers for t in (part, flat)]),
+                                    [c * width + flat.numel() for c in counts], "push.answer")
+
+        @functools.cache  # whichever of the module and the pull calls it first
+        def finish() -> tuple:
+            received, sizes = wait()
+            asked = [c * width for c in pending.splits]
+            parts = torch.split(received, sizes)
+            pulled = torch.cat([p[:a] for p, a in zip(parts, asked)]).view(-1, width)
+            rows = torch.cat([p[a:] for p, a in zip(parts, asked)]).view(-1, gradient.shape[1])
+            distinct, combined = self._apply(rows, weights is not None)
+            if distinct.numel():  # the same combined rows and optimizer step as their owners'
+                at = torch.searchsorted(distinct, pending.sent).clamp(max=distinct.numel() - 1)
+                hit = (distinct[at] == pending.sent).nonzero().view(-1)
+                pulled[hit] = self.table.optimizer.step(pulled[hit], combined[at[hit]], self.table.dim)
+            return pulled, pending.splits
+
+        pending.rows = finish
+        return finish
+
+    def _gradient_rows(self, ids: torch.Tensor, grads: torch.Tensor, weights: Optional[torch.Tensor],
+                       order: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One message row per gradient row: the gradient, the id's int64 bits in two float32
+        columns, and the weight when there is one."""
+        pick = (lambda t: t[order]) if order is not None else (lambda t: t)
+        columns = [pick(grads).cpu(), pick(ids).to(torch.int64).cpu().view(torch.float32).view(-1, 2)]
+        if weights is not None:
+            columns.append(pick(weights).cpu().view(-1, 1))
+        return torch.cat(columns, dim=1)
+
+    def _apply(self, received: torch.Tensor, weighted: bool) -> tuple:
+        """Combine gradient rows (from :meth:`_gradient_rows`, in member order) by id and step the
+        optimizer on the rows this member owns; returns ``(distinct ids, combined gradients)``."""
+        dim = self.table.dim
+        received_ids = received[:, dim: dim + 2].reshape(-1).clone().view(torch.int64)
+        scale = received[:, dim + 2].contiguous() if weighted else None
+        distinct, inverse = torch.unique(received_ids, return_inverse=True)
+        combined = combine(inverse, received[:, :dim], distinct.numel(), scale)
+        partition = self.table.partition
+        mine = partition.owner(distinct) == self.table.member
+        self.table.apply(partition.slot(distinct[mine]), combined[mine])
+        return distinct, combined
 
 
 def check_same_everywhere(description: dict, name: str, process_set: ProcessSet) -> None:

@@ -21,7 +21,7 @@ from torch import nn
 
 from hvps.runtime.process_sets import ProcessSet, global_process_set
 
-from .exchange import Exchange, PendingPull, check_same_everywhere, combine
+from .exchange import Exchange, PendingPull, check_same_everywhere, combine, gather_pays
 from .optim import RowOptimizer, make_optimizer
 from .stale import StaleRows
 from .table import Initializer, ShardedTable, StoreOptions
@@ -102,12 +102,12 @@ def check_ids(name: str, ids: Any, num_embeddings: int) -> Optional[str]:
 class _LookupFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module: "_ShardedBase", lookup: _Lookup, anchor: torch.Tensor) -> torch.Tensor:
-        ctx.module, ctx.batch = module, lookup.batch
+        ctx.module, ctx.batch, ctx.pull = module, lookup.batch, lookup.pull
         return module._finish(lookup)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.module._push(ctx.batch, grad)
+        ctx.module._push(ctx.batch, ctx.pull, grad)
         return None, None, None
 
 
@@ -175,9 +175,12 @@ class _ShardedBase(nn.Module):
 
         TorchRec's pipelined input distribution: call it with the next batch after the current
         forward; the next forward must then be given the same batch (ValueError otherwise).
-        Synchronous tables: the next forward of any table finishes this step's updates of
-        every table and has the owners answer all prefetched lookups at once, so the tables'
-        exchanges overlap instead of waiting one after another; the rows are exact.  With
+        Synchronous tables, where :func:`~hvps.store.exchange.gather_pays`: this step's backward
+        sends its gradients to every member with the owners' answer, and every member brings
+        the rows it pulled up to date itself, so the next forward waits for nothing.  Otherwise
+        the next forward of any table finishes this step's updates of every table and has the
+        owners answer all prefetched lookups at once, so the tables' exchanges overlap instead
+        of waiting one after another.  Either way the rows are exact.  With
         ``staleness >= 1`` the owners answer during this step's backward, before its update, so
         nothing waits: the rows then miss that one update, within the bound (and rows this
         member keeps are reused for one step less).  Collective, like a forward.
@@ -189,11 +192,12 @@ class _ShardedBase(nn.Module):
     def _start(self, batch: _Batch, lag: int) -> _Lookup:
         """Deduplicate ``batch``'s ids and send the ones to pull to their owners."""
         batch.distinct, batch.inverse = torch.unique(batch.ids, return_inverse=True)
+        pushing = (batch.ids if self.options.combine == "ordered" else batch.distinct).numel()
         if self.stale is None or not self.training:
-            return _Lookup(batch, self.exchange.request(batch.distinct, batch.error))
+            return _Lookup(batch, self.exchange.request(batch.distinct, batch.error, pushing))
         self.stale.advance(lag)
         known, kept = self.stale.find(batch.distinct)
-        return _Lookup(batch, self.exchange.request(batch.distinct[~known], batch.error), known, kept)
+        return _Lookup(batch, self.exchange.request(batch.distinct[~known], batch.error, pushing), known, kept)
 
     def _finish(self, lookup: _Lookup) -> torch.Tensor:
         """Wait for ``lookup``'s rows and pool them into the forward's output."""
@@ -228,7 +232,7 @@ class _ShardedBase(nn.Module):
     def _assemble(self, rows: torch.Tensor, inverse: torch.Tensor, batch: _Batch) -> torch.Tensor:
         raise NotImplementedError
 
-    def _push(self, batch: _Batch, grad: torch.Tensor) -> None:
+    def _push(self, batch: _Batch, pull: PendingPull, grad: torch.Tensor) -> None:
         grad = grad.contiguous()
         rows = grad[batch.bag] if batch.bag is not None else grad.reshape(-1, self.table.dim)
         self.synchronize()
@@ -239,12 +243,28 @@ class _ShardedBase(nn.Module):
         if ahead is not None and stale:  # before this step's update: one step stale, nothing waits
             self._answer(ahead)
         if self.options.combine == "ordered":
-            self._pending = self.exchange.push(batch.ids, rows, batch.weights)
+            ids, weights = batch.ids, batch.weights
         else:
-            local = combine(batch.inverse, rows, batch.distinct.numel(), batch.weights)
-            self._pending = self.exchange.push(batch.distinct, local)
-        if ahead is not None and not stale:  # answered with the exact rows at the next forward
+            ids, rows, weights = batch.distinct, combine(batch.inverse, rows, batch.distinct.numel(), batch.weights), None
+        if ahead is not None and not stale and self._gather(pull, ahead, weights is not None):
+            self._pending = self.exchange.push_and_answer(ids, rows, weights, ahead.pull)
+            return
+        self._pending = self.exchange.push(ids, rows, weights)
+        if ahead is not None and not stale and ahead.error is None:  # answered with exact rows at the next forward
             _AWAITING.append((self, ahead))
+
+    def _gather(self, pull: PendingPull, ahead: _Lookup, weighted: bool) -> bool:
+        """Whether this step sends its gradients to every member with the answer to the prefetched
+        lookup ``ahead`` (:func:`gather_pays`, from counts every member was told)."""
+        try:
+            asking = ahead.pull.ids()[2]
+        except ValueError as exc:  # invalid prefetched ids: every member learns it here, its forward raises
+            ahead.error = exc
+            return False
+        pushing = pull.ids()[2]
+        dim = self.table.dim
+        return gather_pays([p for _, p in pushing], [a for a, _ in asking], dim, self.table.width,
+                           dim + 2 + weighted)
 
     def _batch(self, input: Any, offsets: Optional[torch.Tensor]) -> _Batch:
         raise NotImplementedError
@@ -268,7 +288,7 @@ class _ShardedBase(nn.Module):
 
     def counters(self) -> dict:
         """The counters as they stand, without waiting for anything (any thread may call it)."""
-        out = {"bytes_sent": self.exchange.bytes_sent, **self.table.memory()}
+        out = {"bytes_sent": self.exchange.bytes_sent, "gathers": self.exchange.gathers, **self.table.memory()}
         if self.table.cache is not None:
             out.update(self.table.cache.stats.as_dict())
         if self.stale is not None:

@@ -100,6 +100,11 @@ class ShardedTable:
         distinct, inverse = torch.unique(slots, return_inverse=True)
         return self.read(distinct)[:, : self.dim][inverse]
 
+    def records_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """Whole records (embedding and optimizer state) of ``slots`` (any order, repeats allowed)."""
+        distinct, inverse = torch.unique(slots, return_inverse=True)
+        return self.read(distinct)[inverse]
+
     def apply(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
         """One optimizer step on distinct ``slots`` with their combined gradients."""
         self.optimizer.begin_step()
