@@ -45,7 +45,7 @@ OK, BAD = 0, 1
 #: request, the gradient rows it will push for this batch (so every member knows every member's)
 HEADER = 3
 #: extra bytes per member that sending gradients to every member may cost to save the next
-#: forward's round trip; measured with benchmarks/recsys.py at 2 members (benchmarks/notes-store42.md):
+#: forward's round trip; measured with benchmarks/recsys.py at 2 members (benchmarks/RESULTS.md, issue 42 item 5):
 #: faster at ~190 distinct ids a member (~25 KB more), no faster at ~1,200 (~160 KB), slower at 4
 #: and 8 members
 GATHER_EXTRA_BYTES = 64 << 10
