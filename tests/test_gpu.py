@@ -342,31 +342,41 @@ def test_staged_gradients_are_copied_asynchronously_and_still_reduce_exactly():
     assert "ok" in out
 
 
+#: the start of the sharded tests' scripts: a small model on the GPU and an unsharded copy with plain Adam
+#: (``ref``, ``plain``); ``adam(model)`` makes the same Adam, ``step_both(opt)`` steps both on one batch
+_BESIDE_PLAIN_ADAM = textwrap.dedent("""
+    hvd.init()
+    torch.cuda.set_device(hvd.local_rank())
+    torch.manual_seed(0)
+    def net():
+        return torch.nn.Sequential(torch.nn.Linear(64, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5)).cuda()
+    def adam(m):
+        return torch.optim.Adam(m.parameters(), lr=1e-2, foreach=False)
+    model, ref = net(), net()
+    ref.load_state_dict(model.state_dict())
+    plain = adam(ref)
+    def step_both(opt):
+        x = torch.randn(16, 64, device="cuda")
+        for m, o in ((model, opt), (ref, plain)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+""")
+
+
 def test_sharded_optimizer_on_cuda_matches_the_plain_optimizer():
     # ZeRO stage 1-2 (issue 39) at world size 1 on the GPU: the shard is the whole bucket, so every step must
     # equal plain Adam's bit for bit, with the state and the gradient shards on the device (never the host)
-    out = _run("""
-        hvd.init()
-        torch.cuda.set_device(hvd.local_rank())
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5)).cuda()
-        ref = torch.nn.Sequential(torch.nn.Linear(64, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5)).cuda()
-        ref.load_state_dict(model.state_dict())
-        opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False),
-                                       named_parameters=model.named_parameters(), shard=True)
-        plain = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=False)
+    out = _run(_BESIDE_PLAIN_ADAM + textwrap.dedent("""
+        opt = hvd.DistributedOptimizer(adam(model), named_parameters=model.named_parameters(), shard=True)
         for step in range(3):
-            x = torch.randn(16, 64, device="cuda")
-            for m, o in ((model, opt), (ref, plain)):
-                o.zero_grad()
-                m(x).square().mean().backward()
-                o.step()
+            step_both(opt)
             for a, b in zip(model.parameters(), ref.parameters()):
                 assert a.device.type == "cuda" and torch.equal(a, b), step
         state = opt.state_dict()["state"]
         assert all(v.device.type == "cuda" for s in state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
         print("ok")
-    """, HVPS_BACKEND="tdist")
+    """), HVPS_BACKEND="tdist")
     assert "ok" in out
 
 
@@ -375,28 +385,16 @@ def test_fully_sharded_model_on_cuda_matches_the_plain_model(backend):
     # ZeRO stage 3 (issue 39) at world size 1 on the GPU: on NCCL (tdist) each unit is all-gathered straight into
     # its device buffer (allgather's out=), on MPI staged through the host and copied in; either way every step
     # must equal plain Adam's on an unsharded copy bit for bit, the shards and their state on the device
-    out = _run("""
+    out = _run(_BESIDE_PLAIN_ADAM + textwrap.dedent("""
         from hvps.adapters.torch.fully_sharded import FullyShardedModel
-        hvd.init()
-        torch.cuda.set_device(hvd.local_rank())
-        torch.manual_seed(0)
-        def net():
-            return torch.nn.Sequential(torch.nn.Linear(64, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5)).cuda()
-        model, ref = net(), net()
-        ref.load_state_dict(model.state_dict())
         hvd.fully_shard(model, units=[model[0], model[2]])
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
-        plain = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=False)
+        opt = adam(model)
         for step in range(3):
-            x = torch.randn(16, 64, device="cuda")
-            for m, o in ((model, opt), (ref, plain)):
-                o.zero_grad()
-                m(x).square().mean().backward()
-                o.step()
+            step_both(opt)
             with FullyShardedModel.of(model).full_parameters() as full:
                 for a, b in zip(full.parameters(), ref.parameters()):
                     assert a.device.type == "cuda" and torch.equal(a, b), step
         assert all(v.device.type == "cuda" for s in opt.state.values() for v in s.values() if v.dim())
         print("ok")
-    """, HVPS_BACKEND=backend)
+    """), HVPS_BACKEND=backend)
     assert "ok" in out
