@@ -49,7 +49,6 @@ import os
 import re
 import secrets
 import threading
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
@@ -58,6 +57,7 @@ import numpy as np
 
 from .. import api
 from ..core.atomic_files import atomic_publish, remove_temporaries
+from ..core.user_warnings import warn
 from .. import metrics as _metrics
 from .format import (
     CheckpointError,
@@ -385,7 +385,7 @@ class CheckpointManager:
 
     def latest(self) -> Optional[Version]:
         """The newest version that verifies (:meth:`CheckpointVersions.latest`)."""
-        return self.versions.latest(stacklevel=3)
+        return self.versions.latest()
 
     # ------------------------------------------------------------------ loading
     @_metrics.timed_checkpoint("load")
@@ -442,13 +442,13 @@ class CheckpointManager:
                 raise status if group.is_root else (IncompatibleCheckpointError if incompatible
                                                     else CheckpointError)(payload)
             if kind == "skip":  # every rank says why it falls back
-                warnings.warn(f"skipping checkpoint: {payload}", RuntimeWarning, stacklevel=2)
+                warn(f"skipping checkpoint: {payload}", RuntimeWarning)
                 continue
             ok, checkpoint = self._transfer(group, payload, reader, attempt, drop_compression_state)
             if ok is True:
                 return checkpoint
             if latest:
-                warnings.warn(f"skipping checkpoint: {ok}", RuntimeWarning, stacklevel=2)
+                warn(f"skipping checkpoint: {ok}", RuntimeWarning)
             if not latest:
                 raise ok if isinstance(ok, CheckpointError) else CheckpointError(str(ok))
 
@@ -537,8 +537,8 @@ class CheckpointManager:
             compression = tree.get("compression", {}).get(_rank_key(group.rank), {})
         rng = trees.get("rng", {}).get(_rank_key(group.rank))
         if "rng" in trees and rng is None:
-            warnings.warn(f"{path}: no RNG state for rank {group.rank} (saved by {saved_size} ranks); "
-                          "this rank keeps its current RNG state", RuntimeWarning, stacklevel=3)
+            warn(f"{path}: no RNG state for rank {group.rank} (saved by {saved_size} ranks); "
+                 "this rank keeps its current RNG state", RuntimeWarning)
         step = int(attrs.get("step", -1))
         return True, Checkpoint(
             path=path, epoch=int(attrs["epoch"]), step=None if step < 0 else step, world_size=saved_size,
@@ -607,8 +607,7 @@ class CheckpointManager:
                 return start, staged
             if version != "latest":
                 raise CheckpointError(f"the sharded state of epoch {ck.epoch} cannot be loaded", ck.path, everyone)
-            warnings.warn(f"skipping checkpoint epoch {ck.epoch}: {'; '.join(everyone)}", RuntimeWarning,
-                          stacklevel=3)
+            warn(f"skipping checkpoint epoch {ck.epoch}: {'; '.join(everyone)}", RuntimeWarning)
             start = self._load_older(ck.epoch, drop)
         return start, None
 
@@ -625,7 +624,7 @@ class CheckpointManager:
             except IncompatibleCheckpointError:
                 raise
             except CheckpointError as exc:  # raised on every rank alike
-                warnings.warn(f"skipping checkpoint: {exc}", RuntimeWarning, stacklevel=4)
+                warn(f"skipping checkpoint: {exc}", RuntimeWarning)
         return 0
 
     # ------------------------------------------------------------------ rollback (one process)

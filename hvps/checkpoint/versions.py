@@ -14,12 +14,12 @@ import os
 import re
 import secrets
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
 from ..core.atomic_files import fsync_path
+from ..core.user_warnings import warn
 from .format import CheckpointError, Header
 from .inspect import verify_file
 
@@ -110,11 +110,8 @@ class CheckpointVersions:
         """
         return verify_file(self.path_of(version))
 
-    def latest(self, stacklevel: int = 2) -> Optional[Version]:
+    def latest(self) -> Optional[Version]:
         """The newest version that verifies completely; broken ones are skipped with a warning.
-
-        Args:
-            stacklevel: where the warnings point (2: the caller).
 
         Returns:
             the newest good :class:`Version`, or None when there is none.
@@ -124,7 +121,7 @@ class CheckpointVersions:
                 verify_file(v.path)
                 return v
             except CheckpointError as exc:
-                warnings.warn(f"skipping checkpoint: {exc}", RuntimeWarning, stacklevel=stacklevel)
+                warn(f"skipping checkpoint: {exc}", RuntimeWarning)
         return None
 
     # ------------------------------------------------------------------ rollback

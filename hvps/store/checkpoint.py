@@ -38,7 +38,6 @@ import json
 import os
 import re
 import stat
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +48,7 @@ import torch
 
 from hvps import api
 from hvps.core.atomic_files import atomic_publish
+from hvps.core.user_warnings import warn
 from hvps.checkpoint.format import CheckpointError, from_json, open_regular, pread_all, root_attributes, write_file
 from hvps.checkpoint.inspect import prestart
 from hvps.checkpoint.safety import MAX_MANIFEST_BYTES, SHA256_HEX, is_int, need
@@ -464,7 +464,7 @@ def load_stores(manager: Any, stores: Any, version: Union[str, int] = "latest", 
                 discard_tier(s.tier)
             if not latest:
                 raise CheckpointError(f"store checkpoint epoch {epoch} cannot be loaded", folder, everyone)
-            warnings.warn(f"skipping checkpoint epoch {epoch}: {'; '.join(everyone)}", RuntimeWarning, stacklevel=2)
+            warn(f"skipping checkpoint epoch {epoch}: {'; '.join(everyone)}", RuntimeWarning)
             continue
         # 3. the dense state (verified again as it is read), then the tables
         try:

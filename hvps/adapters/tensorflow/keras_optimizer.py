@@ -31,6 +31,7 @@ import hvps
 from hvps import global_process_set
 from hvps.adapters.common.controls import CompressionControls
 from hvps.compression.framework_compressors import from_name
+from hvps.core.user_warnings import warn
 
 from . import overlap
 from .compression import is_fusable
@@ -309,8 +310,5 @@ def _compression_from_config(name: str):
     try:
         return from_name(name)
     except ValueError:
-        import warnings
-
-        warnings.warn(f"DistributedOptimizer.from_config cannot rebuild the compression {name!r}; using none",
-                      stacklevel=3)
+        warn(f"DistributedOptimizer.from_config cannot rebuild the compression {name!r}; using none")
         return from_name("none")

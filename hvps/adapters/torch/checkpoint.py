@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import warnings
 from typing import Any, Mapping, Optional, Union
 
 import numpy as np
@@ -43,6 +42,7 @@ import torch
 import hvps.checkpoint.manager as _core
 from hvps.checkpoint.format import CheckpointError
 from hvps.core.views import as_array, as_tensor
+from hvps.core.user_warnings import warn
 
 from . import fully_sharded_checkpoint as _fully
 from . import sharded_checkpoint as _sharded
@@ -133,7 +133,7 @@ def apply_model(model: torch.nn.Module, saved: Mapping, strict: bool, path: Any,
     if problems and strict:
         raise CheckpointError("the checkpoint does not fit this model (strict=True)", path, problems)
     if problems:
-        warnings.warn(f"{path}: loading what fits; skipped: " + "; ".join(problems), RuntimeWarning, stacklevel=3)
+        warn(f"{path}: loading what fits; skipped: " + "; ".join(problems), RuntimeWarning)
     state = {}
     for k, v in saved.items():
         if k not in current:
@@ -262,8 +262,8 @@ def set_rng_state(saved: Mapping) -> None:
         if len(states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states)
         else:
-            warnings.warn(f"checkpoint has CUDA RNG states for {len(states)} devices, this process sees "
-                          f"{torch.cuda.device_count()}: CUDA RNG left as is", RuntimeWarning, stacklevel=3)
+            warn(f"checkpoint has CUDA RNG states for {len(states)} devices, this process sees "
+                 f"{torch.cuda.device_count()}: CUDA RNG left as is", RuntimeWarning)
 
 
 # ----------------------------------------------------------------------------- manager

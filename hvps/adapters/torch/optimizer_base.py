@@ -17,7 +17,6 @@ and ``isinstance(opt, hvd.DistributedOptimizer)`` both hold.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any, ClassVar, Iterable, Optional
 
 import torch
@@ -28,6 +27,7 @@ from hvps import metrics as _metrics
 from hvps.adapters.common.controls import CompressionControls
 from hvps.adapters.common.ops import resolve_op
 from hvps.adapters.common.options import gradient_options
+from hvps.core.user_warnings import warn
 
 from .compression import as_gradient_compression
 from .mpi_ops import Adasum, Average, Sum
@@ -220,10 +220,9 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
         _metrics.on_step()
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn(
+                warn(
                     "optimizer.step() called without optimizer.skip_synchronize() after optimizer.synchronize(); "
                     "gradients are reduced once only",
-                    stacklevel=2,
                 )
             else:
                 self.synchronize()

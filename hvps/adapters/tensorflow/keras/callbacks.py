@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
 import keras
@@ -12,6 +11,7 @@ import numpy as np
 
 import hvps
 from hvps.checkpoint import sharded_optimizer_state as _state
+from hvps.core.user_warnings import warn
 
 from ..functions import broadcast_variables
 from ..keras_sharded_optimizer import ShardedOptimizer
@@ -124,8 +124,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         optimizer.learning_rate = self.initial_lr * self.multiplier(epoch)
         if self.momentum_correction and hasattr(optimizer, "momentum") and not self._warned_momentum:
             self._warned_momentum = True
-            warnings.warn("momentum_correction is not applied: Keras 3 compiles the optimizer's momentum into the "
-                          "train function", stacklevel=2)
+            warn("momentum_correction is not applied: Keras 3 compiles the optimizer's momentum into the "
+                 "train function")
 
     def on_train_begin(self, logs=None):
         if not self.staircase and not self.steps_per_epoch:
