@@ -15,14 +15,17 @@ import warnings
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
-def warn(message: str, category: type = UserWarning) -> None:
+def warn(message: str, category: type = UserWarning, through: tuple = ()) -> None:
     """Issue ``message`` as a warning located at the nearest caller outside hvps.
 
     Args:
         message: the warning's text.
         category: its class, a subclass of ``Warning``.
+        through: more source files (or directories, with a trailing separator) to look past: a framework's
+            layer between the user and hvps, such as the wrapper torch puts around every optimizer's ``step``.
     """
+    skipped = (_PACKAGE, *through)
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame is not None and frame.f_code.co_filename.startswith(skipped):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level + 1)

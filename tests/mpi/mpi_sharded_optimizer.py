@@ -302,6 +302,30 @@ def test_clip_grad_norm_clips_the_whole_gradient():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("wrapper", ["replicated", "sharded"])
+def test_step_after_synchronize_without_skip_warns_and_reduces_once(wrapper):
+    """Horovod's contract for both torch wrappers: ``synchronize()`` then ``step()`` outside ``skip_synchronize()``
+    reduces the gradients once (the step matches plain SGD on the global batch) and warns at the caller's line."""
+    torch.manual_seed(5)
+    ref = torch.nn.Linear(7, 3)
+    model = torch.nn.Linear(7, 3)
+    model.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = (hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters()) if wrapper == "replicated"
+           else ShardedOptimizer(inner, bucket_cap_mb=TINY_BUCKETS))
+    x = torch.randn(GLOBAL_BATCH, 7, generator=torch.Generator().manual_seed(6))
+    ref(x).square().mean().backward()
+    ref_opt.step()
+    model(_local(x, [])[0]).square().mean().backward()
+    opt.synchronize()
+    with pytest.warns(UserWarning, match="reduced once only") as caught:
+        opt.step()
+    assert {w.filename for w in caught} == {__file__}
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _expected_flat(consolidated, bucket, key, lo, hi):
     """Elements [lo, hi) of bucket ``bucket`` (a layout entry) of ``key``, from the consolidated state (zero padded)."""
     flat = torch.cat([consolidated["state"][index][key].reshape(-1) for index, _, _ in bucket["params"]])

@@ -16,7 +16,6 @@ and ``isinstance(opt, hvd.DistributedOptimizer)`` both hold.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, ClassVar, Iterable, Optional
 
 import torch
@@ -27,17 +26,17 @@ from hvps import metrics as _metrics
 from hvps.adapters.common.controls import CompressionControls
 from hvps.adapters.common.ops import resolve_op
 from hvps.adapters.common.options import gradient_options
-from hvps.core.user_warnings import warn
 
 from .compression import as_gradient_compression
 from .mpi_ops import Adasum, Average, Sum
+from .step_sync import StepSynchronization
 
 #: the op (resolved) -> the kind of DistributedOptimizer that reduces with it; each kind registers
 #: itself with ``reduces=`` in its class statement
 _KINDS: dict = {}
 
 
-class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
+class DistributedOptimizer(CompressionControls, StepSynchronization, torch.optim.Optimizer):
     """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
     The result is an instance of ``type(optimizer)`` too (a subclass made for it, named like
@@ -129,8 +128,6 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
         self.compression.prepare({f"grad.{n}": tuple(p.shape) for p, n in self._parameter_names.items()})
         self._groups = self._group_map(groups)
         self._sparse_as_dense = sparse_as_dense
-        self._synchronized = False
-        self._should_synchronize = True
         #: whether this rank takes part (not: it steps on its local gradients, as Horovod)
         self._included = process_set is global_process_set or process_set.included()
 
@@ -191,20 +188,6 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
         raise NotImplementedError
 
     # -- the step -------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """Inside, ``step()`` does not synchronize: call ``synchronize()`` yourself first (to clip the
-        averaged gradients, say).
-
-        Returns:
-            A context manager: ``with opt.skip_synchronize(): opt.step()``.
-        """
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
     def step(self, closure=None):
         """Synchronize gradients (unless already done or skipped), then step the wrapped optimizer.
 
@@ -218,15 +201,7 @@ class DistributedOptimizer(CompressionControls, torch.optim.Optimizer):
             HvpsError: the gradients' collectives failed.
         """
         _metrics.on_step()
-        if self._should_synchronize:
-            if self._synchronized:
-                warn(
-                    "optimizer.step() called without optimizer.skip_synchronize() after optimizer.synchronize(); "
-                    "gradients are reduced once only",
-                )
-            else:
-                self.synchronize()
-        self._synchronized = False
+        self._synchronize_for_step()
         return self._update(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

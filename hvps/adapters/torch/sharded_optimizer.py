@@ -98,6 +98,7 @@ from .compression import OPS, as_gradient_compression
 from .mpi_ops import (Average, Sum, allgather_async, allreduce_async, grouped_allgather_async,
                       reducescatter_async)
 from .state_tier import DiskStateTier
+from .step_sync import StepSynchronization
 
 __all__ = ["ShardedOptimizer"]
 
@@ -245,7 +246,7 @@ class _Bucket:
                     state[chunk][key] = span[a:b]
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(StepSynchronization, torch.optim.Optimizer):
     """Wraps ``optimizer`` so that gradients are reduce-scattered and each rank steps 1/N of the state.
 
     See the module's docstring for the step, the layout and what is supported.
@@ -330,8 +331,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._in_flight: collections.deque = collections.deque()
         self._build_shard_optimizer()
         self._passes_left = {p: backward_passes_per_step for p in self._bucket_of}
-        self._synchronized = False
-        self._should_synchronize = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
 
     # -- setup ----------------------------------------------------------------------------
@@ -514,19 +513,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     bucket.shard.grad.mul_(factor)
         return norm
 
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """Inside, ``step()`` does not synchronize: call ``synchronize()`` yourself first.
-
-        Returns:
-            A context manager (``with opt.skip_synchronize(): opt.step()``).
-        """
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
     def step(self, closure=None):
         """Synchronize (unless done or skipped), step this rank's shards, all-gather the parameters.
 
@@ -540,9 +526,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._should_synchronize and not self._synchronized:
-            self.synchronize()
-        self._synchronized = False
+        self._synchronize_for_step()
         for user_group, shard_group in self._group_pairs:
             shard_group.update(_hyper(user_group))
         # bucket by bucket: the local optimizer skips shards whose .grad is None, so stepping it with one
