@@ -16,8 +16,9 @@ own jobs; every worker prints JSON event lines with wall-clock times, which the 
   collective), rendezvous (until hvpsrun published the next membership), re-initialization (until
   the reset callbacks ran), ``sync()`` (until the training function was re-entered) and the first
   step itself;
-- ``planes``: the static loop at 2 ranks under ``hvpsrun --gloo`` (no MPI: torch.distributed's gloo)
-  against ``hvpsrun -np 2`` (MPI), alternating; the ratio of median step times (target <= 1.05);
+- ``planes``: the static loop at 2 ranks under ``hvpsrun --gloo`` (no MPI: torch.distributed's gloo) and
+  under ``torchrun --standalone --nproc-per-node 2`` against ``hvpsrun -np 2`` (MPI), alternating; the
+  ratio of median step times of each to MPI mode's (target <= 1.03, issue 42);
 - ``growth``: 2 ranks; at a step rank 0 adds a host to the discovery script's answer; from then to
   the first completed step at 3 ranks (target <= 10 s), with the new worker's start-up (interpreter
   and imports) reported apart.
@@ -32,6 +33,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -47,8 +49,11 @@ from benchmarks.common import median, write_json  # noqa: E402
 
 EXPERIMENTS = ("steps", "recovery", "growth", "planes")
 KILL_POINTS = ("start", "backward", "between")
-TARGETS = {"step_ratio": 0.97, "recovery_s": 5.0, "growth_s": 10.0, "gloo_vs_mpi_step": 1.05}
+TARGETS = {"step_ratio": 0.97, "recovery_s": 5.0, "growth_s": 10.0, "gloo_vs_mpi_step": 1.03}
 HVPSRUN = [sys.executable, "-m", "hvps.runner.launch"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+#: one event: ranks launched by torchrun share one pipe, and their lines can run into each other
+EVENT = re.compile(r"EVENT (\{[^{}]*\})")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -147,9 +152,11 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------- driver
-def _job(args: argparse.Namespace, flags: list, worker: str, env: dict | None = None) -> tuple:
-    """Run one job; its events (with the driver's own log lines timed on arrival) and stderr."""
-    cmd = HVPSRUN + flags + [sys.executable, __file__, "--worker", worker, "--steps", str(args.steps),
+def _job(args: argparse.Namespace, flags: list, worker: str, env: dict | None = None,
+         prefix: list | None = None) -> tuple:
+    """Run one job; its events (with the driver's own log lines timed on arrival) and stderr. ``prefix``: the
+    command before this script (default: hvpsrun with ``flags``, then this Python)."""
+    cmd = (prefix or [*HVPSRUN, *flags, sys.executable]) + [__file__, "--worker", worker, "--steps", str(args.steps),
                              "--commit-every", str(args.commit_every), "--batch-size", str(args.batch_size),
                              "--image-size", str(args.image_size), "--event-step", str(args.event_step),
                              "--kill-point", args.kill_point]
@@ -166,8 +173,7 @@ def _job(args: argparse.Namespace, flags: list, worker: str, env: dict | None = 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
     for line in proc.stdout:
-        if "EVENT " in line:
-            events.append(json.loads(line.split("EVENT ", 1)[1]))
+        events += [json.loads(found) for found in EVENT.findall(line)]
     proc.wait(timeout=args.timeout)
     reader.join(5)
     if proc.returncode != 0:
@@ -197,14 +203,18 @@ def steps(args: argparse.Namespace) -> dict:
 
 
 def planes(args: argparse.Namespace) -> dict:
-    gloo, mpi = [], []
+    gloo, torchrun, mpi = [], [], []
     for r in range(args.rounds):
         gloo.append(median(_steps_after(_job(args, ["--gloo", "-np", "2"], "static")[0])))
+        torchrun.append(median(_steps_after(_job(args, [], "static", prefix=[*TORCHRUN, "--nproc-per-node", "2"])[0])))
         mpi.append(median(_steps_after(_job(args, ["-np", "2"], "static")[0])))
-        print(f"# planes round {r + 1}: gloo {gloo[-1]:.3f} s, MPI {mpi[-1]:.3f} s", file=sys.stderr)
-    ratio = median(gloo) / median(mpi)
-    return {"gloo_step_s": median(gloo), "mpi_step_s": median(mpi), "per_round_gloo_s": gloo, "per_round_mpi_s": mpi,
-            "step_ratio": ratio, "met": ratio <= TARGETS["gloo_vs_mpi_step"]}
+        print(f"# planes round {r + 1}: gloo {gloo[-1]:.3f} s, torchrun {torchrun[-1]:.3f} s, MPI {mpi[-1]:.3f} s",
+              file=sys.stderr)
+    ratio, torchrun_ratio = median(gloo) / median(mpi), median(torchrun) / median(mpi)
+    return {"gloo_step_s": median(gloo), "torchrun_step_s": median(torchrun), "mpi_step_s": median(mpi),
+            "per_round_gloo_s": gloo, "per_round_torchrun_s": torchrun, "per_round_mpi_s": mpi,
+            "step_ratio": ratio, "torchrun_step_ratio": torchrun_ratio,
+            "met": max(ratio, torchrun_ratio) <= TARGETS["gloo_vs_mpi_step"]}
 
 
 def _first(events: list, kind: str, after: float, **match) -> dict:

@@ -8,6 +8,9 @@ Contenders, each in ``mpirun`` jobs of its own, alternating over ``--rounds`` (A
 * ``hvps-slow``:  the same with ``HVPS_SPIN_WAIT_MICROSECONDS=0``: every call handed to the engine
   thread and back (the path every call took before the fast path)
 * ``gloo``:       ``torch.distributed`` with gloo on CPU tensors (``--impls`` must name it; needs torch)
+* ``hvps-plane``: the data plane under hvps (the engine's backend: the shared-memory plane on one host) called
+  directly, without negotiation: the floor of a call that skipped agreeing with the other ranks
+  (``--impls`` must name it)
 
 Per call: the slowest rank's time, calls separated by a barrier (``MPI.Wtime``); per job the median of
 ``--iters`` calls; reported: the median over rounds and the ratio to ``raw``. Each call of hvps has
@@ -37,7 +40,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 
-IMPLS = ("raw", "hvps", "hvps-slow", "gloo")
+IMPLS = ("raw", "hvps", "hvps-slow", "gloo", "hvps-plane")
 OPS = ("allreduce", "broadcast", "allgather", "alltoall")
 #: environment of each contender's job
 ENV = {"hvps-slow": {"HVPS_SPIN_WAIT_MICROSECONDS": "0"}}
@@ -93,6 +96,23 @@ def _hvps(op: str, name: str):
     return calls[op]
 
 
+def _plane(op: str, size: int):
+    import hvps
+    from hvps.runtime import state
+
+    backend = state.engine().backend
+
+    def alltoall(a, out):
+        counts = [len(a) // size] * size
+        backend.alltoallv(a, counts, out, counts)
+
+    calls = {"allreduce": lambda a, out: backend.allreduce(a, out, hvps.Sum),
+             "broadcast": lambda a, out: backend.broadcast(a, 0),
+             "allgather": lambda a, out: backend.allgatherv(a, out, [len(a)] * size),
+             "alltoall": alltoall}
+    return calls[op]
+
+
 def _gloo(op: str):
     import torch
     import torch.distributed as dist
@@ -131,6 +151,8 @@ def run_worker(args: argparse.Namespace) -> None:
             call = _raw(comm, op)
         elif args.impl == "gloo":
             call, convert = _gloo(op)
+        elif args.impl == "hvps-plane":
+            call = _plane(op, size)
         else:
             call = _hvps(op, f"latency.{op}.{nbytes}")
         a, o = (convert(send), convert(out)) if convert else (send, out)
