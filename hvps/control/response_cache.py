@@ -70,6 +70,10 @@ class ResponseCache:
                 if self._keeps_evicted:
                     self._retired[bit] = (old, self.epoch)
 
+    def bit_of(self, request: Request) -> Optional[int]:
+        """The bit of ``request`` on this rank now (None: not cached)."""
+        return self._bits.get(request)
+
     def request_of(self, bit: int) -> Optional[Request]:
         """The request ``bit`` names on this rank now (None: not held)."""
         return self._requests.get(bit)

@@ -35,6 +35,8 @@ VARIABLES: dict[str, str] = {
     "HVPS_TEST_TAMPER": "test-only fault hook of HVPS_ENCRYPT: damage a sealed chunk (flip|replay:RANK[:N])",
     "HVPS_SHM": "auto (default), 0 or 1: collectives among a node's ranks through one shared-memory segment",
     "HVPS_CACHE_CAPACITY": "requests the response cache keeps; 0 turns it off",
+    "HVPS_FAST_LANE": "1 (default) or 0: a synchronous collective known to the response cache is agreed through the "
+                      "node's shared memory, not through rank 0, when every rank is on one node",
     "HVPS_AUTOTUNE": "1: tune the fusion threshold and cycle time from step times",
     "HVPS_AUTOTUNE_WARMUP_STEPS": "steps each autotune candidate runs before it is measured",
     "HVPS_AUTOTUNE_STEPS_PER_SAMPLE": "steps each autotune candidate is measured over",
@@ -229,6 +231,8 @@ class Settings:
     shm: str = "auto"
     #: requests every rank has agreed on, named by a bit from then on (0: off); see response_cache.py
     cache_capacity: int = 1024
+    #: synchronous collectives the cache knows are agreed through the node's segment (runtime/fast_lane.py)
+    fast_lane: bool = True
     #: children per rank in the control-plane tree (control/tree.py); above fanout + 1 ranks, relays merge
     #: their subtree's announcements, so rank 0 hears from ``fanout`` ranks instead of every rank (0: a star).
     #: 16: rank 0 and the busiest relay stay under 5 ms of negotiation per step up to 4,096 ranks (RESULTS.md)
@@ -283,6 +287,7 @@ class Settings:
             autotune_steps_per_sample=int(env_number("HVPS_AUTOTUNE_STEPS_PER_SAMPLE", cls.autotune_steps_per_sample,
                                                      int)) or 1,
             cache_capacity=int(env_number("HVPS_CACHE_CAPACITY", cls.cache_capacity, int)),
+            fast_lane=env_choice("HVPS_FAST_LANE", "1", ("0", "1")) == "1",
             control_fanout=int(env_number("HVPS_CONTROL_FANOUT", cls.control_fanout, int)),
             fusion_threshold=int(env_number("HVPS_FUSION_THRESHOLD", cls.fusion_threshold, int)),
             cycle_time_ms=env_number("HVPS_CYCLE_TIME", cls.cycle_time_ms),

@@ -1,7 +1,8 @@
 """One POSIX shared-memory segment per node, and the counters its ranks synchronise with.
 
-Layout: a header of one 64-byte line per rank (``IN``, ``RED``, ``DONE`` sequence numbers
-and the rank's pid), one line for the abort flag, then per rank a slot of two buffers
+Layout: a header of one 64-byte line per rank (``IN``, ``RED``, ``DONE`` sequence numbers,
+the rank's pid, and its fast-lane post: ``LANE_SEQ``, ``LANE_BIT``, ``LANE_EPOCH``, ``LANE_SINCE``), one
+line for the abort flag and the fast lane's ``VERDICT``, then per rank a slot of two buffers
 (double-buffering: a rank copies round k+1 in while its peers still read round k).
 
 The segment lives in ``/dev/shm`` under a random name chosen by local rank 0; it is
@@ -26,8 +27,11 @@ import numpy as np
 from ..core.errors import DataPlaneStall, HvpsError
 
 SHM_DIR = "/dev/shm"
-#: header fields (int64 each) of a rank's line
-IN, RED, DONE, PID = 0, 1, 2, 3
+#: header fields (int64 each) of a rank's line: the collectives' counters and pid, then the fast lane's post
+#: (``hvps/runtime/fast_lane.py``)
+IN, RED, DONE, PID, LANE_SEQ, LANE_BIT, LANE_EPOCH, LANE_SINCE = range(8)
+#: fields of the last line: the abort flag and the fast lane's verdict
+ABORTED, VERDICT = 0, 1
 _LINE = 8  # int64 per 64-byte line
 _HEADER_ALIGN = 4096
 #: seconds a wait polls (yielding the core to any runnable thread between polls) before napping, the
@@ -105,7 +109,20 @@ class Segment:
 
     def abort(self) -> None:
         """Tell every peer's wait to give up (this rank failed midway)."""
-        self.header[self.size, 0] = 1
+        self.header[self.size, ABORTED] = 1
+
+    def field(self, rank: int, field: int) -> int:
+        """``rank``'s ``field`` (of its header line), as it is now."""
+        return self._words[rank * _LINE + field]
+
+    @property
+    def verdict(self) -> int:
+        """The fast lane's latest verdict word (``hvps/runtime/fast_lane.py``)."""
+        return self._words[self.size * _LINE + VERDICT]
+
+    @verdict.setter
+    def verdict(self, value: int) -> None:
+        self._words[self.size * _LINE + VERDICT] = value
 
     def wait(self, field: int, value: int, ranks=None) -> None:
         """Until ``field`` is at least ``value`` on ``ranks`` (every rank when None)."""
@@ -155,7 +172,7 @@ class Segment:
 
     def _check_peers(self, field: int, value: int, stalled: bool) -> None:
         behind = [r for r in range(self.size) if r != self.rank and self.counters[r, field] < value]
-        if self.header[self.size, 0]:  # a stall to the engine: its control plane names who died or stopped
+        if self.header[self.size, ABORTED]:  # a stall to the engine: its control plane names who died or stopped
             raise DataPlaneStall("shared-memory collective aborted: another rank on this node failed midway "
                                  "(it found a peer dead or stalled)")
         dead = [r for r in behind if not process_alive(int(self.header[r, PID]))]

@@ -61,6 +61,8 @@ class RankZeroCoordinator:
         self._tuning: Optional[dict] = None
         #: a relay keeps the engine listening while it holds nothing; rank 0 is no relay
         self.listens_always = False
+        #: the node's fast lane (``fast_lane.FastLane``), whose undecided posts this rank settles; or None
+        self.lane = None
 
     def deadline(self) -> Optional[float]:
         """When the oldest pending collective, or a shutdown some ranks asked for, stalls; or None."""
@@ -83,9 +85,12 @@ class RankZeroCoordinator:
             if self._status.failure is not None:
                 return
         now = time.monotonic()
-        self.coordinator.submit(0, self._cache.canonical(self._announcements()), now)
+        own = self._cache.canonical(self._announcements())
+        self.coordinator.submit(0, own, now)
         for source, message in messages:
             self.coordinator.submit_pairs(self._cache.resolve(source, message), now)
+        if self.lane is not None:  # other ranks' posts in the fast lane wait for nothing once rank 0 is busy here
+            self.lane.settle(bool(own or messages) or self.coordinator.next_deadline() is not None)
         self._left_alone(closed)
         if self._status.failure is not None:
             return

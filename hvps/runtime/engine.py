@@ -40,6 +40,7 @@ from .coordinator import RankZeroCoordinator
 from .engine_status import EngineStatus, NegotiationClock
 from .execution import Executor
 from .failures import EngineFailures
+from .fast_lane import FastLane
 from .losses import LostRankFinder
 from .submission import FastPath, SubmissionQueue, waits_at_once
 from .worker import RELAY_HOLD_CYCLES, WorkerNegotiation
@@ -97,6 +98,9 @@ class Engine:
         self.fast_path = FastPath(self.queue, self.status, self.executor, self._cycle_lock, self._cycle,
                                   self.failures.stop_the_engine, self._outstanding, self.control.wake,
                                   settings.spin_wait_us / 1e6)
+        self.fast_path.lane = self._fast_lane(backend, settings)
+        if self.rank == 0:
+            self.negotiation.lane = self.fast_path.lane
         if settings.timeline and settings.timeline != "DYNAMIC":  # DYNAMIC: start_timeline() later
             self.start_timeline(settings.timeline, settings.timeline_mark_cycles)
         if self.autotuner is not None:
@@ -105,6 +109,21 @@ class Engine:
         self.control.watch(self.failures.peers_lost)
         self._thread = threading.Thread(target=self._run, name="hvps-engine", daemon=True)
         self._thread.start()
+
+    def _fast_lane(self, backend, settings) -> Optional[FastLane]:
+        """The fast lane on the node's segment, when every rank of the job shares it (and the fast path, the
+        response cache and ``HVPS_FAST_LANE`` are on); else None."""
+        segment = getattr(backend, "segment", None)
+        star = settings.control_fanout <= 0 or self.size <= settings.control_fanout + 1  # every rank's parent is 0
+        if (segment is None or segment.size != self.size or segment.rank != self.rank or self.size == 1 or not star
+                or not settings.fast_lane or settings.cache_capacity <= 0 or settings.spin_wait_us <= 0):
+            return None
+
+        def poke() -> None:  # an empty announcement: wakes rank 0's engine, which settles the lane
+            self.control.send(0, self.cache.announce([]))
+
+        return FastLane(segment, self.rank, self.size, self.cache, self.status, settings.spin_wait_us / 1e6,
+                        settings.stall_fail_seconds, poke)
 
     def _negotiation(self, settings) -> "RankZeroCoordinator | WorkerNegotiation":
         """This rank's side of the negotiation: rank 0's coordination, or a worker's (a relay's) announcing."""

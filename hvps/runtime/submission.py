@@ -216,6 +216,25 @@ class SubmissionQueue:
         self._unannounced.extend(abandoned)
         self._abandoned_names.update(r.name for r in abandoned)
 
+    def take_alone(self, handle: Handle) -> Optional[Entry]:
+        """``handle``'s collective, when it is the only one queued and nothing else is in flight: moved to the
+        pending ones without being announced (the fast lane's; :meth:`announce` it if the lane refuses it)."""
+        with self._lock:
+            if len(self._queue) != 1 or self._pending or self._abandoned or self._unannounced:
+                return None
+            entry = self._queue[0]
+            if entry.handle is not handle:
+                return None
+            self._queue.clear()
+            self._queued_names.clear()
+            self._bucket_bytes, self._bucket_since, self._unbucketed, self._release = 0, None, 0, False
+            self._pending[entry.request.name] = entry
+        return entry
+
+    def announce(self, request: Request) -> None:
+        """Announce ``request`` (pending, taken by :meth:`take_alone`) with the next cycle's announcements."""
+        self._unannounced.append(request)
+
     def due_announcements(self, cycle_s: float) -> list:
         """Local requests to announce now.
 
@@ -306,10 +325,15 @@ class SubmissionQueue:
 
 
 class WaiterRuns(Protocol):
-    """What the fast path needs of the executor: its backlog, and where to say a waiter runs the cycle."""
+    """What the fast path needs of the executor: its backlog, where to say a waiter runs the cycle, and (for the
+    fast lane) what a waiter may run and running it."""
 
     backlog: deque
     on_waiter: bool
+
+    def waiter_may_run(self, response) -> bool: ...
+
+    def execute(self, responses: list) -> None: ...
 
 
 class FastPath:
@@ -332,6 +356,21 @@ class FastPath:
         self._wake = wake
         #: how long a waiter drives the engine before it blocks (seconds; 0: never)
         self.spin_seconds = spin_seconds
+        #: the node's fast lane (``fast_lane.FastLane``), when every rank of the job is on this node's segment
+        self.lane = None
+
+    def _through_lane(self, handle: Handle) -> bool:
+        """Run ``handle``'s collective through the fast lane (``fast_lane.py``) if it may go and every rank
+        agrees; otherwise leave it announced for the cycles. Whether it ran."""
+        entry = self._queue.take_alone(handle)
+        if entry is None:
+            return False
+        response = self.lane.response_for(entry.request)
+        if response is not None and self._executor.waiter_may_run(response) and self.lane.agree(response):
+            self._executor.execute([response])
+            return True
+        self._queue.announce(entry.request)
+        return False
 
     def expedite(self, handle: Handle) -> None:
         """A thread is about to block on ``handle``: when nothing else is in flight, run the engine's
@@ -361,6 +400,8 @@ class FastPath:
             executor.on_waiter = True
             until = time.monotonic() + self.spin_seconds
             with self._guard():
+                if self.lane is not None and self._through_lane(handle):
+                    return True
                 while not handle.finished and not executor.backlog and status.running:
                     self._cycle()
                     if handle.finished or time.monotonic() > until:
