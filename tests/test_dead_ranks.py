@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT, _base_env, mpi_launcher
 
+from hvps.core.handle import watchdog_seconds
 from hvps.runner.mpi_command import build_mpirun_command, launch_environment
 from hvps.runner.mpi_discovery import MpiImpl
 from hvps.runner.settings import LaunchSettings
@@ -139,7 +140,7 @@ def test_killed_rank_is_named_by_every_survivor_within_2s(tmp_path, np_, victim,
 @pytest.mark.parametrize("np_", [2, 3])
 def test_workers_end_the_job_when_a_stopped_coordinator_never_answers(tmp_path, np_):
     stall = 2.0
-    watchdog = 1.5 * stall + 1.0  # core/handle.py: a waiter gives up on its own after this
+    watchdog = watchdog_seconds(stall)  # a waiter gives up on its own after this
     rc, out, seconds = run_job(tmp_path, np_, {"MODE": "stop", "HVPS_STALL_CHECK_TIME_SECONDS": str(stall)},
                                timeout=60)
     assert rc is not None, f"the job was still running after 60 s (rank 0 stopped):\n{out}"

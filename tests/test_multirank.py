@@ -21,6 +21,7 @@ CASES = {
     "collectives": ("mpi_collectives.py", {}, 420),
     "async": ("mpi_async.py", {}, 240),
     "errors": ("mpi_errors.py", {"HVPS_STALL_CHECK_TIME_SECONDS": "3"}, 240),
+    "fast-lane": ("mpi_fast_lane.py", {"HVPS_STALL_CHECK_TIME_SECONDS": "3"}, 240),
     "torch": ("mpi_torch.py", {}, 420),
     "torch-train": ("mpi_torch_train.py", {}, 300),
     "shm": ("mpi_shm.py", {"HVPS_SHM": "1"}, 240),
@@ -32,8 +33,9 @@ CASES = {
 CASES.update({
     f"{name}-tdist": (module, dict(env, HVPS_BACKEND="tdist", HVPS_SHM="0"), timeout)
     for name, (module, env, timeout) in list(CASES.items())
-    # the algorithm setting is the MPI backend's; one allreduce run suffices. Autotune is the engine's.
-    if name not in ("allreduce-ring", "autotune", "shm")
+    # the algorithm setting is the MPI backend's; one allreduce run suffices. Autotune is the engine's. The fast
+    # lane needs the node's segment (its tdist run is in test_gloo_run.py's jobs, on shared memory by default).
+    if name not in ("allreduce-ring", "autotune", "shm", "fast-lane")
 })
 # The collectives over the sealed data plane (HVPS_ENCRYPT), every pair of ranks sealed as if on two hosts.
 CASES["collectives-encrypted"] = ("mpi_collectives.py", {"HVPS_ENCRYPT": "all"}, 420)

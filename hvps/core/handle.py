@@ -8,10 +8,24 @@ from typing import Any, Callable, Optional
 
 from .errors import HvpsError
 
-#: a waiting user thread gives up on its own after this multiple of the stall
-#: time (plus a second): the coordinator reports stalls first and more
-#: precisely, but it cannot reach a rank whose link or coordinator is gone.
-_WATCHDOG_FACTOR = 1.5
+#: a waiting user thread gives up on its own after this multiple of the stall time (plus a second): the
+#: coordinator reports stalls first and more precisely, but it cannot reach a rank whose link or coordinator is
+#: gone. More than 2: a collective whose missing rank was held in another one that stalled gets a second stall
+#: window from then (``Coordinator._restart_clocks``); at 1.5 its waiters gave up first, with a message blaming
+#: rank 0, and their unanswered entries made ``hvps.shutdown()`` abort the job.
+_WATCHDOG_FACTOR = 2.5
+
+
+def watchdog_seconds(stall_seconds: float) -> float:
+    """How long a waiting thread waits for a collective before it gives up on its own.
+
+    Args:
+        stall_seconds: the stall time (``HVPS_STALL_CHECK_TIME_SECONDS``, or the shutdown time when longer).
+
+    Returns:
+        Seconds.
+    """
+    return stall_seconds * _WATCHDOG_FACTOR + 1.0
 #: serialises the first ``set_result``/``set_error`` of any handle (the engine thread, a waiter's
 #: watchdog and shutdown may race to finish one): exactly one of them opens the handle's gate
 _SETTING = _thread.allocate_lock()
@@ -46,7 +60,7 @@ class Handle:
         self._buffers = buffers
         self._submitted = time.monotonic()
         self._started: Optional[float] = None
-        self._limit = stall_seconds * _WATCHDOG_FACTOR + 1.0
+        self._limit = watchdog_seconds(stall_seconds)
         #: CUDA results: what they are valid after on the device, with ``wait(result)`` (the waiter's stream on
         #: that device waits for it) and ``query()`` (None on the host)
         self.event: Any = None

@@ -2,7 +2,7 @@
 
 Layout: a header of one 64-byte line per rank (``IN``, ``RED``, ``DONE`` sequence numbers,
 the rank's pid, and its fast-lane post: ``LANE_SEQ``, ``LANE_BIT``, ``LANE_EPOCH``, ``LANE_SINCE``), one
-line for the abort flag and the fast lane's ``VERDICT``, then per rank a slot of two buffers
+line for the abort flag and the fast lane's verdicts, then per rank a slot of two buffers
 (double-buffering: a rank copies round k+1 in while its peers still read round k).
 
 The segment lives in ``/dev/shm`` under a random name chosen by local rank 0; it is
@@ -30,8 +30,8 @@ SHM_DIR = "/dev/shm"
 #: header fields (int64 each) of a rank's line: the collectives' counters and pid, then the fast lane's post
 #: (``hvps/runtime/fast_lane.py``)
 IN, RED, DONE, PID, LANE_SEQ, LANE_BIT, LANE_EPOCH, LANE_SINCE = range(8)
-#: fields of the last line: the abort flag and the fast lane's verdict
-ABORTED, VERDICT = 0, 1
+#: fields of the last line: the abort flag, the fast lane's latest agreement, and its last verdicts (a ring)
+ABORTED, LANE_DECIDED, LANE_VERDICTS = 0, 1, range(2, 8)
 _LINE = 8  # int64 per 64-byte line
 _HEADER_ALIGN = 4096
 #: seconds a wait polls (yielding the core to any runnable thread between polls) before napping, the
@@ -115,14 +115,13 @@ class Segment:
         """``rank``'s ``field`` (of its header line), as it is now."""
         return self._words[rank * _LINE + field]
 
-    @property
-    def verdict(self) -> int:
-        """The fast lane's latest verdict word (``hvps/runtime/fast_lane.py``)."""
-        return self._words[self.size * _LINE + VERDICT]
+    def job_field(self, field: int) -> int:
+        """``field`` of the line every rank shares (after the ranks' lines)."""
+        return self._words[self.size * _LINE + field]
 
-    @verdict.setter
-    def verdict(self, value: int) -> None:
-        self._words[self.size * _LINE + VERDICT] = value
+    def set_job_field(self, field: int, value: int) -> None:
+        """Set ``field`` of the line every rank shares (one writer per field: the fast lane's is rank 0)."""
+        self._words[self.size * _LINE + field] = value
 
     def wait(self, field: int, value: int, ranks=None) -> None:
         """Until ``field`` is at least ``value`` on ``ranks`` (every rank when None)."""

@@ -32,7 +32,7 @@ from ..control.negotiation import SHUTDOWN, Coordinator, Request
 from ..control.plane import ControlPlane
 from ..control.response_cache import ResponseCache
 from ..core.errors import HvpsError
-from ..core.handle import Handle
+from ..core.handle import Handle, watchdog_seconds
 from ..core.timeline import Timeline
 from ..dataplane.executors import Entry
 from .autotune import Autotuner, Setting
@@ -123,7 +123,7 @@ class Engine:
             self.control.send(0, self.cache.announce([]))
 
         return FastLane(segment, self.rank, self.size, self.cache, self.status, settings.spin_wait_us / 1e6,
-                        settings.stall_fail_seconds, poke)
+                        watchdog_seconds(settings.stall_fail_seconds), poke)
 
     def _negotiation(self, settings) -> "RankZeroCoordinator | WorkerNegotiation":
         """This rank's side of the negotiation: rank 0's coordination, or a worker's (a relay's) announcing."""

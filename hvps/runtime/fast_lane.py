@@ -8,16 +8,20 @@ itself takes ~15 µs. On one node, the ranks can agree through the segment they 
 - *Eligible*: the waiter is alone in flight on its rank (``FastPath``), the request is an allreduce, broadcast or
   barrier of the global set, and it holds a response-cache bit (every rank gives a request the same bit).
 - *Post*: the rank writes its bit, its cache epoch (responses recorded so far) and the time into its header
-  line, then the sequence number of the agreement, ``s``: one past the latest verdict.
-- *One decider*: only rank 0 writes verdicts (``s`` and GO or ABORT in one word), so no two ranks ever decide
-  differently. Its waiter, once posted, writes GO when every rank has posted ``s`` with the same bit and epoch;
+  line, then the sequence number of the agreement, ``s``: one past the latest decided.
+- *One decider*: only rank 0 writes verdicts (``s`` and GO or ABORT in one word, in a ring of the last few,
+  then ``s`` as the latest decided), so no two ranks ever decide differently. Its waiter, once posted, writes GO when every rank has posted ``s`` with the same bit and epoch;
   ABORT when one differs or not every rank posted within its wait. Its engine writes ABORT for posts it finds
   while rank 0 takes the control plane (it has collectives pending there, or messages came), or that were left
   longer than ``HOLD_SECONDS`` (the stall checks then see them on the control plane).
 - On GO every rank records the response and runs it, as if rank 0 had sent it; on ABORT the rank announces the
-  request on the control plane as usual, where the stall, mismatch and dead-rank checks apply unchanged. A
-  rank that reads a verdict for a later agreement than its own knows its own was ABORT: a GO needs every
-  rank's post, and no agreement after it can start before every rank has run it.
+  request on the control plane as usual, where the stall, mismatch and dead-rank checks apply unchanged.
+- A GO stays readable until every rank has read it. A collective with no data to wait for (a zero-length
+  allreduce, the root of a broadcast) lets rank 0 finish a GO at once, but the next agreement needs every rank's
+  post to be GO; else it ends in ABORT, and every rank that posted it goes to the control plane, which waits for
+  every rank. So at most one verdict follows a GO before all have read it, and the ring holds the last
+  ``len(LANE_VERDICTS)``. A verdict found overwritten was therefore an ABORT: a post that came after rank 0 had
+  decided without it (any number of other ranks' posts may have been settled meanwhile).
 
 Posts and verdicts are single aligned 8-byte stores and x86 keeps stores in order, so a rank that reads a
 sequence number reads the fields written before it (``shm_segment.py`` relies on the same for its counters).
@@ -32,7 +36,7 @@ from typing import Callable, Optional
 
 from ..control.negotiation import ALLREDUCE, BARRIER, BROADCAST, GLOBAL_SET, Response
 from ..core.errors import HvpsError
-from ..dataplane.shm_segment import LANE_BIT, LANE_EPOCH, LANE_SEQ, LANE_SINCE
+from ..dataplane.shm_segment import LANE_BIT, LANE_DECIDED, LANE_EPOCH, LANE_SEQ, LANE_SINCE, LANE_VERDICTS
 from .engine_status import EngineStatus
 
 #: the kinds whose response is the request alone (no per-rank sizes, no state change)
@@ -84,7 +88,7 @@ class FastLane:
         """
         segment = self.segment
         bit, epoch = self.cache.bit_of(response.requests[0]), self.cache.epoch
-        sequence = (segment.verdict >> 1) + 1
+        sequence = segment.job_field(LANE_DECIDED) + 1
         segment.publish(LANE_BIT, bit)
         segment.publish(LANE_EPOCH, epoch)
         segment.publish(LANE_SINCE, _micros())
@@ -98,10 +102,23 @@ class FastLane:
         """Rank 0's engine, in each of its cycles: ABORT an agreement other ranks posted, when rank 0 is busy on
         the control plane (it would never post) or the oldest post is older than ``HOLD_SECONDS``."""
         segment = self.segment
-        sequence = (segment.verdict >> 1) + 1
+        sequence = segment.job_field(LANE_DECIDED) + 1
         since = [segment.field(r, LANE_SINCE) for r in range(1, self.size) if segment.field(r, LANE_SEQ) == sequence]
         if since and (rank_zero_busy or _micros() - min(since) > HOLD_SECONDS * 1e6):
-            segment.verdict = sequence << 1
+            self._decide(sequence, False)
+
+    def _decide(self, sequence: int, go: bool) -> None:
+        """Rank 0: publish the verdict on ``sequence``, then ``sequence`` as the latest decided."""
+        segment = self.segment
+        segment.set_job_field(LANE_VERDICTS[sequence % len(LANE_VERDICTS)], (sequence << 1) | (_GO if go else 0))
+        segment.set_job_field(LANE_DECIDED, sequence)
+
+    def _verdict(self, sequence: int) -> Optional[bool]:
+        """The verdict on ``sequence`` (None: not decided yet)."""
+        word = self.segment.job_field(LANE_VERDICTS[sequence % len(LANE_VERDICTS)])
+        if word >> 1 < sequence:
+            return None
+        return word >> 1 == sequence and bool(word & _GO)  # overwritten: an ABORT (see the module's docstring)
 
     def _lead(self, response: Response, sequence: int, bit: int, epoch: int) -> bool:
         """Rank 0: GO once every rank posted ``sequence`` alike; ABORT when one differs, after ``wait_seconds``,
@@ -116,7 +133,7 @@ class FastLane:
         go = bool(posts)
         if go:
             self.cache.record(response)
-        self.segment.verdict = (sequence << 1) | (_GO if go else 0)
+        self._decide(sequence, go)
         return go
 
     def _posts(self, sequence: int, bit: int, epoch: int) -> Optional[bool]:
@@ -132,13 +149,12 @@ class FastLane:
 
     def _follow(self, response: Response, sequence: int) -> bool:
         """Any other rank: wait for rank 0's verdict on ``sequence`` (recording ``response`` on GO)."""
-        segment, status = self.segment, self.status
+        status = self.status
         start = time.monotonic()
         nap, poked = _NAP, False
         while True:
-            verdict = segment.verdict
-            if verdict >> 1 >= sequence:
-                go = verdict == (sequence << 1) | _GO
+            go = self._verdict(sequence)
+            if go is not None:
                 if go:
                     self.cache.record(response)
                 return go
@@ -149,9 +165,9 @@ class FastLane:
                 raise HvpsError(f"the hvps engine stopped: {status.failure}") from status.failure
             now = time.monotonic()
             if now - start > self.patience_seconds:
-                raise HvpsError(f"rank 0 (the coordinator) did not answer rank {self.rank}'s collective for "
-                                f"{self.patience_seconds:g} s (HVPS_STALL_CHECK_TIME_SECONDS): it is stopped, hung "
-                                "or busy in a long call")
+                raise HvpsError(f"'{response.names[0]}' got no answer from the coordinator (rank 0) within "
+                                f"{self.patience_seconds:g} s; rank 0 may be stopped or hung "
+                                "(HVPS_STALL_CHECK_TIME_SECONDS sets the limit)")
             if now - start < _SPIN_S:
                 os.sched_yield()
             else:

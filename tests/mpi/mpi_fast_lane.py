@@ -1,0 +1,104 @@
+"""Inner multi-rank tests of the fast lane (hvps/runtime/fast_lane.py): synchronous collectives that the response
+cache knows, agreed through the node's shared-memory segment instead of through rank 0. Results against a numpy
+reference with fresh random data; a late rank (rank 0, or the last) falls back to the control plane and the lane
+resumes; cached names submitted in different orders, and a shape that changed on one rank, fail on every rank
+naming the tensor and the ranks, as on the control plane. Needs HVPS_STALL_CHECK_TIME_SECONDS (3 s in the
+outer test) and every rank on one host."""
+
+import os
+import re
+import time
+
+import numpy as np
+import pytest
+from hvps_testutil import DTYPES, all_inputs, check_allreduce_result
+
+import hvps
+from hvps.core.errors import HvpsError
+from hvps.runtime import state
+
+pytestmark = pytest.mark.timeout(120)
+
+STALL = float(os.environ.get("HVPS_STALL_CHECK_TIME_SECONDS", "60"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lane():
+    hvps.init()
+    lane = state.engine().fast_path.lane
+    assert lane is not None, "every rank is on this host: the engine must have a fast lane"
+    yield lane
+
+
+def _allreduce(key, dtype, shape, op, name):
+    size, rank = hvps.size(), hvps.rank()
+    xs = all_inputs(dtype, shape, key, size, op=op)
+    result = hvps.allreduce(xs[rank].copy(), op=getattr(hvps, op), name=name)
+    check_allreduce_result(result, xs, op, size, what=f"{key} {name}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32", "int64"])
+def test_synchronous_calls_take_the_lane_and_match_numpy(lane, dtype):
+    posted, agreed = lane.posted, lane.agreed
+    calls = 0
+    for shape in [(0,), (1,), (7, 3), (4099,)]:
+        for op in ("Sum", "Max"):
+            name = f"lane.{dtype}.{op}.{shape}"
+            _allreduce(f"first.{name}", DTYPES[dtype], shape, op, name)  # announced: now in the cache
+            for step in range(3):
+                _allreduce(f"{step}.{name}", DTYPES[dtype], shape, op, name)
+                calls += 1
+    root = hvps.size() - 1
+    value = np.arange(5, dtype=DTYPES[dtype]) + hvps.rank()
+    for _ in range(3):
+        assert np.array_equal(hvps.broadcast(value.copy(), root, name=f"lane.bcast.{dtype}"),
+                              np.arange(5, dtype=DTYPES[dtype]) + root)
+        calls += 1
+    # a call the engine thread took before its waiter could goes the usual way: most, not all, take the lane
+    assert lane.posted - posted > calls // 2 and lane.agreed > agreed, (lane.posted - posted, lane.agreed - agreed)
+
+
+@pytest.mark.parametrize("late", ["rank 0", "the last rank"])
+def test_a_late_rank_falls_back_and_the_lane_resumes(lane, late):
+    late_rank = 0 if late == "rank 0" else hvps.size() - 1
+    name = f"lane.late.{late_rank}"
+    _allreduce("late.first", np.float32, (33,), "Sum", name)
+    for step in range(3):
+        if hvps.rank() == late_rank:
+            time.sleep(0.2)  # 100 times the lane's wait: the others' posts are settled without it
+        _allreduce(f"late.{step}", np.float32, (33,), "Sum", name)
+    agreed = lane.agreed
+    for step in range(20):
+        _allreduce(f"after.{step}", np.float32, (33,), "Sum", name)
+    assert lane.agreed > agreed, "the lane was not taken again after the fallbacks"
+
+
+def _assert_names(message, name, ranks):
+    assert name in message, f"tensor name {name!r} missing from the error: {message!r}"
+    for r in ranks:
+        assert re.search(rf"(?<![\w.]){r}(?![\w.])", message), f"rank {r} not named in the error: {message!r}"
+
+
+def test_cached_names_in_different_orders_fail_on_every_rank_naming_them():
+    size, rank = hvps.size(), hvps.rank()
+    for name in ("lane.p", "lane.q"):  # both cached, on every rank
+        hvps.allreduce(np.ones(3, np.float32), name=name)
+    mine, other = ("lane.p", "lane.q") if rank == 0 else ("lane.q", "lane.p")
+    start = time.monotonic()
+    with pytest.raises(HvpsError) as error:
+        hvps.allreduce(np.ones(3, np.float32), name=mine)
+    assert time.monotonic() - start < 3 * STALL + 10
+    missing = [r for r in range(size) if r != 0] if rank == 0 else [0]
+    _assert_names(str(error.value), f"allreduce.{mine}", missing)
+    _allreduce("after.order", np.float32, (9,), "Sum", "lane.after.order")
+
+
+def test_a_shape_changed_on_one_rank_fails_on_every_rank_naming_it():
+    size, rank = hvps.size(), hvps.rank()
+    name = "lane.shape"
+    hvps.allreduce(np.ones(5, np.float32), name=name)  # cached as (5,) everywhere
+    shape = (6,) if rank == size - 1 else (5,)
+    with pytest.raises(HvpsError, match="different arguments") as error:
+        hvps.allreduce(np.ones(shape, np.float32), name=name)
+    _assert_names(str(error.value), f"allreduce.{name}", [size - 1])
+    _allreduce("after.shape", np.float32, (9,), "Sum", "lane.after.shape")
