@@ -49,6 +49,9 @@ HEADER = 3
 #: faster at ~190 distinct ids a member (~25 KB more), no faster at ~1,200 (~160 KB), slower at 4
 #: and 8 members
 GATHER_EXTRA_BYTES = 64 << 10
+#: names the id messages of pulls take in turn: more than the pulls that can be in flight at once
+#: (a forward's, or up to two prefetched), as a name must be unique among outstanding collectives
+REQUEST_NAMES = 3
 
 
 @dataclass
@@ -105,6 +108,7 @@ class Exchange:
         self.members = table.partition.parts
         self.bytes_sent = 0  # payload bytes this member put on the wire
         self.gathers = 0  # steps whose gradients went to every member (push_and_answer)
+        self.requests = 0  # pulls requested: their messages take turns among REQUEST_NAMES names
 
     def _alltoall_async(self, tensor: torch.Tensor, splits: list, tag: str) -> Callable[[], tuple]:
         self.bytes_sent += tensor.numel() * tensor.element_size() - self._own_bytes(tensor, splits)
@@ -164,7 +168,9 @@ class Exchange:
         the gradient rows this member will push for the batch (told to every member)."""
         order, splits = self._route(ids)
         sent = ids[order]
-        return PendingPull(order, self._send_ids(sent, splits, "pull.ids", error, push_rows), sent, splits)
+        self.requests += 1
+        tag = f"pull.ids.{self.requests % REQUEST_NAMES}"
+        return PendingPull(order, self._send_ids(sent, splits, tag, error, push_rows), sent, splits)
 
     def answer(self, pending: "PendingPull") -> None:
         """Owner side: wait for the ids sent to this member, read their rows now and start
