@@ -270,16 +270,19 @@ class _ShardedBase(nn.Module):
 
     def _gather(self, pull: PendingPull, ahead: _Lookup, weighted: bool) -> bool:
         """Whether this step sends its gradients to every member with the answer to the prefetched
-        lookup ``ahead`` (:func:`gather_pays`, from counts every member was told)."""
+        lookup ``ahead`` (:func:`gather_pays`, from this batch's counts, which every member was told
+        with its ids: the prefetched batch's ids may still be under way, and only the gather waits
+        for them)."""
+        counts = pull.ids()[2]  # [ids asked, gradient rows pushed] of each member
+        dim = self.table.dim
+        if not gather_pays([p for _, p in counts], [a for a, _ in counts], dim, self.table.width, dim + 2 + weighted):
+            return False
         try:
-            asking = ahead.pull.ids()[2]
+            ahead.pull.ids()
         except ValueError as exc:  # invalid prefetched ids: every member learns it here, its forward raises
             ahead.error = exc
             return False
-        pushing = pull.ids()[2]
-        dim = self.table.dim
-        return gather_pays([p for _, p in pushing], [a for a, _ in asking], dim, self.table.width,
-                           dim + 2 + weighted)
+        return True
 
     def _batch(self, input: Any, offsets: Optional[torch.Tensor]) -> _Batch:
         raise NotImplementedError
