@@ -70,7 +70,8 @@ def gather_pays(push_rows: list, pull_rows: list, dim: int, width: int, grad_wid
 
     Args:
         push_rows: gradient rows each member pushes this step (the same list on every member).
-        pull_rows: ids each member's prefetched pull asks for.
+        pull_rows: ids each member's prefetched pull asks for (or an estimate every member shares:
+            the module passes those of the step's own batch, known before the prefetched ids arrive).
         dim: embedding values per row (what the owners send back otherwise).
         width: values per record (embedding and optimizer state: what they send back instead).
         grad_width: values per gradient row (with its id and weight).

@@ -183,11 +183,11 @@ class _ShardedBase(nn.Module):
 
         TorchRec's pipelined input distribution: call it with the next batch after the current
         forward; the next forward must then be given the same batch (ValueError otherwise).
-        With ``prefetch_depth=2`` call it with the batch after next (and, before the first
-        backward, with the next one too): its ids then travel during this step and the one
+        With ``prefetch_depth=2`` call it with the batch after next (after the first forward,
+        with the next batch first): its ids then travel during this step and the one
         after, so the backward that answers them never waits for them, and a step of a
         gathering table (below) waits for one exchange only.  Forwards take the prefetched
-        batches in the order given; lookups prefetched and never used cost only their exchange.
+        batches in the order given.
         Synchronous tables, where :func:`~hvps.store.exchange.gather_pays`: this step's backward
         sends its gradients to every member with the owners' answer, and every member brings
         the rows it pulled up to date itself, so the next forward waits for nothing.  Otherwise
@@ -197,6 +197,13 @@ class _ShardedBase(nn.Module):
         ``staleness >= 1`` the owners answer during this step's backward, before its update, so
         nothing waits: the rows then miss that one update, within the bound (and rows this
         member keeps are reused for one step less).  Collective, like a forward.
+
+        Args:
+            input: a coming batch's ids, as its forward will take them.
+            offsets: the bags' starts for a 1-D ``input`` (``ShardedEmbeddingBag``).
+
+        Raises:
+            ValueError: ``prefetch_depth`` batches are prefetched already and no forward took one.
         """
         if len(self._ahead) == self.prefetch_depth:
             times = "twice" if self.prefetch_depth == 1 else f"{self.prefetch_depth + 1} times"
