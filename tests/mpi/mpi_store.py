@@ -218,7 +218,8 @@ def test_gather_and_alltoall_pushes_give_the_same_bits(optimizer, combine, mode,
     and brought up to date by each member) and the push to the owners (the pull answered after
     the update) give the same outputs and the same table, bit for bit, on fresh random ids; so
     does either push with ``prefetch_depth=2`` (each batch prefetched two steps ahead, its ids
-    updated by the two steps before it)."""
+    updated by the two steps before it); the table as a checkpoint reads it (``synchronize``) in
+    mid-run, with lookups prefetched, is the same too."""
     from hvps.store import exchange
 
     seed = int(hvd.broadcast_object(torch.seed() % 2**31, root_rank=0))
@@ -238,6 +239,8 @@ def test_gather_and_alltoall_pushes_give_the_same_bits(optimizer, combine, mode,
                 module.prefetch(batches[ahead][0])  # step 0: 1..depth; then step + depth
             (out * grad).sum().backward()
             outs.append(out.detach())
+            if step == 1:
+                outs.append(_full_table(module))  # as save_stores reads it, batches 2 and 3 prefetched at depth 2
         found[way] = outs, _full_table(module), module.stats()["gathers"]
     assert found["gather"][2] == found["gather2"][2] == steps - 1
     assert found["alltoall"][2] == found["alltoall2"][2] == 0
