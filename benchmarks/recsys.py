@@ -8,7 +8,8 @@ MLPs go through ``hvd.DistributedOptimizer`` (ring allreduce) in every variant; 
 * ``store``   ``hvps.store.ShardedEmbeddingBag`` (row-wise sharded, LRU cache of ``--cache-frac``
   of the rows, SGD applied by the owners); ``store-stale`` the same with ``--staleness``;
   ``store-disk`` the same on the memory-mapped disk tier; with ``--prefetch`` (the default) each
-  step prefetches the next batch's lookup (``store-stale``: the whole lookup overlaps the step);
+  step prefetches the next batch's lookup (``store-stale``: the whole lookup overlaps the step),
+  with ``--prefetch-depth 2`` the batch after next (``prefetch_depth=2``);
   ``--exchange alltoall|gather`` forces the push the store otherwise chooses by bytes;
 * ``dense``   a replicated ``nn.EmbeddingBag`` whose gradient is allreduced whole
   (Horovod's ``sparse_as_dense``);
@@ -57,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="store gradient combining: per member first (local) or in global batch order")
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                    help="store variants: prefetch the next batch's lookup during each step")
+    p.add_argument("--prefetch-depth", type=int, default=1, choices=(1, 2),
+                   help="store (synchronous) variants: prefetch this many batches ahead")
     p.add_argument("--exchange", default="auto", choices=("auto", "alltoall", "gather"),
                    help="store variants: push by alltoall or gather every step instead of choosing by bytes")
     p.add_argument("--disk-dir", default="/tmp/hvps-recsys", help="where store-disk keeps its shard files")
@@ -118,7 +121,8 @@ def _model(args, variant, hvd):
                 args.rows, args.dim, mode="sum", name=f"table{t}", lr=args.lr,
                 cache_rows=max(1, int(args.cache_frac * shard_rows)), cache_policy=args.cache_policy,
                 staleness=args.staleness if variant == "store-stale" else 0, combine=args.combine,
-                tier="disk" if variant == "store-disk" else "host", disk_dir=args.disk_dir))
+                tier="disk" if variant == "store-disk" else "host", disk_dir=args.disk_dir,
+                prefetch_depth=args.prefetch_depth if variant != "store-stale" else 1))
         else:
             bag = nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=variant == "sparse")
             bound = (1.0 / args.rows) ** 0.5
@@ -158,6 +162,7 @@ def worker(args) -> None:
     warmup = min(args.warmup, 3) if variant == "dense" else args.warmup
     times, cpu, losses, distinct, wire, access = [], [], [], [], [], [0, 0]
     prefetch = store and args.prefetch
+    depth = args.prefetch_depth if prefetch and variant != "store-stale" else 1
     zeros = torch.zeros(args.batch, args.dim * args.tables)  # mlp: no tables
 
     def draw() -> tuple:
@@ -166,9 +171,9 @@ def worker(args) -> None:
         y = torch.bernoulli(torch.sigmoid(_teacher_logit([i.view(-1) for i in ids], x)), generator=data_rng)
         return ids, x, y
 
-    following = draw()
+    coming = [draw() for _ in range(depth)]  # the next batches, drawn outside the timed region
     for step in range(warmup + timed):
-        (ids, x, y), following = following, draw()  # the next batch is drawn outside the timed region
+        (ids, x, y), coming = coming[0], [*coming[1:], draw()]
         if step == warmup:
             for t in tables if store else ():
                 if t.table.cache is not None:
@@ -179,9 +184,10 @@ def worker(args) -> None:
         hvd.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
         pooled = [table(i) for table, i in zip(tables, ids)] if variant != "mlp" else [zeros]
-        if prefetch and step + 1 < warmup + timed:
-            for table, i in zip(tables, following[0]):
-                table.prefetch(i)
+        for ahead in range(depth - 1 if step else 0, depth) if prefetch else ():  # step 0: batches 1..depth
+            if step + 1 + ahead < warmup + timed:
+                for table, i in zip(tables, coming[ahead][0]):
+                    table.prefetch(i)
         logits = top(torch.cat([bottom(x), *pooled], dim=1)).view(-1)
         loss = loss_fn(logits, y)
         optimizer.zero_grad()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import SHARED_JOBS, case
 
-from hvps.store import HashPartition, RangePartition, RowAdagrad, RowAdam, RowCache, RowSGD
+from hvps.store import HashPartition, RangePartition, RowAdagrad, RowAdam, RowCache, RowSGD, ShardedEmbeddingBag
 from hvps.store.exchange import gather_pays
 from hvps.store.init import hash_uniform
 from hvps.store.optim import make_optimizer
@@ -155,6 +155,13 @@ def test_gather_pays_for_small_steps_at_small_member_counts_only():
     assert not gather_pays([1200] * 2, [1200] * 2, 64, 64, 66)
     assert not gather_pays([190] * 8, [190] * 8, 64, 64, 66)
     assert not gather_pays([190] * 2, [3000] * 2, 64, 3 * 64, 66)  # Adam's records: 3x the rows back
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("depth,staleness", [(0, 0), (3, 0), (2, 1)])
+def test_prefetch_depth_is_checked(depth, staleness):
+    with pytest.raises(ValueError, match="prefetch_depth must be 1, or 2 with staleness=0"):
+        ShardedEmbeddingBag(10, 4, name="deep", prefetch_depth=depth, staleness=staleness)
 
 
 def _store_case(np_, backend):

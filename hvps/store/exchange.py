@@ -49,6 +49,9 @@ HEADER = 3
 #: faster at ~190 distinct ids a member (~25 KB more), no faster at ~1,200 (~160 KB), slower at 4
 #: and 8 members
 GATHER_EXTRA_BYTES = 64 << 10
+#: names the id messages of pulls take in turn: more than the pulls that can be in flight at once
+#: (a forward's, or up to two prefetched), as a name must be unique among outstanding collectives
+REQUEST_NAMES = 3
 
 
 @dataclass
@@ -67,7 +70,8 @@ def gather_pays(push_rows: list, pull_rows: list, dim: int, width: int, grad_wid
 
     Args:
         push_rows: gradient rows each member pushes this step (the same list on every member).
-        pull_rows: ids each member's prefetched pull asks for.
+        pull_rows: ids each member's prefetched pull asks for (or an estimate every member shares:
+            the module passes those of the step's own batch, known before the prefetched ids arrive).
         dim: embedding values per row (what the owners send back otherwise).
         width: values per record (embedding and optimizer state: what they send back instead).
         grad_width: values per gradient row (with its id and weight).
@@ -105,6 +109,7 @@ class Exchange:
         self.members = table.partition.parts
         self.bytes_sent = 0  # payload bytes this member put on the wire
         self.gathers = 0  # steps whose gradients went to every member (push_and_answer)
+        self.requests = 0  # pulls requested: their messages take turns among REQUEST_NAMES names
 
     def _alltoall_async(self, tensor: torch.Tensor, splits: list, tag: str) -> Callable[[], tuple]:
         self.bytes_sent += tensor.numel() * tensor.element_size() - self._own_bytes(tensor, splits)
@@ -164,7 +169,9 @@ class Exchange:
         the gradient rows this member will push for the batch (told to every member)."""
         order, splits = self._route(ids)
         sent = ids[order]
-        return PendingPull(order, self._send_ids(sent, splits, "pull.ids", error, push_rows), sent, splits)
+        self.requests += 1
+        tag = f"pull.ids.{self.requests % REQUEST_NAMES}"
+        return PendingPull(order, self._send_ids(sent, splits, tag, error, push_rows), sent, splits)
 
     def answer(self, pending: "PendingPull") -> None:
         """Owner side: wait for the ids sent to this member, read their rows now and start

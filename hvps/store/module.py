@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -120,9 +121,10 @@ class _ShardedBase(nn.Module):
     ``partition`` ("hash" or "range"), ``tier`` ("host" or "disk" with ``disk_dir``),
     ``cache_rows`` / ``cache_bytes`` (0: no cache) and ``cache_policy`` ("lru", "lfu"),
     ``staleness`` (k >= 0), ``combine`` ("local" or "ordered"), ``seed`` / ``initializer``
-    (``f(global_ids, dim) -> rows``; default uniform +-sqrt(1/num_embeddings) by id) and
-    ``device`` (the cache's; default cuda when available).  Construction is collective and
-    raises HvpsError when the members' arguments differ.
+    (``f(global_ids, dim) -> rows``; default uniform +-sqrt(1/num_embeddings) by id),
+    ``device`` (the cache's; default cuda when available) and ``prefetch_depth`` (how many
+    batches :meth:`prefetch` may run ahead of the forward; 1, or 2 for synchronous tables).
+    Construction is collective and raises HvpsError when the members' arguments differ.
     """
 
     kind = ""
@@ -132,7 +134,8 @@ class _ShardedBase(nn.Module):
                  process_set: ProcessSet = global_process_set, partition: str = "hash", tier: str = "host",
                  disk_dir: Optional[Union[str, os.PathLike]] = None, cache_rows: int = 0, cache_bytes: int = 0,
                  cache_policy: str = "lru", staleness: int = 0, combine: str = "local", seed: int = 0,
-                 initializer: Optional[Initializer] = None, device: Optional[str] = None, mode: str = "") -> None:
+                 initializer: Optional[Initializer] = None, device: Optional[str] = None, mode: str = "",
+                 prefetch_depth: int = 1) -> None:
         super().__init__()
         if num_embeddings < 1 or embedding_dim < 1:
             raise ValueError(f"table {name!r}: num_embeddings and embedding_dim must be >= 1")
@@ -140,6 +143,9 @@ class _ShardedBase(nn.Module):
             raise ValueError(f"table {name!r}: combine must be one of {COMBINES}, got {combine!r}")
         if staleness < 0:
             raise ValueError(f"table {name!r}: staleness must be >= 0, got {staleness}")
+        if prefetch_depth not in (1, 2) or prefetch_depth == 2 and staleness:
+            raise ValueError(f"table {name!r}: prefetch_depth must be 1, or 2 with staleness=0, "
+                             f"got {prefetch_depth} (staleness={staleness})")
         if not process_set.included():
             raise ValueError(f"table {name!r}: this rank is not a member of {process_set}")
         self.name = name
@@ -149,7 +155,8 @@ class _ShardedBase(nn.Module):
                                     cache_bytes=cache_bytes, cache_policy=cache_policy, staleness=staleness,
                                     combine=combine, seed=seed, device=device)
         row_optimizer = make_optimizer(optimizer, lr)
-        check_same_everywhere({"module": self.kind, "mode": mode, "num_embeddings": int(num_embeddings),
+        check_same_everywhere({"module": self.kind, "mode": mode, "prefetch_depth": prefetch_depth,
+                               "num_embeddings": int(num_embeddings),
                                "embedding_dim": int(embedding_dim), "optimizer": row_optimizer.state_dict(),
                                "initializer": initializer is None, **self.options.describe()},
                               name, process_set)
@@ -158,7 +165,8 @@ class _ShardedBase(nn.Module):
         self.exchange = Exchange(self.table, process_set)
         self.stale = StaleRows(staleness, int(embedding_dim)) if staleness else None
         self._pending: Optional[Callable[[], None]] = None
-        self._ahead: Optional[_Lookup] = None
+        self.prefetch_depth = prefetch_depth
+        self._ahead: "deque[_Lookup]" = deque()  # prefetched lookups, oldest first
         _LIVE.add(self)
 
     @property
@@ -171,10 +179,15 @@ class _ShardedBase(nn.Module):
 
     # ------------------------------------------------------------------ the round trip
     def prefetch(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> None:
-        """Start the next forward's lookup now, so that its ids travel while this step computes.
+        """Start a coming forward's lookup now, so that its ids travel while this step computes.
 
         TorchRec's pipelined input distribution: call it with the next batch after the current
         forward; the next forward must then be given the same batch (ValueError otherwise).
+        With ``prefetch_depth=2`` call it with the batch after next (after the first forward,
+        with the next batch first): its ids then travel during this step and the one
+        after, so the backward that answers them never waits for them, and a step of a
+        gathering table (below) waits for one exchange only.  Forwards take the prefetched
+        batches in the order given.
         Synchronous tables, where :func:`~hvps.store.exchange.gather_pays`: this step's backward
         sends its gradients to every member with the owners' answer, and every member brings
         the rows it pulled up to date itself, so the next forward waits for nothing.  Otherwise
@@ -184,10 +197,19 @@ class _ShardedBase(nn.Module):
         ``staleness >= 1`` the owners answer during this step's backward, before its update, so
         nothing waits: the rows then miss that one update, within the bound (and rows this
         member keeps are reused for one step less).  Collective, like a forward.
+
+        Args:
+            input: a coming batch's ids, as its forward will take them.
+            offsets: the bags' starts for a 1-D ``input`` (``ShardedEmbeddingBag``).
+
+        Raises:
+            ValueError: ``prefetch_depth`` batches are prefetched already and no forward took one.
         """
-        if self._ahead is not None:
-            raise ValueError(f"table {self.name!r}: prefetch called twice without a forward in between")
-        self._ahead = self._start(self._batch(input, offsets), lag=1)
+        if len(self._ahead) == self.prefetch_depth:
+            times = "twice" if self.prefetch_depth == 1 else f"{self.prefetch_depth + 1} times"
+            raise ValueError(f"table {self.name!r}: prefetch called {times} without a forward in between "
+                             f"(prefetch_depth={self.prefetch_depth})")
+        self._ahead.append(self._start(self._batch(input, offsets), lag=1))
 
     def _start(self, batch: _Batch, lag: int) -> _Lookup:
         """Deduplicate ``batch``'s ids and send the ones to pull to their owners."""
@@ -236,7 +258,7 @@ class _ShardedBase(nn.Module):
         grad = grad.contiguous()
         rows = grad[batch.bag] if batch.bag is not None else grad.reshape(-1, self.table.dim)
         self.synchronize()
-        ahead = self._ahead
+        ahead = self._ahead[0] if self._ahead else None  # the next forward's lookup
         if ahead is not None and (ahead.pull.rows is not None or ahead.error is not None):
             ahead = None  # already answered
         stale = self.options.staleness > 0
@@ -255,27 +277,28 @@ class _ShardedBase(nn.Module):
 
     def _gather(self, pull: PendingPull, ahead: _Lookup, weighted: bool) -> bool:
         """Whether this step sends its gradients to every member with the answer to the prefetched
-        lookup ``ahead`` (:func:`gather_pays`, from counts every member was told)."""
+        lookup ``ahead`` (:func:`gather_pays`, from this batch's counts, which every member was told
+        with its ids: the prefetched batch's ids may still be under way, and only the gather waits
+        for them)."""
+        counts = pull.ids()[2]  # [ids asked, gradient rows pushed] of each member
+        dim = self.table.dim
+        if not gather_pays([p for _, p in counts], [a for a, _ in counts], dim, self.table.width, dim + 2 + weighted):
+            return False
         try:
-            asking = ahead.pull.ids()[2]
+            ahead.pull.ids()
         except ValueError as exc:  # invalid prefetched ids: every member learns it here, its forward raises
             ahead.error = exc
             return False
-        pushing = pull.ids()[2]
-        dim = self.table.dim
-        return gather_pays([p for _, p in pushing], [a for a, _ in asking], dim, self.table.width,
-                           dim + 2 + weighted)
+        return True
 
     def _batch(self, input: Any, offsets: Optional[torch.Tensor]) -> _Batch:
         raise NotImplementedError
 
     def _run(self, batch: _Batch) -> torch.Tensor:
-        if self._ahead is not None and not self._ahead.batch.same_input(batch):
+        if self._ahead and not self._ahead[0].batch.same_input(batch):
             raise ValueError(f"table {self.name!r}: the forward got a different batch than the one prefetched; "
                              "pass the prefetched batch to the next forward")
-        lookup, self._ahead = self._ahead, None
-        if lookup is None:
-            lookup = self._start(batch, lag=0)
+        lookup = self._ahead.popleft() if self._ahead else self._start(batch, lag=0)
         anchor = torch.zeros((), requires_grad=self.training and torch.is_grad_enabled())
         return _LookupFunction.apply(self, lookup, anchor)
 

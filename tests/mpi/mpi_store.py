@@ -216,29 +216,38 @@ def _random_batch(g, width):
 def test_gather_and_alltoall_pushes_give_the_same_bits(optimizer, combine, mode, monkeypatch):
     """The push to every member (the prefetched pull answered in its message, before the update,
     and brought up to date by each member) and the push to the owners (the pull answered after
-    the update) give the same outputs and the same table, bit for bit, on fresh random ids."""
+    the update) give the same outputs and the same table, bit for bit, on fresh random ids; so
+    does either push with ``prefetch_depth=2`` (each batch prefetched two steps ahead, its ids
+    updated by the two steps before it); the table as a checkpoint reads it (``synchronize``) in
+    mid-run, with lookups prefetched, is the same too."""
     from hvps.store import exchange
 
     seed = int(hvd.broadcast_object(torch.seed() % 2**31, root_rank=0))
     steps, found = 5, {}
-    for way, extra in (("gather", float("inf")), ("alltoall", -1)):
+    for way, extra, depth in (("gather", float("inf"), 1), ("alltoall", -1, 1), ("gather2", float("inf"), 2),
+                              ("alltoall2", -1, 2)):
         monkeypatch.setattr(exchange, "GATHER_EXTRA_BYTES", extra)
         module = ShardedEmbeddingBag(N, D, mode=mode, name=f"ways_{optimizer}_{way}", optimizer=optimizer, lr=0.1,
-                                     combine=combine, cache_rows=7, initializer=_from(_initial()))
+                                     combine=combine, cache_rows=7, initializer=_from(_initial()),
+                                     prefetch_depth=depth)
         g = torch.Generator().manual_seed(seed + hvd.rank())
         batches = [_random_batch(g, 3) for _ in range(steps)]
         outs = []
         for step, (ids, grad) in enumerate(batches):
             out = module(ids)
-            if step + 1 < steps:
-                module.prefetch(batches[step + 1][0])
+            for ahead in range(step + depth if step else 1, min(step + depth, steps - 1) + 1):
+                module.prefetch(batches[ahead][0])  # step 0: 1..depth; then step + depth
             (out * grad).sum().backward()
             outs.append(out.detach())
+            if step == 1:
+                outs.append(_full_table(module))  # as save_stores reads it, batches 2 and 3 prefetched at depth 2
         found[way] = outs, _full_table(module), module.stats()["gathers"]
-    assert found["gather"][2] == steps - 1 and found["alltoall"][2] == 0
-    for step, (a, b) in enumerate(zip(found["gather"][0], found["alltoall"][0])):
-        assert torch.equal(a, b), f"seed {seed}: step {step}"
-    assert torch.equal(found["gather"][1], found["alltoall"][1]), f"seed {seed}"
+    assert found["gather"][2] == found["gather2"][2] == steps - 1
+    assert found["alltoall"][2] == found["alltoall2"][2] == 0
+    for way in ("alltoall", "gather2", "alltoall2"):
+        for step, (a, b) in enumerate(zip(found["gather"][0], found[way][0])):
+            assert torch.equal(a, b), f"seed {seed}: {way}, step {step}"
+        assert torch.equal(found["gather"][1], found[way][1]), f"seed {seed}: {way}"
 
 
 def test_prefetch_misuse_raises_value_error():
@@ -250,6 +259,15 @@ def test_prefetch_misuse_raises_value_error():
     with pytest.raises(ValueError, match="different batch than the one prefetched"):
         module(ids + 1)
     module(ids).sum().backward()  # the prefetched lookup still waits for its batch: every rank is in step
+    deep = ShardedEmbeddingBag(N, D, mode="sum", name="prefetch_misuse2", lr=LR, prefetch_depth=2)
+    deep.prefetch(ids)
+    deep.prefetch(ids + 1)
+    with pytest.raises(ValueError, match="3 times"):
+        deep.prefetch(ids)
+    with pytest.raises(ValueError, match="different batch than the one prefetched"):
+        deep(ids + 1)
+    deep(ids).sum().backward()  # the batches come in the order prefetched
+    deep(ids + 1).sum().backward()
 
 
 def test_embedding_sgd_is_bit_exact():
