@@ -7,6 +7,8 @@ Contenders, each in ``mpirun`` jobs of its own, alternating over ``--rounds`` (A
   alone in flight runs the engine itself (the fast path, ``HVPS_SPIN_WAIT_MICROSECONDS``)
 * ``hvps-slow``:  the same with ``HVPS_SPIN_WAIT_MICROSECONDS=0``: every call handed to the engine
   thread and back (the path every call took before the fast path)
+* ``hvps-no-lane``: the default settings but ``HVPS_FAST_LANE=0``: every call agreed through rank 0 (the fast
+  lane off; ``--impls`` must name it)
 * ``gloo``:       ``torch.distributed`` with gloo on CPU tensors (``--impls`` must name it; needs torch)
 * ``hvps-plane``: the data plane under hvps (the engine's backend: the shared-memory plane on one host) called
   directly, without negotiation: the floor of a call that skipped agreeing with the other ranks
@@ -40,10 +42,10 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 
-IMPLS = ("raw", "hvps", "hvps-slow", "gloo", "hvps-plane")
+IMPLS = ("raw", "hvps", "hvps-slow", "gloo", "hvps-plane", "hvps-no-lane")
 OPS = ("allreduce", "broadcast", "allgather", "alltoall")
 #: environment of each contender's job
-ENV = {"hvps-slow": {"HVPS_SPIN_WAIT_MICROSECONDS": "0"}}
+ENV = {"hvps-slow": {"HVPS_SPIN_WAIT_MICROSECONDS": "0"}, "hvps-no-lane": {"HVPS_FAST_LANE": "0"}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
