@@ -10,10 +10,11 @@ itself takes ~15 µs. On one node, the ranks can agree through the segment they 
 - *Post*: the rank writes its bit, its cache epoch (responses recorded so far) and the time into its header
   line, then the sequence number of the agreement, ``s``: one past the latest decided.
 - *One decider*: only rank 0 writes verdicts (``s`` and GO or ABORT in one word, in a ring of the last few,
-  then ``s`` as the latest decided), so no two ranks ever decide differently. Its waiter, once posted, writes GO when every rank has posted ``s`` with the same bit and epoch;
-  ABORT when one differs or not every rank posted within its wait. Its engine writes ABORT for posts it finds
-  while rank 0 takes the control plane (it has collectives pending there, or messages came), or that were left
-  longer than ``HOLD_SECONDS`` (the stall checks then see them on the control plane).
+  then ``s`` as the latest decided), so no two ranks ever decide differently. Its waiter, once posted, writes GO
+  when every rank has posted ``s`` with the same bit and epoch; ABORT when one differs or not every rank posted
+  within its wait. Its engine writes ABORT for posts it finds while rank 0 takes the control plane (it has
+  collectives pending there, or messages came), or that were left longer than ``HOLD_SECONDS`` (the stall checks
+  then see them on the control plane).
 - On GO every rank records the response and runs it, as if rank 0 had sent it; on ABORT the rank announces the
   request on the control plane as usual, where the stall, mismatch and dead-rank checks apply unchanged.
 - A GO stays readable until every rank has read it. A collective with no data to wait for (a zero-length
