@@ -296,7 +296,8 @@ class ControlPlane:
         already holds it (derived from the job's secret); without it rank 0 draws one and sends it
         over ``comm``. ``fanout``: children per rank (``tree.py``; 0: a star)."""
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.position = position(self.rank, self.size, fanout or max(self.size - 1, 1))
+        self._fanout = fanout or max(self.size - 1, 1)
+        self.position = position(self.rank, self.size, self._fanout)
         self.parent, self.children = self.position.parent, self.position.children
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -342,6 +343,11 @@ class ControlPlane:
         self.stalled: set[int] = set()
         self._round = 0
         self._answered: dict[int, int] = {}
+
+    @property
+    def is_star(self) -> bool:
+        """Whether every rank's parent is rank 0 (``tree.py``: at most ``fanout + 1`` ranks)."""
+        return self.size - 1 <= self._fanout
 
     def _accept(self, listener: socket.socket, key: bytes, timeout: float) -> None:
         """Run handshakes side by side until every other rank has proved itself."""

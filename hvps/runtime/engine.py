@@ -114,8 +114,8 @@ class Engine:
         """The fast lane on the node's segment, when every rank of the job shares it (and the fast path, the
         response cache and ``HVPS_FAST_LANE`` are on); else None."""
         segment = getattr(backend, "segment", None)
-        star = settings.control_fanout <= 0 or self.size <= settings.control_fanout + 1  # every rank's parent is 0
-        if (segment is None or segment.size != self.size or segment.rank != self.rank or self.size == 1 or not star
+        if (segment is None or segment.size != self.size or segment.rank != self.rank or self.size == 1
+                or not self.control.is_star
                 or not settings.fast_lane or settings.cache_capacity <= 0 or settings.spin_wait_us <= 0):
             return None
 

@@ -37,14 +37,14 @@ from typing import Callable, Optional
 
 from ..control.negotiation import ALLREDUCE, BARRIER, BROADCAST, GLOBAL_SET, Response
 from ..core.errors import HvpsError
-from ..dataplane.shm_segment import LANE_BIT, LANE_DECIDED, LANE_EPOCH, LANE_SEQ, LANE_SINCE, LANE_VERDICTS
+from ..dataplane.shm_segment import (LANE_BIT, LANE_DECIDED, LANE_EPOCH, LANE_SEQ, LANE_SINCE, LANE_VERDICTS,
+                                     Backoff)
 from .engine_status import EngineStatus
 
 #: the kinds whose response is the request alone (no per-rank sizes, no state change)
 KINDS = (ALLREDUCE, BROADCAST, BARRIER)
 #: how long rank 0's engine leaves other ranks' posts undecided while rank 0 itself submits nothing (seconds)
 HOLD_SECONDS = 0.05
-_SPIN_S, _NAP, _MAX_NAP = 2e-3, 20e-6, 1e-3
 _GO = 1
 
 
@@ -69,26 +69,27 @@ class FastLane:
         #: agreements this rank took part in, and how many of them were GO (tests and benchmarks read them)
         self.posted = self.agreed = 0
 
-    def response_for(self, request) -> Optional[Response]:
-        """The response rank 0 would send for ``request`` alone, if it may go through the lane; else None."""
+    def response_for(self, request) -> Optional[tuple]:
+        """The response rank 0 would send for ``request`` alone, and the request's cache bit, if it may go through
+        the lane; else None."""
         if request.kind not in KINDS or request.process_set != GLOBAL_SET:
             return None
         bit = self.cache.bit_of(request)
         if bit is None:
             return None
         cached = self.cache.request_of(bit)
-        return Response(cached.kind, [cached.name], requests=[cached])
+        return Response(cached.kind, [cached.name], requests=[cached]), bit
 
-    def agree(self, response: Response) -> bool:
-        """Post ``response``'s request and wait for the verdict: True (GO) when every rank runs it now, having
-        recorded it in the cache; False (ABORT) when it must go through the control plane.
+    def agree(self, response: Response, bit: int) -> bool:
+        """Post ``response``'s request (its cache ``bit``) and wait for the verdict: True (GO) when every rank runs
+        it now, having recorded it in the cache; False (ABORT) when it must go through the control plane.
 
         Raises:
             HvpsError: the engine failed or lost ranks meanwhile, or (not rank 0) no verdict came within the
                 patience.
         """
         segment = self.segment
-        bit, epoch = self.cache.bit_of(response.requests[0]), self.cache.epoch
+        epoch = self.cache.epoch
         sequence = segment.job_field(LANE_DECIDED) + 1
         segment.publish(LANE_BIT, bit)
         segment.publish(LANE_EPOCH, epoch)
@@ -152,7 +153,7 @@ class FastLane:
         """Any other rank: wait for rank 0's verdict on ``sequence`` (recording ``response`` on GO)."""
         status = self.status
         start = time.monotonic()
-        nap, poked = _NAP, False
+        backoff, poked = Backoff(), False
         while True:
             go = self._verdict(sequence)
             if go is not None:
@@ -164,13 +165,8 @@ class FastLane:
                 self._poke()
             if status.failure is not None:
                 raise HvpsError(f"the hvps engine stopped: {status.failure}") from status.failure
-            now = time.monotonic()
-            if now - start > self.patience_seconds:
+            if time.monotonic() - start > self.patience_seconds:
                 raise HvpsError(f"'{response.names[0]}' got no answer from the coordinator (rank 0) within "
                                 f"{self.patience_seconds:g} s; rank 0 may be stopped or hung "
                                 "(HVPS_STALL_CHECK_TIME_SECONDS sets the limit)")
-            if now - start < _SPIN_S:
-                os.sched_yield()
-            else:
-                time.sleep(nap)
-                nap = min(_MAX_NAP, nap * 2)
+            backoff.pause()

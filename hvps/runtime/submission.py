@@ -108,10 +108,11 @@ class SubmissionQueue:
         self._abandoned_names: set = set()
         self._fusion_threshold = fusion_threshold
         #: the gradients' bucket: bytes of bucketed entries queued, since when the oldest waits, the queued
-        #: entries that are not bucketed, and whether a waiter asked for the queue (``wake_if_queued``)
+        #: entries due at once (neither bucketed nor a synchronous call's), and whether a waiter asked for the
+        #: queue (``wake_if_queued``)
         self._bucket_bytes = 0
         self._bucket_since: Optional[float] = None
-        self._unbucketed = 0
+        self._due_at_once = 0
         self._release = False
 
     # -- called from user threads -------------------------------------------------
@@ -140,8 +141,9 @@ class SubmissionQueue:
                 seen.add(name)
             handles = []
             first_held = self._bucket_since is None
+            synchronous = getattr(_synchronous, "on", False)
             for entry in entries:
-                self._count_in(entry)
+                self._count_in(entry, synchronous)
                 # join() waits for ranks still training, for as long as they train: no watchdog.
                 request = entry.request
                 patience = math.inf if request.kind == JOIN else self._stall_seconds
@@ -151,7 +153,6 @@ class SubmissionQueue:
                 self._queue.append(entry)
                 self._queued_names.add(request.name)
             self._latest = handles
-            synchronous = getattr(_synchronous, "on", False)
             held = all(entry.bucketed for entry in entries)
             self._burst = self._burst or not (synchronous or held)
             # A wake-up costs the submitting (training) thread a syscall, a context
@@ -201,11 +202,7 @@ class SubmissionQueue:
         next call's collective from its waiter and wake up for every message the waiter reads."""
         with self._lock:
             self._wake_pending = self.sleeping = False
-            new = list(self._queue) if on_waiter or self.has_due(time.monotonic()) else []
-            if new:
-                self._queue.clear()
-                self._queued_names.clear()
-                self._bucket_bytes, self._bucket_since, self._unbucketed, self._release = 0, None, 0, False
+            new = self._empty_queue() if on_waiter or self.has_due(time.monotonic()) else []
             for entry in new:  # under the lock: a name is always either queued or pending
                 self._pending[entry.request.name] = entry
             abandoned, self._abandoned = self._abandoned, []
@@ -225,9 +222,7 @@ class SubmissionQueue:
             entry = self._queue[0]
             if entry.handle is not handle:
                 return None
-            self._queue.clear()
-            self._queued_names.clear()
-            self._bucket_bytes, self._bucket_since, self._unbucketed, self._release = 0, None, 0, False
+            self._empty_queue()
             self._pending[entry.request.name] = entry
         return entry
 
@@ -266,19 +261,24 @@ class SubmissionQueue:
 
     def has_due(self, now: float) -> bool:
         """Whether the next cycle takes the queue (the lock is held): it holds anything but a gradient bucket
-        not yet full, whose oldest entry has waited less than ``GRADIENT_HOLD_SECONDS``, nobody waiting for it."""
+        not yet full, whose oldest entry has waited less than ``GRADIENT_HOLD_SECONDS``, and synchronous calls
+        (their waiters run them, or ask for the queue: ``wake_if_queued``), nobody waiting for it. An engine
+        thread that took a synchronous call from its waiter would cost it the fast lane, and a hand-over."""
         if not self._queue:
             return False
-        return (self._unbucketed > 0 or self._release or self._bucket_full()
-                or now >= self._bucket_since + GRADIENT_HOLD_SECONDS)
+        since = self._bucket_since
+        return (self._due_at_once > 0 or self._release or self._bucket_full()
+                or (since is not None and now >= since + GRADIENT_HOLD_SECONDS))
 
     def _bucket_full(self) -> bool:
         return self._bucket_bytes >= min(GRADIENT_BUCKET_BYTES, self._fusion_threshold())
 
-    def _count_in(self, entry: Entry) -> None:
-        """Count a queued ``entry`` into the bucket, or as one that is due at once (the lock is held)."""
+    def _count_in(self, entry: Entry, waited: bool) -> None:
+        """Count a queued ``entry`` into the bucket, or as one that is due at once unless its submitter waits for
+        it at once (``waited``: a synchronous call, whose waiter runs it or releases the queue; the lock is
+        held)."""
         if not entry.bucketed:
-            self._unbucketed += 1
+            self._due_at_once += not waited
             return
         if self._bucket_since is None:
             self._bucket_since = time.monotonic()
@@ -316,11 +316,17 @@ class SubmissionQueue:
     def drain(self) -> list:
         """Every queued and pending entry, taken out (to fail them)."""
         with self._lock:
-            entries = list(self._pending.values()) + list(self._queue)
+            entries = list(self._pending.values()) + self._empty_queue()
             self._pending.clear()
-            self._queue.clear()
-            self._queued_names.clear()
-            self._bucket_bytes, self._bucket_since, self._unbucketed, self._release = 0, None, 0, False
+        return entries
+
+    def _empty_queue(self) -> list:
+        """The queued entries, taken out, the bucket's and the release's counts reset with them (the lock is
+        held)."""
+        entries = list(self._queue)
+        self._queue.clear()
+        self._queued_names.clear()
+        self._bucket_bytes, self._bucket_since, self._due_at_once, self._release = 0, None, 0, False
         return entries
 
 
@@ -365,9 +371,9 @@ class FastPath:
         entry = self._queue.take_alone(handle)
         if entry is None:
             return False
-        response = self.lane.response_for(entry.request)
-        if response is not None and self._executor.waiter_may_run(response) and self.lane.agree(response):
-            self._executor.execute([response])
+        lane_call = self.lane.response_for(entry.request)
+        if lane_call is not None and self._executor.waiter_may_run(lane_call[0]) and self.lane.agree(*lane_call):
+            self._executor.execute([lane_call[0]])
             return True
         self._queue.announce(entry.request)
         return False
