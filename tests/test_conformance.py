@@ -67,6 +67,12 @@ def test_parse_summary():
 #: TensorFlow suite took 148 s at 2 ranks on a quiet machine, 309 s beside two busy loops, and more than 900 s
 #: at load 15, beside two busy loops and two other 8-rank jobs)
 HANG_LIMIT = 1800
+#: pytest-timeout's limit per test inside a suite (the run scripts' default, 120 s, is tight on 2 loaded cores: a
+#: TensorFlow test building graphs for 30 dtypes and shapes in graph mode took longer than that beside two busy
+#: loops and the CI's other workers, while its suite passed); a hang guard, not a speed claim
+PER_TEST_LIMIT = "600"
+#: what every suite's run script is given: its limits, and this interpreter
+SUITE_ENV = {"PY": sys.executable, "LIMIT": str(HANG_LIMIT), "TEST_TIMEOUT": PER_TEST_LIMIT}
 
 
 def run_script(args: list, env: dict) -> subprocess.CompletedProcess:
@@ -99,7 +105,7 @@ TORCH_SUITE_PASSES = 99
 def test_horovod_torch_suite_at_two_ranks():
     if not SCRIPT.exists():
         pytest.skip(f"{SCRIPT.parent} is absent (Horovod's test suite is kept beside the checkout, not in it)")
-    env = dict(os.environ, PY=sys.executable, NP="2", LIMIT=str(HANG_LIMIT), PYTEST_ARGS=TORCH_SUITE_ARGS)
+    env = dict(os.environ, **SUITE_ENV, NP="2", PYTEST_ARGS=TORCH_SUITE_ARGS)
     run = run_script([str(SCRIPT)], env)
     counts, seconds = parse_summary(run.stdout, run.stderr)
     report = f"{counts} in {seconds:g} s\n{run.stdout[-4000:]}"
@@ -129,7 +135,7 @@ def test_horovod_tensorflow_suite_at_two_ranks():
     if not TF_SCRIPT.exists():
         pytest.skip(f"{TF_SCRIPT.parent} is absent (Horovod's test suite is kept beside the checkout, not in it)")
     pytest.importorskip("tensorflow", reason="the TensorFlow extra is not installed (TEST_EXTRAS)")
-    env = dict(os.environ, PY=sys.executable, NP="2", LIMIT=str(HANG_LIMIT))
+    env = dict(os.environ, **SUITE_ENV, NP="2")
     run = run_script([str(TF_SCRIPT)], env)
     counts, seconds = parse_summary(run.stdout, run.stderr)
     report = f"{counts} in {seconds:g} s\n{run.stdout[-6000:]}"
@@ -147,7 +153,7 @@ def test_horovod_torch_elastic_suite_at_two_ranks():
     through the same shim: both of its tests must pass."""
     if not SCRIPT.exists():
         pytest.skip(f"{SCRIPT.parent} is absent (Horovod's test suite is kept beside the checkout, not in it)")
-    env = dict(os.environ, PY=sys.executable, NP="2", LIMIT=str(HANG_LIMIT), TEST="test_torch_elastic.py")
+    env = dict(os.environ, **SUITE_ENV, NP="2", TEST="test_torch_elastic.py")
     run = run_script([str(SCRIPT)], env)
     counts, seconds = parse_summary(run.stdout, run.stderr)
     report = f"{counts} in {seconds:g} s\n{run.stdout[-4000:]}"
@@ -164,7 +170,7 @@ def test_horovod_torch_suite_under_hvpsrun_gloo(tmp_path):
     mpirun.write_text(GLOO_MPIRUN)
     mpirun.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "HVPS_"))}
-    env.update(PY=sys.executable, NP="2", LIMIT=str(HANG_LIMIT), MPIRUN=str(mpirun), PYTEST_ARGS=TORCH_SUITE_ARGS)
+    env.update(SUITE_ENV, NP="2", MPIRUN=str(mpirun), PYTEST_ARGS=TORCH_SUITE_ARGS)
     run = run_script([str(SCRIPT)], env)
     counts, seconds = parse_summary(run.stdout, run.stderr)
     report = f"{counts} in {seconds:g} s\n{run.stdout[-4000:]}"
@@ -263,9 +269,6 @@ def test_horovod_test_file(spec):
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     # ranks build TensorFlow graphs at different speeds on a loaded machine: the run script's 15 s stall check
     # would report that skew as a stall (as tests/test_tensorflow_adapter.py's JOB_ENV says)
-    # TEST_TIMEOUT: pytest-timeout's limit per test (the script's default, 120 s, is tight for a TensorFlow test
-    # building graphs for 30 dtypes and shapes at 3 ranks on 2 loaded cores); a hang guard, not a speed claim
-    env.update(PY=sys.executable, NP=str(spec.np), LAUNCH=spec.launch, LIMIT=str(HANG_LIMIT), TEST_TIMEOUT="600",
-               HVPS_STALL_CHECK_TIME_SECONDS="60")
+    env.update(SUITE_ENV, NP=str(spec.np), LAUNCH=spec.launch, HVPS_STALL_CHECK_TIME_SECONDS="60")
     run = run_script([str(FILE_SCRIPT), spec.file], env)
     check_corpus_run(spec, run.returncode, run.stdout, run.stderr)
