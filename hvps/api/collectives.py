@@ -463,8 +463,26 @@ def allreduce_async(array: Any, op: Any = Average, name: Optional[str] = None, p
     Returns:
         A :class:`~hvps.Handle`; ``wait()`` returns the reduction (``out`` when given).
     """
-    outs = None if out is None else [out]
-    return _allreduce_async([array], op, name, prescale_factor, postscale_factor, outs, process_set, grouped=False)
+    return _allreduce_one(array, op, name, prescale_factor, postscale_factor, out, process_set)
+
+
+@fails_everywhere(ALLREDUCE)
+def _allreduce_one(array, op, name, prescale_factor, postscale_factor, out, process_set) -> Handle:
+    """``_allreduce_async`` of one array, without its grouping by dtype and device (the path of every synchronous
+    ``allreduce``): the same checks, in the same order, and the same request."""
+    op = _as_op(op)
+    runtime.engine()
+    set_id, ranks = resolve(process_set)
+    src = _prepare(array)
+    dtype = arrays.dtype_name(src)
+    dtypes.check_reducible(dtypes.BY_NAME[dtype], op)
+    if op is ReduceOp.Adasum:
+        _check_adasum(set_id, len(ranks))
+    dst = _check_out(out, src) if out is not None else arrays.empty(src, tuple(src.shape))
+    request = _allreduce_request(_name(ALLREDUCE, name, set_id), dtype, (tuple(src.shape),), op.value,
+                                 _scale(prescale_factor, "prescale_factor"),
+                                 _scale(postscale_factor, "postscale_factor"), arrays.device_of(src), set_id)
+    return _submit_all([(request, [src], [dst])])[0]
 
 
 @synchronous

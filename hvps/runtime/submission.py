@@ -372,8 +372,8 @@ class FastPath:
         if entry is None:
             return False
         lane_call = self.lane.response_for(entry.request)
-        if lane_call is not None and self._executor.waiter_may_run(lane_call[0]) and self.lane.agree(*lane_call):
-            self._executor.execute([lane_call[0]])
+        if lane_call is not None and self.lane.agree(*lane_call):
+            self._executor.execute([lane_call[0]])  # one too large for a waiter is left to the engine thread
             return True
         self._queue.announce(entry.request)
         return False
@@ -398,16 +398,15 @@ class FastPath:
         # large transfer): waiting for it beats handing over, which wakes a thread on every rank.
         if self.spin_seconds <= 0 or not self.alone(handle) or not self._cycle_lock.acquire(timeout=self.spin_seconds):
             return False
-        if not self.alone(handle):  # checked again: the engine thread may have taken more meanwhile
-            self._cycle_lock.release()
-            return False
         executor, status = self._executor, self._status
         try:
             executor.on_waiter = True
             until = time.monotonic() + self.spin_seconds
             with self._guard():
-                if self.lane is not None and self._through_lane(handle):
+                if self.lane is not None and self._through_lane(handle):  # it checks alone-ness under the lock
                     return True
+                if not self.alone(handle):  # checked again: the engine thread may have taken more meanwhile
+                    return False
                 while not handle.finished and not executor.backlog and status.running:
                     self._cycle()
                     if handle.finished or time.monotonic() > until:

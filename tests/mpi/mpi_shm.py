@@ -16,9 +16,11 @@ from hvps_testutil import DTYPES, all_inputs, assert_exact, check_allreduce_resu
 from mpi4py import MPI
 
 import hvps
+from hvps.core import dtypes
 from hvps.core.dtypes import ReduceOp
 from hvps.core.errors import HvpsError
 from hvps.dataplane.backends.shm import ShmBackend, open_segment
+from hvps.dataplane.schedule import fold_in_rank_order
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -55,6 +57,11 @@ def test_allreduce_every_dtype_op_size(shm, name):
             out = np.empty_like(arrays[rank])
             backend.allreduce(arrays[rank], out, ReduceOp[op])
             check_allreduce_result(out, arrays, op, size, what=f"{op} n={n}")
+            # every rank, and every path (one round for the small, reduce-scatter and allgather for the rest): the
+            # contributions folded in rank order, bit for bit
+            folded = np.empty_like(out)
+            fold_in_rank_order(dtypes.combine(ReduceOp[op], out.dtype), arrays, folded)
+            assert_exact(out, folded, f"{op} n={n}: the rank-order fold")
             inplace = arrays[rank].copy()
             backend.allreduce(inplace, inplace, ReduceOp[op])
             assert_exact(inplace, out, f"in place {op} n={n}")
