@@ -185,6 +185,8 @@ class Coordinator:
 
     def next_deadline(self) -> Optional[float]:
         """When the oldest pending collective, or the shutdown some ranks asked for, stalls; or None."""
+        if not self._table and not self._shutdown:  # after every cycle of a synchronous call: nothing pending
+            return None
         deadlines = [p.first_seen + (self.stall_seconds if p.warned else self._first_look) for p in self._table.values()]
         if self._shutdown:
             deadlines.append(self._shutdown_since + self.stall_seconds)

@@ -43,6 +43,9 @@ class ReduceOp(enum.Enum):
     Adasum = "adasum"
 
 
+#: every op by its value (a request's ``op``): a dict look-up, where ``ReduceOp(value)`` costs a call per collective
+OPS_BY_VALUE = {op.value: op for op in ReduceOp}
+
 _UFUNC = {
     ReduceOp.Sum: np.add,
     ReduceOp.Average: np.add,

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..control.negotiation import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER, Request
 from ..core import arrays, devices, scaling
-from ..core.dtypes import ReduceOp
+from ..core.dtypes import OPS_BY_VALUE, ReduceOp
 from ..core.handle import Handle
 from .adasum import adasum_allreduce
 from .buffers import FusionBuffer
@@ -133,9 +133,13 @@ def _zeros_for(req: Request) -> list:
 
 def run_allreduce(ctx: Context, response, entries: list) -> list:
     first = response.requests[0]
-    op = ReduceOp(first.op)
+    op = OPS_BY_VALUE[first.op]
     if op is ReduceOp.Adasum:
         return run_adasum(ctx, response, entries)
+    if len(entries) == 1 and entries[0] is not None and len(entries[0].inputs) == 1:  # one tensor: nothing to pack
+        entry = entries[0]
+        _reduce_where_it_lives(ctx, entry.inputs[0], entry.outputs[0], op, first)
+        return [list(entry.outputs) if entry.grouped else entry.outputs[0]]
     ins, outs = [], []
     for entry, req in zip(entries, response.requests):
         if entry is None:  # joined: contribute zeros, keep nothing
@@ -209,7 +213,7 @@ def reducescatter_rows(rows: int, size: int) -> list:
 def run_reducescatter(ctx: Context, response, entries: list) -> list:
     (entry,) = entries
     req = entry.request
-    op = ReduceOp(req.op)
+    op = OPS_BY_VALUE[req.op]
     src = scaling.prescaled(entry.inputs[0], req.prescale)
     rows = reducescatter_rows(src.shape[0] if src.ndim else 1, ctx.size)
     row = math.prod(src.shape[1:])

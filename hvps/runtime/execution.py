@@ -192,13 +192,14 @@ class Executor:
 
 
 #: the backend method each kind of collective calls (Adasum's allreduce exchanges halves point to point)
+_ADASUM = ReduceOp.Adasum.value
 _BACKEND_METHODS = {ALLREDUCE: "allreduce", ALLGATHER: "allgatherv", BROADCAST: "broadcast", ALLTOALL: "alltoallv",
                     REDUCESCATTER: "reducescatter"}
 
 
 def _backend_method(response) -> str:
     """The name of the ``Backend`` method that executing ``response`` calls (``""``: none)."""
-    if response.kind == ALLREDUCE and response.requests[0].op == ReduceOp.Adasum.value:
+    if response.kind == ALLREDUCE and response.requests[0].op == _ADASUM:
         return "sendrecv"
     return _BACKEND_METHODS.get(response.kind, "")
 

@@ -153,8 +153,10 @@ class SubmissionQueue:
                 self._queue.append(entry)
                 self._queued_names.add(request.name)
             self._latest = handles
+            if synchronous:  # its waiter runs it, or wakes the engine (``FastPath.expedite``)
+                return handles
             held = all(entry.bucketed for entry in entries)
-            self._burst = self._burst or not (synchronous or held)
+            self._burst = self._burst or not held
             # A wake-up costs the submitting (training) thread a syscall, a context
             # switch and the GIL (~150 us). Backward hooks submit in bursts, so while
             # the engine is active it polls its queue every cycle instead (as
@@ -162,8 +164,7 @@ class SubmissionQueue:
             # A gradient bucket wakes it once it is full, and when it starts, even an engine
             # that is not asleep yet (it may have just decided to sleep with no deadline): the
             # engine then sleeps until the bucket's deadline at the latest.
-            full = self._bucket_full()
-            wake = self.claim_wake(not synchronous and ((self.sleeping and (not held or full)) or (held and first_held)))
+            wake = self.claim_wake((self.sleeping and (not held or self._bucket_full())) or (held and first_held))
         if wake:
             self._wake()
         return handles
