@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ..core.dtypes import quiet_arithmetic
+
 Bound = tuple  # (start, stop) of one block, in elements
 
 
@@ -153,9 +155,11 @@ def fold_in_rank_order(ufunc: Callable, terms: Sequence, out) -> None:
     if len(terms) == 1:
         out[...] = terms[0]
         return
-    ufunc(terms[0], terms[1], out=out)
-    for term in terms[2:]:
-        ufunc(out, term, out=out)
+    with quiet_arithmetic():
+        ufunc(terms[0], terms[1], out=out)
+        for term in terms[2:]:
+            ufunc(out, term, out=out)
+
 
 
 class Schedule:

@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -65,6 +66,22 @@ def test_allreduce_every_dtype_op_size(shm, name):
             inplace = arrays[rank].copy()
             backend.allreduce(inplace, inplace, ReduceOp[op])
             assert_exact(inplace, out, f"in place {op} n={n}")
+
+
+def test_overflow_gives_inf_without_a_warning(shm):
+    """A sum past the dtype's range is inf, as in MPI's reductions, with no RuntimeWarning pointing into hvps (a
+    loss scaler's fp16 gradients overflow on purpose); in one round and in many."""
+    backend, comm = shm
+    for n in (3, 3 * BUFFER):
+        big = np.full(n, np.finfo(np.float16).max, np.float16)
+        big[0] = -np.inf  # inf + (-inf) on the last rank's fold: NaN, "invalid" to numpy
+        if comm.Get_rank() != comm.Get_size() - 1:
+            big[0] = np.inf
+        out = np.empty_like(big)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            backend.allreduce(big, out, ReduceOp.Sum)
+        assert np.isnan(out[0]) and np.isposinf(out[1:]).all(), f"n={n}: {out[:3]}"
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64], ids=["float32", "float16", "int64"])

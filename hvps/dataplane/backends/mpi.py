@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ...core import arrays, dtypes
-from ...core.dtypes import ReduceOp
+from ...core.dtypes import ReduceOp, quiet_arithmetic
 from ..buffers import FusionBuffer
 from ..ring import ring_allreduce, wait_all
 from .base import Backend, sub_communicator
@@ -73,7 +73,8 @@ def _half_op(dtype_name: str, op: ReduceOp) -> MPI.Op:
 
     def reduce(inbuf, inoutbuf, datatype):  # MPI calls: inoutbuf = inbuf (op) inoutbuf
         acc = np.frombuffer(inoutbuf, dtype=dtype)
-        ufunc(np.frombuffer(inbuf, dtype=dtype), acc, out=acc)
+        with quiet_arithmetic():
+            ufunc(np.frombuffer(inbuf, dtype=dtype), acc, out=acc)
 
     return MPI.Op.Create(reduce, commute=True)
 
