@@ -25,7 +25,7 @@ _CARRIED = {
 
 @functools.lru_cache(maxsize=None)
 def _tables() -> tuple:
-    """({torch dtype: (numpy dtype, torch carrier)}, {numpy dtype name: (torch dtype, numpy carrier)})."""
+    """({torch dtype: (numpy dtype, torch carrier)}, {numpy dtype: (torch dtype, numpy carrier)})."""
     import torch
 
     to_numpy, to_torch = {}, {}
@@ -35,7 +35,7 @@ def _tables() -> tuple:
             continue
         numpy_dtype = np.dtype(getattr(ml_dtypes, ml_name))
         to_numpy[kind] = (numpy_dtype, torch.from_numpy(np.empty(0, carrier)).dtype)
-        to_torch[numpy_dtype.name] = (kind, np.dtype(carrier))
+        to_torch[numpy_dtype] = (kind, np.dtype(carrier))
     return to_numpy, to_torch
 
 
@@ -56,7 +56,7 @@ def as_tensor(array: Any) -> Any:
 def _shared_tensor(array: np.ndarray) -> Any:
     import torch
 
-    carried = _tables()[1].get(array.dtype.name)
+    carried = _tables()[1].get(array.dtype)  # by the dtype itself: numpy computes its name in Python
     if carried is None:
         return torch.from_numpy(array)
     kind, carrier = carried
