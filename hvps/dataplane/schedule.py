@@ -161,7 +161,6 @@ def fold_in_rank_order(ufunc: Callable, terms: Sequence, out) -> None:
             ufunc(out, term, out=out)
 
 
-
 class Schedule:
     """The allreduce's schedule for ``rank`` of ``size`` over blocks ``bounds``, in windows of ``width``
     elements (clipped to the longest block, at least 1).

@@ -1,15 +1,15 @@
 """Collectives among the ranks of one node through one shared-memory segment (``HVPS_SHM``).
 
-Allreduce is a reduce-scatter by ownership then an allgather, with no copy in between (a small one, every rank
-folding all of it, in one round: ``WHOLE_REDUCE_BYTES``):
+Allreduce is a reduce-scatter by ownership then an allgather, with no copy in between:
 each rank copies its peers' parts of a chunk into its slot, sums its own part straight
 from every peer's slot (in rank order, numpy ufuncs with ``out=``, no temporaries) into
 its slot, and every rank then copies each owner's reduced part out. Large buffers go
 through in rounds of one buffer each, two buffers per rank, so a rank copies round k+1
 in while slower peers still read round k. Allgather, broadcast and reducescatter use
-the same rounds; alltoall and point-to-point go to ``fallback`` (MPI). The blocks, the chunk
-windows, who copies what and the folding order are ``schedule.py``'s, as for the MPI ring and the
-sealed plane, so every plane gives the same bits.
+the same rounds; alltoall and point-to-point go to ``fallback`` (MPI). A small allreduce
+(``WHOLE_REDUCE_BYTES``) goes in one round: every rank copies all of its data in and folds every
+rank's, in rank order. The blocks, the chunk windows, who copies what and the folding order are
+``schedule.py``'s, as for the MPI ring and the sealed plane, so every plane gives the same bits.
 
 The flat plane under it is MPI's or torch.distributed's (gloo): CPU torch tensors the flat plane
 takes as they are are read here through numpy views of their memory. Whether the plane applies, and
@@ -197,7 +197,8 @@ class ShmBackend(Backend):
             slots[rank, which, :n] = send
             segment.publish(IN, mark)
             segment.wait(IN, mark)
-            fold_in_rank_order(ufunc, [slots[q, which, :n] for q in range(size)], out)  # not ``send``: ``out`` may be it
+            # every term from the slots, not ``send``: ``out`` may be ``send``
+            fold_in_rank_order(ufunc, [slots[q, which, :n] for q in range(size)], out)
 
         self._rounds(body, 1)
 
