@@ -119,7 +119,8 @@ class _ShardedBase(nn.Module):
     files and errors), ``optimizer`` ("sgd", "adagrad", "adam", a dict of hyper-parameters or a
     :class:`RowOptimizer`) and ``lr``, ``process_set`` (whose members share the table),
     ``partition`` ("hash" or "range"), ``tier`` ("host" or "disk" with ``disk_dir``),
-    ``cache_rows`` / ``cache_bytes`` (0: no cache) and ``cache_policy`` ("lru", "lfu"),
+    ``cache_rows`` / ``cache_bytes`` (0: no cache; with ``tier="host"`` on the CPU none is
+    built, see :meth:`stats`) and ``cache_policy`` ("lru", "lfu"),
     ``staleness`` (k >= 0), ``combine`` ("local" or "ordered"), ``seed`` / ``initializer``
     (``f(global_ids, dim) -> rows``; default uniform +-sqrt(1/num_embeddings) by id),
     ``device`` (the cache's; default cuda when available) and ``prefetch_depth`` (how many
@@ -304,14 +305,26 @@ class _ShardedBase(nn.Module):
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict:
-        """Counters: cache hits/misses/evictions/bytes, bytes this rank sent, memory held
-        (after finishing the last backward's update)."""
+        """Counters, after finishing the last backward's update.
+
+        Returns:
+            ``bytes_sent`` (payload this rank put on the wire), ``gathers`` (steps whose
+            gradients went to every member), ``tier`` / ``tier_bytes`` / ``cache_bytes`` (memory
+            held), ``cache``: ``"lru"`` or ``"lfu"`` when the table has a row cache, then with
+            its ``hits``, ``misses``, ``hit_rate``, ``evictions`` and ``bytes_to_cache`` /
+            ``bytes_to_tier`` / ``bytes_bypass``; ``"none"`` when none was asked for;
+            ``"bypassed: host tier"`` when one was asked for in front of the host tier on the
+            CPU, where it would only copy rows within the same memory, so the table reads its
+            shard directly and counts no hits or misses. With ``staleness``: ``stale_reused``
+            and ``stale_pulled``.
+        """
         self.synchronize()
         return self.counters()
 
     def counters(self) -> dict:
-        """The counters as they stand, without waiting for anything (any thread may call it)."""
-        out = {"bytes_sent": self.exchange.bytes_sent, "gathers": self.exchange.gathers, **self.table.memory()}
+        """The counters of :meth:`stats` as they stand, without waiting for anything (any thread may call it)."""
+        out = {"bytes_sent": self.exchange.bytes_sent, "gathers": self.exchange.gathers,
+               "cache": self.table.cache_state, **self.table.memory()}
         if self.table.cache is not None:
             out.update(self.table.cache.stats.as_dict())
         if self.stale is not None:
