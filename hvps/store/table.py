@@ -115,12 +115,13 @@ class ShardedTable:
 
     def lookup(self, slots: torch.Tensor) -> torch.Tensor:
         """Embeddings of ``slots`` (any order, repeats allowed)."""
-        distinct, inverse = torch.unique(slots, return_inverse=True)
-        return self.read(distinct)[:, : self.dim][inverse]
+        return self.records_of(slots)[:, : self.dim]
 
     def records_of(self, slots: torch.Tensor) -> torch.Tensor:
         """Whole records (embedding and optimizer state) of ``slots`` (any order, repeats allowed)."""
-        distinct, inverse = torch.unique(slots, return_inverse=True)
+        if self.cache is None:  # a tier reads repeated slots as they come
+            return self.tier.read(slots)
+        distinct, inverse = torch.unique(slots, return_inverse=True)  # the cache admits distinct rows
         return self.read(distinct)[inverse]
 
     def apply(self, slots: torch.Tensor, grads: torch.Tensor) -> None:

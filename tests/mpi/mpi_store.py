@@ -229,7 +229,9 @@ def test_gather_and_alltoall_pushes_give_the_same_bits(optimizer, combine, mode,
     the update) give the same outputs and the same table, bit for bit, on fresh random ids; so
     does either push with ``prefetch_depth=2`` (each batch prefetched two steps ahead, its ids
     updated by the two steps before it); the table as a checkpoint reads it (``synchronize``) in
-    mid-run, with lookups prefetched, is the same too."""
+    mid-run, with lookups prefetched, is the same too.  The prefetched ids ride in the push: a
+    step makes two alltoalls (push, rows; the gather at depth 1: ids, push), one at depth 2 with
+    the gather."""
     from hvps.store import exchange
 
     seed = int(hvd.broadcast_object(torch.seed() % 2**31, root_rank=0))
@@ -242,18 +244,20 @@ def test_gather_and_alltoall_pushes_give_the_same_bits(optimizer, combine, mode,
                                      prefetch_depth=depth)
         g = torch.Generator().manual_seed(seed + hvd.rank())
         batches = [_random_batch(g, 3) for _ in range(steps)]
-        outs = []
+        outs, messages = [], []
         for step, (ids, grad) in enumerate(batches):
             out = module(ids)
             for ahead in range(step + depth if step else 1, min(step + depth, steps - 1) + 1):
                 module.prefetch(batches[ahead][0])  # step 0: 1..depth; then step + depth
             (out * grad).sum().backward()
             outs.append(out.detach())
+            messages.append(module.counters()["messages"])
             if step == 1:
                 outs.append(_full_table(module))  # as save_stores reads it, batches 2 and 3 prefetched at depth 2
-        found[way] = outs, _full_table(module), module.stats()["gathers"]
+        found[way] = outs, _full_table(module), module.stats()["gathers"], messages[2] - messages[1]
     assert found["gather"][2] == found["gather2"][2] == steps - 1
     assert found["alltoall"][2] == found["alltoall2"][2] == 0
+    assert [found[way][3] for way in ("gather", "alltoall", "gather2", "alltoall2")] == [2, 2, 1, 2]
     for way in ("alltoall", "gather2", "alltoall2"):
         for step, (a, b) in enumerate(zip(found["gather"][0], found[way][0])):
             assert torch.equal(a, b), f"seed {seed}: {way}, step {step}"
@@ -361,6 +365,13 @@ def test_bad_ids_raise_value_error_on_every_rank(bad):
     with pytest.raises(ValueError, match="strict"):
         module(ids)
     module(good).sum().backward()  # every rank is still in step
+    out = module(good)
+    module.prefetch(ids)  # its ids ride in the push of this backward
+    out.sum().backward()
+    with pytest.raises(ValueError, match="strict"):
+        module(ids)
+    module(good).sum().backward()
+    module.synchronize()  # nothing left in flight for the next case's table of the same name
 
 
 def test_mismatched_configs_raise_hvps_error():
