@@ -188,8 +188,9 @@ class _ShardedBase(nn.Module):
         With ``prefetch_depth=2`` call it with the batch after next (after the first forward,
         with the next batch first): its ids then travel during this step and the one
         after, so the backward that answers them never waits for them, and a step of a
-        gathering table (below) waits for one exchange only.  Forwards take the prefetched
-        batches in the order given.
+        gathering table (below) makes one exchange only.  Forwards take the prefetched
+        batches in the order given.  A synchronous table's ids travel in the message of the
+        backward to come (one collective fewer), or alone where they are wanted first.
         Synchronous tables, where :func:`~hvps.store.exchange.gather_pays`: this step's backward
         sends its gradients to every member with the owners' answer, and every member brings
         the rows it pulled up to date itself, so the next forward waits for nothing.  Otherwise
@@ -289,7 +290,9 @@ class _ShardedBase(nn.Module):
         for them)."""
         counts = pull.ids()[2]  # [ids asked, gradient rows pushed] of each member
         dim = self.table.dim
-        if not gather_pays([p for _, p in counts], [a for a, _ in counts], dim, self.table.width, dim + 2 + weighted):
+        carries = self._ahead[-1] is not ahead and self._ahead[-1].pull.unsent is not None  # then one alltoall in all
+        if not gather_pays([p for _, p in counts], [a for a, _ in counts], dim, self.table.width, dim + 2 + weighted,
+                           carries):
             return False
         try:
             ahead.pull.ids()
