@@ -55,11 +55,6 @@ HEADER = 3
 #: faster at ~190 distinct ids a member (~25 KB more), no faster at ~1,200 (~160 KB), slower at 4
 #: and 8 members
 GATHER_EXTRA_BYTES = 64 << 10
-#: how many times that the gather may cost when the push also carries the next pull's ids (at
-#: ``prefetch_depth=2``): then gathering makes one alltoall a step instead of two; measured with
-#: recsys.py at 2 members, ~1,200 distinct ids a member (~160 KB more): ~1.2 ms of CPU a step less
-#: (benchmarks/notes-store43.md)
-GATHER_CARRY_FACTOR = 4
 #: names the id messages of pulls take in turn: more than the pulls that can be in flight at once
 #: (a forward's, or up to two prefetched), as a name must be unique among outstanding collectives
 REQUEST_NAMES = 3
@@ -92,8 +87,7 @@ class PendingPull:
         return self._parsed()
 
 
-def gather_pays(push_rows: list, pull_rows: list, dim: int, width: int, grad_width: int,
-                carries: bool = False) -> bool:
+def gather_pays(push_rows: list, pull_rows: list, dim: int, width: int, grad_width: int) -> bool:
     """Whether sending gradients to every member beats sending them to their owners.
 
     Args:
@@ -103,18 +97,16 @@ def gather_pays(push_rows: list, pull_rows: list, dim: int, width: int, grad_wid
         dim: embedding values per row (what the owners send back otherwise).
         width: values per record (embedding and optimizer state: what they send back instead).
         grad_width: values per gradient row (with its id and weight).
-        carries: the push carries the next pull's ids, so the gather also saves an alltoall.
 
     Returns:
         True when the bytes the gather adds per member, against sending gradient rows to their
-        owners only, stay within :data:`GATHER_EXTRA_BYTES` (the price of the round trip it
-        saves), :data:`GATHER_CARRY_FACTOR` times that when it ``carries``.  A rule of quantities
-        every member knows, so every member takes the same way.
+        owners only, stay within :data:`GATHER_EXTRA_BYTES`: the price of the round trip it saves.
+        A rule of quantities every member knows, so every member takes the same way.
     """
     n = len(push_rows)
     away = (n - 1) / n  # the share of rows another member owns
     extra = (sum(push_rows) * grad_width * (n - 1 - away) + sum(pull_rows) * (width - dim) * away) * 4 / n
-    return extra <= GATHER_EXTRA_BYTES * (GATHER_CARRY_FACTOR if carries else 1)
+    return extra <= GATHER_EXTRA_BYTES
 
 
 def combine(inverse: torch.Tensor, grads: torch.Tensor, count: int,

@@ -290,9 +290,7 @@ class _ShardedBase(nn.Module):
         for them)."""
         counts = pull.ids()[2]  # [ids asked, gradient rows pushed] of each member
         dim = self.table.dim
-        carries = self._ahead[-1] is not ahead and self._ahead[-1].pull.unsent is not None  # then one alltoall in all
-        if not gather_pays([p for _, p in counts], [a for a, _ in counts], dim, self.table.width, dim + 2 + weighted,
-                           carries):
+        if not gather_pays([p for _, p in counts], [a for a, _ in counts], dim, self.table.width, dim + 2 + weighted):
             return False
         try:
             ahead.pull.ids()
