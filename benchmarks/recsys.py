@@ -5,8 +5,10 @@ id per table per sample, ids Zipf-distributed with exponent ``--alpha``), a top 
 cross-entropy on synthetic clicks drawn from a hidden teacher (so the loss can fall).  The dense
 MLPs go through ``hvd.DistributedOptimizer`` (ring allreduce) in every variant; the tables:
 
-* ``store``   ``hvps.store.ShardedEmbeddingBag`` (row-wise sharded, LRU cache of ``--cache-frac``
-  of the rows, SGD applied by the owners); ``store-stale`` the same with ``--staleness``;
+* ``store``   ``hvps.store.ShardedEmbeddingBag`` (row-wise sharded, SGD applied by the owners, an
+  LRU cache of ``--cache-frac`` of the rows asked for: the table builds it only where it pays, in
+  front of the disk tier or on a GPU, and reports ``cache bypassed: host tier`` otherwise);
+  ``store-stale`` the same with ``--staleness``;
   ``store-disk`` the same on the memory-mapped disk tier; with ``--prefetch`` (the default) each
   step prefetches the next batch's lookup (``store-stale``: the whole lookup overlaps the step),
   with ``--prefetch-depth 2`` the batch after next (``prefetch_depth=2``);
@@ -256,7 +258,8 @@ def _summarize(variant, args, ranks) -> dict:
         out["wire_bytes_per_step"] = float(np.mean([r["sent"] for r in ranks])) / steps
         stats = [s for r in ranks for s in r["stats"]]
         hits, misses = sum(s.get("hits", 0) for s in stats), sum(s.get("misses", 0) for s in stats)
-        out["hit_rate_distinct"] = hits / max(1, hits + misses)
+        out["cache"] = stats[0]["cache"]  # "bypassed: host tier": no hit rates (hvps/store/table.py)
+        out["hit_rate_distinct"] = hits / (hits + misses) if hits + misses else None
         resident = sum(r["access"][0] for r in ranks)
         total = sum(r["access"][1] for r in ranks)
         out["hit_rate_access"] = resident / total if total else None  # None: not measured (--prefetch)
@@ -292,9 +295,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {round_ + 1} {v:12s} step {res['step_s'] * 1e3:9.2f} ms  cpu {res['cpu_s'] * 1e3:7.2f} ms  "
                   f"wire {res['wire_bytes_per_step'] / 1e6:10.3f} MB/step  "
                   f"rss {max(res['rss_bytes']) / 2**20:8.0f} MiB  loss {res['final_loss']:.4f}"
-                  + (f"  hit(distinct) {res['hit_rate_distinct']:.3f} hit(access) {_rate(res['hit_rate_access'])}"
-                     f"  gathers {res['gathers']:.0f}"
-                     if "hit_rate_distinct" in res else ""), flush=True)
+                  + (f"  cache {res['cache']} hit(distinct) {_rate(res['hit_rate_distinct'])}"
+                     f" hit(access) {_rate(res['hit_rate_access'])}  gathers {res['gathers']:.0f}"
+                     if "cache" in res else ""), flush=True)
     summary = {v: {key: median([r[key] for r in rs]) for key in rs[0] if isinstance(rs[0][key], (int, float))}
                for v, rs in results.items()}
     print("\nmedians over rounds:")

@@ -10,7 +10,8 @@ from hvps.store import HashPartition, RangePartition, RowAdagrad, RowAdam, RowCa
 from hvps.store.exchange import gather_pays
 from hvps.store.init import hash_uniform
 from hvps.store.optim import make_optimizer
-from hvps.store.tiers import DiskTier, HostTier
+from hvps.store.table import ShardedTable, StoreOptions
+from hvps.store.tiers import DiskTier, HostTier, discard_tier
 
 
 @pytest.mark.unit
@@ -95,6 +96,22 @@ def test_disk_tier_reads_what_it_wrote(tmp_path):
                        torch.tensor([[4.0, 5, 6], [1, 2, 3], [1, 1, 1]]))
     tier.close()
     assert not (tmp_path / "shard.f32").exists()
+
+
+@pytest.mark.unit
+def test_a_row_cache_is_built_in_front_of_the_disk_tier_only_on_the_cpu(tmp_path, caplog):
+    """In front of the host tier a CPU cache would only copy rows within the same memory."""
+    def table(tier):
+        options = StoreOptions(tier=tier, disk_dir=tmp_path, cache_rows=4, cache_policy="lfu", device="cpu")
+        return ShardedTable("t", 10, 2, RowSGD(lr=0.1), options, member=0, members=1)
+
+    with caplog.at_level("INFO", logger="hvps"):
+        host = table("host")
+    assert host.cache is None and host.cache_state == "bypassed: host tier"
+    assert "no row cache" in caplog.text and host.memory()["cache_bytes"] == 0
+    disk = table("disk")
+    assert isinstance(disk.cache, RowCache) and disk.cache_state == "lfu"
+    discard_tier(disk.tier)
 
 
 @pytest.mark.unit

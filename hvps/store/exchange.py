@@ -23,6 +23,12 @@ Every id message starts each destination's segment with a header: a status word,
 member's input is invalid all members learn it from the same collective and raise together
 instead of leaving the others blocked in the next alltoall, and the counts :func:`gather_pays`
 decides from, so every member knows every member's.
+
+A prefetched pull of a synchronous table may wait for the next push to carry its ids
+(``request(..., defer=True)``): each destination's segment of the push then starts with them, and
+a step makes one collective fewer.  Whatever needs those ids before a push carried them (a
+forward, the gather's answer, a stale table's early answer) sends them alone at that point,
+which every member reaches alike.
 """
 
 from __future__ import annotations
@@ -56,13 +62,29 @@ REQUEST_NAMES = 3
 
 @dataclass
 class PendingPull:
-    """A pull under way: ids sent to their owners; ``rows`` is set once the owners answered."""
+    """A pull under way: ids sent to their owners (or waiting for a push to carry them, in
+    ``unsent``); ``rows`` is set once the owners answered."""
 
     order: torch.Tensor  # position of each id in the owner-grouped message
-    ids: Callable[[], tuple]  # wait for the ids that reached this member (and the headers)
     sent: torch.Tensor  # the ids in owner-grouped order
     splits: list  # how many of them each member owns
+    unsent: Optional[list]  # the id message's segment for each member, until it travels
+    parse: Callable[[torch.Tensor, list], tuple]  # reads it: (ids, counts per member) -> what ids() returns
+    send: Callable[[list], Callable[[], tuple]]  # sends it alone; returns wait() -> (ids, counts per member)
     rows: Optional[Callable[[], tuple]] = None  # wait for the rows (or records) sent back
+    _parsed: Optional[Callable[[], tuple]] = None
+
+    def travel(self, arrived: Callable[[], tuple]) -> None:
+        """The ids are under way: ``arrived()`` waits for (the ids received, counts per member)."""
+        parse, self.unsent = self.parse, None
+        self._parsed = functools.cache(lambda: parse(*arrived()))  # the first result, to every later call
+
+    def ids(self) -> tuple:
+        """Wait for the ids that reached this member: ``(ids, counts per member, [[ids asked,
+        rows to push]] per member)`` (sent alone now if no push carried them)."""
+        if self._parsed is None:
+            self.travel(self.send(self.unsent))
+        return self._parsed()
 
 
 def gather_pays(push_rows: list, pull_rows: list, dim: int, width: int, grad_width: int) -> bool:
@@ -108,11 +130,13 @@ class Exchange:
         self.process_set = process_set
         self.members = table.partition.parts
         self.bytes_sent = 0  # payload bytes this member put on the wire
+        self.messages = 0  # alltoalls started
         self.gathers = 0  # steps whose gradients went to every member (push_and_answer)
         self.requests = 0  # pulls requested: their messages take turns among REQUEST_NAMES names
 
     def _alltoall_async(self, tensor: torch.Tensor, splits: list, tag: str) -> Callable[[], tuple]:
         self.bytes_sent += tensor.numel() * tensor.element_size() - self._own_bytes(tensor, splits)
+        self.messages += 1
         handle = alltoall_async(as_array(tensor.detach().contiguous().cpu()), splits,
                                 name=f"store.{self.table.name}.{tag}", process_set=self.process_set)
 
@@ -133,23 +157,12 @@ class Exchange:
         splits = torch.bincount(owners, minlength=self.members).tolist()
         return order, splits
 
-    def _send_ids(self, ids: torch.Tensor, splits: list, tag: str, error: Optional[str],
-                  push_rows: int) -> Callable[[], tuple]:
-        """Start an alltoall of ids grouped by owner, each segment led by :data:`HEADER` words.
+    def _id_parser(self, error: Optional[str]) -> Callable[[torch.Tensor, list], tuple]:
+        """How a member reads an id message: ``parse(received ids, counts per member) -> (ids,
+        counts per member, [[ids asked, rows to push]] per member)``, which raises ValueError on
+        every member when any member's status says its input was invalid."""
 
-        Returns ``wait() -> (received ids, counts per member, [[ids asked, rows to push]] per
-        member)``, which raises ValueError on every member when any member's status says its
-        input was invalid; later calls return the first result.
-        """
-        if error:
-            ids, splits = ids[:0], [0] * self.members
-        header = torch.tensor([BAD if error else OK, ids.numel(), push_rows], dtype=torch.int64)
-        parts = torch.split(ids.to(torch.int64).cpu(), splits)
-        message = torch.cat([t for part in parts for t in (header, part)])
-        pending = self._alltoall_async(message, [s + HEADER for s in splits], tag)
-
-        def wait() -> tuple:
-            received, counts = pending()
+        def parse(received: torch.Tensor, counts: list) -> tuple:
             starts = torch.tensor([0] + counts[:-1]).cumsum(0)
             heads = received[starts.view(-1, 1) + torch.arange(HEADER)]
             bad = (heads[:, 0] != OK).nonzero().view(-1).tolist()
@@ -162,16 +175,62 @@ class Exchange:
             keep[starts.view(-1, 1) + torch.arange(HEADER)] = False
             return received[keep], [c - HEADER for c in counts], heads[:, 1:].tolist()
 
-        return functools.cache(wait)  # the first result, to every later call
+        return parse
 
-    def request(self, ids: torch.Tensor, error: Optional[str] = None, push_rows: int = 0) -> "PendingPull":
-        """Start sending distinct ``ids`` to their owners (the first half of a pull); ``push_rows``:
-        the gradient rows this member will push for the batch (told to every member)."""
+    def request(self, ids: torch.Tensor, error: Optional[str] = None, push_rows: int = 0,
+                defer: bool = False) -> "PendingPull":
+        """Start sending distinct ``ids`` to their owners (the first half of a pull).
+
+        Args:
+            ids: distinct ids.
+            error: why this member's input is invalid (every member raises it at ``ids()``).
+            push_rows: the gradient rows this member will push for the batch (told to every member).
+            defer: leave the ids for the next :meth:`push` to carry (sent alone if wanted first).
+
+        Returns:
+            The pull; its ``ids()`` waits for the ids sent to this member, each segment led by
+            :data:`HEADER` words.
+        """
         order, splits = self._route(ids)
         sent = ids[order]
         self.requests += 1
         tag = f"pull.ids.{self.requests % REQUEST_NAMES}"
-        return PendingPull(order, self._send_ids(sent, splits, tag, error, push_rows), sent, splits)
+        message = sent[:0] if error else sent
+        header = torch.tensor([BAD if error else OK, message.numel(), push_rows], dtype=torch.int64)
+        parts = torch.split(message.to(torch.int64).cpu(), [0] * self.members if error else splits)
+        pull = PendingPull(order, sent, splits, [torch.cat([header, part]) for part in parts], self._id_parser(error),
+                           lambda segments: self._alltoall_async(torch.cat(segments), [t.numel() for t in segments], tag))
+        if not defer:
+            pull.travel(pull.send(pull.unsent))
+        return pull
+
+    def _start_message(self, parts: list, tag: str, carry: Optional["PendingPull"]) -> Callable[[], list]:
+        """Start an alltoall of flat float32 ``parts`` (one per member); when ``carry`` is a pull
+        whose ids are unsent, each part is led by its id segment (its length in one int64, then
+        the segment), so that they travel together.
+
+        Returns:
+            ``wait() -> the part received from each member`` (later calls return the first result).
+        """
+        segments = carry.unsent if carry is not None else None
+        if segments is not None:
+            lead = [torch.cat([torch.tensor([t.numel()]), t]).view(torch.float32) for t in segments]
+            parts = [torch.cat([a, b]) for a, b in zip(lead, parts)]
+        wait = self._alltoall_async(torch.cat(parts), [t.numel() for t in parts], tag)
+
+        @functools.cache
+        def received() -> tuple:
+            message, sizes = wait()
+            parts = torch.split(message, sizes)
+            if segments is None:
+                return list(parts), None
+            counts = [int(p[:2].clone().view(torch.int64)) for p in parts]
+            ids = torch.cat([p[2: 2 + 2 * n].clone().view(torch.int64) for p, n in zip(parts, counts)])
+            return [p[2 + 2 * n:] for p, n in zip(parts, counts)], (ids, counts)
+
+        if segments is not None:
+            carry.travel(lambda: received()[1])
+        return lambda: received()[0]
 
     def answer(self, pending: "PendingPull") -> None:
         """Owner side: wait for the ids sent to this member, read their rows now and start
@@ -189,27 +248,31 @@ class Exchange:
         out[pending.order] = back[:, : self.table.dim]
         return out
 
-    def push(self, ids: torch.Tensor, grads: torch.Tensor,
-             weights: Optional[torch.Tensor] = None) -> Callable[[], None]:
+    def push(self, ids: torch.Tensor, grads: torch.Tensor, weights: Optional[torch.Tensor] = None,
+             carry: Optional["PendingPull"] = None) -> Callable[[], None]:
         """Start sending gradient rows of ``ids`` (repeats allowed, in batch order) to their owners.
 
         Returns ``finish()``, which waits and makes the owner's optimizer step.  ``weights`` scale
         each row (the 1 / bag size of a mean bag).  The owner adds the rows of one id in member
         order, then in each member's order: the global batch's order.  The ids travel in the
-        same message as the gradients, their int64 bits carried in two float32 columns.
+        same message as the gradients, their int64 bits carried in two float32 columns; so do
+        ``carry``'s ids when that pull's are unsent (:meth:`request` with ``defer``).
         """
         order, splits = self._route(ids)
-        wait = self._alltoall_async(self._gradient_rows(ids, grads, weights, order), splits, "push")
+        rows = self._gradient_rows(ids, grads, weights, order)
+        width = rows.shape[1]
+        wait = self._start_message(list(torch.split(rows.reshape(-1), [n * width for n in splits])), "push", carry)
 
         def finish() -> None:
-            self._apply(wait()[0], weights is not None)
+            self._apply(torch.cat(wait()).view(-1, width), weights is not None)
 
         return finish
 
     def push_and_answer(self, ids: torch.Tensor, grads: torch.Tensor, weights: Optional[torch.Tensor],
-                        pending: "PendingPull") -> Callable[[], tuple]:
+                        pending: "PendingPull", carry: Optional["PendingPull"] = None) -> Callable[[], tuple]:
         """:meth:`push` to every member, in one message with this owner's answer to ``pending``
-        (a prefetched pull), its records read before this step's update.
+        (a prefetched pull), its records read before this step's update (and ``carry``'s ids, as
+        :meth:`push` carries them).
 
         Sets ``pending.rows`` to the records it pulled, brought up to date with the update that
         the returned ``finish()`` applies (whichever is called first waits and applies it).
@@ -220,14 +283,12 @@ class Exchange:
         gradient = self._gradient_rows(ids, grads, weights)
         flat, width = gradient.reshape(-1), self.table.width
         answers = torch.split(records.reshape(-1), [c * width for c in counts])
-        wait = self._alltoall_async(torch.cat([t for part in answers for t in (part, flat)]),
-                                    [c * width + flat.numel() for c in counts], "push.answer")
+        wait = self._start_message([torch.cat([part, flat]) for part in answers], "push.answer", carry)
 
         @functools.cache  # whichever of the module and the pull calls it first
         def finish() -> tuple:
-            received, sizes = wait()
             asked = [c * width for c in pending.splits]
-            parts = torch.split(received, sizes)
+            parts = wait()
             pulled = torch.cat([p[:a] for p, a in zip(parts, asked)]).view(-1, width)
             rows = torch.cat([p[a:] for p, a in zip(parts, asked)]).view(-1, gradient.shape[1])
             distinct, combined = self._apply(rows, weights is not None)

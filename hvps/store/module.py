@@ -119,7 +119,8 @@ class _ShardedBase(nn.Module):
     files and errors), ``optimizer`` ("sgd", "adagrad", "adam", a dict of hyper-parameters or a
     :class:`RowOptimizer`) and ``lr``, ``process_set`` (whose members share the table),
     ``partition`` ("hash" or "range"), ``tier`` ("host" or "disk" with ``disk_dir``),
-    ``cache_rows`` / ``cache_bytes`` (0: no cache) and ``cache_policy`` ("lru", "lfu"),
+    ``cache_rows`` / ``cache_bytes`` (0: no cache; with ``tier="host"`` on the CPU none is
+    built, see :meth:`stats`) and ``cache_policy`` ("lru", "lfu"),
     ``staleness`` (k >= 0), ``combine`` ("local" or "ordered"), ``seed`` / ``initializer``
     (``f(global_ids, dim) -> rows``; default uniform +-sqrt(1/num_embeddings) by id),
     ``device`` (the cache's; default cuda when available) and ``prefetch_depth`` (how many
@@ -167,6 +168,7 @@ class _ShardedBase(nn.Module):
         self._pending: Optional[Callable[[], None]] = None
         self.prefetch_depth = prefetch_depth
         self._ahead: "deque[_Lookup]" = deque()  # prefetched lookups, oldest first
+        self._backward_due = False  # a forward's backward (its push) is still to come
         _LIVE.add(self)
 
     @property
@@ -186,8 +188,9 @@ class _ShardedBase(nn.Module):
         With ``prefetch_depth=2`` call it with the batch after next (after the first forward,
         with the next batch first): its ids then travel during this step and the one
         after, so the backward that answers them never waits for them, and a step of a
-        gathering table (below) waits for one exchange only.  Forwards take the prefetched
-        batches in the order given.
+        gathering table (below) makes one exchange only.  Forwards take the prefetched
+        batches in the order given.  A synchronous table's ids travel in the message of the
+        backward to come (one collective fewer), or alone where they are wanted first.
         Synchronous tables, where :func:`~hvps.store.exchange.gather_pays`: this step's backward
         sends its gradients to every member with the owners' answer, and every member brings
         the rows it pulled up to date itself, so the next forward waits for nothing.  Otherwise
@@ -209,14 +212,17 @@ class _ShardedBase(nn.Module):
             times = "twice" if self.prefetch_depth == 1 else f"{self.prefetch_depth + 1} times"
             raise ValueError(f"table {self.name!r}: prefetch called {times} without a forward in between "
                              f"(prefetch_depth={self.prefetch_depth})")
-        self._ahead.append(self._start(self._batch(input, offsets), lag=1))
+        # a synchronous table's ids ride in the push of the backward to come (one collective fewer)
+        defer = self.stale is None and self._backward_due
+        self._ahead.append(self._start(self._batch(input, offsets), lag=1, defer=defer))
 
-    def _start(self, batch: _Batch, lag: int) -> _Lookup:
-        """Deduplicate ``batch``'s ids and send the ones to pull to their owners."""
+    def _start(self, batch: _Batch, lag: int, defer: bool = False) -> _Lookup:
+        """Deduplicate ``batch``'s ids and send the ones to pull to their owners (``defer``: with
+        the next push, :meth:`Exchange.request`)."""
         batch.distinct, batch.inverse = torch.unique(batch.ids, return_inverse=True)
         pushing = (batch.ids if self.options.combine == "ordered" else batch.distinct).numel()
         if self.stale is None or not self.training:
-            return _Lookup(batch, self.exchange.request(batch.distinct, batch.error, pushing))
+            return _Lookup(batch, self.exchange.request(batch.distinct, batch.error, pushing, defer))
         self.stale.advance(lag)
         known, kept = self.stale.find(batch.distinct)
         return _Lookup(batch, self.exchange.request(batch.distinct[~known], batch.error, pushing), known, kept)
@@ -255,6 +261,7 @@ class _ShardedBase(nn.Module):
         raise NotImplementedError
 
     def _push(self, batch: _Batch, pull: PendingPull, grad: torch.Tensor) -> None:
+        self._backward_due = False
         grad = grad.contiguous()
         rows = grad[batch.bag] if batch.bag is not None else grad.reshape(-1, self.table.dim)
         self.synchronize()
@@ -268,10 +275,11 @@ class _ShardedBase(nn.Module):
             ids, weights = batch.ids, batch.weights
         else:
             ids, rows, weights = batch.distinct, combine(batch.inverse, rows, batch.distinct.numel(), batch.weights), None
+        carry = self._ahead[-1].pull if self._ahead else None  # the newest prefetched ids, if still unsent
         if ahead is not None and not stale and self._gather(pull, ahead, weights is not None):
-            self._pending = self.exchange.push_and_answer(ids, rows, weights, ahead.pull)
+            self._pending = self.exchange.push_and_answer(ids, rows, weights, ahead.pull, carry)
             return
-        self._pending = self.exchange.push(ids, rows, weights)
+        self._pending = self.exchange.push(ids, rows, weights, carry)
         if ahead is not None and not stale and ahead.error is None:  # answered with exact rows at the next forward
             _AWAITING.append((self, ahead))
 
@@ -300,18 +308,31 @@ class _ShardedBase(nn.Module):
                              "pass the prefetched batch to the next forward")
         lookup = self._ahead.popleft() if self._ahead else self._start(batch, lag=0)
         anchor = torch.zeros((), requires_grad=self.training and torch.is_grad_enabled())
+        self._backward_due = anchor.requires_grad  # its push may carry a prefetch's ids
         return _LookupFunction.apply(self, lookup, anchor)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict:
-        """Counters: cache hits/misses/evictions/bytes, bytes this rank sent, memory held
-        (after finishing the last backward's update)."""
+        """Counters, after finishing the last backward's update.
+
+        Returns:
+            ``bytes_sent`` (payload this rank put on the wire), ``messages`` (alltoalls it
+            started), ``gathers`` (steps whose gradients went to every member), ``tier`` / ``tier_bytes`` / ``cache_bytes`` (memory
+            held), ``cache``: ``"lru"`` or ``"lfu"`` when the table has a row cache, then with
+            its ``hits``, ``misses``, ``hit_rate``, ``evictions`` and ``bytes_to_cache`` /
+            ``bytes_to_tier`` / ``bytes_bypass``; ``"none"`` when none was asked for;
+            ``"bypassed: host tier"`` when one was asked for in front of the host tier on the
+            CPU, where it would only copy rows within the same memory, so the table reads its
+            shard directly and counts no hits or misses. With ``staleness``: ``stale_reused``
+            and ``stale_pulled``.
+        """
         self.synchronize()
         return self.counters()
 
     def counters(self) -> dict:
-        """The counters as they stand, without waiting for anything (any thread may call it)."""
-        out = {"bytes_sent": self.exchange.bytes_sent, "gathers": self.exchange.gathers, **self.table.memory()}
+        """The counters of :meth:`stats` as they stand, without waiting for anything (any thread may call it)."""
+        out = {"bytes_sent": self.exchange.bytes_sent, "messages": self.exchange.messages,
+               "gathers": self.exchange.gathers, "cache": self.table.cache_state, **self.table.memory()}
         if self.table.cache is not None:
             out.update(self.table.cache.stats.as_dict())
         if self.stale is not None:

@@ -3,10 +3,17 @@
 The owner side of the store: it serves lookups of its rows and applies combined gradients
 to them.  Which rows it holds is the partition's business; how requests reach it is the
 exchange's.
+
+A row cache is built only where it can pay: in front of the disk tier, or on a GPU.  In
+front of the host tier on the CPU it would hold copies of rows in the very memory they live
+in, and each lookup would copy them once more (at 2 ranks, 4M x 64 rows, a 5% LRU cache cost
+~1.6 ms of CPU a step and saved nothing; benchmarks/RESULTS.md, issue 42 item 5), so there the
+table reads and writes its shard directly and ``stats()["cache"]`` says ``"bypassed: host tier"``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +28,9 @@ from .partition import Partition, make_partition
 from .tiers import Tier, discard_tier, make_tier
 
 Initializer = Callable[[torch.Tensor, int], torch.Tensor]  # (global ids, dim) -> [n, dim]
+log = logging.getLogger("hvps")
+#: what ``stats()["cache"]`` says of a table built with a cache that the table does not build
+CACHE_BYPASSED = "bypassed: host tier"
 
 
 @dataclass
@@ -66,9 +76,17 @@ class ShardedTable:
         self.tier.fill(self._initial_records(initializer))
         capacity = options.cache_rows or options.cache_bytes // (self.width * 4)
         self.cache: Optional[RowCache] = None
+        self.cache_state = "none"  # stats()["cache"]: "none", CACHE_BYPASSED, or the cache's policy
         if capacity > 0:
-            device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            self.cache = RowCache(self.tier, capacity, options.cache_policy, torch.device(device))
+            device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            if self.tier.kind == "host" and device.type == "cpu":
+                # the cache would sit in the same memory as the shard: it could only copy rows
+                self.cache_state = CACHE_BYPASSED
+                log.info("hvps: table %r: no row cache: the shard is in host memory, the memory the cache "
+                         "would use (a cache pays in front of tier='disk' or on a GPU device)", name)
+            else:
+                self.cache = RowCache(self.tier, capacity, options.cache_policy, device)
+                self.cache_state = options.cache_policy
 
     def _initial_records(self, initializer: Optional[Initializer]) -> Callable[[int, int], torch.Tensor]:
         bound = default_bound(self.num_embeddings)
@@ -97,12 +115,13 @@ class ShardedTable:
 
     def lookup(self, slots: torch.Tensor) -> torch.Tensor:
         """Embeddings of ``slots`` (any order, repeats allowed)."""
-        distinct, inverse = torch.unique(slots, return_inverse=True)
-        return self.read(distinct)[:, : self.dim][inverse]
+        return self.records_of(slots)[:, : self.dim]
 
     def records_of(self, slots: torch.Tensor) -> torch.Tensor:
         """Whole records (embedding and optimizer state) of ``slots`` (any order, repeats allowed)."""
-        distinct, inverse = torch.unique(slots, return_inverse=True)
+        if self.cache is None:  # a tier reads repeated slots as they come
+            return self.tier.read(slots)
+        distinct, inverse = torch.unique(slots, return_inverse=True)  # the cache admits distinct rows
         return self.read(distinct)[inverse]
 
     def apply(self, slots: torch.Tensor, grads: torch.Tensor) -> None:

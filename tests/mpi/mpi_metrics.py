@@ -148,11 +148,16 @@ def test_checkpoint_save_and_load_durations_and_bytes(tmp_path):
         assert 0 < value(samples, "hvps_checkpoint_last_seconds", operation=op) < 60
 
 
-def test_store_tables_cache_and_traffic():
-    """A sharded table's cache counters and memory, read at scrape time, per table."""
+def test_store_tables_cache_and_traffic(tmp_path):
+    """A sharded table's cache counters and memory, read at scrape time, per table (a cache in
+    front of the disk tier: in front of the host tier on the CPU none is built)."""
     from hvps.store import ShardedEmbeddingBag
 
-    table = ShardedEmbeddingBag(1000, 8, mode="sum", name="metrics_table", cache_rows=20)
+    table = ShardedEmbeddingBag(1000, 8, mode="sum", name="metrics_table", cache_rows=20, tier="disk",
+                                disk_dir=tmp_path)
+    host = ShardedEmbeddingBag(1000, 8, mode="sum", name="metrics_host", cache_rows=20, device="cpu")
+    host(torch.tensor([[1, 2]])).sum().backward()
+    assert host.stats()["cache"] == "bypassed: host tier" and "hits" not in host.stats()
     g = torch.Generator().manual_seed(3)
     for _ in range(5):  # more distinct rows than the cache holds: misses and evictions
         table(torch.randint(0, 1000, (16, 2), generator=g)).sum().backward()
@@ -165,8 +170,10 @@ def test_store_tables_cache_and_traffic():
     for direction, key in (("to_cache", "bytes_to_cache"), ("to_tier", "bytes_to_tier"), ("bypass", "bytes_bypass")):
         assert value(samples, "hvps_store_tier_bytes_total", table="metrics_table", direction=direction) == counts[key]
     assert counts["bytes_to_cache"] > 0
-    assert value(samples, "hvps_store_memory_bytes", table="metrics_table", tier="host") == counts["tier_bytes"] > 0
+    assert value(samples, "hvps_store_memory_bytes", table="metrics_table", tier="disk") == counts["tier_bytes"] > 0
     assert value(samples, "hvps_store_memory_bytes", table="metrics_table", tier="cache") == counts["cache_bytes"] > 0
+    assert value(samples, "hvps_store_memory_bytes", table="metrics_host", tier="cache") == 0
+    assert value(samples, "hvps_store_cache_hits_total", table="metrics_host") == 0
 
 
 def test_process_host_and_gpu_readings():

@@ -44,6 +44,12 @@ def _from(weight):
     return lambda ids, dim: weight[ids]
 
 
+def _cached(rows, directory):
+    """A row cache of ``rows`` (none for 0): on the disk tier, in front of which a table builds
+    one on the CPU (in front of the host tier it would only copy rows; hvps/store/table.py)."""
+    return {"cache_rows": rows, "tier": "disk", "disk_dir": directory} if rows else {}
+
+
 def _grads(g, rows, dyadic):
     if dyadic:
         return torch.randint(-64, 64, (rows, D), generator=g).float() / 64
@@ -139,13 +145,17 @@ def test_bag_sgd_is_bit_exact(mode, partition, cache_rows, policy, tier, tmp_pat
     worst = _train_pair(module, reference, torch.optim.SGD(reference.parameters(), lr=LR), mode, dyadic=True)
     assert worst == 0.0
     assert torch.equal(_full_table(module), reference.weight.detach())
+    stats = module.stats()  # no cache in front of the host tier on the CPU: it would only copy rows
+    cached = cache_rows > 0 and (tier == "disk" or torch.cuda.is_available())
+    assert stats["cache"] == (policy if cached else "bypassed: host tier" if cache_rows else "none")
+    assert ("hits" in stats, stats["cache_bytes"] > 0, stats.get("misses", 0) > 0) == (cached,) * 3
 
 
 @pytest.mark.parametrize("mode,cache_rows", [("sum", 5), ("mean", 0)])
-def test_prefetched_lookups_stay_synchronous(mode, cache_rows):
+def test_prefetched_lookups_stay_synchronous(mode, cache_rows, tmp_path):
     """prefetch() sends the next batch's ids early; its rows still include every update."""
     w0 = _initial()
-    module = ShardedEmbeddingBag(N, D, mode=mode, name=f"prefetch_{mode}", lr=LR, cache_rows=cache_rows,
+    module = ShardedEmbeddingBag(N, D, mode=mode, name=f"prefetch_{mode}", lr=LR, **_cached(cache_rows, tmp_path),
                                  initializer=_from(w0))
     reference = nn.EmbeddingBag(N, D, mode=mode, _weight=w0.clone())
     worst = _train_pair(module, reference, torch.optim.SGD(reference.parameters(), lr=LR), mode, dyadic=True,
@@ -154,12 +164,12 @@ def test_prefetched_lookups_stay_synchronous(mode, cache_rows):
     assert torch.equal(_full_table(module), reference.weight.detach())
 
 
-def test_prefetched_tables_are_answered_together_and_stay_exact():
+def test_prefetched_tables_are_answered_together_and_stay_exact(tmp_path):
     """Three tables trained in one graph with prefetch: the first forward of a step answers all
     of them (overlapping their exchanges); each still matches its own nn.EmbeddingBag."""
     w0 = _initial()
     salts = (8, 9, 10)
-    modules = [ShardedEmbeddingBag(N, D, mode="sum", name=f"group{i}", lr=LR, cache_rows=3 * i,
+    modules = [ShardedEmbeddingBag(N, D, mode="sum", name=f"group{i}", lr=LR, **_cached(3 * i, tmp_path),
                                    initializer=_from(w0)) for i in range(len(salts))]
     references = [nn.EmbeddingBag(N, D, mode="sum", _weight=w0.clone()) for _ in salts]
     optimizer = torch.optim.SGD([p for r in references for p in r.parameters()], lr=LR)
@@ -182,11 +192,11 @@ def test_prefetched_tables_are_answered_together_and_stay_exact():
         assert torch.equal(_full_table(module), reference.weight.detach())
 
 
-def test_prefetch_with_staleness_overlaps_the_whole_lookup():
+def test_prefetch_with_staleness_overlaps_the_whole_lookup(tmp_path):
     """staleness=1 + prefetch: owners answer during the previous backward, so step t reads the
     table as it was after t-1 updates (one update missing) and the final table is still exact."""
     w0 = _initial()
-    module = ShardedEmbeddingBag(N, D, mode="sum", name="prefetch_stale", lr=LR, staleness=1, cache_rows=4,
+    module = ShardedEmbeddingBag(N, D, mode="sum", name="prefetch_stale", lr=LR, staleness=1, **_cached(4, tmp_path),
                                  initializer=_from(w0))
     weight, history = w0.clone(), [w0.clone()]
     steps = 5
@@ -213,13 +223,15 @@ def _random_batch(g, width):
 
 
 @pytest.mark.parametrize("optimizer,combine,mode", [("adam", "local", "sum"), ("adagrad", "ordered", "mean")])
-def test_gather_and_alltoall_pushes_give_the_same_bits(optimizer, combine, mode, monkeypatch):
+def test_gather_and_alltoall_pushes_give_the_same_bits(optimizer, combine, mode, monkeypatch, tmp_path):
     """The push to every member (the prefetched pull answered in its message, before the update,
     and brought up to date by each member) and the push to the owners (the pull answered after
     the update) give the same outputs and the same table, bit for bit, on fresh random ids; so
     does either push with ``prefetch_depth=2`` (each batch prefetched two steps ahead, its ids
     updated by the two steps before it); the table as a checkpoint reads it (``synchronize``) in
-    mid-run, with lookups prefetched, is the same too."""
+    mid-run, with lookups prefetched, is the same too.  The prefetched ids ride in the push: a
+    step makes two alltoalls (push, rows; the gather at depth 1: ids, push), one at depth 2 with
+    the gather."""
     from hvps.store import exchange
 
     seed = int(hvd.broadcast_object(torch.seed() % 2**31, root_rank=0))
@@ -228,22 +240,24 @@ def test_gather_and_alltoall_pushes_give_the_same_bits(optimizer, combine, mode,
                               ("alltoall2", -1, 2)):
         monkeypatch.setattr(exchange, "GATHER_EXTRA_BYTES", extra)
         module = ShardedEmbeddingBag(N, D, mode=mode, name=f"ways_{optimizer}_{way}", optimizer=optimizer, lr=0.1,
-                                     combine=combine, cache_rows=7, initializer=_from(_initial()),
+                                     combine=combine, **_cached(7, tmp_path), initializer=_from(_initial()),
                                      prefetch_depth=depth)
         g = torch.Generator().manual_seed(seed + hvd.rank())
         batches = [_random_batch(g, 3) for _ in range(steps)]
-        outs = []
+        outs, messages = [], []
         for step, (ids, grad) in enumerate(batches):
             out = module(ids)
             for ahead in range(step + depth if step else 1, min(step + depth, steps - 1) + 1):
                 module.prefetch(batches[ahead][0])  # step 0: 1..depth; then step + depth
             (out * grad).sum().backward()
             outs.append(out.detach())
+            messages.append(module.counters()["messages"])
             if step == 1:
                 outs.append(_full_table(module))  # as save_stores reads it, batches 2 and 3 prefetched at depth 2
-        found[way] = outs, _full_table(module), module.stats()["gathers"]
+        found[way] = outs, _full_table(module), module.stats()["gathers"], messages[2] - messages[1]
     assert found["gather"][2] == found["gather2"][2] == steps - 1
     assert found["alltoall"][2] == found["alltoall2"][2] == 0
+    assert [found[way][3] for way in ("gather", "alltoall", "gather2", "alltoall2")] == [2, 2, 1, 2]
     for way in ("alltoall", "gather2", "alltoall2"):
         for step, (a, b) in enumerate(zip(found["gather"][0], found[way][0])):
             assert torch.equal(a, b), f"seed {seed}: {way}, step {step}"
@@ -270,9 +284,9 @@ def test_prefetch_misuse_raises_value_error():
     deep(ids + 1).sum().backward()
 
 
-def test_embedding_sgd_is_bit_exact():
+def test_embedding_sgd_is_bit_exact(tmp_path):
     w0 = _initial()
-    module = ShardedEmbedding(N, D, name="emb", lr=LR, cache_rows=7, initializer=_from(w0))
+    module = ShardedEmbedding(N, D, name="emb", lr=LR, **_cached(7, tmp_path), initializer=_from(w0))
     reference = nn.Embedding(N, D, _weight=w0.clone())
     opt = torch.optim.SGD(reference.parameters(), lr=LR)
     for step in range(STEPS):
@@ -304,19 +318,19 @@ def test_ordered_combine_follows_the_global_batch_order():
     assert torch.equal(_full_table(module), weight)
 
 
-def test_local_combine_with_full_precision_gradients_is_close():
+def test_local_combine_with_full_precision_gradients_is_close(tmp_path):
     w0 = _initial()
-    module = ShardedEmbeddingBag(N, D, mode="sum", name="local_fp", lr=LR, cache_rows=9, initializer=_from(w0))
+    module = ShardedEmbeddingBag(N, D, mode="sum", name="local_fp", lr=LR, **_cached(9, tmp_path), initializer=_from(w0))
     reference = nn.EmbeddingBag(N, D, mode="sum", _weight=w0.clone())
     _train_pair(module, reference, torch.optim.SGD(reference.parameters(), lr=LR), "sum", dyadic=False, salt=4)
     torch.testing.assert_close(_full_table(module), reference.weight.detach(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
-def test_row_optimizers_match_torch(optimizer):
+def test_row_optimizers_match_torch(optimizer, tmp_path):
     w0 = _initial()
     module = ShardedEmbeddingBag(N, D, mode="mean", name=f"opt_{optimizer}", optimizer=optimizer, lr=0.1,
-                                 cache_rows=6, initializer=_from(w0))
+                                 **_cached(6, tmp_path), initializer=_from(w0))
     reference = nn.EmbeddingBag(N, D, mode="mean", sparse=optimizer == "adam", _weight=w0.clone())
     ref_opt = (torch.optim.Adagrad(reference.parameters(), lr=0.1) if optimizer == "adagrad"
                else torch.optim.SparseAdam(list(reference.parameters()), lr=0.1))
@@ -351,6 +365,13 @@ def test_bad_ids_raise_value_error_on_every_rank(bad):
     with pytest.raises(ValueError, match="strict"):
         module(ids)
     module(good).sum().backward()  # every rank is still in step
+    out = module(good)
+    module.prefetch(ids)  # its ids ride in the push of this backward
+    out.sum().backward()
+    with pytest.raises(ValueError, match="strict"):
+        module(ids)
+    module(good).sum().backward()
+    module.synchronize()  # nothing left in flight for the next case's table of the same name
 
 
 def test_mismatched_configs_raise_hvps_error():
@@ -360,7 +381,7 @@ def test_mismatched_configs_raise_hvps_error():
         ShardedEmbeddingBag(N, D, name="mismatch_lr", lr=0.1 * (1 + hvd.rank()))
 
 
-def test_checkpoint_reshards_and_falls_back():
+def test_checkpoint_reshards_and_falls_back(tmp_path):
     """Save on every rank, load on a process set of another size (re-sharding), then reject a
     version whose shard is corrupt and one whose shard is missing, falling back each time."""
     size, rank = hvd.size(), hvd.rank()
@@ -368,7 +389,8 @@ def test_checkpoint_reshards_and_falls_back():
     try:
         directory = shared_dir("store-ckpt")
         manager = CheckpointManager(directory, keep_last=None, fsync=False)
-        module = ShardedEmbeddingBag(N, D, mode="sum", name="ckpt", optimizer="adagrad", lr=0.1, cache_rows=5)
+        module = ShardedEmbeddingBag(N, D, mode="sum", name="ckpt", optimizer="adagrad", lr=0.1,
+                                     **_cached(5, tmp_path))
         expected = []
         for epoch in range(3):
             _train_pair(module, nn.EmbeddingBag(N, D, mode="sum"), None, "sum", dyadic=True, salt=epoch, steps=2)
