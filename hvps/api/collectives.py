@@ -374,11 +374,11 @@ def grouped_allreduce_async(
     Returns:
         A :class:`~hvps.Handle`; ``wait()`` returns the reductions, a list in input order.
     """
-    return _allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs, process_set, grouped=True)
+    return _grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor, outs, process_set)
 
 
 @fails_everywhere(ALLREDUCE)
-def _allreduce_async(values, op, name, prescale_factor, postscale_factor, outs, process_set, grouped: bool) -> Handle:
+def _grouped_allreduce_async(values, op, name, prescale_factor, postscale_factor, outs, process_set) -> Handle:
     op = _as_op(op)
     runtime.engine()
     set_id, ranks = resolve(process_set)
@@ -413,7 +413,7 @@ def _allreduce_async(values, op, name, prescale_factor, postscale_factor, outs, 
                                         _scale(postscale_factor, "postscale_factor"), device, set_id)
             parts.append((request, [inputs[i] for i in group], [outputs[i] for i in group]))
             plan.append(group)
-    handles = _submit_all(parts, grouped)
+    handles = _submit_all(parts, grouped=True)
     if len(handles) == 1:
         return handles[0]
     return GroupHandle(base, list(zip(plan, handles)), len(inputs))
@@ -468,7 +468,7 @@ def allreduce_async(array: Any, op: Any = Average, name: Optional[str] = None, p
 
 @fails_everywhere(ALLREDUCE)
 def _allreduce_one(array, op, name, prescale_factor, postscale_factor, out, process_set) -> Handle:
-    """``_allreduce_async`` of one array, without its grouping by dtype and device (the path of every synchronous
+    """``_grouped_allreduce_async`` of one array, without its grouping by dtype and device (the path of every synchronous
     ``allreduce``): the same checks, in the same order, and the same request."""
     op = _as_op(op)
     runtime.engine()

@@ -137,9 +137,21 @@ def run_allreduce(ctx: Context, response, entries: list) -> list:
     if op is ReduceOp.Adasum:
         return run_adasum(ctx, response, entries)
     if len(entries) == 1 and entries[0] is not None and len(entries[0].inputs) == 1:  # one tensor: nothing to pack
-        entry = entries[0]
-        _reduce_where_it_lives(ctx, entry.inputs[0], entry.outputs[0], op, first)
-        return [list(entry.outputs) if entry.grouped else entry.outputs[0]]
+        _reduce_where_it_lives(ctx, entries[0].inputs[0], entries[0].outputs[0], op, first)
+    else:
+        _reduce_together(ctx, response, entries, op, first)
+    return [_result_of(entry) for entry in entries]
+
+
+def _result_of(entry) -> Any:
+    """What an allreduce's handle yields: the list of outputs (grouped), the only one, or None (joined)."""
+    if entry is None:
+        return None
+    return list(entry.outputs) if entry.grouped else entry.outputs[0]
+
+
+def _reduce_together(ctx: Context, response, entries: list, op: ReduceOp, first: Request) -> None:
+    """Reduce every entry's tensors (zeros for a joined rank's): the large ones alone, the rest packed."""
     ins, outs = [], []
     for entry, req in zip(entries, response.requests):
         if entry is None:  # joined: contribute zeros, keep nothing
@@ -163,13 +175,6 @@ def run_allreduce(ctx: Context, response, entries: list) -> list:
             _reduce_where_it_lives(ctx, span, span, op, first)
         else:
             _reduce_packed(ctx, packed_ins, packed_outs, op, first)
-    results = []
-    for entry in entries:
-        if entry is not None:
-            results.append(list(entry.outputs) if entry.grouped else entry.outputs[0])
-        else:
-            results.append(None)
-    return results
 
 
 def run_allgather(ctx: Context, response, entries: list) -> list:
@@ -238,9 +243,7 @@ def run_adasum(ctx: Context, response, entries: list) -> list:
     if arrays.numel(out):
         adasum_allreduce(ctx.backend, out.reshape(-1), ctx.rank, ctx.size)
     scaling.scale(out, req.postscale)
-    if entry is None:
-        return [None]
-    return [list(entry.outputs) if entry.grouped else out]
+    return [_result_of(entry)]
 
 
 def run_barrier(ctx: Context, response, entries: list) -> list:

@@ -94,7 +94,6 @@ class EngineFailures:
                 entry.handle.set_error(failure)
 
 
-
 class _StopTheEngine:
     """``EngineFailures.stop_the_engine``'s context: ``failed(exc)`` for any exception, which goes on up unless it
     is an ``Exception`` or ``on_engine_thread()`` (an interrupt of a driving waiter goes on up it)."""
