@@ -9,7 +9,8 @@ throughput with a plain socket sender/receiver between the two namespaces, then,
 alternating A B A B for --rounds rounds, runs one mpirun job per implementation
 (raw mpi4py ``Allreduce``, hvps with the mpi and ring algorithms), 1 rank per host,
 TCP only. busbw = bytes * 2(n-1)/n / time (the slowest rank's time per call, calls
-separated by a barrier, ``MPI.Wtime``); target: hvps busbw >= 85% of the TCP rate.
+separated by a barrier, ``MPI.Wtime``); target: hvps busbw >= 85% of the TCP rate. "CPU ms": the
+process CPU time (all threads) of the median call on its busiest rank.
 
 Worker mode (``--impl``, under mpirun) times one implementation; rank 0 prints JSON.
 """
@@ -21,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,16 +52,18 @@ def worker(args) -> None:
     else:
         def call(i):
             comm.Allreduce(send, recv, op=MPI.SUM)
-    times = []
+    times, cpus = [], []
     for i in range(args.warmup + args.iters):
         comm.Barrier()
-        t0 = MPI.Wtime()
+        t0, c0 = MPI.Wtime(), time.process_time()
         call(i)
-        dt = comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX)
+        dt, cpu = MPI.Wtime() - t0, time.process_time() - c0
+        dt, cpu = comm.allreduce(dt, op=MPI.MAX), comm.allreduce(cpu, op=MPI.MAX)  # each: the slowest rank's
         if i >= args.warmup:
             times.append(dt)
+            cpus.append(cpu)
     if comm.rank == 0:
-        print("RESULT " + json.dumps({"impl": args.impl, "times": times}), flush=True)
+        print("RESULT " + json.dumps({"impl": args.impl, "times": times, "cpu": cpus}), flush=True)
 
 
 def _has_out() -> bool:
@@ -116,6 +120,7 @@ def driver(args) -> dict:
                for _ in range(args.rounds)]
         mpi_args = (state / "mpirun-args").read_text().split()
         results: dict = {impl: [] for impl in args.impls.split(",")}
+        cpu: dict = {impl: [] for impl in results}  # the median call's process CPU time on its busiest rank
         for _ in range(args.rounds):
             for impl in results:
                 run_env = dict(os.environ, PYTHONPATH=str(REPO),
@@ -131,20 +136,22 @@ def driver(args) -> dict:
                 line = next((ln for ln in proc.stdout.splitlines() if "RESULT " in ln), None)
                 if proc.returncode != 0 or line is None:
                     raise RuntimeError(f"{impl} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-                results[impl].append(statistics.median(json.loads(line.split("RESULT ", 1)[1])["times"]))
+                result = json.loads(line.split("RESULT ", 1)[1])
+                results[impl].append(statistics.median(result["times"]))
+                cpu[impl].append(statistics.median(result["cpu"]))
     finally:
         testbed("down", env)
     tcp_rate = statistics.median(tcp)
     busbw_factor = 2 * (2 - 1) / 2
     report = {"rate": args.rate, "bytes": args.bytes, "tcp_bytes_per_s": tcp_rate, "tcp_runs": tcp, "impls": {}}
     print(f"link {args.rate}: TCP throughput {tcp_rate / 1e6:.1f} MB/s (median of {len(tcp)})")
-    print(f"{'impl':<10} {'time ms':>9} {'busbw MB/s':>11} {'of TCP':>7}")
+    print(f"{'impl':<10} {'time ms':>9} {'busbw MB/s':>11} {'of TCP':>7} {'CPU ms':>7}")
     for impl, times in results.items():
-        t = statistics.median(times)
+        t, cpu_s = statistics.median(times), statistics.median(cpu[impl])
         busbw = args.bytes * busbw_factor / t
         report["impls"][impl] = {"time_s": t, "rounds": times, "busbw_bytes_per_s": busbw,
-                                 "fraction_of_tcp": busbw / tcp_rate}
-        print(f"{impl:<10} {t * 1e3:9.1f} {busbw / 1e6:11.1f} {busbw / tcp_rate:7.1%}")
+                                 "fraction_of_tcp": busbw / tcp_rate, "cpu_s": cpu_s, "cpu_rounds": cpu[impl]}
+        print(f"{impl:<10} {t * 1e3:9.1f} {busbw / 1e6:11.1f} {busbw / tcp_rate:7.1%} {cpu_s * 1e3:7.1f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -11,10 +11,10 @@ store's exchanges, ``broadcast_object``, checkpoint loading: all are collectives
   allgather of the root's block alone.
 
 Messages to peers on another host are sealed (``sealed_crypto.py``); same-host peers travel in clear
-unless ``HVPS_ENCRYPT=all``. Each message is cut into chunks, and a worker thread seals chunks ahead
-and opens them behind while others are on the wire (OpenSSL releases the GIL). The allreduce is one
-stream from its reduce-scatter's last step on: that step's chunks are folded as they open
-(``ChunkFold``), each chunk of this rank's sum is sealed and sent on as soon as it is folded, and each
+unless ``HVPS_ENCRYPT=all``. Each message is cut into chunks, each sealed just before it is sent and
+opened as soon as it has arrived, while the chunks before and after it are on the wire. The
+allreduce is one stream from its reduce-scatter's last step on: that step's chunks are folded as they
+open (``ChunkFold``), each chunk of this rank's sum is sealed and sent on as soon as it is folded, and each
 later ring step sends each chunk as soon as the step before opened it, so the link never waits for a
 step to end. Every chunk travels as MPI messages small enough to go eagerly (``MESSAGE_BYTES``).
 
@@ -26,7 +26,6 @@ messages), so every rank raises the same HvpsError, naming the peer and the coll
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 import time
 from typing import Callable, Optional, Sequence
@@ -65,7 +64,7 @@ _TAG = 7301  # MPI tag of every message: the communicator is private to this bac
 #: queue and the testbed's 100 ms tbf queue), and a step that starts while the link is full stalled for that long.
 #: Measured at 1 Gbit/s, 2 emulated hosts, a 64 MiB reduce-scatter and allgather streamed chunk by chunk: 4 MiB
 #: messages 780-960 ms, these 564-656 ms (560 ms of link time)
-MESSAGE_BYTES = 65536 - 1024
+MESSAGE_BYTES = int(__import__("os").environ.get("HVPS_X_PIECE", 65536 - 1024))
 #: the first step number of a ring allgather
 _GATHER_STEP = 1000
 
@@ -122,7 +121,7 @@ class Outgoing:
 class Incoming:
     """One message of a stream: ``data``'s bytes from ``peer`` at ``step``.
 
-    ``on_chunk(stop)``, when given, runs on the worker thread, in chunk order, each time ``data[:stop]`` is
+    ``on_chunk(stop)``, when given, runs in chunk order each time ``data[:stop]`` is
     all usable (authenticated and opened, or received in clear): the caller consumes them while later chunks
     are on the wire; it never runs for a chunk that failed to open, nor for any chunk after it. ``usable``
     is that ``stop``. ``after``: an :class:`Outgoing` sending these same bytes first (in place): chunk k is
@@ -207,7 +206,6 @@ class SealedBackend(Backend):
         self.workspace = FusionBuffer()  # the blocks received in a reduce-scatter
         self.tamper = _Tamper(keyring.rank)
         self._subsets: dict = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hvps-seal")
         context = b"members:" + b",".join(str(m).encode() for m in self.members) + b"|" + \
             str(keyring_uses(keyring, self.members)).encode()
         me = self.members[self.rank]
@@ -245,9 +243,10 @@ class SealedBackend(Backend):
     def _stream(self, outgoing: list, incoming: list, state: dict) -> None:
         """Move every message of ``outgoing`` and ``incoming`` as one stream of chunks.
 
-        Chunks are sent in list order (chunk k of message m when ``m.ready()`` covers it), ``WINDOW`` sealed
-        ahead on the worker thread and in flight, and received in list order, ``WINDOW`` posted ahead and
-        opened behind on the worker; a message that waits on another's bytes (the allgather's on the
+        Chunks are sealed and sent in list order (chunk k of message m when ``m.ready()`` covers it), up to
+        ``WINDOW`` in flight, and received in list order, ``WINDOW`` posted ahead, each opened as soon as it
+        has arrived (on this thread: ``cryptography`` holds the GIL while it seals or opens, so a worker
+        thread only traded the GIL with this one; measured in RESULTS.md, issue 42 item 4); a message that waits on another's bytes (the allgather's on the
         reduce-scatter's fold, each ring step's on the step before) starts as soon as its first chunk can,
         so the link never waits for a step to end. Each chunk travels as MPI messages of at most
         ``MESSAGE_BYTES``: sent eagerly, none waits on a rendezvous reply queued behind the data a peer is
@@ -277,7 +276,7 @@ class SealedBackend(Backend):
                 message.failed = True
             usable(unit)
 
-        def usable(unit: _Unit) -> None:  # in chunk order, on the worker (or inline for a plain receive)
+        def usable(unit: _Unit) -> None:  # in chunk order
             message = unit.message
             if not message.failed:
                 message.usable = unit.stop
@@ -292,31 +291,17 @@ class SealedBackend(Backend):
             before = unit.message.after
             return before is None or unit.k >= len(before.units) or before.units[unit.k].done
 
-        sealing: dict = {}                # index -> future of its sealed bytes
-        posted_s = done_s = posted_r = done_r = opened = 0
-        opening: list = []                # (unit, future) being opened, in order
+        posted_s = done_s = posted_r = done_r = 0
         idle, deadline = 0, time.monotonic() + self.timeout
-        while done_s < len(sends) or opened < len(recvs):
+        while done_s < len(sends) or done_r < len(recvs):
             moved = False
-            while len(sealing) + posted_s - done_s < WINDOW and posted_s + len(sealing) < len(sends):
-                unit = sends[posted_s + len(sealing)]
-                if unit.nonce is None or not ready(unit):
-                    break
-                sealing[unit.index] = self._pool.submit(seal, unit)
-            while posted_s < len(sends) and posted_s - done_s < WINDOW:
+            while posted_s < len(sends) and posted_s - done_s < WINDOW and ready(sends[posted_s]):
                 unit = sends[posted_s]
-                if unit.nonce is not None:
-                    if unit.index not in sealing or not sealing[unit.index].done():
-                        break
-                    box = sealing.pop(unit.index).result()
-                elif ready(unit):
-                    box = unit.plain()
-                else:
-                    break
+                box = seal(unit) if unit.nonce is not None else unit.plain()
                 unit.requests = [self.comm.Isend(piece, unit.message.peer, _TAG) for piece in _pieces(box)]
                 posted_s += 1
                 moved = True
-            while posted_r < len(recvs) and posted_r - opened < WINDOW and may_receive(recvs[posted_r]):
+            while posted_r < len(recvs) and posted_r - done_r < WINDOW and may_receive(recvs[posted_r]):
                 unit = recvs[posted_r]
                 unit.box = self._slot(WINDOW + unit.index % WINDOW, unit.size + sealed_crypto.TAG) \
                     if unit.nonce is not None else unit.plain()
@@ -331,38 +316,26 @@ class SealedBackend(Backend):
                     unit = recvs[done_r]
                     done_r += 1
                     moved = True
-                    if unit.nonce is not None:
-                        opening.append(self._pool.submit(open_, unit))
-                    elif unit.message.on_chunk is not None:  # on the worker: on_chunk keeps one thread and order
-                        opening.append(self._pool.submit(usable, unit))
-                    elif not opening:
-                        usable(unit)
-                        opened += 1
-                    else:
-                        opening.append(self._pool.submit(usable, unit))
+                    open_(unit) if unit.nonce is not None else usable(unit)
             except MPI.Exception as exc:  # e.g. a message longer than the chunk expected: truncated, never stored
-                self._drain(sends[done_s:posted_s], recvs[done_r:posted_r], opening, sealing)
+                self._drain(sends[done_s:posted_s] + recvs[done_r:posted_r])
                 state.setdefault("failure", f"a message between ranks {self._peers(outgoing, incoming)} and "
                                             f"{self.members[self.rank]} was refused in {state['what']}: {exc}")
                 return
-            while opening and opening[0].done():
-                opening.pop(0).result()
-                opened += 1
-                moved = True
             if moved:
                 idle, deadline = 0, time.monotonic() + self.timeout
                 continue
             idle += 1
-            # sleep(0) hands the GIL to the worker thread at once (a spinning thread keeps it for the
-            # interpreter's 5 ms switch interval, which cost every sealed chunk milliseconds)
+            # sleep(0) yields the core at once to whatever else is runnable (the peer's rank on a shared
+            # host, the kernel's network work); longer naps once nothing has moved for a while
             time.sleep(min(_MAX_NAP, _NAP * (idle - _SPIN_POLLS)) if idle > _SPIN_POLLS else 0)
             if self.abort is not None and self.abort.is_set():  # the engine's word that ranks were lost
-                self._drain(sends[done_s:posted_s], recvs[done_r:posted_r], opening, sealing, cancel=True)
+                self._drain(sends[done_s:posted_s] + recvs[done_r:posted_r], cancel=True)
                 raise HvpsError(f"hvps: {state['what']} (sealed data plane) abandoned: ranks of the job were lost")
             if time.monotonic() > deadline:
                 waiting = sends[done_s:done_s + 1] + recvs[done_r:done_r + 1]
                 silent = sorted({self.members[unit.message.peer] for unit in waiting})
-                self._drain(sends[done_s:posted_s], recvs[done_r:posted_r], opening, sealing, cancel=True)
+                self._drain(sends[done_s:posted_s] + recvs[done_r:posted_r], cancel=True)
                 raise DataPlaneStall(f"hvps: {state['what']} (sealed data plane) failed: no data moved to or from "
                                      f"ranks {silent} for {self.timeout:g} s (HVPS_STALL_CHECK_TIME_SECONDS); a rank "
                                      "died or a link between ranks is down")
@@ -385,17 +358,15 @@ class SealedBackend(Backend):
         return ", ".join(str(self.members[p]) for p in sorted({m.peer for m in outgoing + incoming}))
 
     @staticmethod
-    def _drain(sends: list, recvs: list, opening: list, sealing: dict, cancel: bool = False) -> None:
+    def _drain(units: list, cancel: bool = False) -> None:
         """After a failure: finish what is still in flight, or (``cancel``: a peer is gone) cancel it without
-        waiting, as the ring does; either way let the worker finish the chunks it is sealing and opening."""
-        for unit in sends + recvs:
+        waiting, as the ring does."""
+        for unit in units:
             for request in unit.requests:
                 try:
                     request.Cancel() if cancel else request.Wait()
                 except Exception:  # noqa: BLE001 - an errored request is finished too
                     pass
-        for future in list(sealing.values()) + opening:
-            future.result()
 
     def _begin(self, what: str) -> dict:
         self.tamper.refresh()
@@ -543,7 +514,6 @@ class SealedBackend(Backend):
         return subset
 
     def close(self, failed=False):
-        self._pool.shutdown(wait=not failed)
         self.inner.close(failed)
 
 
