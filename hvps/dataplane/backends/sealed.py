@@ -295,18 +295,18 @@ class SealedBackend(Backend):
         idle, deadline = 0, time.monotonic() + self.timeout
         while done_s < len(sends) or done_r < len(recvs):
             moved = False
-            while posted_s < len(sends) and posted_s - done_s < WINDOW and ready(sends[posted_s]):
-                unit = sends[posted_s]
-                box = seal(unit) if unit.nonce is not None else unit.plain()
-                unit.requests = [self.comm.Isend(piece, unit.message.peer, _TAG) for piece in _pieces(box)]
-                posted_s += 1
-                moved = True
             while posted_r < len(recvs) and posted_r - done_r < WINDOW and may_receive(recvs[posted_r]):
                 unit = recvs[posted_r]
                 unit.box = self._slot(WINDOW + unit.index % WINDOW, unit.size + sealed_crypto.TAG) \
                     if unit.nonce is not None else unit.plain()
                 unit.requests = [self.comm.Irecv(piece, unit.message.peer, _TAG) for piece in _pieces(unit.box)]
                 posted_r += 1
+            if posted_s < len(sends) and posted_s - done_s < WINDOW and ready(sends[posted_s]):
+                unit = sends[posted_s]
+                box = seal(unit) if unit.nonce is not None else unit.plain()
+                unit.requests = [self.comm.Isend(piece, unit.message.peer, _TAG) for piece in _pieces(box)]
+                posted_s += 1
+                moved = True
             try:  # each call progresses every request; the oldest first, as they finish in order
                 while done_s < posted_s and MPI.Request.Testall(sends[done_s].requests):
                     sends[done_s].done = True
