@@ -143,17 +143,22 @@ _recent_requests: dict = {}
 _REQUESTS_KEPT = 4096
 
 
-def _allreduce_request(label: str, dtype: str, shapes: tuple, op: str, prescale: float, postscale: float,
-                      device: str, set_id: int) -> Request:
+def _allreduce_request(label: str, dtype: str, shapes: tuple, op: str, prescale_factor: Any, postscale_factor: Any,
+                       device: str, set_id: int) -> Request:
     """The allreduce request with these fields: the one a recent call made, or a new one.
 
     Args:
-        label: the collective's full name; ``dtype``, ``shapes``, ``op`` (``ReduceOp``'s value), ``prescale``,
-            ``postscale``, ``device`` and ``set_id`` (the engine's process set id): the request's fields.
+        label: the collective's full name; ``dtype``, ``shapes``, ``op`` (``ReduceOp``'s value), the scale
+            factors as the caller gave them (checked here), ``device`` and ``set_id`` (the engine's process set
+            id): the request's fields.
 
     Returns:
         A ``Request`` equal to ``Request(label, ALLREDUCE, dtype, shapes, op, ...)`` (requests are immutable).
+
+    Raises:
+        TypeError, ValueError: a scale factor that is not a finite number.
     """
+    prescale, postscale = _scale(prescale_factor, "prescale_factor"), _scale(postscale_factor, "postscale_factor")
     if not prescale or not postscale:  # -0.0 == 0.0 as keys, but the sign of the zeros they give differs
         return Request(label, ALLREDUCE, dtype, shapes, op, prescale=prescale, postscale=postscale, device=device,
                        process_set=set_id)
@@ -317,6 +322,14 @@ def _as_op(op: Any) -> ReduceOp:
         raise ValueError(f"unknown reduce op {op!r}; use one of {[o.name for o in ReduceOp]}") from None
 
 
+def _check_reduction(op: ReduceOp, dtype_names: Any, set_id: int, size: int) -> None:
+    """What an allreduce checks of its op: every dtype can take it, and Adasum's rules (``size``: the set's ranks)."""
+    for dtype in dtype_names:
+        dtypes.check_reducible(dtypes.BY_NAME[dtype], op)
+    if op is ReduceOp.Adasum:
+        _check_adasum(set_id, size)
+
+
 def _check_adasum(set_id: int, size: int) -> None:
     """Horovod's rules for Adasum: the global set only, and a power-of-two number of ranks."""
     if set_id != GLOBAL_SET:
@@ -393,10 +406,7 @@ def _grouped_allreduce_async(values, op, name, prescale_factor, postscale_factor
     by_kind: dict = {}  # one collective per dtype
     for index, array in enumerate(inputs):
         by_kind.setdefault((arrays.dtype_name(array), arrays.device_of(array)), []).append(index)
-    for dtype, _ in by_kind:
-        dtypes.check_reducible(dtypes.BY_NAME[dtype], op)
-    if op is ReduceOp.Adasum:
-        _check_adasum(set_id, len(ranks))
+    _check_reduction(op, (dtype for dtype, _ in by_kind), set_id, len(ranks))
     outputs = ([_check_out(o, a) for o, a in zip(outs, inputs)] if outs is not None
                else [arrays.empty(a, tuple(a.shape)) for a in inputs])
     base = _name(ALLREDUCE, name, set_id)
@@ -409,8 +419,7 @@ def _grouped_allreduce_async(values, op, name, prescale_factor, postscale_factor
             label = base if len(by_kind) == 1 else f"{base}.{suffix}"
             label = label if len(groups) == 1 else f"{label}.{number}"
             request = _allreduce_request(label, dtype, tuple(tuple(inputs[i].shape) for i in group), op.value,
-                                        _scale(prescale_factor, "prescale_factor"),
-                                        _scale(postscale_factor, "postscale_factor"), device, set_id)
+                                         prescale_factor, postscale_factor, device, set_id)
             parts.append((request, [inputs[i] for i in group], [outputs[i] for i in group]))
             plan.append(group)
     handles = _submit_all(parts, grouped=True)
@@ -444,8 +453,7 @@ def allreduce_gradients_async(buffers: list, dtype: str, name: str, op: ReduceOp
     if device != "cpu":
         devices.check(label, buffers)
     shapes = (tuple(first.shape),) if len(buffers) == 1 else tuple(tuple(b.shape) for b in buffers)
-    request = _allreduce_request(label, dtype, shapes, op._value_, _scale(prescale_factor, "prescale_factor"),
-                                _scale(postscale_factor, "postscale_factor"), device, set_id)
+    request = _allreduce_request(label, dtype, shapes, op._value_, prescale_factor, postscale_factor, device, set_id)
     entry = Entry(request, buffers, list(buffers), grouped=len(buffers) > 1,
                   ready_event=None if device == "cpu" else arrays.ready_event(buffers), host_ready=tuple(host_ready),
                   bucketed=bucketed)
@@ -469,19 +477,16 @@ def allreduce_async(array: Any, op: Any = Average, name: Optional[str] = None, p
 @fails_everywhere(ALLREDUCE)
 def _allreduce_one(array, op, name, prescale_factor, postscale_factor, out, process_set) -> Handle:
     """``_grouped_allreduce_async`` of one array, without its grouping by dtype and device (the path of every synchronous
-    ``allreduce``): the same checks, in the same order, and the same request."""
+    ``allreduce``): the same checks (``_check_reduction``), in the same order, and the same request."""
     op = _as_op(op)
     runtime.engine()
     set_id, ranks = resolve(process_set)
     src = _prepare(array)
     dtype = arrays.dtype_name(src)
-    dtypes.check_reducible(dtypes.BY_NAME[dtype], op)
-    if op is ReduceOp.Adasum:
-        _check_adasum(set_id, len(ranks))
+    _check_reduction(op, (dtype,), set_id, len(ranks))
     dst = _check_out(out, src) if out is not None else arrays.empty(src, tuple(src.shape))
     request = _allreduce_request(_name(ALLREDUCE, name, set_id), dtype, (tuple(src.shape),), op.value,
-                                 _scale(prescale_factor, "prescale_factor"),
-                                 _scale(postscale_factor, "postscale_factor"), arrays.device_of(src), set_id)
+                                 prescale_factor, postscale_factor, arrays.device_of(src), set_id)
     return _submit_all([(request, [src], [dst])])[0]
 
 
