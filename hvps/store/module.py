@@ -232,7 +232,11 @@ class _ShardedBase(nn.Module):
         if _AWAITING:
             _answer_awaiting()
         if lookup.error is not None:
-            raise lookup.error
+            error, lookup.error = lookup.error, None
+            try:
+                raise error
+            finally:  # the traceback keeps this frame: no reference from it back to the error (a cycle kept the
+                del error  # table, and its push in flight, alive until a garbage collection)
         if lookup.pull.rows is None:  # owners read after the last step's update, which lands meanwhile
             self.synchronize()
         fetched = self.exchange.receive(lookup.pull)
@@ -249,7 +253,7 @@ class _ShardedBase(nn.Module):
         try:
             self.exchange.answer(lookup.pull)
         except ValueError as exc:  # invalid ids: every member learns it here, and its forward raises
-            lookup.error = exc
+            lookup.error = exc.with_traceback(None)  # kept without this frame (which holds the lookup): no cycle
 
     def synchronize(self) -> None:
         """Finish the last backward's optimizer step (the next forward does it anyway)."""
@@ -295,7 +299,7 @@ class _ShardedBase(nn.Module):
         try:
             ahead.pull.ids()
         except ValueError as exc:  # invalid prefetched ids: every member learns it here, its forward raises
-            ahead.error = exc
+            ahead.error = exc.with_traceback(None)  # as in _answer
             return False
         return True
 
