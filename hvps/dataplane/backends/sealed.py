@@ -64,7 +64,7 @@ _TAG = 7301  # MPI tag of every message: the communicator is private to this bac
 #: queue and the testbed's 100 ms tbf queue), and a step that starts while the link is full stalled for that long.
 #: Measured at 1 Gbit/s, 2 emulated hosts, a 64 MiB reduce-scatter and allgather streamed chunk by chunk: 4 MiB
 #: messages 780-960 ms, these 564-656 ms (560 ms of link time)
-MESSAGE_BYTES = int(__import__("os").environ.get("HVPS_X_PIECE", 65536 - 1024))
+MESSAGE_BYTES = 65536 - 1024
 #: the first step number of a ring allgather
 _GATHER_STEP = 1000
 
@@ -244,13 +244,14 @@ class SealedBackend(Backend):
         """Move every message of ``outgoing`` and ``incoming`` as one stream of chunks.
 
         Chunks are sealed and sent in list order (chunk k of message m when ``m.ready()`` covers it), up to
-        ``WINDOW`` in flight, and received in list order, ``WINDOW`` posted ahead, each opened as soon as it
-        has arrived (on this thread: ``cryptography`` holds the GIL while it seals or opens, so a worker
-        thread only traded the GIL with this one; measured in RESULTS.md, issue 42 item 4); a message that waits on another's bytes (the allgather's on the
-        reduce-scatter's fold, each ring step's on the step before) starts as soon as its first chunk can,
-        so the link never waits for a step to end. Each chunk travels as MPI messages of at most
-        ``MESSAGE_BYTES``: sent eagerly, none waits on a rendezvous reply queued behind the data a peer is
-        already streaming. Nonces are drawn in list order per direction, on both sides alike."""
+        ``WINDOW`` in flight, and received in list order, ``WINDOW`` posted ahead (each pass posts receives
+        before it sends: a rank busy sending left its peer's data unread), each opened as soon as it has
+        arrived. All on this thread: ``cryptography`` holds the GIL while it seals or opens, so a worker thread
+        only traded the GIL with this one (RESULTS.md, issue 42 item 4). A message that waits on another's
+        bytes (the allgather's on the reduce-scatter's fold, each ring step's on the step before) starts as
+        soon as its first chunk can, so the link never waits for a step to end. Each chunk travels as MPI
+        messages of at most ``MESSAGE_BYTES``: sent eagerly, none waits on a rendezvous reply queued behind the
+        data a peer is already streaming. Nonces are drawn in list order per direction, on both sides alike."""
         from mpi4py import MPI
 
         sends = self._units(outgoing, self.send_dir)
