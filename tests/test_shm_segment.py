@@ -5,6 +5,7 @@ behaviour is tests/mpi/mpi_shm.py)."""
 import os
 import threading
 
+import numpy as np
 import pytest
 
 from hvps.core.errors import HvpsError
@@ -81,3 +82,18 @@ def test_a_name_owned_by_someone_else_is_refused(tmp_path, monkeypatch):
     (tmp_path / name).write_bytes(b"")
     with pytest.raises(FileExistsError):
         Segment(name, 2, 0, 4096, timeout=1.0, create=True)
+
+
+@pytest.mark.parametrize("size", [63, 64, 200])
+def test_a_node_of_many_ranks_keeps_the_header_apart_from_the_buffers(size):
+    # 64 ranks fill more than a page of header lines: the buffers must start after the last one (the job's
+    # line: abort flag and the fast lane's verdicts), not on top of it
+    seg = Segment(new_name(), size, 0, 4096, timeout=0.3, create=True)
+    seg.unlink()
+    try:
+        header = seg.header.copy()
+        seg.buffer(0, 0, np.uint8, 4096)[...] = 0xFF  # rank 0's first buffer, all ones
+        assert np.array_equal(seg.header, header), "rank 0's buffer overwrote header lines"
+        seg.buffer(size - 1, 1, np.uint8, 4096)[...] = 0xFF  # the last buffer ends the segment
+    finally:
+        seg.close()

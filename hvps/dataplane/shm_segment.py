@@ -2,7 +2,7 @@
 
 Layout: a header of one 64-byte line per rank (``IN``, ``RED``, ``DONE`` sequence numbers,
 the rank's pid, and its fast-lane post: ``LANE_SEQ``, ``LANE_BIT``, ``LANE_EPOCH``, ``LANE_SINCE``), one
-line for the abort flag and the fast lane's verdicts, then per rank a slot of two buffers
+line for the abort flag and the fast lane's verdicts, padded to whole pages, then per rank a slot of two buffers
 (double-buffering: a rank copies round k+1 in while its peers still read round k).
 
 The segment lives in ``/dev/shm`` under a random name chosen by local rank 0; it is
@@ -33,7 +33,7 @@ IN, RED, DONE, PID, LANE_SEQ, LANE_BIT, LANE_EPOCH, LANE_SINCE = range(8)
 #: fields of the last line: the abort flag, the fast lane's latest agreement, and its last verdicts (a ring)
 ABORTED, LANE_DECIDED, LANE_VERDICTS = 0, 1, range(2, 8)
 _LINE = 8  # int64 per 64-byte line
-_HEADER_ALIGN = 4096
+_PAGE = 4096
 #: seconds a wait polls (yielding the core to any runnable thread between polls) before napping, the
 #: first nap, the longest, and how often peers' pids are checked
 _SPIN_S, _NAP, _MAX_NAP, _PID_CHECK = 2e-3, 20e-6, 1e-3, 0.05
@@ -60,9 +60,14 @@ class Backoff:
         return True
 
 
+def header_bytes(size: int) -> int:
+    """Bytes of the header for ``size`` ranks: a line per rank and the job's line, in whole pages."""
+    return -(-(size + 1) * _LINE * 8 // _PAGE) * _PAGE
+
+
 def segment_bytes(size: int, buffer_bytes: int) -> int:
     """Bytes of a segment for ``size`` ranks with buffers of ``buffer_bytes``."""
-    return _HEADER_ALIGN + size * 2 * buffer_bytes
+    return header_bytes(size) + size * 2 * buffer_bytes
 
 
 def new_name() -> str:
@@ -121,7 +126,7 @@ class Segment:
 
     def buffer(self, rank: int, which: int, dtype: np.dtype, count: int) -> np.ndarray:
         """``count`` elements of ``dtype`` at the start of buffer ``which`` (0 or 1) of ``rank``'s slot."""
-        offset = _HEADER_ALIGN + (2 * rank + which) * self.buffer_bytes
+        offset = header_bytes(self.size) + (2 * rank + which) * self.buffer_bytes
         return np.frombuffer(self.map, dtype, count, offset)
 
     def publish(self, field: int, value: int) -> None:
