@@ -9,6 +9,9 @@ control plane carries a few integers per tensor, and rank 0 neither parses reque
 re-serialises responses. Horovod's ``ResponseCache`` plays the same part
 (``HOROVOD_CACHE_CAPACITY``); here the setting is ``HVPS_CACHE_CAPACITY`` (0 disables it).
 
+An allgather's or alltoall's request also names this rank's rows, which may change every step; the
+cache also gives its *form* (the request without them: ``form_of``) a bit of its own, for the fast
+lane, which agrees on the form and exchanges the rows itself (``hvps/runtime/fast_lane.py``).
 Bits are never reused, so a bit always means one request. When the cache is full the least
 recently used request is evicted on every rank at the same point of the response sequence.
 A worker may have announced a bit just before it learned of the eviction, so rank 0 keeps
@@ -22,10 +25,20 @@ from collections import OrderedDict
 from typing import Iterable, Optional, Union
 
 from ..core.errors import HvpsError
-from .negotiation import ADD_SET, JOIN, REMOVE_SET, SHUTDOWN, Request, Response, to_wire
+from .negotiation import ADD_SET, ALLGATHER, ALLTOALL, JOIN, REMOVE_SET, SHUTDOWN, Request, Response, to_wire
 
 #: responses that change the engine's state rather than move tensors: never cached
 _UNCACHED = (JOIN, SHUTDOWN, ADD_SET, REMOVE_SET)
+#: the kinds whose requests name this rank's rows (``Response.per_rank`` carries every rank's)
+SIZED = (ALLGATHER, ALLTOALL)
+
+
+def form_of(request: Request) -> tuple:
+    """``request`` (an allgather or alltoall of one array) without this rank's rows (dim 0 of its shape, its
+    splits): every other field, the shape's other dims, and how many it has."""
+    r, shape = request, request.shapes[0]
+    return (r.name, r.kind, r.dtype, shape[1:], len(shape), r.op, r.root, r.prescale, r.postscale, r.device,
+            r.process_set, r.failure)
 
 
 class ResponseCache:
@@ -45,6 +58,9 @@ class ResponseCache:
         #: worker rank -> the epoch it last reported
         self._worker_epochs: dict[int, int] = {}
         self._next_bit = 0
+        #: the forms of sized requests (``form_of``) -> bit, least recently used first; by bit, a request of each
+        self._forms: "OrderedDict[tuple, int]" = OrderedDict()
+        self._form_requests: dict[int, Request] = {}
         #: responses recorded so far (the same sequence on every rank)
         self.epoch = 0
 
@@ -69,6 +85,29 @@ class ResponseCache:
                 del self._requests[bit]
                 if self._keeps_evicted:
                     self._retired[bit] = (old, self.epoch)
+        if response.kind in SIZED and len(response.requests[0].shapes) == 1:
+            self._record_form(response.requests[0])
+
+    def _record_form(self, request: Request) -> None:
+        """Give ``request``'s form a bit (bits of forms come from the same counter: never reused)."""
+        form = form_of(request)
+        if form in self._forms:
+            self._forms.move_to_end(form)
+            return
+        self._forms[form] = self._next_bit
+        self._form_requests[self._next_bit] = request
+        self._next_bit += 1
+        while len(self._forms) > self.capacity:
+            _, bit = self._forms.popitem(last=False)
+            del self._form_requests[bit]
+
+    def form_bit_of(self, request: Request) -> Optional[int]:
+        """The bit of ``request``'s form (an allgather or alltoall) on this rank now (None: not cached)."""
+        return self._forms.get(form_of(request))
+
+    def request_of_form(self, bit: int) -> Optional[Request]:
+        """The request recorded when the form ``bit`` names got its bit (the one every rank records)."""
+        return self._form_requests.get(bit)
 
     def bit_of(self, request: Request) -> Optional[int]:
         """The bit of ``request`` on this rank now (None: not cached)."""

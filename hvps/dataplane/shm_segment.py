@@ -2,7 +2,8 @@
 
 Layout: a header of one 64-byte line per rank (``IN``, ``RED``, ``DONE`` sequence numbers,
 the rank's pid, and its fast-lane post: ``LANE_SEQ``, ``LANE_BIT``, ``LANE_EPOCH``, ``LANE_SINCE``), one
-line for the abort flag and the fast lane's verdicts, padded to whole pages, then per rank a slot of two buffers
+line for the abort flag and the fast lane's verdicts, then per rank the rows its fast-lane posts name (two
+posts' worth, by the parity of their sequence number), padded to whole pages, then per rank a slot of two buffers
 (double-buffering: a rank copies round k+1 in while its peers still read round k).
 
 The segment lives in ``/dev/shm`` under a random name chosen by local rank 0; it is
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from array import array
 import secrets
 import threading
 import time
@@ -60,9 +62,16 @@ class Backoff:
         return True
 
 
+def _row_words(size: int) -> int:
+    """int64 per fast-lane post's rows: an alltoall's splits (one per rank), or an allgather's two numbers."""
+    return max(size, 2)
+
+
 def header_bytes(size: int) -> int:
-    """Bytes of the header for ``size`` ranks: a line per rank and the job's line, in whole pages."""
-    return -(-(size + 1) * _LINE * 8 // _PAGE) * _PAGE
+    """Bytes of the header for ``size`` ranks: a line per rank, the job's line and the fast lane's rows, in whole
+    pages."""
+    words = (size + 1) * _LINE + size * 2 * _row_words(size)
+    return -(-words * 8 // _PAGE) * _PAGE
 
 
 def segment_bytes(size: int, buffer_bytes: int) -> int:
@@ -111,7 +120,7 @@ class Segment:
         self.counters = self.header[:size, :3]
         #: the same header as Python ints: one rank's field is ``_words[rank * _LINE + field]`` (a read costs
         #: ~40 ns, where a numpy comparison of a counter column costs ~3 us; a 4 B allreduce waits 3 times)
-        self._words = memoryview(self.map)[:(size + 1) * _LINE * 8].cast("q")
+        self._words = memoryview(self.map)[:header_bytes(size)].cast("q")
         self.header[rank, PID] = os.getpid()
         self._pids: dict = {}
         #: once set (the engine's event for ranks lost on the control plane), a wait gives up at once
@@ -140,6 +149,20 @@ class Segment:
     def field(self, rank: int, field: int) -> int:
         """``rank``'s ``field`` (of its header line), as it is now."""
         return self._words[rank * _LINE + field]
+
+    def _rows_at(self, rank: int, parity: int) -> int:
+        width = _row_words(self.size)
+        return (self.size + 1) * _LINE + (2 * rank + parity) * width
+
+    def publish_rows(self, parity: int, rows) -> None:
+        """Write the rows this rank's fast-lane post names into its area ``parity`` (before the post)."""
+        at = self._rows_at(self.rank, parity)
+        self._words[at:at + len(rows)] = array("q", rows)
+
+    def rows(self, rank: int, parity: int, count: int) -> list:
+        """The first ``count`` rows ``rank``'s fast-lane post in area ``parity`` names."""
+        at = self._rows_at(rank, parity)
+        return self._words[at:at + count].tolist()
 
     def job_field(self, field: int) -> int:
         """``field`` of the line every rank shares (after the ranks' lines)."""

@@ -372,9 +372,9 @@ class FastPath:
         entry = self._queue.take_alone(handle)
         if entry is None:
             return False
-        lane_call = self.lane.response_for(entry.request)
-        if lane_call is not None and self.lane.agree(*lane_call):
-            self._executor.execute([lane_call[0]])  # one too large for a waiter is left to the engine thread
+        response = self.lane.agree(entry.request)
+        if response is not None:
+            self._executor.execute([response])  # one too large for a waiter is left to the engine thread
             return True
         self._queue.announce(entry.request)
         return False

@@ -8,10 +8,11 @@ outer test) and every rank on one host."""
 import os
 import re
 import time
+import zlib
 
 import numpy as np
 import pytest
-from hvps_testutil import DTYPES, all_inputs, check_allreduce_result
+from hvps_testutil import DTYPES, all_inputs, check_allreduce_result, random_array
 
 import hvps
 from hvps.core.errors import HvpsError
@@ -56,6 +57,59 @@ def test_synchronous_calls_take_the_lane_and_match_numpy(lane, dtype):
         calls += 1
     # a call the engine thread took before its waiter could goes the usual way: most, not all, take the lane
     assert lane.posted - posted > calls // 2 and lane.agreed > agreed, (lane.posted - posted, lane.agreed - agreed)
+
+
+def _rows(key, rank, most=5):
+    """A rank's rows for ``key``: fresh on every call, zero among them."""
+    return int(np.random.default_rng(zlib.crc32(f"{key}#{rank}".encode())).integers(0, most + 1))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "int32"])
+def test_allgather_and_alltoall_of_new_rows_every_step_take_the_lane_and_match_numpy(lane, dtype):
+    size, rank = hvps.size(), hvps.rank()
+    agreed = lane.agreed
+    dt = DTYPES[dtype]
+    for step in range(6):  # every rank's rows change every step: the form's bit, not the request's, agrees
+        key = f"sized.{dtype}.{step}"
+        rows = [_rows(key, r) for r in range(size)]
+        parts = [random_array(dt, (rows[r], 3), key, r) for r in range(size)]
+        gathered = hvps.allgather(parts[rank].copy(), name=f"lane.gather.{dtype}")
+        assert gathered.dtype == dt and np.array_equal(gathered, np.concatenate(parts)), (key, rows)
+        out = np.empty((sum(rows), 3), dt)
+        assert hvps.allgather(parts[rank].copy(), name=f"lane.gather.out.{dtype}", out=out) is out
+        assert np.array_equal(out, np.concatenate(parts)), (key, rows)
+        splits = [[_rows(f"{key}.{src}.{dst}", 0, 3) for dst in range(size)] for src in range(size)]
+        sent = [random_array(dt, (sum(splits[r]), 2), f"{key}.a2a", r) for r in range(size)]
+        received, counts = hvps.alltoall(sent[rank].copy(), splits[rank], name=f"lane.alltoall.{dtype}")
+        starts = [np.cumsum([0] + splits[src])[rank] for src in range(size)]
+        expected = np.concatenate([sent[src][starts[src]:starts[src] + splits[src][rank]] for src in range(size)])
+        assert list(counts) == [splits[src][rank] for src in range(size)], (key, splits)
+        assert received.dtype == dt and np.array_equal(received, expected), (key, splits)
+    assert lane.agreed - agreed >= 6, "the lane took none of the allgathers and alltoalls after the first step"
+
+
+def test_an_allgather_out_of_the_wrong_rows_fails_on_every_rank_through_the_lane():
+    size, rank = hvps.size(), hvps.rank()
+    name = "lane.gather.short"
+    for _ in range(2):  # the form is cached
+        hvps.allgather(np.ones((2, 4), np.float32), name=name, out=np.empty((2 * size, 4), np.float32))
+    rows = 2 * size - (1 if rank == size - 1 else 0)  # the last rank's out is one row short
+    with pytest.raises(HvpsError, match="rows add up to") as error:
+        hvps.allgather(np.ones((2, 4), np.float32), name=name, out=np.empty((rows, 4), np.float32))
+    _assert_names(str(error.value), f"allgather.{name}", [size - 1])
+    gathered = hvps.allgather(np.full((1, 4), rank, np.float32), name=name)
+    assert np.array_equal(gathered[:, 0], np.arange(size, dtype=np.float32))
+
+
+def test_an_allgather_of_another_dtype_on_one_rank_fails_on_every_rank_naming_it():
+    size, rank = hvps.size(), hvps.rank()
+    name = "lane.gather.dtype"
+    for _ in range(2):
+        hvps.allgather(np.ones(3, np.float32), name=name)
+    dtype = np.float64 if rank == size - 1 else np.float32
+    with pytest.raises(HvpsError, match="different arguments") as error:
+        hvps.allgather(np.ones(3, dtype), name=name)
+    _assert_names(str(error.value), f"allgather.{name}", [size - 1])
 
 
 @pytest.mark.parametrize("late", ["rank 0", "the last rank"])

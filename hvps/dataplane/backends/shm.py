@@ -132,9 +132,9 @@ class ShmBackend(Backend):
                      lambda: [slots[q, which, :size * width].reshape(size, width) for q in range(size)])
 
     def _plan(self, bounds: list, width: int) -> tuple:
-        """The reduction's ``Schedule`` over ``bounds`` in windows of ``width``, its exchanges and gather order:
-        made once per layout (a training loop reduces the same few sizes every step; making them cost a
-        4 B allreduce ~4 us)."""
+        """The ``Schedule`` over ``bounds`` in windows of ``width``, its exchanges and gather order (a reduction's or
+        an allgather's): made once per layout (a training loop moves the same few sizes every step; making them
+        cost a 4 B allreduce ~4 us)."""
         def make() -> tuple:
             plan = Schedule(self.rank, self.size, bounds, width)
             return plan, plan.exchanges(), _gather_order(plan)
@@ -223,8 +223,8 @@ class ShmBackend(Backend):
             return
         sendbuf, recvbuf = _host_view(sendbuf), _host_view(recvbuf)
         slots = self._slots(recvbuf.dtype)
-        plan = Schedule(self.rank, self.size, bounds_of_counts(counts), slots.shape[2])
-        send, recv, owners = sendbuf.reshape(-1), recvbuf.reshape(-1), _gather_order(plan)
+        plan, _, owners = self._plan(bounds_of_counts(counts), slots.shape[2])
+        send, recv = sendbuf.reshape(-1), recvbuf.reshape(-1)
         start = plan.mine[0]
 
         def body(which: int, r: int, mark: int) -> None:
