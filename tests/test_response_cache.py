@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from hvps.control.negotiation import ALLGATHER, ALLREDUCE, JOIN, Request, Response, to_wire
+from hvps.control.negotiation import ALLGATHER, ALLREDUCE, ALLTOALL, JOIN, Request, Response, to_wire
 from hvps.control.response_cache import ResponseCache
 from hvps.core.errors import HvpsError
 
@@ -59,6 +59,29 @@ def test_fused_responses_and_allgather_sizes_travel_as_bits():
     assert wire == [{"kind": ALLREDUCE, "bits": [0, 1, 2]}, {"kind": ALLGATHER, "bits": [3], "per_rank": [2, 1, 4]}]
     assert [r.name for r in decoded[0].requests] == ["grad.0", "grad.1", "grad.2"]
     assert decoded[1].per_rank == [2, 1, 4]
+
+
+def test_an_allgather_or_alltoall_form_has_a_bit_whatever_the_rows():
+    root, worker = _pair(2, size=2)
+    gather = Request("g", ALLGATHER, "float32", ((2, 3),), splits=(5,))
+    swap = Request("t", ALLTOALL, "int64", ((4,),), splits=(1, 3))
+    for cache in (root, worker):
+        assert cache.form_bit_of(gather) is None
+        cache.record(Response(ALLGATHER, ["g"], requests=[gather], per_rank=[2, 3]))
+        cache.record(Response(ALLTOALL, ["t"], requests=[swap], per_rank=[[1, 3], [2, 2]]))
+    bits = {root.form_bit_of(gather), root.form_bit_of(swap)}
+    assert None not in bits and len(bits) == 2 and not bits & set(root._requests), "a form's bit is its own"
+    for cache in (root, worker):  # other rows, no out: the same form, on every rank the same bit
+        assert cache.form_bit_of(Request("g", ALLGATHER, "float32", ((7, 3),))) == root.form_bit_of(gather)
+        assert cache.form_bit_of(Request("t", ALLTOALL, "int64", ((9,),), splits=(9, 0))) == root.form_bit_of(swap)
+        assert cache.request_of_form(root.form_bit_of(gather)) == gather
+        for other in (Request("g", ALLGATHER, "float32", ((2, 4),)), Request("g", ALLGATHER, "float64", ((2, 3),)),
+                      Request("g", ALLGATHER, "float32", ((2, 3, 1),)), Request("g2", ALLGATHER, "float32", ((2, 3),))):
+            assert cache.form_bit_of(other) is None, other
+    for cache in (root, worker):  # capacity 2: a third form evicts the least recently used, alike on every rank
+        cache.record(Response(ALLGATHER, ["h"], requests=[Request("h", ALLGATHER, "float32", ((1,),))], per_rank=[1, 1]))
+        assert cache.form_bit_of(gather) is None and cache.form_bit_of(swap) is not None
+    assert worker.form_bit_of(swap) == root.form_bit_of(swap)
 
 
 def test_errors_and_control_responses_are_never_cached():

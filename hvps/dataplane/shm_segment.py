@@ -1,7 +1,8 @@
 """One POSIX shared-memory segment per node, and the counters its ranks synchronise with.
 
-Layout: a header of one 64-byte line per rank (``IN``, ``RED``, ``DONE`` sequence numbers,
-the rank's pid, and its fast-lane post: ``LANE_SEQ``, ``LANE_BIT``, ``LANE_EPOCH``, ``LANE_SINCE``), one
+Layout: a header of one 128-byte line per rank (``IN``, ``RED``, ``DONE`` sequence numbers,
+the rank's pid, its fast-lane post: ``LANE_SEQ``, ``LANE_BIT``, ``LANE_EPOCH``, ``LANE_SINCE``, and the
+last agreement whose rows it read, ``LANE_READ``), one
 line for the abort flag and the fast lane's verdicts, then per rank the rows its fast-lane posts name (two
 posts' worth, by the parity of their sequence number), padded to whole pages, then per rank a slot of two buffers
 (double-buffering: a rank copies round k+1 in while its peers still read round k).
@@ -31,10 +32,10 @@ from ..core.errors import DataPlaneStall, HvpsError
 SHM_DIR = "/dev/shm"
 #: header fields (int64 each) of a rank's line: the collectives' counters and pid, then the fast lane's post
 #: (``hvps/runtime/fast_lane.py``)
-IN, RED, DONE, PID, LANE_SEQ, LANE_BIT, LANE_EPOCH, LANE_SINCE = range(8)
+IN, RED, DONE, PID, LANE_SEQ, LANE_BIT, LANE_EPOCH, LANE_SINCE, LANE_READ = range(9)
 #: fields of the last line: the abort flag, the fast lane's latest agreement, and its last verdicts (a ring)
 ABORTED, LANE_DECIDED, LANE_VERDICTS = 0, 1, range(2, 8)
-_LINE = 8  # int64 per 64-byte line
+_LINE = 16  # int64 per 128-byte line (two cache lines)
 _PAGE = 4096
 #: seconds a wait polls (yielding the core to any runnable thread between polls) before napping, the
 #: first nap, the longest, and how often peers' pids are checked

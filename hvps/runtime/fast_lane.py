@@ -12,8 +12,8 @@ itself takes ~15 µs. On one node, the ranks can agree through the segment they 
 - *Post*: the rank writes its rows (an alltoall's splits; an allgather's rows and its ``out``'s), its bit, its
   cache epoch (responses recorded so far) and the time into its header line, then the sequence number of the
   agreement, ``s``: one past the latest decided. Rows go to one of two areas by the parity of ``s``, and only
-  once every rank has posted since the last agreement that used that area (each has read its rows: else the
-  request goes to the control plane).
+  once every rank has read the rows of the last agreement that used that area (each says so in its line: else
+  the request goes to the control plane).
 - *One decider*: only rank 0 writes verdicts (``s`` and GO or ABORT in one word, in a ring of the last few,
   then ``s`` as the latest decided), so no two ranks ever decide differently. Its waiter, once posted, writes GO
   when every rank has posted ``s`` with the same bit and epoch and their rows fit together (an allgather's
@@ -44,8 +44,8 @@ from typing import Callable, Optional
 from ..control.negotiation import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, GLOBAL_SET, Response
 from ..control.response_cache import SIZED
 from ..core.errors import HvpsError
-from ..dataplane.shm_segment import (LANE_BIT, LANE_DECIDED, LANE_EPOCH, LANE_SEQ, LANE_SINCE, LANE_VERDICTS,
-                                     Backoff)
+from ..dataplane.shm_segment import (LANE_BIT, LANE_DECIDED, LANE_EPOCH, LANE_READ, LANE_SEQ, LANE_SINCE,
+                                     LANE_VERDICTS, Backoff)
 from .engine_status import EngineStatus
 
 #: the kinds the lane takes: those whose response is the request alone, and those whose response adds every
@@ -78,7 +78,7 @@ class FastLane:
         self._poke = poke
         #: agreements this rank took part in, and how many of them were GO (tests and benchmarks read them)
         self.posted = self.agreed = 0
-        #: per parity, the last agreement on rows in that area (every rank read them once each posted a later one)
+        #: per parity, the last agreement on rows in that area (every rank reads them, then says so: ``LANE_READ``)
         self._rows_read = [-1, -1]
 
     def agree(self, request) -> Optional[Response]:
@@ -117,12 +117,13 @@ class FastLane:
         self.agreed += response is not None
         if sized and response is not None:
             self._rows_read[sequence % 2] = sequence
+            segment.publish(LANE_READ, sequence)
         return response
 
     def _rows_free(self, parity: int) -> bool:
-        """Whether every rank has read the rows of the last agreement in area ``parity`` (each posted since)."""
+        """Whether every rank has read the rows of the last agreement in area ``parity``."""
         last, segment = self._rows_read[parity], self.segment
-        return all(segment.field(rank, LANE_SEQ) > last for rank in range(self.size))
+        return all(segment.field(rank, LANE_READ) >= last for rank in range(self.size))
 
     def _response(self, request, bit: int, sequence: int) -> Optional[Response]:
         """The response to every rank's post of ``sequence`` (every one of ``bit``): the cached request, and for an
