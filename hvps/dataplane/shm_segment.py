@@ -2,7 +2,8 @@
 
 Layout: a header of one 128-byte line per rank (``IN``, ``RED``, ``DONE`` sequence numbers,
 the rank's pid, its fast-lane post: ``LANE_SEQ``, ``LANE_BIT``, ``LANE_EPOCH``, ``LANE_SINCE``, and the
-last agreement whose rows it read, ``LANE_READ``), one
+last agreement whose rows it read, ``LANE_READ``; and the rounds its alltoall's largest block needs,
+``A2A_ROUNDS``, one field per buffer), one
 line for the abort flag and the fast lane's verdicts, then per rank the rows its fast-lane posts name (two
 posts' worth, by the parity of their sequence number), padded to whole pages, then per rank a slot of two buffers
 (double-buffering: a rank copies round k+1 in while its peers still read round k).
@@ -33,6 +34,9 @@ SHM_DIR = "/dev/shm"
 #: header fields (int64 each) of a rank's line: the collectives' counters and pid, then the fast lane's post
 #: (``hvps/runtime/fast_lane.py``)
 IN, RED, DONE, PID, LANE_SEQ, LANE_BIT, LANE_EPOCH, LANE_SINCE, LANE_READ = range(9)
+#: per buffer (0, 1): the rounds an alltoall that starts in it needs for the largest block this rank sends or
+#: receives (a field per buffer: a rank may start the next alltoall, in the other buffer, before a slow peer read it)
+A2A_ROUNDS = (9, 10)
 #: fields of the last line: the abort flag, the fast lane's latest agreement, and its last verdicts (a ring)
 ABORTED, LANE_DECIDED, LANE_VERDICTS = 0, 1, range(2, 8)
 _LINE = 16  # int64 per 128-byte line (two cache lines)

@@ -108,6 +108,21 @@ def test_reducescatter_allgather_broadcast(shm, dtype):
             assert_exact(buf, arrays[root], f"broadcast n={n} root={root}")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64], ids=["float32", "float16", "int64"])
+def test_alltoallv_blocks_of_every_size_in_many_rounds(shm, dtype):
+    backend, comm = shm
+    size, rank = comm.Get_size(), comm.Get_rank()
+    for n in SIZES:  # counts[src][dst]: zero, small and many buffers' worth, different for every pair
+        counts = [[(n * (src + 2 * dst + 1)) % (n + 4) + (dst == src) * n for dst in range(size)]
+                  for src in range(size)]
+        sent = [all_inputs(dtype, (sum(counts[src]),), f"shm.a2a.{n}", size)[src] for src in range(size)]
+        received = np.empty(sum(counts[src][rank] for src in range(size)), dtype)
+        backend.alltoallv(sent[rank], counts[rank], received, [counts[src][rank] for src in range(size)])
+        expected = np.concatenate([sent[src][sum(counts[src][:rank]):sum(counts[src][:rank + 1])]
+                                   for src in range(size)])
+        assert_exact(received, expected, f"alltoallv n={n} counts={counts}")
+
+
 def test_rank_stopped_shorter_than_the_stall_time_is_waited_for(shm):
     """Rank 0 stops the last rank for 1.5 s mid-run (stall time 30 s): results stay right."""
     backend, comm = shm
@@ -148,7 +163,7 @@ def test_engine_uses_shared_memory():
 
 def test_engine_on_torch_distributed_uses_shared_memory(monkeypatch):
     """HVPS_BACKEND=tdist (the plane of hvpsrun --gloo, torchrun and elastic jobs): shared memory under it;
-    CPU tensors come back as tensors, alltoall runs on gloo."""
+    CPU tensors come back as tensors, alltoall runs on the segment too."""
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("HVPS_BACKEND", "tdist")
     hvps.init()

@@ -5,8 +5,8 @@ each rank copies its peers' parts of a chunk into its slot, sums its own part st
 from every peer's slot (in rank order, numpy ufuncs with ``out=``, no temporaries) into
 its slot, and every rank then copies each owner's reduced part out. Large buffers go
 through in rounds of one buffer each, two buffers per rank, so a rank copies round k+1
-in while slower peers still read round k. Allgather, broadcast and reducescatter use
-the same rounds; alltoall and point-to-point go to ``fallback`` (MPI). A small allreduce
+in while slower peers still read round k. Allgather, alltoall, broadcast and reducescatter use
+the same rounds; point-to-point goes to ``fallback`` (MPI). A small allreduce
 (``WHOLE_REDUCE_BYTES``) goes in one round: every rank copies all of its data in and folds every
 rank's, in rank order. The blocks, the chunk windows, who copies what and the folding order are
 ``schedule.py``'s, as for the MPI ring and the sealed plane, so every plane gives the same bits.
@@ -27,13 +27,13 @@ import numpy as np
 from ...core import arrays, dtypes
 from ...core.errors import HvpsError
 from ..schedule import Schedule, bounds_of_counts, fold_in_rank_order, segments
-from ..shm_segment import DONE, IN, RED, SHM_DIR, Segment, new_name, segment_bytes
+from ..shm_segment import A2A_ROUNDS, DONE, IN, RED, SHM_DIR, Segment, new_name, segment_bytes
 from .base import Backend
 
 
 #: the methods that run on the segment itself, whose every wait gives up once ``interrupt_on``'s event is set,
 #: whatever the size (the others run on the flat plane)
-_ON_THE_SEGMENT = frozenset({"allreduce", "allgatherv", "broadcast", "reducescatter"})
+_ON_THE_SEGMENT = frozenset({"allreduce", "allgatherv", "alltoallv", "broadcast", "reducescatter"})
 
 #: reduction layouts and part views ``ShmBackend`` keeps (all are dropped when one more is needed)
 _PLANS_KEPT = 256
@@ -263,7 +263,37 @@ class ShmBackend(Backend):
         return self.fallback
 
     def alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
-        self._need_fallback("alltoall").alltoallv(sendbuf, sendcounts, recvbuf, recvcounts)
+        """Each buffer is split in one region per destination; in round k every rank copies elements
+        ``[k w, (k+1) w)`` of its block for each destination into that destination's region, and each copies its
+        region out of every peer's buffer. Round 0 also tells every rank how many rounds the largest block
+        needs (``A2A_ROUNDS``): a rank knows only the blocks it sends and receives."""
+        sendbuf, recvbuf = _host_view(sendbuf), _host_view(recvbuf)
+        send, recv = sendbuf.reshape(-1), recvbuf.reshape(-1)
+        slots = self._slots(recv.dtype)
+        size, rank, segment = self.size, self.rank, self.segment
+        width = slots.shape[2] // size
+        sends, recvs = bounds_of_counts(sendcounts), bounds_of_counts(recvcounts)
+        mine = -(-max(*sendcounts, *recvcounts, 0) // width)
+        rounds = [1]
+
+        def body(which: int, r: int, mark: int) -> None:
+            start = r * width
+            for peer, (lo, hi) in enumerate(sends):
+                n = max(0, min(hi - lo - start, width))
+                slots[rank, which, peer * width:peer * width + n] = send[lo + start:lo + start + n]
+            if r == 0:
+                segment.publish(A2A_ROUNDS[which], mine)
+            segment.publish(IN, mark)
+            segment.wait(IN, mark)
+            if r == 0:
+                rounds[0] = max(segment.field(q, A2A_ROUNDS[which]) for q in range(size))
+            for peer, (lo, hi) in enumerate(recvs):
+                n = max(0, min(hi - lo - start, width))
+                recv[lo + start:lo + start + n] = slots[peer, which, rank * width:rank * width + n]
+
+        self._rounds(body, 1)
+        if rounds[0] > 1:
+            self._rounds(lambda which, r, mark: body(which, r + 1, mark), rounds[0] - 1)
 
     def sendrecv(self, sendbuf, dest, recvbuf, source):
         self._need_fallback("point-to-point transfer").sendrecv(sendbuf, dest, recvbuf, source)
