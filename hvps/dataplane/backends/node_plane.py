@@ -4,7 +4,7 @@
 two ranks of the job share a host, whatever the flat data plane under it: MPI's, or torch.distributed's
 in the jobs started without MPI (``hvpsrun --gloo``, torchrun, elastic jobs). Across nodes the segment
 is composed with the flat plane as ``HierarchicalBackend`` does. CUDA tensors stay on the flat plane
-(NCCL); alltoall, point-to-point transfers and process sets run there too.
+(NCCL); point-to-point transfers and process sets run there too, and alltoall when the job spans nodes.
 
 When shared memory cannot be used (another architecture than x86-64, ranks that cannot see each
 other's processes, nodes with different numbers of ranks, no room in ``/dev/shm``), ``auto`` logs one
