@@ -474,3 +474,21 @@ def test_lost_peers_fail_every_collective_once_and_the_word_is_passed_on():
             handle.wait()
     with pytest.raises(HvpsError, match="rank 2 exited"):
         queue.submit_all([entry("c")])
+
+
+def test_a_fault_of_hvps_itself_names_its_type_and_where_its_traceback_went():
+    # an internal error with no text of its own (a KeyError(), say) must not reach every handle as "after: ''"
+    status = EngineStatus()
+    queue = SubmissionQueue(1, status, stall_seconds=60, wake=Calls())
+    failures = EngineFailures(1, status, FakePlane(), queue.drain, lambda: True)
+    handles = queue.submit_all([entry("a")])
+    failures.failed(KeyError())
+    with pytest.raises(HvpsError, match=r"stopped on rank 1 after: KeyError: .*internal error.*rank 1's log"):
+        handles[0].wait()
+    status = EngineStatus()
+    queue = SubmissionQueue(1, status, stall_seconds=60, wake=Calls())
+    failures = EngineFailures(1, status, FakePlane(), queue.drain, lambda: True)
+    handles = queue.submit_all([entry("b")])
+    failures.failed(HvpsError("the data plane said why"))  # hvps's own errors pass as they are
+    with pytest.raises(HvpsError, match=r"stopped on rank 1 after: the data plane said why$"):
+        handles[0].wait()

@@ -55,10 +55,12 @@ class EngineFailures:
             return  # a rank died meanwhile (peers_lost): this is a consequence, already reported
         if isinstance(exc, HvpsError):
             log.error("hvps rank %d: %s", self.rank, exc)
-        else:
+            reason = str(exc)
+        else:  # a fault of hvps itself: its type, which an empty message would not even name, and where to look
             log.exception("hvps engine failed on rank %d", self.rank)
+            reason = f"{type(exc).__name__}: {exc} (an internal error; its traceback is in rank {self.rank}'s log)"
         _metrics.on_engine_failure()
-        self.fail_all(HvpsError(f"the hvps engine stopped on rank {self.rank} after: {exc}"))
+        self.fail_all(HvpsError(f"the hvps engine stopped on rank {self.rank} after: {reason}"))
 
     def peers_lost(self, lost: dict) -> None:
         """Ranks died (the control plane's watch, or this thread's poll) or stopped (a roll call): fail every
