@@ -74,32 +74,27 @@ class ResponseCache:
         if self.capacity <= 0 or response.error or response.kind in _UNCACHED:
             return
         for request in response.requests:
-            if request in self._bits:
-                self._bits.move_to_end(request)
-                continue
-            self._bits[request] = self._next_bit
-            self._requests[self._next_bit] = request
-            self._next_bit += 1
-            while len(self._bits) > self.capacity:
-                old, bit = self._bits.popitem(last=False)
-                del self._requests[bit]
+            for old, bit in self._assign(self._bits, self._requests, request, request):
                 if self._keeps_evicted:
                     self._retired[bit] = (old, self.epoch)
-        if response.kind in SIZED and len(response.requests[0].shapes) == 1:
-            self._record_form(response.requests[0])
+        if response.kind in SIZED and len(response.requests[0].shapes) == 1:  # its form too (bits never reused)
+            self._assign(self._forms, self._form_requests, form_of(response.requests[0]), response.requests[0])
 
-    def _record_form(self, request: Request) -> None:
-        """Give ``request``'s form a bit (bits of forms come from the same counter: never reused)."""
-        form = form_of(request)
-        if form in self._forms:
-            self._forms.move_to_end(form)
-            return
-        self._forms[form] = self._next_bit
-        self._form_requests[self._next_bit] = request
+    def _assign(self, bits: OrderedDict, requests: dict, key, request: Request) -> list:
+        """Give ``key`` the next bit in ``bits`` (``requests`` names ``request`` by it), or make it the most
+        recently used; the ``(key, bit)`` pairs evicted past the capacity, least recently used first."""
+        if key in bits:
+            bits.move_to_end(key)
+            return []
+        bits[key] = self._next_bit
+        requests[self._next_bit] = request
         self._next_bit += 1
-        while len(self._forms) > self.capacity:
-            _, bit = self._forms.popitem(last=False)
-            del self._form_requests[bit]
+        evicted = []
+        while len(bits) > self.capacity:
+            old, bit = bits.popitem(last=False)
+            del requests[bit]
+            evicted.append((old, bit))
+        return evicted
 
     def form_bit_of(self, request: Request) -> Optional[int]:
         """The bit of ``request``'s form (an allgather or alltoall) on this rank now (None: not cached)."""
