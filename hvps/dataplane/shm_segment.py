@@ -1,12 +1,11 @@
 """One POSIX shared-memory segment per node, and the counters its ranks synchronise with.
 
-Layout: a header of one 128-byte line per rank (``IN``, ``RED``, ``DONE`` sequence numbers,
-the rank's pid, its fast-lane post: ``LANE_SEQ``, ``LANE_BIT``, ``LANE_EPOCH``, ``LANE_SINCE``, and the
-last agreement whose rows it read, ``LANE_READ``; and the rounds its alltoall's largest block needs,
-``A2A_ROUNDS``, one field per buffer), one
-line for the abort flag and the fast lane's verdicts, then per rank the rows its fast-lane posts name (two
-posts' worth, by the parity of their sequence number), padded to whole pages, then per rank a slot of two buffers
-(double-buffering: a rank copies round k+1 in while its peers still read round k).
+Layout: a header of one 128-byte line per rank (``IN``, ``RED``, ``DONE`` sequence numbers, the rank's
+pid, its fast-lane post: ``LANE_SEQ``, ``LANE_BIT``, ``LANE_EPOCH``, ``LANE_SINCE``, the last agreement
+whose rows it read, ``LANE_READ``, and the rounds its alltoall's largest block needs, ``A2A_ROUNDS``),
+one line for the abort flag and the fast lane's verdicts, then per rank the rows its fast-lane posts name
+(two posts' worth, by the parity of their sequence number), padded to whole pages; then per rank a slot of
+two buffers (double-buffering: a rank copies round k+1 in while its peers still read round k).
 
 The segment lives in ``/dev/shm`` under a random name chosen by local rank 0; it is
 unlinked as soon as every rank has mapped it, so the kernel frees it when the last
@@ -20,10 +19,10 @@ from __future__ import annotations
 
 import mmap
 import os
-from array import array
 import secrets
 import threading
 import time
+from array import array
 from typing import Optional
 
 import numpy as np

@@ -17,12 +17,12 @@ itself takes ~15 µs. On one node, the ranks can agree through the segment they 
 - *One decider*: only rank 0 writes verdicts (``s`` and GO or ABORT in one word, in a ring of the last few,
   then ``s`` as the latest decided), so no two ranks ever decide differently. Its waiter, once posted, writes GO
   when every rank has posted ``s`` with the same bit and epoch and their rows fit together (an allgather's
-  ``out`` holds them all); ABORT when one differs or not every rank posted within its wait. Its engine writes ABORT for posts it finds while rank 0 takes the control plane (it has
-  collectives pending there, or messages came), or that were left longer than ``HOLD_SECONDS`` (the stall checks
-  then see them on the control plane).
+  ``out`` holds them all); ABORT when one differs or not every rank posted within its wait. Its engine writes
+  ABORT for posts it finds while rank 0 takes the control plane (it has collectives pending there, or messages
+  came), or that were left longer than ``HOLD_SECONDS`` (the stall checks then see them on the control plane).
 - On GO every rank records the response (with every rank's rows) and runs it, as if rank 0 had sent it; on
-  ABORT the rank announces the
-  request on the control plane as usual, where the stall, mismatch and dead-rank checks apply unchanged.
+  ABORT the rank announces the request on the control plane as usual, where the stall, mismatch and dead-rank
+  checks apply unchanged.
 - A GO stays readable until every rank has read it. A collective with no data to wait for (a zero-length
   allreduce, the root of a broadcast) lets rank 0 finish a GO at once, but the next agreement needs every rank's
   post to be GO; else it ends in ABORT, and every rank that posted it goes to the control plane, which waits for
@@ -168,9 +168,9 @@ class FastLane:
         return word >> 1 == sequence and bool(word & _GO)  # overwritten: an ABORT (see the module's docstring)
 
     def _lead(self, request, bit: int, sequence: int, epoch: int) -> Optional[Response]:
-        """Rank 0: GO once every rank posted ``sequence`` alike (and the rows they name fit together); ABORT when one
-        differs, after ``wait_seconds``, or when the engine failed. A GO is recorded before it is published: no
-        rank may announce a later epoch than rank 0's cache holds."""
+        """Rank 0: GO once every rank posted ``sequence`` alike (and the rows they name fit together); ABORT when
+        one differs, after ``wait_seconds``, or when the engine failed. A GO is recorded before it is published:
+        no rank may announce a later epoch than rank 0's cache holds."""
         deadline = time.monotonic() + self.wait_seconds
         while True:
             posts = self._posts(sequence, bit, epoch)

@@ -5,8 +5,8 @@ each rank copies its peers' parts of a chunk into its slot, sums its own part st
 from every peer's slot (in rank order, numpy ufuncs with ``out=``, no temporaries) into
 its slot, and every rank then copies each owner's reduced part out. Large buffers go
 through in rounds of one buffer each, two buffers per rank, so a rank copies round k+1
-in while slower peers still read round k. Allgather, alltoall, broadcast and reducescatter use
-the same rounds; point-to-point goes to ``fallback`` (MPI). A small allreduce
+in while slower peers still read round k. Allgather, alltoall, broadcast and reducescatter
+use the same rounds; point-to-point goes to ``fallback`` (MPI). A small allreduce
 (``WHOLE_REDUCE_BYTES``) goes in one round: every rank copies all of its data in and folds every
 rank's, in rank order. The blocks, the chunk windows, who copies what and the folding order are
 ``schedule.py``'s, as for the MPI ring and the sealed plane, so every plane gives the same bits.
@@ -273,7 +273,7 @@ class ShmBackend(Backend):
         size, rank, segment = self.size, self.rank, self.segment
         width = slots.shape[2] // size
         sends, recvs = bounds_of_counts(sendcounts), bounds_of_counts(recvcounts)
-        mine = -(-max(*sendcounts, *recvcounts, 0) // width)
+        mine = -(-int(max(*sendcounts, *recvcounts, 0)) // width)
         rounds = [1]
 
         def body(which: int, r: int, mark: int) -> None:
