@@ -59,6 +59,9 @@ class FlatPlane(Backend):
     def reducescatter(self, sendbuf, recvbuf, counts, op):
         self.calls.append(("reducescatter", str(recvbuf.device)))
 
+    def sendrecv(self, sendbuf, dest, recvbuf, source):
+        self.calls.append(("sendrecv", "cpu" if isinstance(recvbuf, np.ndarray) else str(recvbuf.device)))
+
     def subset(self, ranks):
         self.calls.append(("subset", ranks))
         return self
@@ -84,10 +87,13 @@ def test_host_buffers_go_through_shared_memory_and_device_ones_stay_on_the_flat_
     plane.broadcast(array, 0)
     assert flat.calls == [], "host buffers must not reach the flat plane"
 
+    swapped = np.empty_like(array)
+    plane.alltoallv(array, [7], swapped, [7])
+    assert np.array_equal(swapped, array) and flat.calls == [], "a host alltoall goes through shared memory too"
     device = torch.empty(4, device="meta")
     plane.allreduce(device, device, ReduceOp.Sum)
-    plane.alltoallv(array, [7], array.copy(), [7])
-    assert flat.calls == [("allreduce", "meta"), ("alltoallv", "cpu")]
+    plane.sendrecv(array, 0, array.copy(), 0)
+    assert flat.calls == [("allreduce", "meta"), ("sendrecv", "cpu")]
     assert plane.supports_process_sets and plane.subset((0,)) is flat
     plane.close()
     assert flat.closed == 1, "the shared-memory plane owns the flat one: closed once"
@@ -100,9 +106,9 @@ def test_a_waiter_may_run_what_runs_on_the_segment_at_any_size_and_the_rest_up_t
     flat.interruptible_bytes = 1024
     plane = ShmBackend(segment, flat)
     try:
-        for method in ("allreduce", "allgatherv", "broadcast", "reducescatter"):
+        for method in ("allreduce", "allgatherv", "alltoallv", "broadcast", "reducescatter"):
             assert plane.interruptible_bytes_for(method) >= 1 << 40, method
-        assert plane.interruptible_bytes_for("alltoallv") == plane.interruptible_bytes_for("sendrecv") == 1024
-        assert ShmBackend(segment, None).interruptible_bytes_for("alltoallv") == 0
+        assert plane.interruptible_bytes_for("sendrecv") == 1024
+        assert ShmBackend(segment, None).interruptible_bytes_for("sendrecv") == 0
     finally:
         plane.close()
