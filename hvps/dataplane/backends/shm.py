@@ -26,7 +26,7 @@ import numpy as np
 
 from ...core import arrays, dtypes
 from ...core.errors import HvpsError
-from ..schedule import Schedule, bounds_of_counts, fold_in_rank_order, segments
+from ..schedule import Schedule, bounds_of_counts, fold_in_rank_order, segments, window
 from ..shm_segment import A2A_ROUNDS, DONE, IN, RED, SHM_DIR, Segment, new_name, segment_bytes
 from .base import Backend
 
@@ -278,18 +278,18 @@ class ShmBackend(Backend):
 
         def body(which: int, r: int, mark: int) -> None:
             start = r * width
-            for peer, (lo, hi) in enumerate(sends):
-                n = max(0, min(hi - lo - start, width))
-                slots[rank, which, peer * width:peer * width + n] = send[lo + start:lo + start + n]
+            for peer, bound in enumerate(sends):
+                part = send[window(bound, start, width)]
+                slots[rank, which, peer * width:peer * width + part.size] = part
             if r == 0:
                 segment.publish(A2A_ROUNDS[which], mine)
             segment.publish(IN, mark)
             segment.wait(IN, mark)
             if r == 0:
                 rounds[0] = max(segment.field(q, A2A_ROUNDS[which]) for q in range(size))
-            for peer, (lo, hi) in enumerate(recvs):
-                n = max(0, min(hi - lo - start, width))
-                recv[lo + start:lo + start + n] = slots[peer, which, rank * width:rank * width + n]
+            for peer, bound in enumerate(recvs):
+                win = window(bound, start, width)
+                recv[win] = slots[peer, which, rank * width:rank * width + win.stop - win.start]
 
         self._rounds(body, 1)
         if rounds[0] > 1:
