@@ -124,7 +124,9 @@ def idle_barrier(comm: Any, poll_s: float = 0.02) -> None:
 
 
 def torch_default_group(comm: Any, device: str = "cpu") -> None:
-    """torch.distributed's default group, bootstrapped over MPI as hvps's tdist backend is."""
+    """torch.distributed's default group, bootstrapped over MPI as hvps's tdist backend is; destroyed at exit
+    (gloo's threads left running abort the interpreter's exit: "terminate called without an active exception")."""
+    import atexit
     import socket
 
     import torch
@@ -139,6 +141,7 @@ def torch_default_group(comm: Any, device: str = "cpu") -> None:
         torch.cuda.set_device(comm.Get_rank() % torch.cuda.device_count())
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=comm.bcast(address),
                             rank=comm.Get_rank(), world_size=comm.Get_size())
+    atexit.register(dist.destroy_process_group)
 
 
 MPIRUN_HELP = "mpirun executable (default: the one hvpsrun finds: $HVPS_MPIRUN, beside this Python, then PATH)"
