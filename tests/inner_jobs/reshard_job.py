@@ -1,6 +1,6 @@
 """Re-sharding between real jobs (issue 39, item 4), for tests/test_sharded_checkpoint.py (not collected by pytest).
 
-``python reshard_job.py MODE DIR``, on the dyadic model of tests/mpi/mpi_fully_sharded.py (its loss is linear in the
+``python reshard_job.py MODE DIR``, on the dyadic model of tests/mpi/dyadic_heads.py (its loss is linear in the
 outputs, so every gradient and every Adam step is exact: see that module), with Adam over two parameter groups:
 
 - ``save``: a 3-rank job trains two steps at stage 1-2 (``hvd.DistributedOptimizer(..., shard=True)``, 20-element
@@ -22,16 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "mpi"))
-from hvps_testutil import shifted  # noqa: E402
-from mpi_fully_sharded import (  # noqa: E402
-    _assert_equal,
-    _assert_staged_is_the_reference_slice,
-    _full,
-    _model,
-    _optimizer,
-    _sharded_steps,
-)
-from mpi_sharded_optimizer import _assert_same_state  # noqa: E402
+import dyadic_heads as dh  # noqa: E402
+from hvps_testutil import assert_same_optimizer_state, shifted  # noqa: E402
 
 import hvps  # noqa: E402
 import hvps.adapters.torch as hvd  # noqa: E402
@@ -47,14 +39,14 @@ BUCKET_CAP_MB = 20 * 4 / 2**20  # 20 float32 elements
 def build(name: str, mode: str, world: tuple) -> tuple:
     """``(model, optimizer)`` of run ``name`` ("stage1-2" or "stage3") for ``mode``; a loading one starts shifted, at
     a learning rate of 1 (the load must set both)."""
-    model = _model() if mode == "save" else shifted(_model())
+    model = dh.model() if mode == "save" else shifted(dh.model())
     lr = LR if mode == "save" else 1.0
     if mode == "plain":
-        return model, _optimizer(model, "adam", lr)
+        return model, dh.optimizer(model, "adam", lr)
     if name == "stage3":
         fully_shard(model, units=[model.first, model.second], broadcast_from=None)
-        return model, _optimizer(model, "adam", lr)
-    return model, hvd.DistributedOptimizer(_optimizer(model, "adam", lr), named_parameters=model.named_parameters(),
+        return model, dh.optimizer(model, "adam", lr)
+    return model, hvd.DistributedOptimizer(dh.optimizer(model, "adam", lr), named_parameters=model.named_parameters(),
                                            shard=True, bucket_cap_mb=BUCKET_CAP_MB)
 
 
@@ -64,33 +56,33 @@ def main(mode: str, directory: Path) -> None:
         hvd.init()
     world = (hvd.size(), hvd.rank()) if mode != "plain" else (1, 0)
     assert mode != "save" or world[0] == SAVED_SIZE, f"the save job runs at {SAVED_SIZE} ranks, not {world[0]}"
-    ref = _model()
-    ref_opt = _optimizer(ref, "adam", LR)
+    ref = dh.model()
+    ref_opt = dh.optimizer(ref, "adam", LR)
     runs = {name: build(name, mode, world) for name in ("stage1-2", "stage3")}
     first, last = 0, SAVED_STEPS
     if mode != "save":
-        _sharded_steps(ref, ref_opt, 0, SAVED_STEPS, 1, 0)
+        dh.sharded_steps(ref, ref_opt, 0, SAVED_STEPS, 1, 0)
         first, last = SAVED_STEPS, SAVED_STEPS + MORE_STEPS
         for name, (model, opt) in runs.items():
             loaded = hvd.CheckpointManager(directory / name).load(model=model, optimizer=opt)
             assert loaded == SAVED_STEPS, f"{name}: load gave epoch {loaded}"
     fully_sharded = {name for name in runs if name == "stage3" and mode != "plain"}
     for step in range(first, last):
-        _sharded_steps(ref, ref_opt, step, step + 1, 1, 0)
+        dh.sharded_steps(ref, ref_opt, step, step + 1, 1, 0)
         for name, (model, opt) in runs.items():
-            _sharded_steps(model, opt, step, step + 1, *world)
-            full = _full(model) if name in fully_sharded else model.state_dict()
-            _assert_equal(full, ref, f"{name}, {SAVED_SIZE} -> {world[0]} ranks ({mode}), step {step}")
+            dh.sharded_steps(model, opt, step, step + 1, *world)
+            full = dh.full(model) if name in fully_sharded else model.state_dict()
+            dh.assert_equal(full, ref, f"{name}, {SAVED_SIZE} -> {world[0]} ranks ({mode}), step {step}")
     for name, (model, opt) in runs.items():
         if name in fully_sharded:  # each rank's blocks and Adam state: its slices of the reference's
             groups = FullyShardedModel.of(model).flat_groups()
             live = Staged([g.shard_flat for g in groups], opt.state_dict(), {})
-            _assert_staged_is_the_reference_slice(live, model, opt, ref, ref_opt, *world)
+            dh.assert_staged_is_the_reference_slice(live, model, opt, ref, ref_opt, *world)
             if mode == "load":  # the test reads across saved shards: some rank's block straddles two
                 assert any(len(source_pieces(*shard_bounds(g.numel, world[0], q), g.numel, SAVED_SIZE)) > 1
                            for g in groups for q in range(world[0]))
         else:
-            _assert_same_state(opt.state_dict(), ref_opt.state_dict())  # consolidated (collective at stage 1-2)
+            assert_same_optimizer_state(opt.state_dict(), ref_opt.state_dict())  # consolidated (collective at stage 1-2)
         if mode == "save":
             hvd.CheckpointManager(directory / name, fsync=False).save(SAVED_STEPS - 1, model=model, optimizer=opt)
     assert hvps.is_initialized() == (mode != "plain")

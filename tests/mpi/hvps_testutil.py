@@ -270,3 +270,16 @@ def shifted(model):
         for p in model.parameters():
             p.add_(1.0)
     return model
+
+
+def assert_same_optimizer_state(state_dict, reference):
+    """Optimizer state dicts ``state_dict`` and ``reference`` hold the same groups and the same state, bit for bit."""
+    import torch
+
+    assert state_dict["param_groups"] == reference["param_groups"]
+    assert state_dict["state"].keys() == reference["state"].keys()
+    for index, entry in reference["state"].items():
+        mine = state_dict["state"][index]
+        assert mine.keys() == entry.keys(), index
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(mine[key]), torch.as_tensor(value)), (index, key)

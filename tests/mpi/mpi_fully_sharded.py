@@ -1,13 +1,6 @@
 """Inner multi-rank tests of ``fully_shard`` (ZeRO stage 3): against single-process training on the global
-batch, computed in-process on every rank without hvps.
-
-Bit-exactness uses the dyadic trick of tests/mpi/mpi_sharded_optimizer.py: the loss is linear in the
-outputs of three parallel heads (``sum(head(x) * t)``, small-integer data, dyadic weights), so the gradients
-do not depend on the parameters and are exact in float32; each rank's loss is its part of the global loss
-times N, so the Average reduce-scatter yields the reference's gradient bit for bit, and element-wise
-optimizer kernels (``foreach=False``) do the rest. Two heads are units (one of them holding a nested
-module), the third head and a scale vector of the model itself form the root unit; 59 parameters, uneven
-at 2 and 3 ranks.
+batch, computed in-process on every rank without hvps, on the dyadic model of ``dyadic_heads.py`` (its gradients
+are exact in float32, so the sharded run must match the one-process run bit for bit).
 """
 
 import pytest
@@ -17,11 +10,11 @@ import hvps.adapters.torch as hvd
 from hvps import HvpsError
 from hvps.adapters.torch.fully_sharded import FullyShardedModel, fully_shard
 
+import dyadic_heads as dh
+
 pytestmark = pytest.mark.timeout(120)
 
-GLOBAL_BATCH = 12
 STEPS = 3
-SCALE = 2.0 ** -6
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,103 +24,30 @@ def _init():
     yield
 
 
-class Pair(torch.nn.Module):
-    """A head made of a linear map and a nested one on the same slice (a unit with a submodule)."""
-
-    def __init__(self, inputs, outputs):
-        super().__init__()
-        self.main = torch.nn.Linear(inputs, outputs)
-        self.extra = torch.nn.Linear(inputs, outputs, bias=False)
-
-    def forward(self, x):
-        return self.main(x) + self.extra(x)
-
-
-class Heads(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.first = Pair(5, 3)  # 18 + 15
-        self.second = torch.nn.Linear(4, 2)  # 10
-        self.third = torch.nn.Linear(3, 3, bias=False)  # 9 (root)
-        self.scale = torch.nn.Parameter(torch.ones(3))  # 3 (root)
-
-    def loss(self, x, targets, factor):
-        a, b, c = x[:, :5], x[:, 5:9], x[:, 9:12]
-        total = (self(a, b, c) * targets[2]).sum() + (self.first(a) * targets[0]).sum() \
-            + (self.second(b) * targets[1]).sum()
-        return total * factor
-
-    def forward(self, a, b, c):
-        return self.third(c) + self.scale * c
-
-
-def _model():
-    torch.manual_seed(11)
-    model = Heads()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.round(p * 8) / 8)
-    return model
-
-
-def _data(step):
-    g = torch.Generator().manual_seed(700 + step)
-    x = torch.randint(-4, 5, (GLOBAL_BATCH, 12), generator=g).float()
-    targets = [torch.randint(-4, 5, (GLOBAL_BATCH, o), generator=g).float() for o in (3, 2, 3)]
-    return x, targets
-
-
-def _local(x, targets):
-    per = GLOBAL_BATCH // hvd.size()
-    rows = slice(hvd.rank() * per, (hvd.rank() + 1) * per)
-    return x[rows], [t[rows] for t in targets]
-
-
-def _optimizer(model, kind, lr):
-    # groups by name: the shards keep their parameters' names
-    named = dict(model.named_parameters())
-    fast = [named["third.weight"], named["scale"]]
-    groups = [{"params": [p for n, p in named.items() if n not in ("third.weight", "scale")]},
-              {"params": fast, "lr": lr * 2}]
-    if kind == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=0.5, weight_decay=2.0 ** -5, foreach=False)
-    return torch.optim.Adam(groups, lr=lr, foreach=False)
-
-
-def _full(model):
-    with FullyShardedModel.of(model).full_parameters():
-        return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def _assert_equal(full, ref, what):
-    for name, b in ref.state_dict().items():
-        assert torch.equal(full[name], b), f"{what}: {name} differs from the single-process run"
-
-
 def _train_side_by_side(ref, ref_opt, model, opt, steps: int, what: str) -> None:
     """``steps`` steps of the one-process reference and of the fully sharded model on this rank's part of the
     same batches; the gathered parameters must equal the reference's bit for bit after each."""
     for step in range(steps):
-        x, targets = _data(step)
+        x, targets = dh.data(step)
         ref_opt.zero_grad()
-        ref.loss(x, targets, SCALE).backward()
+        ref.loss(x, targets, dh.SCALE).backward()
         ref_opt.step()
         opt.zero_grad()
-        xs, ts = _local(x, targets)
-        model.loss(xs, ts, SCALE * hvd.size()).backward()
+        xs, ts = dh.local(x, targets)
+        model.loss(xs, ts, dh.SCALE * hvd.size()).backward()
         opt.step()
-        _assert_equal(_full(model), ref, f"{what}, step {step}")
+        dh.assert_equal(dh.full(model), ref, f"{what}, step {step}")
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 def test_bit_identical_to_one_process(kind):
     lr = 2.0 ** -4
-    ref, model = _model(), _model()
-    ref_opt = _optimizer(ref, kind, lr)
+    ref, model = dh.model(), dh.model()
+    ref_opt = dh.optimizer(ref, kind, lr)
     fully_shard(model, units=[model.first, model.second, model.first.extra])
     controller = FullyShardedModel.of(model)
     assert [u.name for u in controller.units] == ["root", "first", "first.extra", "second"]
-    opt = _optimizer(model, kind, lr)
+    opt = dh.optimizer(model, kind, lr)
     _train_side_by_side(ref, ref_opt, model, opt, STEPS, kind)
     # outside forward and backward no rank holds a full parameter (they keep their shapes, not their storage)
     assert all(p.untyped_storage().nbytes() == 0 for u in controller.units for g in u.groups for p in g.full)
@@ -161,14 +81,14 @@ def test_sequential_blocks_match_one_process_closely():
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(9)
     for _ in range(3):
-        x = torch.randn(GLOBAL_BATCH, 6, generator=g)
+        x = torch.randn(dh.GLOBAL_BATCH, 6, generator=g)
         ref_opt.zero_grad()
         ref(x).square().mean().backward()
         ref_opt.step()
         opt.zero_grad()
-        model(_local(x, [])[0]).square().mean().backward()
+        model(dh.local(x, [])[0]).square().mean().backward()
         opt.step()
-    full = _full(model)
+    full = dh.full(model)
     for name, b in ref.state_dict().items():
         torch.testing.assert_close(full[name], b, rtol=1e-5, atol=1e-6)
     with torch.no_grad():  # evaluation: every unit gathered and freed again, the root too
@@ -222,37 +142,18 @@ def test_gradients_accumulate_and_clip_over_the_whole_model():
     ref, model = Stack(depth=2), Stack(depth=2)
     model.load_state_dict(ref.state_dict())
     fully_shard(model, units=[torch.nn.Sequential])
-    x = torch.randn(GLOBAL_BATCH, 6, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(dh.GLOBAL_BATCH, 6, generator=torch.Generator().manual_seed(2))
     for _ in range(2):  # two backward passes, no zero_grad between: the averaged gradients add up
         ref(x).square().mean().backward()
-        model(_local(x, [])[0]).square().mean().backward()
+        model(dh.local(x, [])[0]).square().mean().backward()
     expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
     norm = FullyShardedModel.of(model).clip_grad_norm_(0.05)
     torch.testing.assert_close(norm.float(), expected, rtol=1e-5, atol=0)
     torch.optim.SGD(ref.parameters(), lr=0.5).step()
     torch.optim.SGD(model.parameters(), lr=0.5).step()
-    full = _full(model)
+    full = dh.full(model)
     for name, b in ref.state_dict().items():
         torch.testing.assert_close(full[name], b, rtol=1e-5, atol=1e-6)
-
-
-def _sharded_steps(model, opt, first, last, size, rank):
-    """Steps ``[first, last)`` of a fully sharded model over ``size`` ranks, this one ``rank``."""
-    per = GLOBAL_BATCH // size
-    rows = slice(rank * per, (rank + 1) * per)
-    for step in range(first, last):
-        x, targets = _data(step)
-        opt.zero_grad()
-        model.loss(x[rows], [t[rows] for t in targets], SCALE * size).backward()
-        opt.step()
-
-
-def _reference_steps(ref, ref_opt, first, last):
-    for step in range(first, last):
-        x, targets = _data(step)
-        ref_opt.zero_grad()
-        ref.loss(x, targets, SCALE).backward()
-        ref_opt.step()
 
 
 def test_elastic_state_restores_a_commit_and_rebuilds_a_rank_from_its_neighbours_copy():
@@ -263,10 +164,10 @@ def test_elastic_state_restores_a_commit_and_rebuilds_a_rank_from_its_neighbours
     from hvps.adapters.torch.elastic_sharding import AdoptedOptimizerHandler, FullyShardedStateHandler
 
     lr = 2.0 ** -4
-    ref, model = _model(), _model()
-    ref_opt = _optimizer(ref, "adam", lr)
+    ref, model = dh.model(), dh.model()
+    ref_opt = dh.optimizer(ref, "adam", lr)
     fully_shard(model, units=[model.first, model.second])
-    opt = _optimizer(model, "adam", lr)
+    opt = dh.optimizer(model, "adam", lr)
     state = hvd.elastic.TorchState(model, opt, batch=0)
     assert isinstance(state._handlers["model"], FullyShardedStateHandler)
     assert isinstance(state._handlers["optimizer"], AdoptedOptimizerHandler)
@@ -275,19 +176,19 @@ def test_elastic_state_restores_a_commit_and_rebuilds_a_rank_from_its_neighbours
 
     def steps(first, last, commit):
         for step in range(first, last):
-            _sharded_steps(model, opt, step, step + 1, hvd.size(), hvd.rank())
+            dh.sharded_steps(model, opt, step, step + 1, hvd.size(), hvd.rank())
             if commit:
                 state.batch += 1
                 state.commit()
 
     def reference_steps(first, last):
-        _reference_steps(ref, ref_opt, first, last)
+        dh.reference_steps(ref, ref_opt, first, last)
 
     steps(0, 2, commit=True)
     reference_steps(0, 2)
     steps(2, 3, commit=False)
     state.restore()
-    _assert_equal(_full(model), ref, "after a restore")
+    dh.assert_equal(dh.full(model), ref, "after a restore")
     if hvd.rank() == 1:
         handler = state._handlers["model"]
         handler._saved.version = -1  # not the save the others hold: rank 1 contributes nothing
@@ -298,36 +199,15 @@ def test_elastic_state_restores_a_commit_and_rebuilds_a_rank_from_its_neighbours
         opt.state.clear()
     state.sync()
     assert state.batch == 2
-    _assert_equal(_full(model), ref, "after the rebuild")
+    dh.assert_equal(dh.full(model), ref, "after the rebuild")
     steps(2, 4, commit=True)
     reference_steps(2, 4)
-    _assert_equal(_full(model), ref, "two Adam steps after the rebuild")
-
-
-def _assert_staged_is_the_reference_slice(staged, model, opt, ref, ref_opt, size, rank):
-    """Rank ``rank`` of ``size``'s staged blocks and Adam state are exactly its slices of the one-process run."""
-    from hvps.core.flat_shards import FlatLayout
-
-    named = dict(ref.named_parameters())
-    position = {id(p): k for k, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    for g, group in enumerate(FullyShardedModel.of(model).flat_groups()):
-        layout = FlatLayout(tuple(shape.numel() for shape in group.shapes), size)
-        flat = torch.cat([named[n].detach().reshape(-1) for n in group.names])
-        lo, hi = layout.block(rank)
-        expected = torch.zeros(hi - lo)
-        expected[: max(0, min(hi, flat.numel()) - lo)] = flat[lo:hi]
-        assert torch.equal(staged.blocks[g], expected), (size, rank, group.name)
-        for i, offset, _, n in layout.pieces(rank):
-            entry = staged.optimizer["state"][position[id(group.shards[i])]]
-            reference = ref_opt.state[named[group.names[i]]]
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(entry[key], reference[key].reshape(-1)[offset : offset + n]), (size, rank, key)
-            assert torch.equal(entry["step"], reference["step"])
+    dh.assert_equal(dh.full(model), ref, "two Adam steps after the rebuild")
 
 
 def _assert_an_optimizer_alone_loads_the_same(mgr, model, opt, kind):
     """``load(optimizer=...)`` without the model: another optimizer over the same shards gets ``opt``'s state."""
-    alone = _optimizer(model, kind, 1.0)
+    alone = dh.optimizer(model, kind, 1.0)
     assert mgr.load(optimizer=alone) == 2
     mine, theirs = alone.state_dict(), opt.state_dict()
     assert mine["param_groups"] == theirs["param_groups"]
@@ -349,12 +229,12 @@ def test_checkpoint_reshards_to_fewer_and_more_ranks_and_into_one_process(shared
 
     size, rank = hvd.size(), hvd.rank()
     lr = 2.0 ** -4
-    ref, model = _model(), _model()
-    ref_opt = _optimizer(ref, "adam", lr)
+    ref, model = dh.model(), dh.model()
+    ref_opt = dh.optimizer(ref, "adam", lr)
     fully_shard(model, units=[model.first, model.second])
-    opt = _optimizer(model, "adam", lr)
-    _sharded_steps(model, opt, 0, 2, size, rank)
-    _reference_steps(ref, ref_opt, 0, 2)
+    opt = dh.optimizer(model, "adam", lr)
+    dh.sharded_steps(model, opt, 0, 2, size, rank)
+    dh.reference_steps(ref, ref_opt, 0, 2)
     directory = shared_dir / "fully-sharded-ckpt"
     mgr = hvd.CheckpointManager(directory, fsync=False)
     mgr.save(1, model=model, optimizer=opt)
@@ -362,12 +242,12 @@ def test_checkpoint_reshards_to_fewer_and_more_ranks_and_into_one_process(shared
         stored = sum(f[s][g][k].size for s in ("model", "optimizer") for g in f[s] for k in f[s][g])
     assert stored == 3 * sum(g.shard_numel for g in FullyShardedModel.of(model).flat_groups())  # 1/N: values, m, v
 
-    same = _model()
+    same = dh.model()
     with torch.no_grad():
         for p in same.parameters():
             p.add_(1.0)
     fully_shard(same, units=[same.first, same.first.extra, same.second], broadcast_from=None)  # other flat groups
-    same_opt = _optimizer(same, "adam", 1.0)
+    same_opt = dh.optimizer(same, "adam", 1.0)
     assert mgr.load(model=same, optimizer=same_opt) == 2
     assert same_opt.param_groups[0]["lr"] == lr
     _assert_an_optimizer_alone_loads_the_same(mgr, same, same_opt, "adam")
@@ -375,30 +255,30 @@ def test_checkpoint_reshards_to_fewer_and_more_ranks_and_into_one_process(shared
     subset = hvps.add_process_set(list(range(fewer)))
     try:
         inside = rank < fewer
-        smaller = _model()
+        smaller = dh.model()
         if inside:
             fully_shard(smaller, units=[smaller.first, smaller.second], process_set=subset)
-        smaller_opt = _optimizer(smaller, "adam", 1.0)
+        smaller_opt = dh.optimizer(smaller, "adam", 1.0)
         assert mgr.load(model=smaller, optimizer=smaller_opt) == 2
-        plain = _model()
-        plain_opt = _optimizer(plain, "adam", 1.0)
+        plain = dh.model()
+        plain_opt = dh.optimizer(plain, "adam", 1.0)
         assert mgr.load(model=plain, optimizer=plain_opt) == 2
         for m in range(1, 5):  # rank q of M reads its ranges of the N saved shards
             for q in range(rank, m, size):
                 staged = fc.stage(directory, mgr.loaded, same, same_opt, world=(m, q))
-                _assert_staged_is_the_reference_slice(staged, same, same_opt, ref, ref_opt, m, q)
+                dh.assert_staged_is_the_reference_slice(staged, same, same_opt, ref, ref_opt, m, q)
         for step in range(2, 4):
-            _reference_steps(ref, ref_opt, step, step + 1)
-            _sharded_steps(same, same_opt, step, step + 1, size, rank)
+            dh.reference_steps(ref, ref_opt, step, step + 1)
+            dh.sharded_steps(same, same_opt, step, step + 1, size, rank)
             if inside:
-                _sharded_steps(smaller, smaller_opt, step, step + 1, fewer, rank)
+                dh.sharded_steps(smaller, smaller_opt, step, step + 1, fewer, rank)
             else:
-                _reference_steps(smaller, smaller_opt, step, step + 1)
-            _reference_steps(plain, plain_opt, step, step + 1)
-            _assert_equal(_full(same), ref, f"reloaded at {size} ranks with other units, step {step}")
-            _assert_equal(_full(smaller) if inside else smaller.state_dict(), ref,
+                dh.reference_steps(smaller, smaller_opt, step, step + 1)
+            dh.reference_steps(plain, plain_opt, step, step + 1)
+            dh.assert_equal(dh.full(same), ref, f"reloaded at {size} ranks with other units, step {step}")
+            dh.assert_equal(dh.full(smaller) if inside else smaller.state_dict(), ref,
                           f"{size} -> {fewer if inside else 'one process'}, step {step}")
-            _assert_equal(plain.state_dict(), ref, f"{size} -> one process, step {step}")
+            dh.assert_equal(plain.state_dict(), ref, f"{size} -> one process, step {step}")
     finally:
         hvps.remove_process_set(subset)
 
@@ -409,10 +289,10 @@ def test_disk_tier_under_the_shards_optimizer_is_bit_identical():
     import tempfile
 
     lr = 2.0 ** -4
-    ref, model = _model(), _model()
-    ref_opt = _optimizer(ref, "adam", lr)
+    ref, model = dh.model(), dh.model()
+    ref_opt = dh.optimizer(ref, "adam", lr)
     fully_shard(model, units=[model.first, model.second, model.first.extra])
-    opt = _optimizer(model, "adam", lr)
+    opt = dh.optimizer(model, "adam", lr)
     with tempfile.TemporaryDirectory() as directory:
         tier = hvd.DiskStateTier(opt, directory)
         _train_side_by_side(ref, ref_opt, model, opt, 3, "disk tier")
@@ -432,24 +312,24 @@ def test_a_replicated_runs_checkpoint_loads_into_a_fully_sharded_model_and_conti
 
     size, rank = hvd.size(), hvd.rank()
     lr = 2.0 ** -4
-    replicated = _model()
+    replicated = dh.model()
     replicated_opt, mgr = replicated_checkpoint(
-        replicated, _optimizer(replicated, kind, lr), lambda opt: _sharded_steps(replicated, opt, 0, 2, size, rank),
+        replicated, dh.optimizer(replicated, kind, lr), lambda opt: dh.sharded_steps(replicated, opt, 0, 2, size, rank),
         shared_dir / f"replicated-to-fully-sharded-{kind}")
-    model = shifted(_model())
+    model = shifted(dh.model())
     fully_shard(model, units=[model.first, model.second], broadcast_from=None)
-    opt = _optimizer(model, kind, 1.0)
+    opt = dh.optimizer(model, kind, 1.0)
     assert mgr.load(model=model, optimizer=opt) == 2
     assert opt.param_groups[1]["lr"] == 2 * lr
     if kind == "adam":
         for m in range(1, 5):
             for q in range(rank, m, size):
                 staged = fc.stage_dense(mgr.loaded, model, opt, world=(m, q))
-                _assert_staged_is_the_reference_slice(staged, model, opt, replicated, replicated_opt, m, q)
+                dh.assert_staged_is_the_reference_slice(staged, model, opt, replicated, replicated_opt, m, q)
     for step in range(2, 4):
-        _sharded_steps(replicated, replicated_opt, step, step + 1, size, rank)
-        _sharded_steps(model, opt, step, step + 1, size, rank)
-        _assert_equal(_full(model), replicated, f"replicated -> fully sharded at {size} ranks, {kind}, step {step}")
+        dh.sharded_steps(replicated, replicated_opt, step, step + 1, size, rank)
+        dh.sharded_steps(model, opt, step, step + 1, size, rank)
+        dh.assert_equal(dh.full(model), replicated, f"replicated -> fully sharded at {size} ranks, {kind}, step {step}")
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
@@ -465,25 +345,25 @@ def test_a_sharded_optimizer_runs_checkpoint_loads_into_a_fully_sharded_model_an
 
     size, rank = hvd.size(), hvd.rank()
     lr = 2.0 ** -4
-    replicated = _model()
+    replicated = dh.model()
     sharded_opt, mgr = replicated_checkpoint(
-        replicated, _optimizer(replicated, kind, lr), lambda opt: _sharded_steps(replicated, opt, 0, 2, size, rank),
+        replicated, dh.optimizer(replicated, kind, lr), lambda opt: dh.sharded_steps(replicated, opt, 0, 2, size, rank),
         shared_dir / f"sharded-optimizer-to-fully-sharded-{kind}", shard=True, bucket_cap_mb=20 * 4 / 2**20)
-    model = shifted(_model())
+    model = shifted(dh.model())
     fully_shard(model, units=[model.first, model.second], broadcast_from=None)
-    opt = _optimizer(model, kind, 1.0)
+    opt = dh.optimizer(model, kind, 1.0)
     assert mgr.load(model=model, optimizer=opt) == 2
     assert opt.param_groups[1]["lr"] == 2 * lr
     _assert_an_optimizer_alone_loads_the_same(mgr, model, opt, kind)
     if kind == "adam":
-        plain = _model()
-        plain_opt = _optimizer(plain, kind, 1.0)
+        plain = dh.model()
+        plain_opt = dh.optimizer(plain, kind, 1.0)
         assert mgr.load(model=plain, optimizer=plain_opt) == 2  # consolidated: the whole state in one process
         for m in range(1, 5):
             for q in range(rank, m, size):
                 staged = fc.stage_sharded_optimizer(mgr.directory, mgr.loaded, model, opt, world=(m, q))
-                _assert_staged_is_the_reference_slice(staged, model, opt, plain, plain_opt, m, q)
+                dh.assert_staged_is_the_reference_slice(staged, model, opt, plain, plain_opt, m, q)
     for step in range(2, 4):
-        _sharded_steps(replicated, sharded_opt, step, step + 1, size, rank)
-        _sharded_steps(model, opt, step, step + 1, size, rank)
-        _assert_equal(_full(model), replicated, f"ShardedOptimizer -> fully sharded at {size} ranks, {kind}, step {step}")
+        dh.sharded_steps(replicated, sharded_opt, step, step + 1, size, rank)
+        dh.sharded_steps(model, opt, step, step + 1, size, rank)
+        dh.assert_equal(dh.full(model), replicated, f"ShardedOptimizer -> fully sharded at {size} ranks, {kind}, step {step}")

@@ -21,6 +21,7 @@ import hvps.adapters.torch as hvd
 from hvps import HvpsError
 from hvps.adapters.torch import sharded_optimizer
 from hvps.adapters.torch.sharded_optimizer import ShardedOptimizer
+from hvps_testutil import assert_same_optimizer_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,16 +109,6 @@ def _assert_equal(model, ref, what):
         assert torch.equal(a, b), f"{what}: {name} differs from the single-process run by {(a - b).abs().max()}"
 
 
-def _assert_same_state(sharded_sd, reference_sd):
-    assert sharded_sd["param_groups"] == reference_sd["param_groups"]
-    assert sharded_sd["state"].keys() == reference_sd["state"].keys()
-    for index, entry in reference_sd["state"].items():
-        mine = sharded_sd["state"][index]
-        assert mine.keys() == entry.keys(), index
-        for key, value in entry.items():
-            assert torch.equal(torch.as_tensor(mine[key]), torch.as_tensor(value)), (index, key)
-
-
 @pytest.mark.parametrize("buckets", ["one", "tiny"])
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 def test_bit_identical_to_one_process(kind, buckets):
@@ -132,7 +123,7 @@ def test_bit_identical_to_one_process(kind, buckets):
         _reference_step(ref, ref_opt, step)
         _sharded_step(model, opt, step)
         _assert_equal(model, ref, f"{kind}, step {step}")
-    _assert_same_state(opt.state_dict(), ref_opt.state_dict())
+    assert_same_optimizer_state(opt.state_dict(), ref_opt.state_dict())
     for b, entry in opt.local_state().items():  # a bucket's state is one tensor, its chunks' states views of it
         last = opt.shard_optimizer.state[opt._buckets[b].chunks[-1]]
         for key, value in entry.items():
@@ -172,7 +163,7 @@ def test_state_dict_reloads_and_continues_exactly():
     # the consolidated state loads into the unsharded optimizer too
     plain = _groups(_model(), "adam", 1.0)
     plain.load_state_dict(fresh.state_dict())
-    _assert_same_state(plain.state_dict(), ref_opt.state_dict())
+    assert_same_optimizer_state(plain.state_dict(), ref_opt.state_dict())
 
 
 def _state_bytes(optimizer):
@@ -364,7 +355,7 @@ def test_checkpoint_shards_reload_at_any_rank_count_and_into_one_process(shared_
     directory = shared_dir / "sharded-optimizer-ckpt"
     ref, ref_opt, model, opt, mgr = _two_adam_steps_saved(directory, lr)
     consolidated = opt.state_dict()
-    _assert_same_state(consolidated, ref_opt.state_dict())
+    assert_same_optimizer_state(consolidated, ref_opt.state_dict())
     # this rank's file holds its shard only: 1/N of the element-wise state
     with h5py.File(directory / "optim-epoch-000001" / sc.shard_file_name(hvd.rank(), hvd.size())) as f:
         stored = sum(f["optimizer"][b][k].size for b in f["optimizer"] for k in f["optimizer"][b])
@@ -382,7 +373,7 @@ def test_checkpoint_shards_reload_at_any_rank_count_and_into_one_process(shared_
     plain_model = _model()
     plain = _groups(plain_model, "adam", 1.0)
     assert mgr.load(model=plain_model, optimizer=plain) == 2
-    _assert_same_state(plain.state_dict(), consolidated)
+    assert_same_optimizer_state(plain.state_dict(), consolidated)
     for step in range(2, 4):
         _reference_step(ref, ref_opt, step)
         _sharded_step(model2, opt2, step)
@@ -434,7 +425,7 @@ def test_disk_tier_trains_bit_identically_and_checkpoints(shared_dir):
         _reference_step(ref, ref_opt, step)
         _sharded_step(model2, opt2, step)
         _assert_equal(model2, ref, f"disk tier reloaded, step {step}")
-    _assert_same_state(opt2.state_dict(), ref_opt.state_dict())
+    assert_same_optimizer_state(opt2.state_dict(), ref_opt.state_dict())
     opt.close()
     opt2.close()
 
@@ -508,7 +499,7 @@ def test_elastic_state_restores_a_commit_and_rebuilds_a_rank_from_its_neighbours
         _reference_step(ref, ref_opt, step)
         _sharded_step(model, opt, step)
         _assert_equal(model, ref, f"step {step} after the rebuild")
-    _assert_same_state(opt.state_dict(), ref_opt.state_dict())
+    assert_same_optimizer_state(opt.state_dict(), ref_opt.state_dict())
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
@@ -536,4 +527,4 @@ def test_a_replicated_runs_checkpoint_loads_into_a_sharded_optimizer_and_continu
         _sharded_step(replicated, replicated_opt, step)
         _sharded_step(model, opt, step)
         _assert_equal(model, replicated, f"replicated -> sharded at {hvd.size()} ranks, {kind}, step {step}")
-    _assert_same_state(opt.state_dict(), replicated_opt.state_dict())
+    assert_same_optimizer_state(opt.state_dict(), replicated_opt.state_dict())
