@@ -37,6 +37,30 @@ IN_FLIGHT = 8
 _SPIN_POLLS, _NAP, _MAX_NAP = 200, 20e-6, 1e-3
 
 
+class IdlePolls:
+    """How a loop polling MPI requests passes time while nothing moves: ``spin`` polls back to back (each
+    giving the core away at once when ``yield_core``), then naps that grow by 20 us a poll up to 1 ms, so that
+    a slow peer stops costing the core (and the GIL) that training needs. ``moved()`` starts over."""
+
+    __slots__ = ("_spin", "_yield_core", "_idle")
+
+    def __init__(self, spin: int = _SPIN_POLLS, yield_core: bool = False) -> None:
+        self._spin, self._yield_core, self._idle = spin, yield_core, 0
+
+    def moved(self) -> None:
+        """Something moved: spin again."""
+        self._idle = 0
+
+    def pause(self) -> None:
+        """One more poll found nothing: yield, nap or go on, as due."""
+        self._idle += 1
+        over = self._idle - self._spin
+        if over > 0:
+            time.sleep(min(_MAX_NAP, _NAP * over))
+        elif self._yield_core:
+            time.sleep(0)
+
+
 def wait_all(requests: list, peers: list, timeout: float, abort=None, what: str = "ring allreduce",
              point_to_point: bool = True) -> None:
     """``MPI.Request.Waitall`` that gives up after ``timeout`` s without progress, naming the silent peers,
@@ -51,17 +75,15 @@ def wait_all(requests: list, peers: list, timeout: float, abort=None, what: str 
 
     deadline = time.monotonic() + timeout
     remaining = len(requests)
-    idle = 0
+    polls = IdlePolls()
     while remaining:
         done = MPI.Request.Testsome(requests)
         if done:
             remaining -= len(done)
             deadline = time.monotonic() + timeout
-            idle = 0
+            polls.moved()
             continue
-        idle += 1
-        if idle > _SPIN_POLLS:  # a slow peer: stop burning the core (and the GIL) training needs
-            time.sleep(min(_MAX_NAP, _NAP * (idle - _SPIN_POLLS)))
+        polls.pause()
         lost = abort is not None and abort.is_set()
         if lost or time.monotonic() > deadline:
             silent = sorted({peers[i] for i, r in enumerate(requests) if r != MPI.REQUEST_NULL})

@@ -37,6 +37,7 @@ from ...core.errors import DataPlaneStall, HvpsError
 from ...core.settings import env_text
 from .. import sealed_crypto
 from ..buffers import FusionBuffer
+from ..ring import IdlePolls
 from ..schedule import (
     bounds_of_counts,
     fold_in_rank_order,
@@ -53,11 +54,11 @@ _VERDICT_BYTES = 256
 #: full link's queue: the testbed's tbf holds 100 ms of data) overlaps with the others' data. Measured at 1 Gbit/s:
 #: 6 x 1 MiB moved 53% of the link, 8 x 4 MiB (the scratch memory: up to 2 x 8 x HVPS_RING_CHUNK_BYTES) see RESULTS
 WINDOW = 8
-#: polls without progress before napping between polls, the first nap and the longest (seconds): the naps
-#: grow while nothing moves (a link slower than the cipher), so the waiting rank leaves the CPU to the worker,
-#: the other ranks and the kernel's network stack. Measured on a loaded 2-core host, 64 MiB at 1 Gbit/s:
-#: 500 polls and a fixed 20 us nap cost 210-300 ms of CPU per call and rank, 50 and growing naps 170-240
-_SPIN_POLLS, _NAP, _MAX_NAP = 50, 20e-6, 1e-3
+#: polls without progress before napping between polls (``ring.IdlePolls``): the naps grow while nothing moves (a
+#: link slower than the cipher), so the waiting rank leaves the CPU to the other ranks and the kernel's network
+#: stack. Measured on a loaded 2-core host, 64 MiB at 1 Gbit/s: 500 polls and a fixed 20 us nap cost 210-300 ms of
+#: CPU per call and rank, 50 and growing naps 170-240
+_SPIN_POLLS = 50
 _TAG = 7301  # MPI tag of every message: the communicator is private to this backend, and MPI keeps order
 #: bytes of the MPI messages a chunk travels in: within Open MPI's TCP eager limit (64 KiB with its headers), so
 #: none waits on a rendezvous: a large message's reply queues behind the data its peer already streams (the BTL's
@@ -293,7 +294,9 @@ class SealedBackend(Backend):
             return before is None or unit.k >= len(before.units) or before.units[unit.k].done
 
         posted_s = done_s = posted_r = done_r = 0
-        idle, deadline = 0, time.monotonic() + self.timeout
+        # sleep(0) yields the core at once to whatever else is runnable (the peer's rank on a shared host, the
+        # kernel's network work); longer naps once nothing has moved for a while
+        polls, deadline = IdlePolls(_SPIN_POLLS, yield_core=True), time.monotonic() + self.timeout
         while done_s < len(sends) or done_r < len(recvs):
             moved = False
             while posted_r < len(recvs) and posted_r - done_r < WINDOW and may_receive(recvs[posted_r]):
@@ -324,12 +327,10 @@ class SealedBackend(Backend):
                                             f"{self.members[self.rank]} was refused in {state['what']}: {exc}")
                 return
             if moved:
-                idle, deadline = 0, time.monotonic() + self.timeout
+                polls.moved()
+                deadline = time.monotonic() + self.timeout
                 continue
-            idle += 1
-            # sleep(0) yields the core at once to whatever else is runnable (the peer's rank on a shared
-            # host, the kernel's network work); longer naps once nothing has moved for a while
-            time.sleep(min(_MAX_NAP, _NAP * (idle - _SPIN_POLLS)) if idle > _SPIN_POLLS else 0)
+            polls.pause()
             if self.abort is not None and self.abort.is_set():  # the engine's word that ranks were lost
                 self._drain(sends[done_s:posted_s] + recvs[done_r:posted_r], cancel=True)
                 raise HvpsError(f"hvps: {state['what']} (sealed data plane) abandoned: ranks of the job were lost")
