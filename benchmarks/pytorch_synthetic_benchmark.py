@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fraction of gradient entries top-k and DGC send, in (0, 1] (default: %(default)s)")
     p.add_argument("--threads-per-rank", type=int, default=1,
                    help="torch intra-op and inter-op threads per rank (default: %(default)s)")
+    p.add_argument("--inter-op-threads", type=int, default=None,
+                   help="inter-op threads per rank, if not --threads-per-rank (TensorFlow: with 1 its executor runs "
+                        "the whole backward pass before any gradient bucket's allreduce starts)")
     p.add_argument("--channels-last", action="store_true", help="use torch.channels_last for model and data")
     p.add_argument("--cuda", action="store_true",
                    help="train on the GPU: torch.cuda.set_device(local rank), model and synthetic data on it, "
@@ -345,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
     torch.set_num_threads(args.threads_per_rank)
     try:
-        torch.set_num_interop_threads(args.threads_per_rank)
+        torch.set_num_interop_threads(args.inter_op_threads or args.threads_per_rank)
     except RuntimeError:  # already set or parallel work started
         pass
     from mpi4py import MPI

@@ -19,7 +19,8 @@ compression (``--fp16-allreduce`` is ``--compression fp16``); the JSON then repo
 bytes sent and received per step, the compression ratio and compress/decompress
 time, as the PyTorch harness does. DGC runs with a momentum-free SGD (DGC applies
 momentum itself) and no warm-up. ``--threads-per-rank`` sets TensorFlow's intra- and
-inter-op pools. ``--channels-last`` is accepted (Keras on TF is channels-last
+inter-op pools, ``--inter-op-threads`` the inter-op pool alone: with one inter-op thread TensorFlow's executor
+runs the backward pass inline and each bucket's start op only after it (no overlap). ``--channels-last`` is accepted (Keras on TF is channels-last
 already).
 ``--epochs`` / ``--checkpoint-dir`` are the PyTorch harness's only.
 """
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads_per_rank)
-    tf.config.threading.set_inter_op_parallelism_threads(args.threads_per_rank)
+    tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads or args.threads_per_rank)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD.Dup()
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     tick, log = progress.tick, progress.log
 
     log(f"Model: {args.model} (keras.applications, TF {tf.__version__}), batch size {args.batch_size}, "
-        f"image size {args.image_size}, ranks {size}, threads per rank {args.threads_per_rank}, "
+        f"image size {args.image_size}, ranks {size}, threads per rank {args.threads_per_rank} "
+        f"(inter-op {args.inter_op_threads or args.threads_per_rank}), "
         f"compression {args.compression}" + (f" (density {args.density})" if args.compression in ("topk", "dgc")
                                              else ""))
     dist = Trainer(args, hvd, size) if hvd is not None else None

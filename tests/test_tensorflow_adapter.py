@@ -97,3 +97,36 @@ def test_single_process_api():
         "      hk.DistributedOptimizer.from_config(topk.get_config()).compression.name)\n"
         "hvd.shutdown()\n")
     assert out.split("\n")[:5] == ["uninit", "[1.0, 2.0] [2]", "typeerror", "valueerror", "Adam fp16 topk(0.05)"], out
+
+
+_OVERLAP_WARNING = (
+    "import os, warnings\n"
+    "os.environ['HVPS_TF_BUCKET_BYTES'] = '0'\n"  # one gradient per bucket: two buckets
+    "import tensorflow as tf\n"
+    "import hvps.adapters.tensorflow as hvd\n"
+    "{threads}\n"
+    "hvd.init()\n"
+    "w, b = tf.Variable([1.0, 2.0]), tf.Variable(3.0)\n"
+    "@tf.function\n"
+    "def step(x):\n"
+    "    with tf.GradientTape() as tape:\n"
+    "        loss = tf.reduce_sum(w * x) + b\n"
+    # a predivide factor: one rank still reduces (without one, its gradients are returned as they are)
+    "    return hvd.DistributedGradientTape(tape, gradient_predivide_factor=2.0).gradient(loss, [w, b])\n"
+    "with warnings.catch_warnings(record=True) as seen:\n"
+    "    warnings.simplefilter('always')\n"
+    "    grads = step(tf.constant([4.0, 5.0]))\n"
+    "    step(tf.constant([[4.0, 5.0]]))\n"  # traced again
+    "print([g.numpy().tolist() for g in grads])\n"
+    "print(sum('none of the 2 gradient buckets starts' in str(w.message) for w in seen))\n"
+    "hvd.shutdown()\n")
+
+
+@needs_tf
+@pytest.mark.parametrize("inter_op, warnings_seen", [(1, "1"), (2, "0")])
+def test_a_graph_whose_buckets_cannot_overlap_the_backward_warns_once(inter_op, warnings_seen):
+    """One inter-op thread runs the backward inline before any bucket's start op: one warning per process, saying
+    what to set; two threads let the buckets start during the backward, and nothing is said."""
+    threads = f"tf.config.threading.set_inter_op_parallelism_threads({inter_op})"
+    out = _python(_OVERLAP_WARNING.format(threads=threads)).split("\n")
+    assert out[:2] == ["[[4.0, 5.0], 1.0]", warnings_seen], out
