@@ -8,6 +8,7 @@ module); the third head and a scale vector of the model itself form the root uni
 """
 
 import torch
+from hvps_testutil import dyadic
 
 import hvps.adapters.torch as hvd
 from hvps.adapters.torch.fully_sharded import FullyShardedModel
@@ -51,11 +52,7 @@ class Heads(torch.nn.Module):
 def model():
     """The model every rank and the one-process reference start from: seeded, dyadic weights."""
     torch.manual_seed(11)
-    model = Heads()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.round(p * 8) / 8)
-    return model
+    return dyadic(Heads())
 
 
 def data(step):

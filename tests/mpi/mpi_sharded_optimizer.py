@@ -21,7 +21,7 @@ import hvps.adapters.torch as hvd
 from hvps import HvpsError
 from hvps.adapters.torch import sharded_optimizer
 from hvps.adapters.torch.sharded_optimizer import ShardedOptimizer
-from hvps_testutil import assert_same_optimizer_state
+from hvps_testutil import assert_same_optimizer_state, dyadic
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,11 +58,7 @@ class Heads(torch.nn.Module):
 
 def _model():
     torch.manual_seed(11)
-    model = Heads()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.round(p * 8) / 8)
-    return model
+    return dyadic(Heads())
 
 
 def _data(step):
