@@ -19,9 +19,9 @@ compression (``--fp16-allreduce`` is ``--compression fp16``); the JSON then repo
 bytes sent and received per step, the compression ratio and compress/decompress
 time, as the PyTorch harness does. DGC runs with a momentum-free SGD (DGC applies
 momentum itself) and no warm-up. ``--threads-per-rank`` sets TensorFlow's intra- and
-inter-op pools, ``--inter-op-threads`` the inter-op pool alone: with one inter-op thread TensorFlow's executor
-runs the backward pass inline and each bucket's start op only after it (no overlap). ``--channels-last`` is accepted (Keras on TF is channels-last
-already).
+inter-op pools, ``--inter-op-threads`` the inter-op pool alone: with one inter-op thread
+TensorFlow's executor runs the backward pass inline and each bucket's start op only after
+it (no overlap). ``--channels-last`` is accepted (Keras on TF is channels-last already).
 ``--epochs`` / ``--checkpoint-dir`` are the PyTorch harness's only.
 """
 from __future__ import annotations
