@@ -14,7 +14,17 @@ def set_threads(threads_per_rank: int) -> None:
     """Give TensorFlow ``threads_per_rank`` intra-op and inter-op threads.
 
     Call it before TensorFlow runs its first op (the pools are created then);
-    afterwards TensorFlow refuses and this raises RuntimeError.
+    afterwards TensorFlow refuses and this raises RuntimeError. With one inter-op thread the
+    gradient buckets of a ``tf.function`` start only after the whole backward pass (hvps warns once);
+    ``tf.config.threading.set_inter_op_parallelism_threads(2)`` after it (still before the first op) lets
+    them overlap it.
+
+    Args:
+        threads_per_rank: threads of each pool, at least 1.
+
+    Raises:
+        ValueError: ``threads_per_rank`` below 1.
+        RuntimeError: TensorFlow has already created its pools.
     """
     if threads_per_rank < 1:
         raise ValueError("threads_per_rank must be >= 1")
