@@ -50,6 +50,7 @@ from hvps.core.user_warnings import warn
 from .checks import check_reduce
 from .mpi_ops import _grouped_allreduce, _zeros_if_none
 from .tensors import run
+from .threads import chosen_inter_op_threads
 
 #: like PyTorch DDP's default bucket_cap_mb: a few buckets for ResNet-50's 97.5 MiB of gradients
 #: (the first, the classifier's 8 MiB plus the last block, can start early), each still large
@@ -227,7 +228,7 @@ def _warn_if_no_overlap(buckets: int) -> None:
     (measured: ResNet-50's four starts all within 3 ms after the backward), so every bucket waits for the end."""
     global _warned_no_overlap
     if (_warned_no_overlap or buckets < 2 or tf.executing_eagerly()
-            or tf.config.threading.get_inter_op_parallelism_threads() != 1 or hvps.rank() != 0):
+            or chosen_inter_op_threads() != 1 or hvps.rank() != 0):
         return
     _warned_no_overlap = True
     warn(f"hvps: TensorFlow has one inter-op thread, so none of the {buckets} gradient buckets starts its allreduce "

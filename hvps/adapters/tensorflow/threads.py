@@ -32,6 +32,20 @@ def set_threads(threads_per_rank: int) -> None:
     tf.config.threading.set_inter_op_parallelism_threads(threads_per_rank)
 
 
+def chosen_inter_op_threads() -> int:
+    """The inter-op threads the user chose.
+
+    Returns:
+        TensorFlow's setting (``set_threads``, ``tf.config.threading``), else ``TF_NUM_INTEROP_THREADS``'s
+        number; 0 when neither chose one (TensorFlow's default: one per core).
+    """
+    configured = tf.config.threading.get_inter_op_parallelism_threads()
+    if configured:
+        return configured
+    value = os.environ.get("TF_NUM_INTEROP_THREADS", "").strip()
+    return int(value) if value.isdigit() else 0
+
+
 def ensure_inter_op_threads() -> None:
     """Give TensorFlow at least ``INTER_OP_FLOOR`` inter-op threads, unless the user chose a number.
 
